@@ -1,0 +1,1 @@
+"""Triton kernels (GPU fast path), each next to the reference op it must match."""

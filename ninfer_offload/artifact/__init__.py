@@ -1,0 +1,1 @@
+"""The `.ninfer` container: reader, writer, numeric codecs and inventory accounting."""

@@ -1,0 +1,222 @@
+"""Numeric codecs: decode stored words to codes/scales/float32, and the canonical encoder.
+
+Row-split objects (FORMAT.md §6.2) decode to int8 codes [N, K] and float16 scales
+[N, ceil(K/G)]; the canonical encoder MAXABS_F16_RECIP_RNE_V1 (§7) is bit-exact. Everything is
+vectorised numpy and works in row chunks so memory stays bounded for full-size banks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ninfer_offload.artifact.errors import ArtifactError
+from ninfer_offload.artifact.formats import (
+    DIRECT_FORMATS,
+    GroupedFormat,
+    RowSplitGeometry,
+    elements,
+    grouped_format,
+)
+
+# Rows processed at once by the row-split codecs (bounds temporary memory to a few hundred MB).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _row_chunks(geometry: RowSplitGeometry):
+    rows = max(1, _CHUNK_ELEMENTS // max(1, geometry.k_pad))
+    for r0 in range(0, geometry.n, rows):
+        yield r0, min(geometry.n, r0 + rows)
+
+
+def _as_bytes(buf) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.view(np.uint8).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- contiguous
+
+
+def decode_contiguous(buf, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode a `contiguous_le_v1` object to float32 (bf16, fp32) or int32 values."""
+    data = _as_bytes(buf)
+    count = elements(shape)
+    if data.size != count * DIRECT_FORMATS[fmt]:
+        raise ArtifactError(f"{fmt} object of shape {list(shape)} needs {count * DIRECT_FORMATS[fmt]} bytes, got {data.size}")
+    if fmt == "bf16":
+        words = data.view("<u2").astype(np.uint32) << 16
+        return words.view(np.float32).reshape(shape)
+    if fmt == "fp32":
+        return data.view("<f4").astype(np.float32).reshape(shape)
+    return data.view("<i4").astype(np.int32).reshape(shape)
+
+
+def encode_contiguous(values: np.ndarray, fmt: str) -> np.ndarray:
+    """Encode values as `contiguous_le_v1` words (bf16 rounds to nearest even)."""
+    if fmt == "bf16":
+        if values.dtype == np.uint16:  # already bf16 words
+            return values.astype("<u2").view(np.uint8).reshape(-1)
+        x = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        bits = x.view(np.uint32)
+        nan = np.isnan(x)
+        rounded = ((bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
+        return rounded.astype("<u2").view(np.uint8)
+    if fmt == "fp32":
+        return np.ascontiguousarray(values, dtype="<f4").view(np.uint8).reshape(-1)
+    if fmt == "int32":
+        return np.ascontiguousarray(values, dtype="<i4").view(np.uint8).reshape(-1)
+    raise ArtifactError(f"unknown contiguous format {fmt!r}")
+
+
+# ----------------------------------------------------------------------------- row split
+
+
+def _unpack_codes(fmt: GroupedFormat, base: np.ndarray, high: np.ndarray | None, rows: int, gpr: int) -> np.ndarray:
+    """Codes int8 [rows, gpr*G] from base (and high) plane bytes of `rows` rows."""
+    g = fmt.group
+    if fmt.bits == 8:
+        return base.view(np.int8).reshape(rows, gpr * g)
+    b = base.reshape(rows, gpr, fmt.base_bytes)
+    u = np.empty((rows, gpr, g), dtype=np.uint8)
+    u[:, :, 0::2] = b & 0x0F
+    u[:, :, 1::2] = b >> 4
+    if fmt.bits > 4:
+        bits = np.unpackbits(high.reshape(rows, gpr, fmt.high_bytes), axis=-1, bitorder="little")
+        extra = fmt.bits - 4
+        bits = bits.reshape(rows, gpr, g, extra)
+        for t in range(extra):
+            u |= bits[..., t] << (4 + t)
+    half = 1 << (fmt.bits - 1)
+    codes = u.astype(np.int16)
+    codes[codes >= half] -= 1 << fmt.bits
+    return codes.astype(np.int8).reshape(rows, gpr * g)
+
+
+def decode_row_split(buf, fmt_name: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Decode a `row_split_k128_v1` object to (codes int8 [n, k], scales float16 [n, ceil(k/G)])."""
+    fmt = grouped_format(fmt_name)
+    geo = RowSplitGeometry(fmt, n, k)
+    data = _as_bytes(buf)
+    if data.size != geo.encoded_size:
+        raise ArtifactError(f"{fmt_name} object [{n}, {k}] needs {geo.encoded_size} bytes, got {data.size}")
+    gpr = geo.groups_per_row
+    codes = np.empty((n, k), dtype=np.int8)
+    scales_all = data[geo.scale_offset : geo.scale_offset + geo.scale_bytes].view("<f2").reshape(n, gpr)
+    for r0, r1 in _row_chunks(geo):
+        rows = r1 - r0
+        base = data[r0 * gpr * fmt.base_bytes : r1 * gpr * fmt.base_bytes]
+        high = None
+        if fmt.high_bytes:
+            start = geo.high_offset + r0 * gpr * fmt.high_bytes
+            high = data[start : start + rows * gpr * fmt.high_bytes]
+        codes[r0:r1] = _unpack_codes(fmt, base, high, rows, gpr)[:, :k]
+    scales = scales_all[:, : geo.logical_groups_per_row].astype(np.float16)
+    return codes, scales
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
+    """float32 values [n, k] = fp32(scale of the lane's group) * code."""
+    n, k = codes.shape
+    out = np.empty((n, k), dtype=np.float32)
+    rows = max(1, _CHUNK_ELEMENTS // max(1, k))
+    for r0 in range(0, n, rows):
+        s = np.repeat(scales[r0 : r0 + rows].astype(np.float32), group, axis=1)[:, :k]
+        np.multiply(codes[r0 : r0 + rows], s, out=out[r0 : r0 + rows], dtype=np.float32)
+    return out
+
+
+def decode_row_split_values(buf, fmt_name: str, n: int, k: int) -> np.ndarray:
+    """Decode a `row_split_k128_v1` object straight to float32 values [n, k]."""
+    codes, scales = decode_row_split(buf, fmt_name, n, k)
+    return dequantize(codes, scales, grouped_format(fmt_name).group)
+
+
+def quantize_groups(x: np.ndarray, fmt: GroupedFormat) -> tuple[np.ndarray, np.ndarray]:
+    """MAXABS_F16_RECIP_RNE_V1 on padded groups: x float32 [..., G] -> (codes int8 [..., G], scale words uint16 [...])."""
+    if not np.all(np.isfinite(x)):
+        raise ArtifactError("cannot encode non-finite values")
+    amax = np.max(np.abs(x), axis=-1)
+    raw = (amax.astype(np.float64) / fmt.qmax).astype(np.float32)
+    with np.errstate(over="ignore"):
+        s16 = raw.astype(np.float16)
+    if np.any(np.isinf(s16)):
+        raise ArtifactError("group scale overflows float16")
+    nonzero = amax > 0
+    s16[(s16 == 0) & nonzero] = np.float16(2.0**-24)  # underflow rescue
+    s16[~nonzero] = np.float16(0.0)
+    with np.errstate(divide="ignore"):
+        inv = (1.0 / s16.astype(np.float64)).astype(np.float32)
+    inv[~nonzero] = 0.0
+    prod = x * inv[..., None]  # float32 * float32, correctly rounded
+    codes = np.clip(np.rint(prod), fmt.qmin, fmt.qmax).astype(np.int8)
+    return codes, s16.view(np.uint16)
+
+
+def _pack_codes(fmt: GroupedFormat, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Base (and high) plane bytes for codes int8 [rows, gpr, G]."""
+    if fmt.bits == 8:
+        return codes.view(np.uint8).reshape(-1), None
+    u = codes.view(np.uint8) & ((1 << fmt.bits) - 1)
+    base = (u[..., 0::2] & 0x0F) | ((u[..., 1::2] & 0x0F) << 4)
+    if fmt.bits == 4:
+        return base.reshape(-1), None
+    extra = fmt.bits - 4
+    bits = np.stack([(u >> (4 + t)) & 1 for t in range(extra)], axis=-1)  # [rows, gpr, G, extra]
+    rows, gpr = codes.shape[:2]
+    high = np.packbits(bits.reshape(rows, gpr, -1), axis=-1, bitorder="little")
+    return base.reshape(-1), high.reshape(-1)
+
+
+def encode_row_split(values: np.ndarray, fmt_name: str) -> np.ndarray:
+    """Encode float32 values [n, k] as a `row_split_k128_v1` object (bit-exact canonical encoder)."""
+    fmt = grouped_format(fmt_name)
+    if values.ndim != 2:
+        raise ArtifactError(f"row-split encoding needs a rank-2 array, got shape {list(values.shape)}")
+    n, k = values.shape
+    geo = RowSplitGeometry(fmt, n, k)
+    gpr = geo.groups_per_row
+    out = np.zeros(geo.encoded_size, dtype=np.uint8)
+    scale_plane = out[geo.scale_offset :].view("<u2")
+    for r0, r1 in _row_chunks(geo):
+        rows = r1 - r0
+        x = np.zeros((rows, geo.k_pad), dtype=np.float32)
+        x[:, :k] = values[r0:r1]
+        codes, scales = quantize_groups(x.reshape(rows, gpr, fmt.group), fmt)
+        base, high = _pack_codes(fmt, codes)
+        out[r0 * gpr * fmt.base_bytes : r1 * gpr * fmt.base_bytes] = base
+        if high is not None:
+            start = geo.high_offset + r0 * gpr * fmt.high_bytes
+            out[start : start + high.size] = high
+        scale_plane[r0 * gpr : r1 * gpr] = scales.reshape(-1)
+    return out
+
+
+def encode_codes(codes: np.ndarray, scales: np.ndarray, fmt_name: str) -> np.ndarray:
+    """Pack given codes int8 [n, k] and float16 scales [n, ceil(k/G)] as a row-split object."""
+    fmt = grouped_format(fmt_name)
+    n, k = codes.shape
+    geo = RowSplitGeometry(fmt, n, k)
+    gpr = geo.groups_per_row
+    padded = np.zeros((n, geo.k_pad), dtype=np.int8)
+    padded[:, :k] = codes
+    words = np.zeros((n, gpr), dtype=np.uint16)
+    words[:, : geo.logical_groups_per_row] = np.asarray(scales, dtype=np.float16).view(np.uint16)
+    out = np.zeros(geo.encoded_size, dtype=np.uint8)
+    base, high = _pack_codes(fmt, padded.reshape(n, gpr, fmt.group))
+    out[: base.size] = base
+    if high is not None:
+        out[geo.high_offset : geo.high_offset + high.size] = high
+    out[geo.scale_offset :].view("<u2")[:] = words.reshape(-1)
+    return out
+
+
+def materialize_rows(buf, fmt_name: str, n: int, k: int, r0: int, count: int) -> np.ndarray:
+    """Copy rows [r0, r0+count) of a row-split object into a standalone valid object (no repacking)."""
+    fmt = grouped_format(fmt_name)
+    data = _as_bytes(buf)
+    src = RowSplitGeometry(fmt, n, k)
+    dst = RowSplitGeometry(fmt, count, k)
+    out = np.zeros(dst.encoded_size, dtype=np.uint8)
+    dst_starts = [0] + ([dst.high_offset] if fmt.high_bytes else []) + [dst.scale_offset]
+    for (offset, length), start in zip(src.row_spans(r0, count), dst_starts):
+        out[start : start + length] = data[offset : offset + length]
+    return out

@@ -1,0 +1,173 @@
+"""Registered numeric formats and layouts, and the exact byte geometry of each (FORMAT.md §5-6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from ninfer_offload.artifact.errors import ArtifactError
+
+TENSOR_ALIGNMENT = 256
+U64_MAX = 2**64 - 1
+
+CONTIGUOUS = "contiguous_le_v1"
+ROW_SPLIT = "row_split_k128_v1"
+BLOCK_SCALE = "block_scale_k16_m128x4_v1"
+ROW_SCALE = "row_scale_v1"
+RAW_BYTES = "raw_bytes_v1"
+
+
+@dataclass(frozen=True)
+class GroupedFormat:
+    """A groupwise signed-integer format with one FP16 multiplier per group."""
+
+    name: str
+    bits: int
+    group: int
+    base_bytes: int  # base-plane bytes per group
+    high_bytes: int  # high-plane bytes per group (Q5/Q6 only)
+    qmin: int
+    qmax: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return (8 * (self.base_bytes + self.high_bytes) + 16) / self.group
+
+
+GROUPED_FORMATS: dict[str, GroupedFormat] = {
+    f.name: f
+    for f in (
+        GroupedFormat("q4_g64_fp16", 4, 64, 32, 0, -8, 7),
+        GroupedFormat("q5_g64_fp16", 5, 64, 32, 8, -16, 15),
+        GroupedFormat("q6_g64_fp16", 6, 64, 32, 16, -32, 31),
+        GroupedFormat("q8_g32_fp16", 8, 32, 32, 0, -127, 127),
+    )
+}
+
+# Element word sizes of the contiguous formats.
+DIRECT_FORMATS: dict[str, int] = {"bf16": 2, "fp32": 4, "int32": 4}
+
+NVFP4 = "nvfp4"
+FP8_ROW = "fp8_e4m3fn_row_bf16"
+
+# Which formats each layout accepts.
+LAYOUT_FORMATS: dict[str, frozenset[str]] = {
+    CONTIGUOUS: frozenset(DIRECT_FORMATS),
+    ROW_SPLIT: frozenset(GROUPED_FORMATS),
+    BLOCK_SCALE: frozenset({NVFP4}),
+    ROW_SCALE: frozenset({FP8_ROW}),
+}
+
+# Container v1 spellings of the same formats and layouts.
+V1_FORMAT_NAMES = {
+    "BF16": "bf16",
+    "FP32": "fp32",
+    "I32": "int32",
+    "Q4G64_F16S": "q4_g64_fp16",
+    "Q5G64_F16S": "q5_g64_fp16",
+    "Q6G64_F16S": "q6_g64_fp16",
+    "W8G32_F16S": "q8_g32_fp16",
+    "NVFP4": NVFP4,
+    "FP8_E4M3FN_ROW_BF16S": FP8_ROW,
+}
+V1_LAYOUT_NAMES = {
+    "contiguous-le-v1": CONTIGUOUS,
+    "row-split-k128-v1": ROW_SPLIT,
+    "blockscale-k16-m128x4-v1": BLOCK_SCALE,
+    "row-scale-v1": ROW_SCALE,
+    "raw-bytes-v1": RAW_BYTES,
+}
+
+
+def align_up(value: int, alignment: int) -> int:
+    """Smallest multiple of `alignment` that is >= `value`."""
+    return -(-value // alignment) * alignment
+
+
+def elements(shape: tuple[int, ...] | list[int]) -> int:
+    """Number of logical elements of a shape (1 for a scalar)."""
+    return prod(shape)
+
+
+@dataclass(frozen=True)
+class RowSplitGeometry:
+    """Plane offsets and sizes of one `row_split_k128_v1` object of logical shape [n, k]."""
+
+    fmt: GroupedFormat
+    n: int
+    k: int
+
+    @property
+    def k_pad(self) -> int:
+        return align_up(self.k, 128)
+
+    @property
+    def groups_per_row(self) -> int:
+        return self.k_pad // self.fmt.group
+
+    @property
+    def logical_groups_per_row(self) -> int:
+        return -(-self.k // self.fmt.group)
+
+    @property
+    def base_bytes(self) -> int:
+        return self.n * self.groups_per_row * self.fmt.base_bytes
+
+    @property
+    def high_bytes(self) -> int:
+        return self.n * self.groups_per_row * self.fmt.high_bytes
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.n * self.groups_per_row * 2
+
+    @property
+    def high_offset(self) -> int:
+        return align_up(self.base_bytes, 256)
+
+    @property
+    def scale_offset(self) -> int:
+        return self.high_offset + align_up(self.high_bytes, 256)
+
+    @property
+    def encoded_size(self) -> int:
+        return self.scale_offset + self.scale_bytes
+
+    def row_spans(self, r0: int, count: int) -> list[tuple[int, int]]:
+        """Byte spans (offset, length) of rows [r0, r0+count): base, high (if any), scale."""
+        if r0 < 0 or count <= 0 or r0 + count > self.n:
+            raise ArtifactError(f"row range [{r0}, {r0 + count}) outside [0, {self.n})")
+        gpr = self.groups_per_row
+        spans = [(r0 * gpr * self.fmt.base_bytes, count * gpr * self.fmt.base_bytes)]
+        if self.fmt.high_bytes:
+            spans.append((self.high_offset + r0 * gpr * self.fmt.high_bytes, count * gpr * self.fmt.high_bytes))
+        spans.append((self.scale_offset + r0 * gpr * 2, count * gpr * 2))
+        return spans
+
+
+def grouped_format(name: str) -> GroupedFormat:
+    """The grouped format called `name`, or an ArtifactError."""
+    try:
+        return GROUPED_FORMATS[name]
+    except KeyError:
+        raise ArtifactError(f"unknown grouped format {name!r}") from None
+
+
+def encoded_size(layout: str, fmt: str, shape: tuple[int, ...] | list[int]) -> int:
+    """Exact byte length of a tensor object (FORMAT.md §6); ArtifactError for unsupported pairs."""
+    if layout not in LAYOUT_FORMATS:
+        raise ArtifactError(f"unknown layout {layout!r}")
+    if fmt not in LAYOUT_FORMATS[layout]:
+        raise ArtifactError(f"format {fmt!r} is not supported by layout {layout!r}")
+    if layout == CONTIGUOUS:
+        return elements(shape) * DIRECT_FORMATS[fmt]
+    if len(shape) != 2:
+        raise ArtifactError(f"layout {layout!r} needs a rank-2 shape, got {list(shape)}")
+    n, k = shape
+    if layout == ROW_SPLIT:
+        return RowSplitGeometry(GROUPED_FORMATS[fmt], n, k).encoded_size
+    if layout == BLOCK_SCALE:
+        if n % 128 or k % 64:
+            raise ArtifactError(f"nvfp4 needs N % 128 == 0 and K % 64 == 0, got {list(shape)}")
+        return align_up(n * k // 2, 256) + n * k // 16 + 4
+    return align_up(n * k, 256) + 2 * n  # ROW_SCALE

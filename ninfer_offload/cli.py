@@ -1,0 +1,36 @@
+"""The `ninfer` command line: one typer app, each command in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from ninfer_offload import __version__
+
+app = typer.Typer(
+    name="ninfer",
+    help="Run Qwen3.6-35B-A3B .ninfer artifacts on GPUs too small to hold them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ninfer-offload {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """ninfer-offload command line."""
+
+
+def _register() -> None:
+    """Attach every command module's command to the app."""
+    # Each line below registers one command; the modules own their options and errors.
+
+
+_register()

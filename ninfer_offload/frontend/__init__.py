@@ -1,0 +1,1 @@
+"""Frontend: tokenizer and chat template from the artifact resources."""

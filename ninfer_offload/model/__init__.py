@@ -1,0 +1,1 @@
+"""The model math: config, bindings and layers (PyTorch reference ops)."""

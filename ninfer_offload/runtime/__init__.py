@@ -1,0 +1,1 @@
+"""Runtime: engine, per-sequence state, expert store, loader, sampling."""

@@ -1,0 +1,1 @@
+"""Memory planner and cost model."""
