@@ -1,10 +1,13 @@
-"""The `ninfer` command line: one typer app, each command in its own module."""
+"""The `ninfer` command line: one typer app, each command in its own module under `commands/`."""
 
 from __future__ import annotations
+
+import sys
 
 import typer
 
 from ninfer_offload import __version__
+from ninfer_offload.errors import NinferError
 
 app = typer.Typer(
     name="ninfer",
@@ -29,8 +32,19 @@ def main(
 
 
 def _register() -> None:
-    """Attach every command module's command to the app."""
-    # Each line below registers one command; the modules own their options and errors.
+    """Attach every command module's command to the app (one line per command)."""
+
+
+def entry() -> None:
+    """Console-script entry point: user errors print one line and exit with code 2."""
+    try:
+        app()
+    except NinferError as err:
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
 
 
 _register()

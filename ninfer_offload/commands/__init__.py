@@ -1,0 +1,1 @@
+"""One module per `ninfer` command; each exposes a function that cli.py registers."""
