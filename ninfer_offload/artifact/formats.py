@@ -153,8 +153,11 @@ def grouped_format(name: str) -> GroupedFormat:
         raise ArtifactError(f"unknown grouped format {name!r}") from None
 
 
-def encoded_size(layout: str, fmt: str, shape: tuple[int, ...] | list[int]) -> int:
-    """Exact byte length of a tensor object (FORMAT.md §6); ArtifactError for unsupported pairs."""
+def encoded_size(layout: str, fmt: str, shape: tuple[int, ...] | list[int], divisors: int = 1) -> int:
+    """Exact byte length of a tensor object (FORMAT.md §6); ArtifactError for unsupported pairs.
+
+    `divisors` is the number of FP32 weight divisors of an nvfp4 object (fork extension, default 1).
+    """
     if layout not in LAYOUT_FORMATS:
         raise ArtifactError(f"unknown layout {layout!r}")
     if fmt not in LAYOUT_FORMATS[layout]:
@@ -169,5 +172,7 @@ def encoded_size(layout: str, fmt: str, shape: tuple[int, ...] | list[int]) -> i
     if layout == BLOCK_SCALE:
         if n % 128 or k % 64:
             raise ArtifactError(f"nvfp4 needs N % 128 == 0 and K % 64 == 0, got {list(shape)}")
-        return align_up(n * k // 2, 256) + n * k // 16 + 4
+        if (n // 128) % divisors:
+            raise ArtifactError(f"nvfp4 divisors {divisors} must split the {n // 128} row tiles evenly")
+        return align_up(n * k // 2, 256) + n * k // 16 + 4 * divisors
     return align_up(n * k, 256) + 2 * n  # ROW_SCALE
