@@ -1,0 +1,25 @@
+"""Session fixtures shared by every test: one tiny HF model, its checkpoint, and its converted artifacts.
+
+`tiny_hf` is imported first so that transformers' qwen3_5_moe modeling module is bound to its
+pure-PyTorch kernels before any test module imports transformers (see `tiny_hf.oracle_module`).
+Everything is built once per session under a session temporary directory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny_hf
+
+TINY_SEED = 0
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model():
+    """The float32 `Qwen3_5MoeForCausalLM` (6 layers, 8 experts, top-2) every tiny artifact is made from."""
+    return tiny_hf.build_tiny_model(seed=TINY_SEED, layout="fused")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_hf_model, tmp_path_factory):
+    """Its Hugging Face checkpoint directory: fused experts, `model.*` prefix, `mtp.*` tensors, tokenizer files."""
+    return tiny_hf.save_checkpoint(tiny_hf_model, tmp_path_factory.mktemp("tiny_checkpoint"), "fused", seed=TINY_SEED)
