@@ -1,0 +1,169 @@
+"""The ops the layers call, in plain PyTorch: the reference every faster backend is tested against.
+
+A backend is any object with these methods (the Triton backend in `ninfer_offload.kernels`
+implements the same signatures). Shapes: T tokens of one sequence, H hidden size. Stateful ops
+update their state tensors in place, so preallocated state buffers never move.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer_offload.model.experts import ExpertBank, record_weights
+from ninfer_offload.model.quant import QuantizedMatrix
+
+Weight = torch.Tensor | QuantizedMatrix
+
+# Expert assignments decoded at once by `routed_experts` (bounds the temporary weight copies).
+_ASSIGNMENT_CHUNK = 16
+# Tokens per chunk of the chunked delta rule.
+_GDN_CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class ReferenceBackend:
+    """PyTorch reference ops (CPU float32 or CUDA bfloat16)."""
+
+    name = "reference"
+
+    # ------------------------------------------------------------------ dense
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """x [..., K] @ w[N, K]^T -> [..., N]; a quantized w is decoded for this call only."""
+        if isinstance(w, QuantizedMatrix):
+            w = w.dequantize(x.dtype)
+        return x @ w.T
+
+    def embedding(self, ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` [T] of the embedding table -> [T, H] in `dtype`."""
+        if isinstance(table, QuantizedMatrix):
+            return table.dequantize_rows(ids, dtype)
+        return table[ids].to(dtype)
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+        """RMSNorm over the last dim in fp32: (1 + w) * x / rms if `offset` (zero-centred weights), else w * x / rms."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if offset:
+            return (normed * (1.0 + w.float())).to(x.dtype)
+        return w.to(x.dtype) * normed.to(x.dtype)
+
+    # ------------------------------------------------------------------ MoE
+    def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 softmax over expert logits, top-k, renormalised: (ids int64 [T, k], weights [T, k] in x.dtype)."""
+        probs = torch.softmax(self.linear(x, w).float(), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def routed_experts(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank
+    ) -> torch.Tensor:
+        """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H], reading the experts' records through the bank.
+
+        Each (token, expert) assignment is computed on its own (no host sync on the routing), so the
+        result of a token does not depend on which other tokens share the call.
+        """
+        t, k = topk_ids.shape
+        rows = experts.slots[topk_ids.reshape(-1)]
+        tokens = torch.arange(t, device=x.device).repeat_interleave(k)
+        out = torch.empty(t * k, x.shape[-1], dtype=x.dtype, device=x.device)
+        for a0 in range(0, t * k, _ASSIGNMENT_CHUNK):
+            a1 = min(t * k, a0 + _ASSIGNMENT_CHUNK)
+            gate_up, down = record_weights(experts.records[rows[a0:a1]], experts.layout, x.dtype)
+            h = torch.bmm(gate_up, x[tokens[a0:a1]].unsqueeze(-1)).squeeze(-1)
+            gate, up = h.chunk(2, dim=-1)
+            out[a0:a1] = torch.bmm(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (out.view(t, k, -1) * topk_weights.unsqueeze(-1)).sum(1)
+
+    # ------------------------------------------------------------------ Gated DeltaNet
+    def conv_update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """silu(causal depthwise conv) of x [T, C] with taps weight [W, C]; conv_state [W-1, C] holds the
+        previous W-1 inputs and is advanced in place."""
+        taps = weight.shape[0]
+        window = torch.cat([conv_state, x], dim=0)  # [W-1+T, C]
+        t = x.shape[0]
+        out = sum(weight[i].float() * window[i : i + t].float() for i in range(taps))
+        conv_state.copy_(window[t:])
+        return F.silu(out).to(x.dtype)
+
+    def _gdn_inputs(self, q, k, v, g, beta):
+        """Heads-first fp32 tensors; Q/K heads repeated for their value heads, l2-normalised, q scaled."""
+        group = v.shape[1] // q.shape[1]
+        q = l2norm(q.float().repeat_interleave(group, dim=1)) * q.shape[-1] ** -0.5
+        k = l2norm(k.float().repeat_interleave(group, dim=1))
+        return (x.transpose(0, 1) for x in (q, k, v.float(), g.float(), beta.float()))
+
+    def gdn_prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    ) -> torch.Tensor:
+        """Gated delta rule over T tokens in chunked form, starting from and updating `state` [Hv, Dk, Dv] (fp32).
+
+        q, k [T, Hk, Dk] (post-conv, not normalised), v [T, Hv, Dv], g [T, Hv] (log decay), beta [T, Hv].
+        Returns o [T, Hv, Dv] in v's dtype. Within a chunk with cumulative log decay G, the updates
+        U solve the unit lower-triangular system (I + A) U = beta * (V - exp(G) * K S0) with
+        A[t, i] = beta_t exp(G_t - G_i) k_t.k_i (i < t).
+        """
+        q, k, vf, g, beta = self._gdn_inputs(q, k, v, g, beta)  # [Hv, T, .]
+        s = state.float()
+        outputs = []
+        length = vf.shape[1]
+        for c0 in range(0, length, _GDN_CHUNK):
+            qc, kc, vc = q[:, c0 : c0 + _GDN_CHUNK], k[:, c0 : c0 + _GDN_CHUNK], vf[:, c0 : c0 + _GDN_CHUNK]
+            bc, cum = beta[:, c0 : c0 + _GDN_CHUNK], g[:, c0 : c0 + _GDN_CHUNK].cumsum(-1)
+            n = cum.shape[1]
+            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # [Hv, n, n]: G_t - G_i
+            decay = diff.masked_fill(~causal, float("-inf")).exp()  # i <= t
+            strict = decay.masked_fill(torch.eye(n, dtype=torch.bool, device=q.device), 0.0)
+            system = bc.unsqueeze(-1) * (kc @ kc.transpose(-1, -2)) * strict
+            system = system + torch.eye(n, device=q.device)
+            rhs = bc.unsqueeze(-1) * (vc - cum.exp().unsqueeze(-1) * (kc @ s))
+            u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+            outputs.append(cum.exp().unsqueeze(-1) * (qc @ s) + ((qc @ kc.transpose(-1, -2)) * decay) @ u)
+            tail = (cum[:, -1:] - cum).exp().unsqueeze(-1)  # decay from each token to the chunk end
+            s = cum[:, -1].exp()[:, None, None] * s + (kc * tail).transpose(-1, -2) @ u
+        state.copy_(s)
+        return torch.cat(outputs, dim=1).transpose(0, 1).to(v.dtype)
+
+    def gdn_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    ) -> torch.Tensor:
+        """The same rule in recurrent form, token by token (decode: T = 1). Same shapes as `gdn_prefill`."""
+        q, k, vf, g, beta = self._gdn_inputs(q, k, v, g, beta)
+        s = state.float()
+        outputs = []
+        for i in range(vf.shape[1]):
+            s = s * g[:, i].exp()[:, None, None]
+            recalled = torch.einsum("hk,hkv->hv", k[:, i], s)
+            update = beta[:, i, None] * (vf[:, i] - recalled)
+            s = s + k[:, i, :, None] * update[:, None, :]
+            outputs.append(torch.einsum("hk,hkv->hv", q[:, i], s))
+        state.copy_(s)
+        return torch.stack(outputs, dim=1).transpose(0, 1).to(v.dtype)
+
+    # ------------------------------------------------------------------ attention
+    def attention_prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Causal GQA of q [T, Hq, D] (positions start..start+T-1) over cache rows [0, start+T) of
+        k_cache/v_cache [capacity, Hkv, D]; scale D^-1/2, fp32 softmax. Returns [T, Hq, D]."""
+        t, heads, dim = q.shape
+        keys, values = k_cache[: start + t], v_cache[: start + t]
+        group = heads // keys.shape[1]
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (q.transpose(0, 1) @ keys.transpose(-1, -2)) * dim**-0.5  # [Hq, T, S]
+        positions = torch.arange(start, start + t, device=q.device)
+        visible = torch.arange(start + t, device=q.device)[None, :] <= positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return (probs @ values).transpose(0, 1)
+
+    def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int) -> torch.Tensor:
+        """Attention of one new token q [1, Hq, D] over the first `length` cache rows (its own included)."""
+        return self.attention_prefill(q, k_cache, v_cache, length - 1)
