@@ -1,0 +1,193 @@
+"""Fused routed-experts kernels: routing result -> per-(token, expert) work -> output.
+
+Reference op: `ReferenceBackend.routed_experts(x, topk_ids, topk_weights, experts)`:
+`out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = topk_ids[t, j]`.
+
+Experts are reached through a per-layer int64 address table: `table[e]` is the device address
+of expert e's record (`ExpertRecordLayout`: gate/up object, then the down object at
+`down_offset`). Resident banks, staged cache slots and mapped pinned host records all go
+through the same kernels; only the table differs.
+
+Work is planned on the device without host syncs (so it can be captured in a CUDA graph): the
+(token, slot) pairs are sorted by expert and cut into blocks of at most BLOCK_M pairs of one
+expert. Kernel 1 computes gate and up rows for a block and applies SwiGLU; kernel 2 applies the
+down rows and the routing weight. The per-token sum over the k slots is a fixed-order reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer_offload.kernels.rowsplit import TileGeometry, block_k_for, load_weight_tile
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    """Pairs grouped by expert: `block_expert[b]` (-1: unused block) and `block_pairs[b, :]` (-1: empty)."""
+
+    block_expert: torch.Tensor  # [max_blocks] int64
+    block_pairs: torch.Tensor  # [max_blocks, block_m] int64, pair index = token * top_k + slot
+    block_m: int
+
+
+def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPlan:
+    """Group the (token, slot) pairs of `topk_ids` [T, k] by expert, with static shapes only."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    device = flat.device
+    max_blocks = triton.cdiv(pairs, block_m) + min(pairs, num_experts)
+    sorted_e, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    blocks_per_expert = (counts + block_m - 1) // block_m
+    first_block = torch.cumsum(blocks_per_expert, 0) - blocks_per_expert
+    first_pair = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(pairs, device=device) - first_pair[sorted_e]
+    block = first_block[sorted_e] + rank // block_m
+    block_pairs = torch.full((max_blocks * block_m,), -1, dtype=torch.int64, device=device)
+    block_pairs[block * block_m + rank % block_m] = order
+    block_expert = torch.full((max_blocks,), -1, dtype=torch.int64, device=device)
+    block_expert[block] = sorted_e
+    return WorkPlan(block_expert, block_pairs.view(max_blocks, block_m), block_m)
+
+
+@triton.jit
+def _gate_up_swiglu_kernel(
+    x,
+    table,
+    block_expert,
+    block_pairs,
+    act,
+    stride_x,
+    H,
+    I,
+    high_offset,
+    scale_offset,
+    TOP_K: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert + b)
+    if e >= 0:
+        record = tl.load(table + e).to(tl.pointer_type(tl.uint8))
+        pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
+        pair_mask = pairs >= 0
+        toks = tl.where(pair_mask, pairs // TOP_K, 0)
+        cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        col_mask = cols_i < I
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K_PAD, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x + toks[:, None] * stride_x + cols[None, :], mask=pair_mask[:, None] & (cols < H)[None, :], other=0.0)
+            wg = load_weight_tile(record, cols_i, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            wu = load_weight_tile(record, cols_i + I, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            if IEEE:
+                acc_gate = tl.dot(xt, tl.trans(wg), acc_gate, input_precision="ieee")
+                acc_up = tl.dot(xt, tl.trans(wu), acc_up, input_precision="ieee")
+            else:
+                acc_gate = tl.dot(xt, tl.trans(wg.to(xt.dtype)), acc_gate)
+                acc_up = tl.dot(xt, tl.trans(wu.to(xt.dtype)), acc_up)
+        gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(x.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(act + pairs[:, None] * I + cols_i[None, :], y.to(act.dtype.element_ty), mask=pair_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act,
+    table,
+    block_expert,
+    block_pairs,
+    weights,
+    out,
+    H,
+    I,
+    down_offset,
+    high_offset,
+    scale_offset,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert + b)
+    if e >= 0:
+        down = tl.load(table + e).to(tl.pointer_type(tl.uint8)) + down_offset
+        pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
+        pair_mask = pairs >= 0
+        safe_pairs = tl.where(pair_mask, pairs, 0)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        row_mask = rows < H
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K_PAD, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            at = tl.load(act + safe_pairs[:, None] * I + cols[None, :], mask=pair_mask[:, None] & (cols < I)[None, :], other=0.0)
+            wd = load_weight_tile(down, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            if IEEE:
+                acc = tl.dot(at, tl.trans(wd), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(at, tl.trans(wd.to(at.dtype)), acc)
+        y = acc.to(act.dtype.element_ty).to(tl.float32)
+        w = tl.load(weights + safe_pairs, mask=pair_mask, other=0.0).to(tl.float32)
+        tl.store(out + safe_pairs[:, None] * H + rows[None, :], y * w[:, None], mask=pair_mask[:, None] & row_mask[None, :])
+
+
+def routed_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    table: torch.Tensor,
+    layout: ExpertRecordLayout,
+) -> torch.Tensor:
+    """Routed-experts output [T, H] in x's dtype; `table` [E] int64 holds each expert's record address."""
+    t, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    gu, dn = TileGeometry.of(layout.gate_up), TileGeometry.of(layout.down)
+    inter = layout.down.k
+    if layout.gate_up.k != hidden or layout.gate_up.n != 2 * inter or layout.down.n != hidden:
+        raise ValueError(f"expert records [{layout.gate_up.n}, {layout.gate_up.k}] / [{layout.down.n}, {inter}] do not fit hidden size {hidden}")
+    x = x.contiguous()
+    pairs = t * top_k
+    block_m = 16 if pairs <= 256 else 64
+    plan = plan_work(topk_ids, table.numel(), block_m)
+    blocks = plan.block_expert.numel()
+    ieee = x.dtype == torch.float32
+    act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
+    block_n = 32
+    _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, block_n))](
+        x, table, plan.block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
+        TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k_for(gu.k_pad), IEEE=ieee,
+    )
+    weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
+    block_n = 64
+    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
+        act, table, plan.block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
+        layout.down_offset, dn.high_offset, dn.scale_offset,
+        BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k_for(dn.k_pad),
+        IEEE=ieee,
+    )
+    return weighted.view(t, top_k, hidden).sum(1).to(x.dtype)
+
+
+def record_table(records: torch.Tensor, layout: ExpertRecordLayout) -> torch.Tensor:
+    """Address table [E] of records packed back to back in one uint8 tensor [E * layout.nbytes]."""
+    count = records.numel() // layout.nbytes
+    base = records.data_ptr()
+    return torch.tensor([base + e * layout.nbytes for e in range(count)], dtype=torch.int64, device=records.device)
