@@ -108,7 +108,7 @@ class Directory:
 # ----------------------------------------------------------------------------- primitive checks
 
 
-def _members(value, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+def members(value, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
     if not isinstance(value, dict):
         raise ArtifactError(f"{where}: must be a JSON object, got {_json_type(value)}")
     missing = sorted(required - value.keys())
@@ -183,7 +183,7 @@ def _object(value, index: int) -> ObjectInfo:
         where = f"object {value['id']!r}"
     kind = value.get("kind") if isinstance(value, dict) else None
     if kind == "tensor":
-        rec = _members(value, where, {"id", "kind", "shape", "format", "layout", "offset", "bytes"}, {"divisors"})
+        rec = members(value, where, {"id", "kind", "shape", "format", "layout", "offset", "bytes"}, {"divisors"})
         obj = ObjectInfo(
             id=identifier(rec["id"], f"{where} id"),
             kind="tensor",
@@ -196,13 +196,10 @@ def _object(value, index: int) -> ObjectInfo:
         )
         if obj.divisors != 1 and (obj.format != NVFP4 or obj.layout != BLOCK_SCALE):
             raise ArtifactError(f"{where}: divisors > 1 is only allowed for nvfp4 block-scale objects")
-        if obj.offset % TENSOR_ALIGNMENT:
-            raise ArtifactError(f"{where}: offset {obj.offset} is not a multiple of the tensor alignment {TENSOR_ALIGNMENT}")
-        if obj.layout in LAYOUT_FORMATS and obj.format in LAYOUT_FORMATS[obj.layout]:
-            check_encoded_size(obj)
+        check_tensor_placement(obj)
         return obj
     if kind == "resource":
-        rec = _members(value, where, {"id", "kind", "encoding", "offset", "bytes"})
+        rec = members(value, where, {"id", "kind", "encoding", "offset", "bytes"})
         return ObjectInfo(
             id=identifier(rec["id"], f"{where} id"),
             kind="resource",
@@ -215,6 +212,17 @@ def _object(value, index: int) -> ObjectInfo:
     if "kind" not in value:
         raise ArtifactError(f"{where}: missing member 'kind'")
     raise ArtifactError(f"{where}: kind must be \"tensor\" or \"resource\", got {value['kind']!r}")
+
+
+def check_tensor_placement(obj: ObjectInfo) -> None:
+    """Offset aligned to 256; `bytes` equal to the encoded size when the format/layout pair is registered.
+
+    Unregistered pairs are accepted here and fail only when the object is decoded (§4.3).
+    """
+    if obj.offset % TENSOR_ALIGNMENT:
+        raise ArtifactError(f"object {obj.id!r}: offset {obj.offset} is not a multiple of the tensor alignment {TENSOR_ALIGNMENT}")
+    if obj.layout in LAYOUT_FORMATS and obj.format in LAYOUT_FORMATS[obj.layout]:
+        check_encoded_size(obj)
 
 
 def check_encoded_size(obj: ObjectInfo) -> None:
@@ -253,16 +261,16 @@ def _binding(value, where: str, objects: dict[str, ObjectInfo]) -> Binding:
     if isinstance(value, dict) and "object" in value and "parts" in value:
         raise ArtifactError(f"{where}: has both 'object' and 'parts' (exactly one form allowed)")
     if isinstance(value, dict) and "object" in value:
-        rec = _members(value, where, {"object"})
+        rec = members(value, where, {"object"})
         obj = _tensor_ref(rec["object"], where, objects)
         return Binding([Part(obj.id, 0, obj.elements)], whole=True)
-    rec = _members(value, where, {"parts"})
+    rec = members(value, where, {"parts"})
     if not isinstance(rec["parts"], list) or not rec["parts"]:
         raise ArtifactError(f"{where}: parts must be a non-empty array")
     parts = []
     for i, raw in enumerate(rec["parts"]):
         pwhere = f"{where} part {i}"
-        prec = _members(raw, pwhere, {"object", "range"})
+        prec = members(raw, pwhere, {"object", "range"})
         obj = _tensor_ref(prec["object"], pwhere, objects)
         rng = prec["range"]
         if not isinstance(rng, list) or len(rng) != 2:
@@ -290,7 +298,7 @@ def _tensor_ref(value, where: str, objects: dict[str, ObjectInfo]) -> ObjectInfo
 
 def _component(cid: str, value, objects: dict[str, ObjectInfo]) -> Component:
     where = f"component {cid!r}"
-    rec = _members(value, where, {"config"}, {"target", "resources", "proposal"})
+    rec = members(value, where, {"config"}, {"target", "resources", "proposal"})
     config = _json_object(rec["config"], f"{where} config")
     target = identifier(rec["target"], f"{where} target") if "target" in rec else None
     resources = {}
@@ -311,12 +319,12 @@ def _component(cid: str, value, objects: dict[str, ObjectInfo]) -> Component:
 def _proposal(value, where: str) -> dict:
     domain = value.get("domain") if isinstance(value, dict) else None
     if domain == "full":
-        _members(value, where, {"domain"})
+        members(value, where, {"domain"})
         return {"domain": "full"}
     if domain == "indexed":
-        rec = _members(value, where, {"domain", "rows"})
+        rec = members(value, where, {"domain", "rows"})
         return {"domain": "indexed", "rows": u64(rec["rows"], f"{where} rows", positive=True)}
-    _members(value, where, {"domain"}, {"rows"})
+    members(value, where, {"domain"}, {"rows"})
     raise ArtifactError(f"{where}: domain must be \"full\" or \"indexed\", got {domain!r}")
 
 
@@ -327,7 +335,7 @@ def _files(value, entry_name: str | None) -> list[FileRecord]:
     names: set[str] = set()
     for i, raw in enumerate(value):
         where = f"files[{i}]"
-        rec = _members(raw, where, {"path", "payload_bytes"})
+        rec = members(raw, where, {"path", "payload_bytes"})
         size = u64(rec["payload_bytes"], f"{where} payload_bytes", positive=True)
         path = rec["path"]
         if i == 0:
@@ -347,7 +355,7 @@ def _files(value, entry_name: str | None) -> list[FileRecord]:
 
 def _use(value, index: int, bindings: dict[str, Binding], objects: dict[str, ObjectInfo]) -> Use:
     where = f"uses[{index}]"
-    rec = _members(value, where, {"parameter", "input"}, {"activation_policy", "auxiliaries"})
+    rec = members(value, where, {"parameter", "input"}, {"activation_policy", "auxiliaries"})
     parameter = identifier(rec["parameter"], f"{where} parameter")
     if parameter not in bindings:
         raise ArtifactError(f"{where}: parameter {parameter!r} is not a binding")
@@ -368,7 +376,7 @@ def _use(value, index: int, bindings: dict[str, Binding], objects: dict[str, Obj
 
 def parse_directory(root, entry_name: str | None = None) -> Directory:
     """Validate a decoded v3 JSON root (rules 2-7 of §4.8) and return its typed records."""
-    rec = _members(root, "directory root", {"components", "objects", "bindings", "uses", "files"}, {"metadata", "provenance"})
+    rec = members(root, "directory root", {"components", "objects", "bindings", "uses", "files"}, {"metadata", "provenance"})
     files = _files(rec["files"], entry_name)
     payload_bytes = sum(f.payload_bytes for f in files)
     if not isinstance(rec["objects"], list) or not rec["objects"]:
