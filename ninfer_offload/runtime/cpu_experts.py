@@ -1,0 +1,418 @@
+"""Routed experts computed on the host: numba kernels that read the stored row-split records.
+
+A routed expert is `y = W_down (silu(W_gate x) * W_up x)` weighted by its router weight and added
+into the layer output. The kernels read the record bytes (`ExpertRecordLayout`: gate/up object
+[2I, H] then down object [H, I]) group by group: each group's nibbles, high bits and FP16 scale
+are unpacked into a 64-float register buffer and dotted with the activations in fp32; no
+dequantized copy of a matrix is ever made. One call computes every (token, expert, weight)
+assignment of a layer, multi-threaded with `prange` (gate/up over expert rows, down over output
+rows, so no two threads write the same element).
+
+Lane order: a Q4/Q5/Q6 base byte holds lanes 2j and 2j+1, so a decoded group is laid out as
+[even lanes | odd lanes] and the activations are permuted the same way once per call; both inner
+loops are then contiguous and vectorise.
+
+`reference_routed` is the oracle the kernels must match (codecs decode + numpy). `CpuExpertExecutor`
+owns the warmed-up kernels and a worker thread so CPU work overlaps the GPU; `MissSplitter` splits
+missing experts between CPU compute and PCIe transfer by measured rates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ninfer_offload.artifact.codecs import decode_row_split_values
+from ninfer_offload.artifact.formats import RowSplitGeometry
+from ninfer_offload.errors import NinferError
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+
+# float32 value of every binary16 word (exact, subnormals included).
+F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+ROWS_PER_ITEM = 16  # rows one parallel work item computes
+_GEO_FIELDS = 9  # bits, group, gpr, base_bytes, high_bytes, high_offset, scale_offset, object_offset, n
+
+
+def geometry_vector(geo: RowSplitGeometry, object_offset: int) -> np.ndarray:
+    """The int64 description of one row-split object inside a record that the kernels take."""
+    f = geo.fmt
+    return np.array(
+        [f.bits, f.group, geo.groups_per_row, f.base_bytes, f.high_bytes, geo.high_offset, geo.scale_offset, object_offset, geo.n],
+        dtype=np.int64,
+    )
+
+
+def lane_permutation(group: int, k_pad: int) -> np.ndarray:
+    """Index array p with permuted[p[i]] = natural[i]: per 64-lane group, even lanes then odd lanes."""
+    i = np.arange(k_pad, dtype=np.int64)
+    if group == 32:  # Q8: one byte per lane, natural order
+        return i
+    within = i % 64
+    return (i - within) + within // 2 + 32 * (within % 2)
+
+
+# ----------------------------------------------------------------------------- numba kernels
+
+
+# Each row-dot decodes one stored row group by group and dots it with x (permuted lane order) in
+# fp32. Integer work stays in int32 (explicit casts) so LLVM vectorises the unpacking.
+_I32 = np.int32
+_F32 = np.float32
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot_q4(u8, u16, lut, base_at, scale_at, gpr, x):
+    acc = _F32(0.0)
+    for g in range(gpr):
+        s = lut[u16[scale_at + g]]
+        q = u8[base_at + 32 * g : base_at + 32 * g + 32]
+        xe = x[64 * g : 64 * g + 32]
+        xo = x[64 * g + 32 : 64 * g + 64]
+        d = _F32(0.0)
+        for j in range(32):
+            b = _I32(q[j])
+            lo = _I32(_I32(b & _I32(15)) ^ _I32(8))
+            hi = _I32(_I32(b >> _I32(4)) ^ _I32(8))
+            d += (_F32(lo) - _F32(8.0)) * xe[j] + (_F32(hi) - _F32(8.0)) * xo[j]
+        acc += s * d
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
+    acc = _F32(0.0)
+    for g in range(gpr):
+        s = lut[u16[scale_at + g]]
+        d = _F32(0.0)
+        for half in range(2):  # lanes 0..31 then 32..63: one 32-bit word of bit-4 flags each
+            w = _I32(u32[high_at + 2 * g + half])
+            q = u8[base_at + 32 * g + 16 * half : base_at + 32 * g + 16 * half + 16]
+            xe = x[64 * g + 16 * half : 64 * g + 16 * half + 16]
+            xo = x[64 * g + 32 + 16 * half : 64 * g + 32 + 16 * half + 16]
+            for j in range(16):
+                b = _I32(q[j])
+                sh = _I32(2 * j)
+                lo = _I32(_I32(_I32(b & _I32(15)) | _I32(_I32(_I32(w >> sh) & _I32(1)) << _I32(4))) ^ _I32(16))
+                hi = _I32(_I32(_I32(b >> _I32(4)) | _I32(_I32(_I32(w >> _I32(sh + _I32(1))) & _I32(1)) << _I32(4))) ^ _I32(16))
+                d += (_F32(lo) - _F32(16.0)) * xe[j] + (_F32(hi) - _F32(16.0)) * xo[j]
+        acc += s * d
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
+    acc = _F32(0.0)
+    for g in range(gpr):
+        s = lut[u16[scale_at + g]]
+        d = _F32(0.0)
+        for quarter in range(4):  # lanes 16m..16m+15: one 32-bit word of 2-bit high fields each
+            w = _I32(u32[high_at + 4 * g + quarter])
+            q = u8[base_at + 32 * g + 8 * quarter : base_at + 32 * g + 8 * quarter + 8]
+            xe = x[64 * g + 8 * quarter : 64 * g + 8 * quarter + 8]
+            xo = x[64 * g + 32 + 8 * quarter : 64 * g + 32 + 8 * quarter + 8]
+            for j in range(8):
+                b = _I32(q[j])
+                sh = _I32(4 * j)
+                lo = _I32(_I32(_I32(b & _I32(15)) | _I32(_I32(_I32(w >> sh) & _I32(3)) << _I32(4))) ^ _I32(32))
+                hi = _I32(_I32(_I32(b >> _I32(4)) | _I32(_I32(_I32(w >> _I32(sh + _I32(2))) & _I32(3)) << _I32(4))) ^ _I32(32))
+                d += (_F32(lo) - _F32(32.0)) * xe[j] + (_F32(hi) - _F32(32.0)) * xo[j]
+        acc += s * d
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x):
+    acc = _F32(0.0)
+    for g in range(gpr):
+        s = lut[u16[scale_at + g]]
+        q = u8[base_at + 32 * g : base_at + 32 * g + 32]
+        xg = x[32 * g : 32 * g + 32]
+        d = _F32(0.0)
+        for j in range(32):
+            c = _I32(_I32(_I32(q[j]) ^ _I32(128)) - _I32(128))
+            d += _F32(c) * xg[j]
+        acc += s * d
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _row_dot(u8, u32, u16, lut, geo, record_at, row, x):
+    """dot(row `row` of the object described by geo inside the record at record_at, x)."""
+    bits, gpr = geo[0], geo[2]
+    at = record_at + geo[7]
+    base_at = at + row * gpr * geo[3]
+    scale_at = (at + geo[6]) // 2 + row * gpr
+    if bits == 4:
+        return _row_dot_q4(u8, u16, lut, base_at, scale_at, gpr, x)
+    if bits == 8:
+        return _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x)
+    high_at = (at + geo[5] + row * gpr * geo[4]) // 4
+    if bits == 5:
+        return _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
+    return _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _moe_kernel(u8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, tokens, weights, x, act, out):
+    """Compute every assignment, grouped by expert (CSR `starts` over `tokens`/`weights`), into out.
+
+    x: [T, H_pad] permuted for gate/up; act: [A, I_pad] zeroed scratch; out: [T, H], added to.
+    Gate/up runs in parallel over (expert, block of intermediate rows), down over blocks of
+    output rows, so every element has one writer.
+    """
+    slots = record_at.shape[0]
+    inter = gate_up[8] // 2
+    hidden = down[8]
+    items = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    for item in prange(slots * items):
+        s = item // items
+        r0 = (item % items) * ROWS_PER_ITEM
+        for i in range(r0, min(r0 + ROWS_PER_ITEM, inter)):
+            p = down_perm[i]
+            for a in range(starts[s], starts[s + 1]):
+                xt = x[tokens[a]]
+                gate = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], i, xt)
+                up = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], inter + i, xt)
+                act[a, p] = gate / (_F32(1.0) + np.exp(-gate)) * up
+    blocks = (hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    for blk in prange(blocks):
+        for s in range(slots):
+            for h in range(blk * ROWS_PER_ITEM, min((blk + 1) * ROWS_PER_ITEM, hidden)):
+                for a in range(starts[s], starts[s + 1]):
+                    out[tokens[a], h] += weights[a] * _row_dot(u8, u32, u16, lut, down, record_at[s], h, act[a])
+
+
+# ----------------------------------------------------------------------------- host-side entry
+
+
+@dataclass(frozen=True)
+class RecordKernelPlan:
+    """Per-layout constants the kernel needs (built once per record layout)."""
+
+    layout: ExpertRecordLayout
+    gate_up: np.ndarray
+    down: np.ndarray
+    gate_up_perm: np.ndarray  # natural hidden lane -> permuted position
+    down_perm: np.ndarray  # natural intermediate lane -> permuted position
+
+    @classmethod
+    def create(cls, layout: ExpertRecordLayout) -> "RecordKernelPlan":
+        gu, dn = layout.gate_up, layout.down
+        if gu.n != 2 * dn.k or gu.k != dn.n:
+            raise NinferError(f"expert record shapes gate/up {[gu.n, gu.k]} and down {[dn.n, dn.k]} do not agree")
+        return cls(
+            layout,
+            geometry_vector(gu, layout.gate_up_offset),
+            geometry_vector(dn, layout.down_offset),
+            lane_permutation(gu.fmt.group, gu.k_pad),
+            lane_permutation(dn.fmt.group, dn.k_pad),
+        )
+
+
+def _buffer_views(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """uint8, uint32 and uint16 views of a record buffer (whole 4-byte words only)."""
+    u8 = records.reshape(-1).view(np.uint8)
+    usable = u8[: u8.size - u8.size % 4]
+    return u8, usable.view(np.uint32), usable.view(np.uint16)
+
+
+def group_assignments(topk_ids: np.ndarray, topk_weights: np.ndarray, selected: np.ndarray | None):
+    """CSR grouping of the (token, expert, weight) assignments by expert.
+
+    Returns (experts [S], starts [S+1], tokens [A] int64, weights [A] float32), experts ascending.
+    """
+    t, k = topk_ids.shape
+    token_of = np.repeat(np.arange(t, dtype=np.int64), k)
+    ids = topk_ids.reshape(-1).astype(np.int64)
+    wts = topk_weights.reshape(-1).astype(np.float32)
+    if selected is not None:
+        keep = selected.reshape(-1)
+        token_of, ids, wts = token_of[keep], ids[keep], wts[keep]
+    order = np.argsort(ids, kind="stable")
+    ids, token_of, wts = ids[order], token_of[order], wts[order]
+    experts, counts = np.unique(ids, return_counts=True)
+    starts = np.zeros(experts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return experts, starts, token_of, np.ascontiguousarray(wts)
+
+
+def routed_experts_cpu(
+    plan: RecordKernelPlan,
+    records: np.ndarray,
+    record_offsets: np.ndarray,
+    x: np.ndarray,
+    topk_ids: np.ndarray,
+    topk_weights: np.ndarray,
+    selected: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Sum over assignments of weight * expert(x[token]) into out [T, H] (float32, numba kernels).
+
+    records: uint8 buffer holding the records; record_offsets[e]: byte offset of expert e's record
+    in it. selected: optional bool mask [T, k] of the assignments to compute (others skipped).
+    """
+    gu, dn = plan.layout.gate_up, plan.layout.down
+    x = np.asarray(x, dtype=np.float32)
+    t, hidden = x.shape
+    if hidden != gu.k:
+        raise NinferError(f"activations have width {hidden}, the expert records expect {gu.k}")
+    experts, starts, tokens, weights = group_assignments(np.asarray(topk_ids), np.asarray(topk_weights), selected)
+    if out is None:
+        out = np.zeros((t, hidden), dtype=np.float32)
+    if experts.size == 0:
+        return out
+    record_at = np.ascontiguousarray(record_offsets[experts], dtype=np.int64)
+    if np.any(record_at < 0) or np.any(record_at + plan.layout.nbytes > records.size):
+        raise NinferError("a routed expert selected for CPU compute has no host record")
+    xp = np.zeros((t, gu.k_pad), dtype=np.float32)
+    xp[:, plan.gate_up_perm[:hidden]] = x
+    act = np.zeros((tokens.size, dn.k_pad), dtype=np.float32)
+    u8, u32, u16 = _buffer_views(records)
+    _moe_kernel(u8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.down_perm, record_at, starts, tokens, weights, xp, act, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- reference op
+
+
+def reference_expert(layout: ExpertRecordLayout, record: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """One expert on tokens x [T, H] -> [T, H]: decode the record with the codecs, then numpy fp32."""
+    gu, dn = layout.gate_up, layout.down
+    w_gu = decode_row_split_values(record[: gu.encoded_size], gu.fmt.name, gu.n, gu.k)
+    w_dn = decode_row_split_values(record[layout.down_offset : layout.down_offset + dn.encoded_size], dn.fmt.name, dn.n, dn.k)
+    h = np.asarray(x, dtype=np.float32) @ w_gu.T
+    gate, up = h[:, : dn.k], h[:, dn.k :]
+    return ((gate / (1.0 + np.exp(-gate))) * up) @ w_dn.T
+
+
+def reference_routed(
+    layout: ExpertRecordLayout, records: np.ndarray, record_offsets: np.ndarray, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray
+) -> np.ndarray:
+    """The oracle of `routed_experts_cpu`: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])."""
+    x = np.asarray(x, dtype=np.float32)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(topk_ids[t], topk_weights[t]):
+            at = int(record_offsets[int(e)])
+            out[t] += np.float32(w) * reference_expert(layout, records[at : at + layout.nbytes], x[t : t + 1])[0]
+    return out
+
+
+# ----------------------------------------------------------------------------- split and executor
+
+
+@dataclass
+class MissSplitter:
+    """Splits a step's missing experts between CPU compute and PCIe transfer by measured rates.
+
+    Rates are bytes of expert records per second; they start from the device profile (or a
+    measurement) and are refined by an exponential moving average of every measured call.
+    """
+
+    cpu_rate: float
+    pcie_rate: float
+    smoothing: float = 0.25
+    cpu_experts: int = 0
+    pcie_experts: int = 0
+    last_split: tuple[int, int] = (0, 0)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def cpu_share(self, missing: int) -> int:
+        """How many of `missing` equally sized experts the CPU should compute (both sides finish together)."""
+        if missing <= 0 or self.cpu_rate <= 0:
+            return 0
+        if self.pcie_rate <= 0:
+            return missing
+        return int(round(missing * self.cpu_rate / (self.cpu_rate + self.pcie_rate)))
+
+    def record(self, cpu: int, pcie: int) -> None:
+        with self._lock:
+            self.cpu_experts += cpu
+            self.pcie_experts += pcie
+            self.last_split = (cpu, pcie)
+
+    def observe(self, path: str, nbytes: int, seconds: float) -> None:
+        """Fold one measured transfer or computation (path "cpu" or "pcie") into its rate."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            if path == "cpu":
+                self.cpu_rate += self.smoothing * (rate - self.cpu_rate)
+            else:
+                self.pcie_rate += self.smoothing * (rate - self.pcie_rate)
+
+    def stats(self) -> dict:
+        return {
+            "cpu_rate_gbs": self.cpu_rate / 1e9,
+            "pcie_rate_gbs": self.pcie_rate / 1e9,
+            "cpu_experts": self.cpu_experts,
+            "pcie_experts": self.pcie_experts,
+            "last_split": {"cpu": self.last_split[0], "pcie": self.last_split[1]},
+        }
+
+
+_WARM_LOCK = threading.Lock()
+_warmed: set[int] = set()
+
+
+def warm_up(threads: int | None = None) -> None:
+    """Compile (or load from cache) the kernels and start numba's thread pool, once per process."""
+    with _WARM_LOCK:
+        if threads is not None:
+            numba.set_num_threads(threads)
+        if _warmed:
+            return
+        layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", 128, 64)
+        record = np.zeros(layout.nbytes, dtype=np.uint8)
+        x = np.ones((1, 128), dtype=np.float32)
+        routed_experts_cpu(
+            RecordKernelPlan.create(layout), record, np.zeros(1, dtype=np.int64), x, np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32)
+        )
+        _warmed.add(1)
+
+
+class CpuExpertExecutor:
+    """Runs routed-expert work on the host in a worker thread (numba releases the GIL).
+
+    `submit` returns a Future of the [T, H] float32 partial output so the caller can overlap it
+    with GPU work and add it later; `run` is the synchronous form. Measured CPU rates feed the
+    optional `MissSplitter`.
+    """
+
+    def __init__(self, threads: int | None = None, splitter: MissSplitter | None = None):
+        warm_up(threads)
+        self.splitter = splitter
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
+        self._plans: dict[ExpertRecordLayout, RecordKernelPlan] = {}
+        self.calls = 0
+        self.seconds = 0.0
+
+    def plan(self, layout: ExpertRecordLayout) -> RecordKernelPlan:
+        if layout not in self._plans:
+            self._plans[layout] = RecordKernelPlan.create(layout)
+        return self._plans[layout]
+
+    def run(self, layout, records, record_offsets, x, topk_ids, topk_weights, selected=None) -> np.ndarray:
+        start = time.perf_counter()
+        out = routed_experts_cpu(self.plan(layout), records, record_offsets, x, topk_ids, topk_weights, selected)
+        elapsed = time.perf_counter() - start
+        self.calls += 1
+        self.seconds += elapsed
+        if self.splitter is not None:
+            ids = np.asarray(topk_ids) if selected is None else np.asarray(topk_ids)[selected]
+            self.splitter.observe("cpu", int(np.unique(ids).size) * layout.nbytes, elapsed)
+        return out
+
+    def submit(self, layout, records, record_offsets, x, topk_ids, topk_weights, selected=None) -> Future:
+        return self._worker.submit(self.run, layout, records, record_offsets, x, topk_ids, topk_weights, selected)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
