@@ -1,0 +1,126 @@
+"""Next-token sampling: penalties, temperature, top-k, top-p, min-p, seeded draws.
+
+Order of operations (as in transformers' logits processors): repetition penalty, presence and
+frequency penalties, then greedy argmax or temperature -> top-k -> top-p -> min-p -> draw.
+Definitions:
+- repetition (transformers/CTRL): for each token already seen (prompt or output), a positive
+  logit is divided by the penalty, a negative one multiplied by it;
+- presence / frequency (OpenAI): `logit -= presence * [count > 0] + frequency * count`, counting
+  the output tokens in `history`;
+- top-k keeps the k largest logits; top-p keeps the smallest set of most likely tokens whose
+  probability reaches p; min-p keeps tokens whose probability is at least `min_p * p_max`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_offload.errors import NinferError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. `temperature == 0` or `greedy` means argmax."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        checks = (
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (math.isfinite(self.presence_penalty), "presence_penalty must be finite"),
+            (math.isfinite(self.frequency_penalty), "frequency_penalty must be finite"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise NinferError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, history: Sequence[int], prompt: Sequence[int] = ()
+) -> torch.Tensor:
+    """Float32 logits after the repetition, presence and frequency penalties (a new tensor)."""
+    logits = logits.detach().to(torch.float32).clone()
+    vocab = logits.shape[-1]
+    if params.repetition_penalty != 1.0 and (history or prompt):
+        seen = torch.tensor(sorted(set(prompt) | set(history)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and history:
+        ids = torch.tensor(list(history), dtype=torch.long, device=logits.device)
+        counts = torch.bincount(ids, minlength=vocab)[:vocab].to(torch.float32)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits with the tokens outside top-k / top-p / min-p set to -inf."""
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = torch.zeros_like(logits, dtype=torch.bool)
+        drop[order] = mass_before >= params.top_p
+        logits = logits.masked_fill(drop, -math.inf)
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), -math.inf)
+    return logits
+
+
+class Sampler:
+    """Draws next tokens for one sequence. With a seed, the draws are the same on every run (on
+    the same device); the generator lives on the logits' device and is created at the first draw."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._generator: torch.Generator | None = None
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            if self.params.seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(self.params.seed)
+        return self._generator
+
+    def probabilities(self, logits: torch.Tensor, history: Sequence[int], prompt: Sequence[int] = ()) -> torch.Tensor:
+        """The distribution the next token is drawn from (one-hot at the argmax when greedy)."""
+        logits = apply_penalties(logits, self.params, history, prompt)
+        if self.params.is_greedy:
+            return torch.nn.functional.one_hot(torch.argmax(logits), logits.shape[-1]).to(torch.float32)
+        return torch.softmax(filter_logits(logits, self.params), dim=-1)
+
+    def sample(self, logits: torch.Tensor, history: Sequence[int], prompt: Sequence[int] = ()) -> int:
+        """Next token id from `logits` [vocab]; `history` = output tokens so far, `prompt` = prompt
+        tokens (they count for the repetition penalty only)."""
+        if logits.dim() != 1:
+            raise ValueError(f"sample expects logits of shape [vocab], got {tuple(logits.shape)}")
+        if self.params.is_greedy:
+            return int(torch.argmax(apply_penalties(logits, self.params, history, prompt)))
+        probs = self.probabilities(logits, history, prompt)
+        return int(torch.multinomial(probs, 1, generator=self._generator_for(probs.device)))
