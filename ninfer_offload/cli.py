@@ -33,6 +33,9 @@ def main(
 
 def _register() -> None:
     """Attach every command module's command to the app (one line per command)."""
+    from ninfer_offload.commands.inspect import inspect
+
+    app.command("inspect")(inspect)
 
 
 def entry() -> None:

@@ -70,7 +70,7 @@ def encode_contiguous(values: np.ndarray, fmt: str) -> np.ndarray:
 # ----------------------------------------------------------------------------- row split
 
 
-def _unpack_codes(fmt: GroupedFormat, base: np.ndarray, high: np.ndarray | None, rows: int, gpr: int) -> np.ndarray:
+def unpack_codes(fmt: GroupedFormat, base: np.ndarray, high: np.ndarray | None, rows: int, gpr: int) -> np.ndarray:
     """Codes int8 [rows, gpr*G] from base (and high) plane bytes of `rows` rows."""
     g = fmt.group
     if fmt.bits == 8:
@@ -108,7 +108,7 @@ def decode_row_split(buf, fmt_name: str, n: int, k: int) -> tuple[np.ndarray, np
         if fmt.high_bytes:
             start = geo.high_offset + r0 * gpr * fmt.high_bytes
             high = data[start : start + rows * gpr * fmt.high_bytes]
-        codes[r0:r1] = _unpack_codes(fmt, base, high, rows, gpr)[:, :k]
+        codes[r0:r1] = unpack_codes(fmt, base, high, rows, gpr)[:, :k]
     scales = scales_all[:, : geo.logical_groups_per_row].astype(np.float16)
     return codes, scales
 

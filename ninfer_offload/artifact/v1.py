@@ -118,11 +118,17 @@ _RENAMED = {"text/draft_head": "proposal/head", "text/draft_head_token_ids": "pr
 
 
 def synthesize_bindings(tensors: dict[str, ObjectInfo]) -> dict[str, Binding]:
-    """Bindings for v1 objects: each object under its own name, plus the v3 logical names."""
-    bindings = {name: _whole(obj) for name, obj in tensors.items()}
+    """Bindings for v1 objects: the v3 logical names first, then every object under its own name.
+
+    Logical names come first so that consumers labelling an object by its first binding (the
+    inventory) see the logical role, not the v1 parent name.
+    """
+    bindings: dict[str, Binding] = {}
     for name, obj in tensors.items():
         for logical, binding in _logical(name, obj, tensors).items():
             bindings.setdefault(logical, binding)
+    for name, obj in tensors.items():
+        bindings.setdefault(name, _whole(obj))
     return bindings
 
 
