@@ -1,0 +1,120 @@
+"""Attention over the KV cache: split-sequence decode kernel (bf16 or fp8 cache) and SDPA prefill.
+
+Reference ops: `ReferenceBackend.attention_decode` / `attention_prefill` (causal GQA, scale
+D^-1/2, fp32 softmax). Decode splits the cached positions across programs (one program per KV
+head and span, all of the head's query heads at once with `tl.dot`), each writing a partial
+softmax (max, sum, weighted values) that a fixed-order merge combines. The number of valid rows
+can be a device tensor, so a captured decode step keeps working as the sequence grows; spans
+past the end exit at once. An fp8 (e4m3) cache is widened in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Cached positions per program in decode.
+SPAN = 256
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q,
+    k_cache,
+    v_cache,
+    length_ptr,
+    part_out,
+    part_max,
+    part_sum,
+    scale,
+    stride_kc,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    SPAN_SIZE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    hkv = tl.program_id(0)
+    split = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    group: tl.constexpr = HQ // HKV
+    length = tl.load(length_ptr)
+    heads = tl.arange(0, GROUP_PAD)
+    head_mask = heads < group
+    dims = tl.arange(0, D)
+    qt = tl.load(q + (hkv * group + heads)[:, None] * D + dims[None, :], mask=head_mask[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+    start = split * SPAN_SIZE
+    for s0 in range(start, tl.minimum(start + SPAN_SIZE, length), BLOCK_S):
+        pos = s0 + tl.arange(0, BLOCK_S)
+        pmask = pos < length
+        off = pos[:, None].to(tl.int64) * stride_kc + hkv * D + dims[None, :]
+        kt = tl.load(k_cache + off, mask=pmask[:, None], other=0.0).to(qt.dtype)
+        vt = tl.load(v_cache + off, mask=pmask[:, None], other=0.0).to(qt.dtype)
+        if IEEE:
+            scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(qt, tl.trans(kt)).to(tl.float32) * scale
+        scores = tl.where(pmask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt).to(tl.float32)
+        m = m_new
+    base = (hkv * group + heads) * nsplit + split
+    tl.store(part_max + base, m, mask=head_mask)
+    tl.store(part_sum + base, l, mask=head_mask)
+    tl.store(part_out + base[:, None] * D + dims[None, :], acc, mask=head_mask[:, None])
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int | torch.Tensor) -> torch.Tensor:
+    """One token q [1, Hq, D] over the first `length` rows of k_cache/v_cache [capacity, Hkv, D] -> [1, Hq, D].
+
+    `length` is an int or a one-element int32 device tensor (then every span of the capacity is
+    launched and spans past the end do nothing, which keeps the launch shape fixed).
+    """
+    _, hq, d = q.shape
+    capacity, hkv, _ = k_cache.shape
+    if isinstance(length, torch.Tensor):
+        length_t, rows = length, capacity
+    else:
+        length_t, rows = torch.tensor([length], dtype=torch.int32, device=q.device), length
+    nsplit = max(1, triton.cdiv(rows, SPAN))
+    group = hq // hkv
+    part_out = torch.empty(hq, nsplit, d, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(hq, nsplit, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty(hq, nsplit, dtype=torch.float32, device=q.device)
+    _decode_partial_kernel[(hkv, nsplit)](
+        q.contiguous(), k_cache, v_cache, length_t, part_out, part_max, part_sum, d**-0.5, k_cache.stride(0),
+        HQ=hq, HKV=hkv, D=d, GROUP_PAD=max(16, triton.next_power_of_2(group)), SPAN_SIZE=SPAN, BLOCK_S=64,
+        IEEE=q.dtype == torch.float32,
+    )
+    top = part_max.max(dim=1, keepdim=True).values
+    weight = torch.exp(part_max - top)  # empty spans: exp(-inf) = 0
+    total = (part_sum * weight).sum(1)
+    out = (part_out * weight.unsqueeze(-1)).sum(1) / total.unsqueeze(-1)
+    return out.to(q.dtype).unsqueeze(0)
+
+
+def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal GQA of q [T, Hq, D] (positions start..start+T-1) over cache rows [0, start+T) via torch SDPA."""
+    t, hq, d = q.shape
+    keys = k_cache[: start + t].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
+    values = v_cache[: start + t].to(q.dtype).transpose(0, 1)
+    if start == 0:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=True)
+    else:
+        positions = torch.arange(start, start + t, device=q.device)
+        visible = torch.arange(start + t, device=q.device)[None, :] <= positions[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=visible, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

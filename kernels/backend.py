@@ -1,0 +1,64 @@
+"""`TritonBackend`: the reference backend's ops, with Triton kernels where they pay.
+
+Same method signatures as `ReferenceBackend` (the engine picks the backend by device). Ops that
+are already a single library call keep it (dense bf16 products: cuBLAS; attention prefill:
+SDPA); the GDN chunked prefill stays on the reference's chunked form; lossless (bf16/fp32)
+expert records use the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer_offload.kernels import attention, gdn, moe, norm, router
+from ninfer_offload.kernels.quant_linear import rowsplit_linear
+from ninfer_offload.model.backend import ReferenceBackend, Weight
+from ninfer_offload.model.experts import ExpertBank
+from ninfer_offload.model.quant import QuantizedMatrix
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+
+
+def expert_table(experts: ExpertBank) -> torch.Tensor:
+    """Per-expert record addresses [E] int64 of a bank (computed on the device, no host sync)."""
+    records = experts.records
+    if not records.is_contiguous():
+        raise ValueError("expert records must be one contiguous [slots, nbytes] tensor")
+    return experts.slots * records.shape[1] + records.data_ptr()
+
+
+class TritonBackend(ReferenceBackend):
+    """GPU fast path (also runs under TRITON_INTERPRET=1 on CPU tensors, for tests)."""
+
+    name = "triton"
+
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        if not isinstance(w, QuantizedMatrix):
+            return x @ w.T
+        lead = x.shape[:-1]
+        out = rowsplit_linear(x.reshape(-1, x.shape[-1]), w.data, w.geometry)
+        return out.reshape(*lead, w.n)
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+        return norm.rmsnorm(x, w, eps, offset)
+
+    def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return router.softmax_topk(self.linear(x, w), top_k, x.dtype)
+
+    def routed_experts(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank
+    ) -> torch.Tensor:
+        if not isinstance(experts.layout, ExpertRecordLayout):
+            return super().routed_experts(x, topk_ids, topk_weights, experts)
+        return moe.routed_experts(x, topk_ids, topk_weights, expert_table(experts), experts.layout)
+
+    def conv_update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return gdn.conv_update(x, conv_state, weight)
+
+    def gdn_decode(self, q, k, v, g, beta, state) -> torch.Tensor:
+        return gdn.gdn_decode(q, k, v, g, beta, state)
+
+    def attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+        return attention.attention_prefill(q, k_cache, v_cache, start)
+
+    def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length) -> torch.Tensor:
+        return attention.attention_decode(q, k_cache, v_cache, length)

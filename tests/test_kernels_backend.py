@@ -1,0 +1,131 @@
+"""TritonBackend ops against ReferenceBackend on tiny odd shapes (interpreter on CPU, CUDA when present)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels_support import DEVICE, needs_cuda, needs_triton_device
+from ninfer_offload.artifact.codecs import encode_row_split
+from ninfer_offload.artifact.formats import GROUPED_FORMATS
+from ninfer_offload.model.backend import ReferenceBackend
+from ninfer_offload.model.experts import ExpertBank
+from ninfer_offload.model.quant import QuantizedMatrix
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+
+pytestmark = needs_triton_device
+REF = ReferenceBackend()
+
+
+def _backend():
+    from ninfer_offload.kernels.backend import TritonBackend
+
+    return TritonBackend()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    a, b = a.double().cpu(), b.double().cpu()
+    return bool(torch.isfinite(a).all()) and float((a - b).norm() / b.norm().clamp_min(1e-30)) < tol
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_linear_quantized_and_dense():
+    rng = np.random.default_rng(0)
+    x = torch.randn(2, 3, 300, generator=_gen(0))
+    for fmt in GROUPED_FORMATS:
+        w = QuantizedMatrix(GROUPED_FORMATS[fmt], 24, 300, torch.from_numpy(encode_row_split(rng.standard_normal((24, 300)).astype(np.float32), fmt)))
+        out = _backend().linear(x.to(DEVICE), w.to(DEVICE))
+        assert out.shape == (2, 3, 24) and _close(out, REF.linear(x, w))
+    dense = torch.randn(24, 300, generator=_gen(1))
+    assert _close(_backend().linear(x.to(DEVICE), dense.to(DEVICE)), REF.linear(x, dense))
+
+
+@pytest.mark.parametrize("offset", [True, False])
+def test_rmsnorm(offset):
+    x, w = torch.randn(5, 96, generator=_gen(2)), torch.randn(96, generator=_gen(3)) * 0.1
+    assert _close(_backend().rmsnorm(x.to(DEVICE), w.to(DEVICE), 1e-6, offset), REF.rmsnorm(x, w, 1e-6, offset))
+
+
+def test_router_softmax_topk():
+    x, w = torch.randn(4, 64, generator=_gen(4)), torch.randn(10, 64, generator=_gen(5))
+    ids, weights = _backend().router(x.to(DEVICE), w.to(DEVICE), 3)
+    ref_ids, ref_weights = REF.router(x, w, 3)
+    assert torch.equal(ids.cpu(), ref_ids) and _close(weights, ref_weights)
+
+
+def test_routed_experts_through_bank_slots():
+    hidden, inter, experts = 136, 40, 5
+    layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", hidden, inter)
+    rng = np.random.default_rng(6)
+    records = np.zeros((3, layout.nbytes), dtype=np.uint8)  # 3 slots hold experts 4, 1, 2
+    for slot in range(3):
+        gu = encode_row_split(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, "q4_g64_fp16")
+        dn = encode_row_split(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, "q5_g64_fp16")
+        records[slot, : gu.size] = gu
+        records[slot, layout.down_offset : layout.down_offset + dn.size] = dn
+    slots = torch.tensor([0, 1, 2, 0, 0])
+    bank = ExpertBank(layout, torch.from_numpy(records), slots)
+    x = torch.randn(3, hidden, generator=_gen(7))
+    ids = torch.tensor([[4, 1], [2, 4], [4, 1]])
+    w = torch.softmax(torch.randn(3, 2, generator=_gen(8)), -1)
+    device_bank = ExpertBank(layout, bank.records.to(DEVICE), slots.to(DEVICE))
+    out = _backend().routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), device_bank)
+    assert _close(out, REF.routed_experts(x, ids, w, bank))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_gdn_decode_and_conv_update(tokens):
+    hk, hv, dk, dv, c = 2, 4, 32, 64, 300
+    q, k = torch.randn(tokens, hk, dk, generator=_gen(9)), torch.randn(tokens, hk, dk, generator=_gen(10))
+    v = torch.randn(tokens, hv, dv, generator=_gen(11))
+    g = -torch.rand(tokens, hv, generator=_gen(12))
+    beta = torch.rand(tokens, hv, generator=_gen(13))
+    state = torch.randn(hv, dk, dv, generator=_gen(14))
+    ref_state = state.clone()
+    ref = REF.gdn_decode(q, k, v, g, beta, ref_state)
+    dev_state = state.to(DEVICE)
+    out = _backend().gdn_decode(*(t.to(DEVICE) for t in (q, k, v, g, beta)), dev_state)
+    assert _close(out, ref) and _close(dev_state, ref_state)
+
+    x, weight, conv = torch.randn(tokens, c, generator=_gen(15)), torch.randn(4, c, generator=_gen(16)), torch.randn(3, c, generator=_gen(17))
+    ref_conv = conv.clone()
+    ref = REF.conv_update(x, ref_conv, weight)
+    dev_conv = conv.to(DEVICE)
+    out = _backend().conv_update(x.to(DEVICE), dev_conv, weight.to(DEVICE))
+    assert _close(out, ref) and torch.equal(dev_conv.cpu(), ref_conv)
+
+
+@pytest.mark.parametrize("length", [1, 70, 600])
+def test_attention_decode(length):
+    hq, hkv, d, capacity = 8, 2, 64, 700
+    kc, vc = torch.randn(capacity, hkv, d, generator=_gen(18)), torch.randn(capacity, hkv, d, generator=_gen(19))
+    q = torch.randn(1, hq, d, generator=_gen(20))
+    ref = REF.attention_decode(q, kc, vc, length)
+    backend = _backend()
+    assert _close(backend.attention_decode(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), length), ref)
+    as_tensor = torch.tensor([length], dtype=torch.int32, device=DEVICE)  # the graph-capturable form
+    assert _close(backend.attention_decode(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), as_tensor), ref)
+
+
+def test_attention_prefill_sdpa():
+    hq, hkv, d = 4, 2, 32
+    kc, vc = torch.randn(20, hkv, d, generator=_gen(21)), torch.randn(20, hkv, d, generator=_gen(22))
+    for start, t in ((0, 7), (5, 6)):
+        q = torch.randn(t, hq, d, generator=_gen(23))
+        out = _backend().attention_prefill(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), start)
+        assert _close(out, REF.attention_prefill(q, kc, vc, start))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_attention_decode_fp8_cache():
+    hq, hkv, d, length = 16, 2, 256, 1000
+    kc = torch.randn(1024, hkv, d, device="cuda").to(torch.float8_e4m3fn)
+    vc = torch.randn(1024, hkv, d, device="cuda").to(torch.float8_e4m3fn)
+    q = torch.randn(1, hq, d, device="cuda", dtype=torch.bfloat16)
+    ref = REF.attention_decode(q.float(), kc.float(), vc.float(), length)
+    assert _close(_backend().attention_decode(q, kc, vc, length), ref, tol=2e-2)
