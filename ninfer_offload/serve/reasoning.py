@@ -1,0 +1,57 @@
+"""Reasoning split for Qwen3-style output, as vLLM's `qwen3` reasoning parser does it.
+
+Text before `</think>` is reasoning, whether or not the output repeats the opening `<think>`
+(Qwen3.6's chat template already puts `<think>\\n` into the prompt). When the prompt itself
+closed the thinking block (`enable_thinking=False`), everything is content.
+"""
+
+from __future__ import annotations
+
+from ninfer_offload.serve.stops import partial_match_length
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+def prompt_leaves_thinking_open(prompt: str) -> bool:
+    """False when the prompt's last think tag is `</think>` (thinking switched off or already done)."""
+    return THINK_CLOSE not in prompt or prompt.rfind(THINK_CLOSE) < prompt.rfind(THINK_OPEN)
+
+
+def split_reasoning(text: str) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole output; without `</think>` it is all content (vLLM's rule)."""
+    close = text.find(THINK_CLOSE)
+    if close < 0:
+        return None, text or None
+    head = text[:close]
+    open_ = head.find(THINK_OPEN)
+    reasoning = head[open_ + len(THINK_OPEN) :] if open_ >= 0 else head
+    content = text[close + len(THINK_CLOSE) :]
+    return reasoning, content or None
+
+
+class ReasoningStream:
+    """Streaming split: deltas before `</think>` are reasoning, after it content (vLLM's rule)."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.thinking = thinking
+        self._pending = ""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning delta, content delta) for one text delta; tags themselves are dropped."""
+        if not self.thinking:
+            return "", delta
+        text = self._pending + delta
+        close = text.find(THINK_CLOSE)
+        if close >= 0:
+            self.thinking = False
+            self._pending = ""
+            return text[:close].replace(THINK_OPEN, ""), text[close + len(THINK_CLOSE) :]
+        keep = partial_match_length(text, (THINK_OPEN, THINK_CLOSE))
+        self._pending = text[len(text) - keep :]
+        return text[: len(text) - keep].replace(THINK_OPEN, ""), ""
+
+    def flush(self) -> tuple[str, str]:
+        """What was held back as a possible tag start, at the end of the output."""
+        text, self._pending = self._pending, ""
+        return (text, "") if self.thinking else ("", text)

@@ -1,0 +1,259 @@
+"""The engine thread: admits queued requests, interleaves prefill chunks with batched decode.
+
+One thread owns the engine. Each iteration it (1) admits waiting requests up to
+`max_concurrency` active sequences, (2) frees the sessions of cancelled requests, (3) runs one
+prefill chunk of one newcomer, (4) runs one `engine.step_batch` over every sequence that is
+decoding. Tokens go back to the request's asyncio queue on its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("ninfer.serve")
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at its limit."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What the engine thread needs for one sequence."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Any  # a SamplingParams
+    stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class Finished:
+    """Last event of a request: why it ended and how many tokens it produced."""
+
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    completion_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Timings:
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class RequestHandle:
+    """The HTTP side's view of one request: an async stream of token ids, and `cancel()`."""
+
+    def __init__(self, request_id: str, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.id = request_id
+        self.request = request
+        self.timings = Timings()
+        self.finished: Finished | None = None
+        self._loop = loop
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Ask the engine thread to drop this request and free its state (idempotent)."""
+        self._cancelled.set()
+
+    def _push(self, event: int | Finished) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancel()
+
+    async def tokens(self) -> AsyncIterator[int]:
+        """Token ids as they are sampled (stop tokens excluded); `finished` is set at the end."""
+        while True:
+            event = await self._events.get()
+            if isinstance(event, Finished):
+                self.finished = event
+                return
+            yield event
+
+
+@dataclass
+class _Sequence:
+    handle: RequestHandle
+    session: Any
+    sampler: Any
+    prompt: list[int]
+    unprefilled: list[int]
+    output: list[int] = field(default_factory=list)
+    next_token: int | None = None
+
+
+class Scheduler:
+    """Runs every request through one engine; see the module docstring for the loop."""
+
+    def __init__(
+        self,
+        engine: Any,
+        sampler_factory: Callable[[Any], Any],
+        max_concurrency: int = 4,
+        max_queue: int = 64,
+        prefill_chunk: int = 512,
+    ) -> None:
+        self.engine = engine
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self._sampler_factory = sampler_factory
+        self._waiting: deque[RequestHandle] = deque()
+        self._active: list[_Sequence] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
+
+    # -- HTTP side -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop after the current iteration and cancel whatever is still queued or active."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, request_id: str | None = None) -> RequestHandle:
+        """Queue a request; raises QueueFullError beyond `max_queue` waiting requests."""
+        with self._wake:
+            if self._stopping:
+                raise QueueFullError("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"too many requests waiting ({self.max_queue}); retry later")
+            handle = RequestHandle(request_id or f"req-{next(self._ids)}", request, loop)
+            self._waiting.append(handle)
+            self._wake.notify()
+        return handle
+
+    def stats(self) -> dict[str, int]:
+        """Active sequences (each holding an engine session) and waiting requests."""
+        with self._wake:
+            return {"active": len(self._active), "waiting": len(self._waiting)}
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                admitted = self._take_admissible()
+            for handle in admitted:
+                self._start(handle)
+            self._drop_cancelled()
+            self._prefill_one()
+            self._decode_all()
+        self._shutdown()
+
+    def _take_admissible(self) -> list[RequestHandle]:
+        admitted = []
+        while self._waiting and len(self._active) + len(admitted) < self.max_concurrency:
+            handle = self._waiting.popleft()
+            if handle.cancelled:
+                handle._push(Finished("cancelled", 0))
+            else:
+                admitted.append(handle)
+        return admitted
+
+    def _start(self, handle: RequestHandle) -> None:
+        handle.timings.started = time.perf_counter()
+        try:
+            session = self.engine.session()
+            sampler = self._sampler_factory(handle.request.sampling)
+        except Exception as exc:  # noqa: BLE001 - reported to the client, the loop keeps serving
+            log.exception("request %s: could not start", handle.id)
+            handle._push(Finished("error", 0, str(exc)))
+            return
+        prompt = list(handle.request.prompt_ids)
+        sequence = _Sequence(handle, session, sampler, prompt=prompt, unprefilled=prompt)
+        with self._wake:
+            self._active.append(sequence)
+
+    def _drop_cancelled(self) -> None:
+        for sequence in [s for s in self._active if s.handle.cancelled]:
+            self._finish(sequence, "cancelled")
+
+    def _prefill_one(self) -> None:
+        sequence = next((s for s in self._active if s.unprefilled), None)
+        if sequence is None:
+            return
+        chunk, sequence.unprefilled = sequence.unprefilled[: self.prefill_chunk], sequence.unprefilled[self.prefill_chunk :]
+        try:
+            logits = sequence.session.prefill(chunk)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("request %s: prefill failed", sequence.handle.id)
+            self._finish(sequence, "error", str(exc))
+            return
+        if not sequence.unprefilled:
+            self._accept(sequence, logits)
+
+    def _decode_all(self) -> None:
+        batch = [s for s in self._active if s.next_token is not None]
+        if not batch:
+            return
+        try:
+            logits = self.engine.step_batch([s.session for s in batch], [s.next_token for s in batch])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("decode step failed for %d sequences", len(batch))
+            for sequence in batch:
+                self._finish(sequence, "error", str(exc))
+            return
+        for sequence, row in zip(batch, logits):
+            self._accept(sequence, row)
+
+    def _accept(self, sequence: _Sequence, logits: Any) -> None:
+        """Sample the next token from `logits`, hand it out, and decide whether the sequence ends."""
+        token = int(sequence.sampler.sample(logits, sequence.output, sequence.prompt))
+        sequence.output.append(token)
+        request, handle = sequence.handle.request, sequence.handle
+        if handle.timings.first_token is None:
+            handle.timings.first_token = time.perf_counter()
+        sequence.next_token = None
+        if token in request.stop_ids:
+            self._finish(sequence, "stop")
+            return
+        handle._push(token)
+        if len(sequence.output) >= request.max_tokens:
+            self._finish(sequence, "length")
+        else:
+            sequence.next_token = token
+
+    def _finish(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
+        with self._wake:
+            if sequence in self._active:
+                self._active.remove(sequence)
+        try:
+            sequence.session.close()
+        finally:
+            sequence.handle.timings.finished = time.perf_counter()
+            sequence.handle._push(Finished(reason, len(sequence.output), error))
+
+    def _shutdown(self) -> None:
+        for sequence in list(self._active):
+            self._finish(sequence, "cancelled", "the server is shutting down")
+        with self._wake:
+            waiting, self._waiting = list(self._waiting), deque()
+        for handle in waiting:
+            handle._push(Finished("cancelled", 0, "the server is shutting down"))
