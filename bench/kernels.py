@@ -1,0 +1,137 @@
+"""Kernel microbenchmark at Qwen3.6-35B-A3B shapes: achieved HBM bandwidth of each decode kernel.
+
+Usage (on a CUDA machine): python bench/kernels.py --out bench/results/kernels_<gpu>.json
+
+Weights are random but valid row-split bytes (random planes, finite fp16 scales), so the kernels
+read exactly the bytes a real artifact would make them read. Each entry reports the median time
+(triton.testing.do_bench), the bytes it must read, the resulting GB/s and the fraction of the
+device bandwidth measured in the same run (a large device-to-device copy, read + write bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from ninfer_offload.artifact.formats import RowSplitGeometry, grouped_format
+from ninfer_offload.kernels import attention, gdn, moe, quant_linear
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
+
+
+def random_object(geometry: RowSplitGeometry, count: int = 1) -> torch.Tensor:
+    """`count` valid row-split objects back to back: random code planes, fp16 scales ~ 1/(qmax*sqrt(k))."""
+    size = geometry.encoded_size
+    data = torch.randint(0, 256, (count, size), dtype=torch.uint8, device="cuda")
+    scales = torch.empty(count, geometry.scale_bytes // 2, dtype=torch.float16, device="cuda")
+    scales.uniform_(0.5, 1.5).mul_(1.0 / (geometry.fmt.qmax * geometry.k**0.5))
+    data[:, geometry.scale_offset :] = scales.view(torch.uint8)
+    return data
+
+
+def device_bandwidth() -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (read + write)."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def bench_linear(name: str, fmt: str, n: int, k: int, tokens: int, bandwidth: float) -> dict:
+    geometry = RowSplitGeometry(grouped_format(fmt), n, k)
+    data = random_object(geometry)[0]
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: quant_linear.rowsplit_linear(x, data, geometry), warmup=25, rep=200, return_mode="median")
+    moved = geometry.encoded_size + x.numel() * 2 + tokens * n * 2
+    flops = 2 * tokens * n * k
+    return {"op": name, "format": fmt, "shape": [n, k], "tokens": tokens, "ms": ms, "bytes": moved,
+            "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth, "TFLOPs": flops / ms / 1e9}
+
+
+def bench_moe(tokens: int, down_fmt: str, bandwidth: float) -> dict:
+    layout = ExpertRecordLayout.create("q4_g64_fp16", down_fmt, HIDDEN, INTER)
+    records = torch.randint(0, 256, (EXPERTS, layout.nbytes), dtype=torch.uint8, device="cuda")
+    records[:, : layout.gate_up.encoded_size] = random_object(layout.gate_up, EXPERTS)
+    records[:, layout.down_offset : layout.down_offset + layout.down.encoded_size] = random_object(layout.down, EXPERTS)
+    table = moe.record_table(records.view(-1), layout)
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, TOP_K, device="cuda"), -1).to(torch.bfloat16)
+    ms = do_bench(lambda: moe.routed_experts(x, ids, w, table, layout), warmup=25, rep=200, return_mode="median")
+    distinct = int(torch.unique(ids).numel())
+    moved = distinct * (layout.gate_up.encoded_size + layout.down.encoded_size)
+    out = moe.routed_experts(x, ids, w, table, layout)
+    return {"op": "routed_experts", "down_format": down_fmt, "tokens": tokens, "distinct_experts": distinct, "ms": ms,
+            "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth,
+            "TFLOPs": 2 * tokens * TOP_K * 3 * INTER * HIDDEN / ms / 1e9, "finite": bool(torch.isfinite(out).all())}
+
+
+def bench_attention(context: int, kv_dtype: torch.dtype, bandwidth: float) -> dict:
+    kc = torch.randn(context, 2, 256, device="cuda").to(kv_dtype)
+    vc = torch.randn(context, 2, 256, device="cuda").to(kv_dtype)
+    q = torch.randn(1, 16, 256, device="cuda", dtype=torch.bfloat16)
+    length = torch.tensor([context], dtype=torch.int32, device="cuda")
+    ms = do_bench(lambda: attention.attention_decode(q, kc, vc, length), warmup=25, rep=200, return_mode="median")
+    moved = 2 * kc.numel() * kc.element_size()
+    return {"op": "attention_decode", "kv_dtype": str(kv_dtype), "context": context, "ms": ms, "bytes": moved,
+            "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
+
+
+def bench_gdn(bandwidth: float) -> dict:
+    q = torch.randn(1, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 16, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(1, 32, device="cuda")
+    beta = torch.rand(1, 32, device="cuda", dtype=torch.bfloat16)
+    state = torch.randn(32, 128, 128, device="cuda")
+    ms = do_bench(lambda: gdn.gdn_decode(q, k, v, g, beta, state), warmup=25, rep=200, return_mode="median")
+    moved = 2 * state.numel() * 4
+    return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--commit", default=None, help="commit measured (when the tree has no .git)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bandwidth = device_bandwidth()
+    results = []
+    shapes = [("gdn_qkvz", "q8_g32_fp16", 12288, 2048), ("attn_qkgv", "q8_g32_fp16", 9216, 2048), ("mixer_out", "q8_g32_fp16", 2048, 4096),
+              ("shared_gate_up", "q8_g32_fp16", 1024, 2048), ("shared_down", "q8_g32_fp16", 2048, 512), ("output_head", "q6_g64_fp16", 248320, 2048)]
+    for name, fmt, n, k in shapes:
+        for tokens in (1, 8):
+            results.append(bench_linear(name, fmt, n, k, tokens, bandwidth))
+    for name, fmt, n, k in shapes[:3]:
+        results.append(bench_linear(name, fmt, n, k, 4096, bandwidth))
+    for tokens in (1, 4, 8, 512, 4096):
+        results.append(bench_moe(tokens, "q5_g64_fp16", bandwidth))
+    results.append(bench_moe(1, "q6_g64_fp16", bandwidth))
+    for context in (1024, 8192, 32768):
+        for kv in (torch.bfloat16, torch.float8_e4m3fn):
+            results.append(bench_attention(context, kv, bandwidth))
+    results.append(bench_gdn(bandwidth))
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {"command": "python bench/kernels.py --out " + str(args.out), "commit": commit or None,
+              "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "torch": torch.__version__, "triton": triton.__version__, "host": platform.node(),
+              "device_bandwidth_GBps": bandwidth / 1e9, "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    for r in results:
+        label = " ".join(str(r[k]) for k in ("op", "format", "down_format", "kv_dtype", "shape", "context", "tokens") if k in r)
+        print(f"{label:60s} {r['ms'] * 1e3:9.1f} us {r['GBps']:8.0f} GB/s ({100 * r['bandwidth_fraction']:5.1f}%)" + (f" {r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else ""))
+
+
+if __name__ == "__main__":
+    main()
