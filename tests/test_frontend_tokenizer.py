@@ -105,3 +105,21 @@ def test_broken_resources_are_clear_errors(tmp_path, tokenizer_dir):
     (tmp_path / "generation_config.json").write_text("[1, 2]")
     with pytest.raises(NinferError, match="generation_config.json must hold a JSON object"):
         Frontend.from_directory(tmp_path)
+
+
+def test_from_artifact_reads_the_text_resources(tmp_path, tokenizer_dir, frontend):
+    from ninfer_offload import open_artifact
+    from ninfer_offload.artifact.writer import ArtifactWriter
+
+    writer = ArtifactWriter(tmp_path / "resources.ninfer")
+    writer.add_component("text", {"model_type": "qwen3_5_moe_text"})
+    for role in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        writer.add_resource(f"resource/text/{role}", (tokenizer_dir / role).read_bytes(), component="text", role=role)
+    with open_artifact(writer.write()) as artifact:
+        loaded = Frontend.from_artifact(artifact)
+        messages = [{"role": "user", "content": "Hello there"}]
+        assert loaded.render(messages) == frontend.render(messages)
+        assert loaded.encode(TEXTS[2]) == frontend.encode(TEXTS[2])
+        assert loaded.stop_ids == frontend.stop_ids
+        override = Frontend.from_artifact(artifact, chat_template="{{ messages[0].content }}!")
+        assert override.render(messages) == "Hello there!"
