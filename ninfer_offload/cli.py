@@ -33,9 +33,13 @@ def main(
 
 def _register() -> None:
     """Attach every command module's command to the app (one line per command)."""
+    from ninfer_offload.commands.convert import convert
+    from ninfer_offload.commands.generate import generate
     from ninfer_offload.commands.inspect import inspect
 
     app.command("inspect")(inspect)
+    app.command("generate")(generate)
+    app.command("convert")(convert)
 
 
 def entry() -> None:

@@ -1,0 +1,165 @@
+"""`ninfer generate ARTIFACT (--prompt TEXT | --messages FILE.json | --prompt-ids 1,2,3) [...]`.
+
+Streams the generated text to stdout as it is produced (statistics go to stderr), or with
+`--json` prints one JSON object: prompt and generated ids, text, finish reason, timings.
+Sampling options left unset take the model's generation_config.json values (as transformers
+does), then the neutral defaults; `--greedy` (or `--temperature 0`) takes the argmax.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ninfer_offload.errors import NinferError
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise NinferError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise NinferError(f"{what} {path} is not UTF-8 text") from None
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise NinferError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise NinferError("--prompt-ids is empty")
+    return ids
+
+
+def _read_messages(path: Path) -> tuple[list[dict], list[dict] | None]:
+    """A JSON list of messages, or an object with "messages" (and optionally "tools")."""
+    try:
+        data = json.loads(_read_text(path, "messages file"))
+    except json.JSONDecodeError as err:
+        raise NinferError(f"messages file {path} is not valid JSON: {err}") from None
+    if isinstance(data, dict):
+        return data.get("messages"), data.get("tools")
+    return data, None
+
+
+def _sampling(defaults: dict, greedy: bool, seed: int | None, **given: Any):
+    """SamplingParams from the options given, else generation_config.json, else neutral values."""
+    from ninfer_offload.runtime.sampling import SamplingParams
+
+    neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+    values = {}
+    for name, value in given.items():
+        if value is None:
+            value = defaults.get(name, neutral.get(name, 0.0))
+        values[name] = value
+    return SamplingParams(seed=seed, greedy=greedy, **values)
+
+
+def _check_device(device: str) -> None:
+    if device != "cpu" and not device.startswith("cuda"):
+        raise NinferError(f"--device must be cpu or cuda[:N], got {device!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NinferError("--device cuda: no CUDA device is available on this machine (use --device cpu)")
+
+
+def _summary(result) -> str:
+    return (
+        f"prefill: {result.prompt_tokens} tokens in {result.prefill_seconds:.3f} s "
+        f"({result.prefill_tokens_per_s:.1f} tok/s) | decode: {len(result.token_ids)} tokens, "
+        f"{result.decode_steps} steps in {result.decode_seconds:.3f} s ({result.decode_tokens_per_s:.1f} tok/s) "
+        f"| finish: {result.finish_reason}"
+    )
+
+
+def generate(
+    artifact: Path = typer.Argument(..., help="The .ninfer entry file."),
+    prompt: str | None = typer.Option(None, "--prompt", help="A user message, rendered with the chat template."),
+    messages: Path | None = typer.Option(None, "--messages", help="JSON file: a list of messages or {messages, tools}."),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Token ids, comma-separated (no template)."),
+    raw: bool = typer.Option(False, "--raw", help="Encode --prompt as plain text, without the chat template."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token."),
+    temperature: float | None = typer.Option(None, "--temperature", help="Softmax temperature (0 = greedy)."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: float | None = typer.Option(None, "--top-p", help="Keep the smallest set reaching this probability."),
+    min_p: float | None = typer.Option(None, "--min-p", help="Drop tokens below min_p x the top probability."),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="OpenAI presence penalty."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="OpenAI frequency penalty."),
+    repetition_penalty: float | None = typer.Option(None, "--repetition-penalty", help="Repetition penalty (1 = off)."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
+    no_thinking: bool = typer.Option(False, "--no-thinking", help="Render the template with thinking disabled."),
+    chat_template: Path | None = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
+    experts: str = typer.Option("resident", "--experts", help="resident (on the device) or host (staged per use)."),
+    max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate text from a prompt, a conversation or token ids."""
+    if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
+        raise NinferError("give exactly one of --prompt, --messages, --prompt-ids")
+    if experts not in ("resident", "host"):
+        raise NinferError(f"--experts must be resident or host, got {experts!r}")
+    if max_tokens < 1:
+        raise NinferError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if not artifact.is_file():
+        raise NinferError(f"no such artifact file: {artifact}")
+    _check_device(device)
+    template = _read_text(chat_template, "chat template") if chat_template is not None else None
+    conversation = _read_messages(messages) if messages is not None else None
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+
+    from ninfer_offload.frontend import Frontend
+    from ninfer_offload.runtime.engine import Engine
+    from ninfer_offload.runtime.generate import Generation
+
+    engine = Engine.load(artifact, device=device, experts=experts, max_context=max_context, progress=not json_out)
+    frontend = Frontend.from_artifact(engine.artifact, chat_template=template)
+    if ids is None:
+        if prompt is not None and raw:
+            ids = frontend.encode(prompt)
+        else:
+            chat, tools = conversation or ([{"role": "user", "content": prompt}], None)
+            ids = frontend.encode(frontend.render(chat, tools=tools, enable_thinking=not no_thinking))
+    vocab = engine.config.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise NinferError(f"prompt token ids must be in [0, {vocab})")
+    sampling = _sampling(
+        frontend.generation_config,
+        greedy,
+        seed,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+    )
+    generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
+
+    if json_out:
+        result = generation.run()
+        payload = {
+            "prompt_ids": ids,
+            "ids": result.token_ids,
+            "text": frontend.decode(result.token_ids),
+            **{key: value for key, value in result.as_dict().items() if key != "token_ids"},
+        }
+        typer.echo(json.dumps(payload, ensure_ascii=False))
+        return
+    decoder = frontend.incremental_decoder()
+    for token in generation:
+        sys.stdout.write(decoder.feed(token))
+        sys.stdout.flush()
+    sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.flush()
+    typer.echo(_summary(generation.result), err=True)
