@@ -23,3 +23,27 @@ def tiny_hf_model():
 def tiny_checkpoint(tiny_hf_model, tmp_path_factory):
     """Its Hugging Face checkpoint directory: fused experts, `model.*` prefix, `mtp.*` tensors, tokenizer files."""
     return tiny_hf.save_checkpoint(tiny_hf_model, tmp_path_factory.mktemp("tiny_checkpoint"), "fused", seed=TINY_SEED)
+
+
+def _convert(checkpoint, tmp_path_factory, recipe: str):
+    from ninfer_offload.convert import convert
+
+    return convert(checkpoint, tmp_path_factory.mktemp(f"tiny_{recipe}") / f"tiny_{recipe}.ninfer", recipe=recipe, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_checkpoint, tmp_path_factory):
+    """`tiny_checkpoint` converted with the lossless `bf16` recipe (components text + mtp)."""
+    return _convert(tiny_checkpoint, tmp_path_factory, "bf16")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_official(tiny_checkpoint, tmp_path_factory):
+    """`tiny_checkpoint` converted with the `official` recipe (Q4/Q5/Q6/Q8 groupwise)."""
+    return _convert(tiny_checkpoint, tmp_path_factory, "official")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_q8(tiny_checkpoint, tmp_path_factory):
+    """`tiny_checkpoint` converted with the `q8` recipe."""
+    return _convert(tiny_checkpoint, tmp_path_factory, "q8")

@@ -310,7 +310,7 @@ def save_checkpoint(
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = model.config.to_diff_dict()
+    config = model.config.to_dict()  # complete, like published configs
     config["architectures"] = [type(model).__name__]
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer_files(directory, vocab_size=text_config_of(model).vocab_size)
