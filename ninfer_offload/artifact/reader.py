@@ -208,7 +208,7 @@ class Artifact:
         pieces = [self._decode_part(self._decodable(p.object), p.begin, p.end) for p in binding.parts]
         values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         values = values.reshape(self._logical_shape(binding))
-        return torch.from_numpy(np.ascontiguousarray(values))
+        return torch.from_numpy(values if values.flags.c_contiguous else values.copy())
 
     def _logical_shape(self, binding: Binding) -> tuple[int, ...]:
         objs = [self._by_id[p.object] for p in binding.parts]
