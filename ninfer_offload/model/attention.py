@@ -1,0 +1,82 @@
+"""Gated full attention (every 4th layer of Qwen3.6 and the MTP layer) with partial rotary embedding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.model.weights import Weight, WeightReader
+from ninfer_offload.runtime.state import Segment
+
+
+class Rotary:
+    """Half-split (rotate_half) rotary embedding on the first `dim` dims of each head."""
+
+    def __init__(self, dim: int, theta: float, device: torch.device):
+        self.dim = dim
+        self.inv_freq = (1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))).to(device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated at `positions` [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq  # [T, dim/2]
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        first, second = rot.chunk(2, dim=-1)
+        rotated = torch.cat([-second, first], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+@dataclass
+class GatedAttention:
+    """q/k offset-RMSNormed per head, rotary, causal GQA over the KV cache, output gated by sigmoid(gate)."""
+
+    key: int  # state key of this layer
+    config: ModelConfig
+    rotary: Rotary
+    query: Weight
+    gate: Weight
+    key_proj: Weight
+    value: Weight
+    output: Weight
+    query_norm: torch.Tensor
+    key_norm: torch.Tensor
+
+    @classmethod
+    def load(cls, reader: WeightReader, prefix: str, key: int, config: ModelConfig, rotary: Rotary) -> "GatedAttention":
+        h, d = config.hidden_size, config.head_dim
+        q, kv = config.num_attention_heads * d, config.num_kv_heads * d
+        return cls(
+            key,
+            config,
+            rotary,
+            query=reader.matrix(f"{prefix}/attention/query", (q, h)),
+            gate=reader.matrix(f"{prefix}/attention/gate", (q, h)),
+            key_proj=reader.matrix(f"{prefix}/attention/key", (kv, h)),
+            value=reader.matrix(f"{prefix}/attention/value", (kv, h)),
+            output=reader.matrix(f"{prefix}/attention/output", (h, q)),
+            query_norm=reader.dense(f"{prefix}/attention/query_norm", (d,)),
+            key_norm=reader.dense(f"{prefix}/attention/key_norm", (d,)),
+        )
+
+    def __call__(self, backend, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        c = self.config
+        t = x.shape[0]
+        q = backend.linear(x, self.query).view(t, c.num_attention_heads, c.head_dim)
+        k = backend.linear(x, self.key_proj).view(t, c.num_kv_heads, c.head_dim)
+        v = backend.linear(x, self.value).view(t, c.num_kv_heads, c.head_dim)
+        gate = backend.linear(x, self.gate)
+        q = self.rotary(backend.rmsnorm(q, self.query_norm, c.rms_norm_eps, offset=True), positions)
+        k = self.rotary(backend.rmsnorm(k, self.key_norm, c.rms_norm_eps, offset=True), positions)
+        out = torch.empty_like(q)
+        for seg in segments:
+            k_cache, v_cache = seg.state.kv[self.key]
+            k_cache[seg.start : seg.start + seg.count] = k[seg.rows]
+            v_cache[seg.start : seg.start + seg.count] = v[seg.rows]
+            if seg.count == 1:
+                out[seg.rows] = backend.attention_decode(q[seg.rows], k_cache, v_cache, seg.start + 1)
+            else:
+                out[seg.rows] = backend.attention_prefill(q[seg.rows], k_cache, v_cache, seg.start)
+        return backend.linear(out.reshape(t, -1) * torch.sigmoid(gate), self.output)

@@ -1,0 +1,73 @@
+"""Gated DeltaNet mixer (the linear-attention layers): conv window + gated delta rule, FP32 state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.model.weights import Weight, WeightReader
+from ninfer_offload.runtime.state import Segment
+
+
+@dataclass
+class GatedDeltaNet:
+    key: int  # state key of this layer
+    config: ModelConfig
+    query: Weight
+    key_proj: Weight
+    value: Weight
+    z: Weight
+    a: Weight
+    b: Weight
+    a_log: torch.Tensor  # fp32 [Hv]
+    dt_bias: torch.Tensor  # fp32 [Hv]
+    convolution: torch.Tensor  # [W, C] tap-major
+    norm: torch.Tensor  # [Dv]
+    output: Weight
+
+    @classmethod
+    def load(cls, reader: WeightReader, prefix: str, key: int, config: ModelConfig) -> "GatedDeltaNet":
+        h = config.hidden_size
+        qk = config.linear_num_key_heads * config.linear_key_head_dim
+        v = config.linear_num_value_heads * config.linear_value_head_dim
+        heads = config.linear_num_value_heads
+        p = f"{prefix}/gdn"
+        return cls(
+            key,
+            config,
+            query=reader.matrix(f"{p}/query", (qk, h)),
+            key_proj=reader.matrix(f"{p}/key", (qk, h)),
+            value=reader.matrix(f"{p}/value", (v, h)),
+            z=reader.matrix(f"{p}/z", (v, h)),
+            a=reader.matrix(f"{p}/a_projection", (heads, h)),
+            b=reader.matrix(f"{p}/b_projection", (heads, h)),
+            a_log=reader.dense(f"{p}/a_log", (heads,), torch.float32),
+            dt_bias=reader.dense(f"{p}/dt_bias", (heads,), torch.float32),
+            convolution=reader.dense(f"{p}/convolution", (config.linear_conv_kernel, config.conv_channels)),
+            norm=reader.dense(f"{p}/norm", (config.linear_value_head_dim,)),
+            output=reader.matrix(f"{p}/output", (h, v)),
+        )
+
+    def __call__(self, backend, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        c = self.config
+        t = x.shape[0]
+        nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
+        nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        mixed = torch.cat([backend.linear(x, w) for w in (self.query, self.key_proj, self.value)], dim=-1)
+        z = backend.linear(x, self.z).view(t, nv, dv)
+        beta = torch.sigmoid(backend.linear(x, self.b))
+        g = -self.a_log.exp() * F.softplus(backend.linear(x, self.a).float() + self.dt_bias)
+        out = torch.empty(t, nv, dv, dtype=x.dtype, device=x.device)
+        for seg in segments:
+            conv = backend.conv_update(mixed[seg.rows], seg.state.conv[self.key], self.convolution)
+            q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
+            rule = backend.gdn_decode if seg.count == 1 else backend.gdn_prefill
+            out[seg.rows] = rule(
+                q.reshape(-1, nk, dk), k.reshape(-1, nk, dk), v.reshape(-1, nv, dv),
+                g[seg.rows], beta[seg.rows], seg.state.recurrent[self.key],
+            )
+        gated = backend.rmsnorm(out, self.norm, c.rms_norm_eps, offset=False) * F.silu(z.float()).to(x.dtype)
+        return backend.linear(gated.reshape(t, -1), self.output)

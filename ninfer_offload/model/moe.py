@@ -1,0 +1,52 @@
+"""Sparse MoE block: fp32 softmax router with renormalised top-k, routed experts through the expert
+store, and the always-on shared expert scaled by sigmoid(shared score)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.model.weights import Weight, WeightReader
+
+
+class RoutedExperts(Protocol):
+    """What the MoE block needs from the expert store."""
+
+    def routed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class SparseMoe:
+    layer: int  # expert-store layer index
+    top_k: int
+    router: Weight
+    shared_score: Weight
+    shared_gate: Weight
+    shared_up: Weight
+    shared_down: Weight
+    experts: RoutedExperts
+
+    @classmethod
+    def load(cls, reader: WeightReader, prefix: str, layer: int, config: ModelConfig, experts: RoutedExperts) -> "SparseMoe":
+        h, s = config.hidden_size, config.shared_intermediate_size
+        p = f"{prefix}/moe"
+        return cls(
+            layer,
+            config.top_k,
+            router=reader.matrix(f"{p}/router", (config.num_experts, h)),
+            shared_score=reader.matrix(f"{p}/shared_score", (1, h)),
+            shared_gate=reader.matrix(f"{p}/shared/gate", (s, h)),
+            shared_up=reader.matrix(f"{p}/shared/up", (s, h)),
+            shared_down=reader.matrix(f"{p}/shared/down", (h, s)),
+            experts=experts,
+        )
+
+    def __call__(self, backend, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = backend.router(x, self.router, self.top_k)
+        routed = self.experts.routed(self.layer, x, topk_ids, topk_weights)
+        shared = backend.linear(F.silu(backend.linear(x, self.shared_gate)) * backend.linear(x, self.shared_up), self.shared_down)
+        return routed + torch.sigmoid(backend.linear(x, self.shared_score)) * shared

@@ -1,0 +1,111 @@
+"""The text model: embedding, hybrid decoder layers (Gated DeltaNet or gated attention, then sparse
+MoE), final norm and output head; and the MTP draft module that shares its embedding and head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_offload.model.attention import GatedAttention, Rotary
+from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
+from ninfer_offload.model.gdn import GatedDeltaNet
+from ninfer_offload.model.moe import RoutedExperts, SparseMoe
+from ninfer_offload.model.weights import Weight, WeightReader
+from ninfer_offload.runtime.state import Segment, positions_of
+
+MTP_PREFIX = "mtp/layers/0"
+
+
+@dataclass
+class DecoderLayer:
+    """x = x + mixer(offset_rmsnorm(x)); x = x + moe(offset_rmsnorm(x))."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    mixer: GatedAttention | GatedDeltaNet
+    moe: SparseMoe
+    eps: float
+
+    @classmethod
+    def load(
+        cls, reader: WeightReader, prefix: str, key: int, kind: str, config: ModelConfig, rotary: Rotary, experts: RoutedExperts
+    ) -> "DecoderLayer":
+        h = config.hidden_size
+        if kind == FULL_ATTENTION:
+            mixer = GatedAttention.load(reader, prefix, key, config, rotary)
+        else:
+            mixer = GatedDeltaNet.load(reader, prefix, key, config)
+        return cls(
+            input_norm=reader.dense(f"{prefix}/input_norm", (h,)),
+            post_attention_norm=reader.dense(f"{prefix}/post_attention_norm", (h,)),
+            mixer=mixer,
+            moe=SparseMoe.load(reader, prefix, key, config, experts),
+            eps=config.rms_norm_eps,
+        )
+
+    def __call__(self, backend, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        x = x + self.mixer(backend, backend.rmsnorm(x, self.input_norm, self.eps, offset=True), positions, segments)
+        return x + self.moe(backend, backend.rmsnorm(x, self.post_attention_norm, self.eps, offset=True))
+
+
+@dataclass
+class TextModel:
+    config: ModelConfig
+    embedding: Weight
+    layers: list[DecoderLayer]
+    final_norm: torch.Tensor
+    head: Weight
+    dtype: torch.dtype
+
+    def embed(self, backend, token_ids: torch.Tensor) -> torch.Tensor:
+        return backend.embedding(token_ids, self.embedding, self.dtype)
+
+    def hidden(self, backend, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Final-normed hidden states [T, H] of the batch rows; advances every segment's state."""
+        x = self.embed(backend, token_ids)
+        positions = positions_of(segments, x.device)
+        for layer in self.layers:
+            x = layer(backend, x, positions, segments)
+        return backend.rmsnorm(x, self.final_norm, self.config.rms_norm_eps, offset=True)
+
+    def logits(self, backend, hidden: torch.Tensor) -> torch.Tensor:
+        """Output-head logits [T, vocab] in float32."""
+        return backend.linear(hidden, self.head).float()
+
+
+@dataclass
+class MtpModule:
+    """One full-attention MoE layer drafting token t+2 from the target's hidden h_t and token t+1.
+
+    u = fc([offset_rmsnorm(embed(x_{t+1})), offset_rmsnorm(h_t)]); y = offset_rmsnorm(layer(u));
+    logits = head(y). Position t is the position of h_t; `y` is fed back for further drafts.
+    """
+
+    input_projection: Weight
+    embedding_norm: torch.Tensor
+    hidden_norm: torch.Tensor
+    final_norm: torch.Tensor
+    layer: DecoderLayer
+    eps: float
+
+    @classmethod
+    def load(cls, reader: WeightReader, key: int, config: ModelConfig, rotary: Rotary, experts: RoutedExperts) -> "MtpModule":
+        h = config.hidden_size
+        return cls(
+            input_projection=reader.matrix("mtp/input_projection", (h, 2 * h)),
+            embedding_norm=reader.dense("mtp/embedding_norm", (h,)),
+            hidden_norm=reader.dense("mtp/hidden_norm", (h,)),
+            final_norm=reader.dense("mtp/final_norm", (h,)),
+            layer=DecoderLayer.load(reader, MTP_PREFIX, key, FULL_ATTENTION, config, rotary, experts),
+            eps=config.rms_norm_eps,
+        )
+
+    def __call__(
+        self, backend, text: TextModel, hidden: torch.Tensor, next_ids: torch.Tensor, segments: list[Segment]
+    ) -> torch.Tensor:
+        """MTP hidden states [T, H] for target hidden `hidden` [T, H] and next tokens `next_ids` [T]."""
+        embedded = backend.rmsnorm(text.embed(backend, next_ids), self.embedding_norm, self.eps, offset=True)
+        stem = torch.cat([embedded, backend.rmsnorm(hidden, self.hidden_norm, self.eps, offset=True)], dim=-1)
+        x = self.layer(backend, backend.linear(stem, self.input_projection), positions_of(segments, hidden.device), segments)
+        return backend.rmsnorm(x, self.final_norm, self.eps, offset=True)

@@ -1,0 +1,131 @@
+"""Build the text model (and optionally the MTP module) and the expert store from an artifact.
+
+Routed experts are repacked per expert into one record each (`ExpertRecordLayout` for row-split
+banks, `DenseRecordLayout` for lossless ones), in host memory (pinned when staged to CUDA); the
+store then moves them to the device or keeps them on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_offload.artifact.errors import ArtifactError
+from ninfer_offload.artifact.formats import CONTIGUOUS, ROW_SPLIT
+from ninfer_offload.model.attention import Rotary
+from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.model.experts import DenseRecordLayout, RecordLayout
+from ninfer_offload.model.text_model import MTP_PREFIX, DecoderLayer, MtpModule, TextModel
+from ninfer_offload.model.weights import WeightReader
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+from ninfer_offload.runtime.expert_store import ExpertStore
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    text: TextModel
+    mtp: MtpModule | None
+    store: ExpertStore
+
+
+def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLayout, str, str]:
+    """The record layout of the routed experts under `prefix`, and the ids of their two bank objects.
+
+    Requires the fused bank arrangement of FORMAT.md §8.5: expert e's gate rows [2Ie, 2Ie+I) and up
+    rows [2Ie+I, 2I(e+1)) of one gate/up bank, its down rows [He, H(e+1)) of one down bank.
+    """
+    e_count, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    gate_up_id, _, _ = artifact.rows(f"{prefix}/moe/experts/0/gate")
+    down_id, _, _ = artifact.rows(f"{prefix}/moe/experts/0/down")
+    for e in range(e_count):
+        expected = {
+            "gate": (gate_up_id, 2 * inter * e, 2 * inter * e + inter),
+            "up": (gate_up_id, 2 * inter * e + inter, 2 * inter * (e + 1)),
+            "down": (down_id, hidden * e, hidden * (e + 1)),
+        }
+        for part, rows in expected.items():
+            if artifact.rows(f"{prefix}/moe/experts/{e}/{part}") != rows:
+                raise ArtifactError(
+                    f"{prefix}/moe/experts/{e}/{part} is not bound to rows {list(rows[1:])} of a fused expert bank"
+                )
+    gate_up, down = artifact.object(gate_up_id), artifact.object(down_id)
+    if gate_up.shape != (e_count * 2 * inter, hidden) or down.shape != (e_count * hidden, inter):
+        raise ArtifactError(
+            f"{prefix} expert banks have shapes {list(gate_up.shape)} and {list(down.shape)}, expected "
+            f"{[e_count * 2 * inter, hidden]} and {[e_count * hidden, inter]}"
+        )
+    if gate_up.layout == ROW_SPLIT and down.layout == ROW_SPLIT:
+        return ExpertRecordLayout.create(gate_up.format, down.format, hidden, inter), gate_up_id, down_id
+    if gate_up.layout == CONTIGUOUS and down.layout == CONTIGUOUS and gate_up.format == down.format != "int32":
+        return DenseRecordLayout(gate_up.format, hidden, inter), gate_up_id, down_id
+    raise ArtifactError(f"{prefix} expert banks are {gate_up.format}/{down.format}: unsupported for routed experts")
+
+
+def pack_records(artifact, prefix: str, config: ModelConfig, pinned: bool) -> tuple[RecordLayout, torch.Tensor]:
+    """All experts of one layer as records [E, nbytes] uint8 in host memory (pinned if asked)."""
+    layout, gate_up_id, down_id = _record_layout(artifact, prefix, config)
+    records = torch.zeros(config.num_experts, layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
+    view = records.numpy()
+    gate_up, down = artifact.payload(gate_up_id), artifact.payload(down_id)
+    for e in range(config.num_experts):
+        layout.pack(gate_up, down, config.num_experts, e, out=view[e])
+    return layout, records
+
+
+def load_model(
+    artifact,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend,
+    experts: str = "resident",
+    num_slots: int | None = None,
+    miss_path: str | None = None,
+    with_mtp: bool = False,
+    progress: bool = False,
+) -> LoadedModel:
+    """Read every weight the text model (and the MTP module if `with_mtp`) needs onto `device`."""
+    if "text" not in artifact.components:
+        raise ArtifactError(f"{artifact.path.name} has no text component")
+    config = ModelConfig.from_component(artifact.components["text"].config)
+    if with_mtp and "mtp/input_projection" not in artifact.bindings:
+        raise ArtifactError(f"{artifact.path.name} has no MTP weights (convert the checkpoint with its mtp.* tensors)")
+    prefixes = [f"text/layers/{i}" for i in range(config.num_layers)] + ([MTP_PREFIX] if with_mtp else [])
+    pinned = experts == "host" and device.type == "cuda"
+    steps = range(len(prefixes))
+    if progress:
+        from rich.progress import track
+
+        steps = track(steps, description="loading experts", transient=True)
+    packed = []
+    for i in steps:  # resident records go to the device layer by layer, bounding host memory
+        layout, records = pack_records(artifact, prefixes[i], config, pinned)
+        packed.append((layout, records.to(device) if experts == "resident" else records))
+    store = ExpertStore(
+        [layout for layout, _ in packed],
+        [records for _, records in packed],
+        backend,
+        device,
+        mode=experts,
+        num_slots=num_slots,
+        miss_path=miss_path,
+        top_k=config.top_k,
+    )
+    del packed
+    reader = WeightReader(artifact, device, dtype)
+    rotary = Rotary(config.rotary_dim, config.rope_theta, device)
+    h, v = config.hidden_size, config.vocab_size
+    layers = [
+        DecoderLayer.load(reader, prefixes[i], i, kind, config, rotary, store) for i, kind in enumerate(config.layer_types)
+    ]
+    text = TextModel(
+        config,
+        embedding=reader.matrix("text/token_embedding", (v, h)),
+        layers=layers,
+        final_norm=reader.dense("text/final_norm", (h,)),
+        head=reader.matrix("text/output_head", (v, h)),
+        dtype=dtype,
+    )
+    mtp = MtpModule.load(reader, config.num_layers, config, rotary, store) if with_mtp else None
+    return LoadedModel(config, text, mtp, store)
