@@ -117,21 +117,19 @@ def generate(
     conversation = _read_messages(messages) if messages is not None else None
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
 
+    from ninfer_offload.artifact.reader import open_artifact
     from ninfer_offload.frontend import Frontend
     from ninfer_offload.runtime.engine import Engine
     from ninfer_offload.runtime.generate import Generation
 
-    engine = Engine.load(artifact, device=device, experts=experts, max_context=max_context, progress=not json_out)
-    frontend = Frontend.from_artifact(engine.artifact, chat_template=template)
+    with open_artifact(artifact) as opened:
+        frontend = Frontend.from_artifact(opened, chat_template=template)
     if ids is None:
         if prompt is not None and raw:
             ids = frontend.encode(prompt)
         else:
             chat, tools = conversation or ([{"role": "user", "content": prompt}], None)
             ids = frontend.encode(frontend.render(chat, tools=tools, enable_thinking=not no_thinking))
-    vocab = engine.config.vocab_size
-    if any(not 0 <= i < vocab for i in ids):
-        raise NinferError(f"prompt token ids must be in [0, {vocab})")
     sampling = _sampling(
         frontend.generation_config,
         greedy,
@@ -144,6 +142,10 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
     )
+    engine = Engine.load(artifact, device=device, experts=experts, max_context=max_context, progress=not json_out)
+    vocab = engine.config.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise NinferError(f"prompt token ids must be in [0, {vocab})")
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
 
     if json_out:

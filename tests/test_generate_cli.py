@@ -1,0 +1,109 @@
+"""`ninfer generate` end to end in subprocesses on the tiny bf16 artifact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ninfer_offload.frontend import Frontend
+from ninfer_offload.runtime.engine import Engine
+
+PROMPT = [11, 42, 7, 300, 5, 99, 23]
+TOOLS = [{"type": "function", "function": {"name": "now", "description": "Current time.", "parameters": {}}}]
+
+
+def ninfer(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ninfer_offload", "generate", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+def one_line_error(run: subprocess.CompletedProcess, fragment: str) -> None:
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], run.stderr
+
+
+@pytest.fixture(scope="module")
+def frontend(tiny_checkpoint):
+    return Frontend.from_directory(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def greedy_ids(tiny_artifact):
+    """The engine's greedy continuation of PROMPT (16 tokens), by full prefill per token."""
+    engine = Engine.load(tiny_artifact)
+    ids = list(PROMPT)
+    for _ in range(16):
+        ids.append(int(torch.argmax(engine.logits(ids)[-1])))
+    return ids[len(PROMPT) :]
+
+
+def test_json_greedy_output_equals_the_engine(tiny_artifact, frontend, greedy_ids):
+    run = ninfer(tiny_artifact, "--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 16, "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["prompt_ids"] == PROMPT
+    assert out["ids"] == greedy_ids
+    assert out["text"] == frontend.decode(greedy_ids)
+    assert out["finish_reason"] == "length" and out["stop_id"] is None
+    assert out["prompt_tokens"] == len(PROMPT) and out["decode_steps"] == 15
+    assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
+
+
+def test_streamed_text_equals_json_text(tiny_artifact):
+    args = (tiny_artifact, "--prompt", "Hello, how are you?", "--greedy", "--max-tokens", 12, "--no-thinking")
+    as_json = ninfer(*args, "--json")
+    streamed = ninfer(*args)
+    assert as_json.returncode == 0 and streamed.returncode == 0, (as_json.stderr, streamed.stderr)
+    assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
+    assert "prefill: " in streamed.stderr and "decode: " in streamed.stderr and "tok/s" in streamed.stderr
+
+
+def test_messages_file_tools_and_template_override(tmp_path, tiny_artifact, frontend):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What time is it?"}]
+    (tmp_path / "chat.json").write_text(json.dumps({"messages": messages, "tools": TOOLS}))
+    run = ninfer(tiny_artifact, "--messages", tmp_path / "chat.json", "--no-thinking", "--max-tokens", 3, "--seed", 5, "--json")
+    assert run.returncode == 0, run.stderr
+    expected = frontend.encode(frontend.render(messages, tools=TOOLS, enable_thinking=False))
+    assert json.loads(run.stdout)["prompt_ids"] == expected
+    (tmp_path / "plain.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    run = ninfer(tiny_artifact, "--prompt", "abc", "--chat-template", tmp_path / "plain.jinja", "--max-tokens", 1, "--json")
+    assert json.loads(run.stdout)["prompt_ids"] == frontend.encode("abc")
+
+
+def test_seeded_sampling_is_reproducible_across_processes(tiny_artifact):
+    args = (tiny_artifact, "--prompt-ids", "1,2,3", "--temperature", 1.3, "--top-p", 0.9, "--seed", 77, "--max-tokens", 8, "--json")
+    first, second = ninfer(*args), ninfer(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["ids"] == json.loads(second.stdout)["ids"]
+
+
+def test_prompt_beyond_the_context_limit(tiny_artifact):
+    one_line_error(ninfer(tiny_artifact, "--prompt-ids", ",".join(["5"] * 40), "--max-context", 16), "context")
+
+
+def test_bad_sampling_option(tiny_artifact):
+    one_line_error(ninfer(tiny_artifact, "--prompt-ids", "1", "--top-p", 0), "top_p must be in (0, 1]")
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, tiny_artifact):
+    one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--prompt-ids", "1"), "exactly one of")
+    one_line_error(ninfer(tiny_artifact), "exactly one of")
+    one_line_error(ninfer(tmp_path / "missing.ninfer", "--prompt", "a"), "no such artifact file")
+    one_line_error(ninfer(tiny_artifact, "--prompt-ids", "1,x"), "comma-separated integers")
+    one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--experts", "gpu"), "--experts must be")
+    one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--max-tokens", 0), "--max-tokens must be >= 1")
+    one_line_error(ninfer(tiny_artifact, "--messages", tmp_path / "none.json"), "cannot read messages file")
+    (tmp_path / "bad.json").write_text("[{")
+    one_line_error(ninfer(tiny_artifact, "--messages", tmp_path / "bad.json"), "not valid JSON")
+    one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--chat-template", tmp_path / "none.jinja"), "cannot read chat template")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_a_cuda_device(tiny_artifact):
+    one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--device", "cuda"), "no CUDA device")
