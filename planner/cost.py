@@ -1,0 +1,123 @@
+"""Cost model: predicted decode and prefill tokens/s from the bytes each token moves.
+
+Decode at batch 1 is memory-bound: a step reads the resident weights it touches from VRAM, pulls
+every routed expert it needs that is not resident over PCIe, and pays a fixed launch overhead.
+Prefill of a chunk is compute-bound on the GPU plus one transfer of every host-resident expert
+the chunk touches. Every constant below is an assumption and is printed with the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ninfer_offload.planner.memory import ModelShape, gdn_state_bytes, kv_layer_bytes_per_token
+from ninfer_offload.planner.options import PlanOptions
+from ninfer_offload.planner.placement import Prediction
+from ninfer_offload.planner.routing import RoutingStats
+from ninfer_offload.profiles import DeviceProfile
+
+KERNEL_EFFICIENCY = 0.7  # share of peak memory bandwidth the decode kernels reach
+PREFILL_EFFICIENCY = 0.35  # share of peak tensor throughput quantized prefill GEMMs reach
+STEP_OVERHEAD_S = 0.001  # launches (CUDA graph replay), sampling and host work per forward
+
+
+@dataclass(frozen=True)
+class WeightTraffic:
+    """Bytes (and parameters) of the weights a token reads, from the inventory."""
+
+    dense_text_bytes: int  # text weights except routed experts, embedding and output head
+    dense_text_params: int
+    embedding_row_bytes: int
+    embedding_on_device: bool
+    head_bytes: int
+    draft_head_bytes: int  # proposal head if used, else the output head
+    mtp_dense_bytes: int  # MTP weights except its routed experts
+    mtp_expert_bytes: int  # one MTP expert record
+
+
+def expected_touched(hits: float, tokens: int) -> float:
+    """Expected times an expert with `hits` expected picks per token is needed by a step of `tokens`
+    tokens that route independently (each needed expert moves once per step)."""
+    q = min(hits, 1.0)
+    return 1.0 - (1.0 - q) ** tokens
+
+
+def _expert_traffic(stats: RoutingStats, resident: list[list[int]], expert_bytes: list[int], tokens: int) -> tuple[float, float]:
+    """(VRAM bytes, PCIe bytes) of routed experts for one step of `tokens` tokens."""
+    vram = pcie = 0.0
+    for row, ids, size in zip(stats.hits, resident, expert_bytes):
+        held = set(ids)
+        for expert, hits in enumerate(row):
+            moved = expected_touched(hits, tokens) * size
+            if expert in held:
+                vram += moved
+            else:
+                pcie += moved
+    return vram, pcie
+
+
+def predict(
+    shape: ModelShape,
+    profile: DeviceProfile,
+    options: PlanOptions,
+    weights: WeightTraffic,
+    stats: RoutingStats,
+    resident: list[list[int]],
+    expert_bytes: list[int],
+) -> Prediction:
+    vram_rate = profile.memory_bandwidth_gbs * 1e9 * KERNEL_EFFICIENCY
+    pcie_rate = profile.h2d_bandwidth_gbs * 1e9
+    context = min(options.at_context, options.max_context)
+    kv_layer = kv_layer_bytes_per_token(shape, options) * context
+
+    def step(tokens: int) -> tuple[float, float, float]:
+        """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions."""
+        expert_vram, expert_pcie = _expert_traffic(stats, resident, expert_bytes, tokens)
+        embedding = weights.embedding_row_bytes * tokens
+        vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + shape.attention_layers * kv_layer
+        vram += gdn_state_bytes(shape) * (1 + tokens)  # read the state, write one per position
+        pcie = expert_pcie
+        if weights.embedding_on_device:
+            vram += embedding
+        else:
+            pcie += embedding
+        return vram / vram_rate + pcie / pcie_rate + STEP_OVERHEAD_S, vram, pcie
+
+    seconds, vram_bytes, pcie_bytes = step(1)
+    decode_mtp = None
+    if options.speculating:
+        drafts = options.draft_count
+        draft_bytes = weights.mtp_dense_bytes + shape.top_k * weights.mtp_expert_bytes + weights.draft_head_bytes + kv_layer
+        draft_seconds = drafts * (draft_bytes / vram_rate + STEP_OVERHEAD_S)
+        verify_seconds = step(drafts + 1)[0]
+        a = options.mtp_acceptance
+        tokens_per_step = (1 - a ** (drafts + 1)) / (1 - a)
+        decode_mtp = tokens_per_step / (draft_seconds + verify_seconds)
+
+    chunk = options.prefill_chunk
+    expert_params = 3 * shape.hidden * shape.expert_width * shape.top_k * (shape.attention_layers + shape.linear_layers)
+    attention_flops = shape.attention_layers * 4 * context * shape.query_heads * shape.head_dim
+    flops = chunk * (2 * (weights.dense_text_params + expert_params) + attention_flops)
+    compute_seconds = flops / (profile.tensor_tflops * 1e12 * PREFILL_EFFICIENCY)
+    expert_vram, expert_pcie = _expert_traffic(stats, resident, expert_bytes, chunk)
+    weight_seconds = (weights.dense_text_bytes + weights.head_bytes + expert_vram) / vram_rate
+    prefill_seconds = max(compute_seconds, weight_seconds) + expert_pcie / pcie_rate
+    assumptions = (
+        f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of {profile.memory_bandwidth_gbs:g} GB/s memory bandwidth",
+        f"host-resident experts move at {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D, not overlapped with compute, no cache hits",
+        f"{STEP_OVERHEAD_S * 1e3:g} ms fixed overhead per forward (launches, sampling)",
+        f"decode measured at context {context} tokens, batch 1; KV and GDN state traffic included",
+        f"routing from {stats.source}; tokens of one step route independently",
+        f"MTP: {options.draft_count} drafts per step, per-draft acceptance {options.mtp_acceptance:g} (assumed), "
+        f"draft head {'proposal head' if options.proposal_head else 'output head'}" if options.speculating else "no speculation",
+        f"prefill: chunk {chunk}, quantized GEMMs reach {PREFILL_EFFICIENCY:.0%} of {profile.tensor_tflops:g} TFLOPS, "
+        "each host-resident expert a chunk needs moves once per chunk",
+    )
+    return Prediction(
+        decode_tok_s=1.0 / seconds,
+        decode_tok_s_mtp=decode_mtp,
+        prefill_tok_s=chunk / prefill_seconds,
+        vram_bytes_per_token=int(vram_bytes),
+        pcie_bytes_per_token=pcie_bytes,
+        assumptions=assumptions,
+    )

@@ -1,0 +1,78 @@
+"""What the user asks of a plan: context, concurrency, KV dtype, speculation, budgets."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from ninfer_offload.errors import NinferError
+
+KV_DTYPES = ("bf16", "fp8", "int8")
+SPECULATIVE_MODES = ("none", "mtp")
+MAX_DRAFTS = 5
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as `2GiB`, `24GB`, `512MiB`, `1.5G` or `4096` (GB/G decimal, GiB binary)."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise NinferError(f"cannot read size {text!r}; write e.g. 12GiB, 24GB or 512MiB")
+    unit = (match[2] or "").lower().rstrip("b")
+    return int(float(match[1]) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Plan options. Defaults are `ninfer plan`'s: MTP with 3 drafts and the proposal head,
+    262,144-token context, fp8 KV, one sequence, vision off."""
+
+    max_context: int = 262144
+    concurrency: int = 1
+    kv_dtype: str = "fp8"
+    speculative: str = "mtp"
+    drafts: int = 3
+    proposal_head: bool = True
+    vision: bool = False
+    prefill_chunk: int = 2048
+    vram_reserve: int | None = None  # bytes; None = the profile's reserve
+    vram_budget: int | None = None  # bytes of the card the plan may use; None = all of it
+    host_budget: int | None = None  # bytes of pinned host memory; None = a share of host RAM
+    mtp_acceptance: float = 0.75  # per-draft acceptance probability (assumption)
+    at_context: int = 4096  # sequence length at which decode speed is predicted
+
+    def __post_init__(self) -> None:
+        positive = {"max_context": self.max_context, "concurrency": self.concurrency, "prefill_chunk": self.prefill_chunk, "at_context": self.at_context}
+        for name, value in positive.items():
+            if value < 1:
+                raise NinferError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise NinferError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise NinferError(f"--spec must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if self.speculative == "mtp" and not 1 <= self.drafts <= MAX_DRAFTS:
+            raise NinferError(f"--drafts must be 1..{MAX_DRAFTS} with --spec mtp, got {self.drafts}")
+        if not 0.0 <= self.mtp_acceptance < 1.0:
+            raise NinferError(f"--mtp-acceptance must be in [0, 1), got {self.mtp_acceptance}")
+        for name in ("vram_reserve", "vram_budget", "host_budget"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise NinferError(f"--{name.replace('_', '-')} must not be negative")
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculative == "mtp"
+
+    @property
+    def draft_count(self) -> int:
+        """Drafted tokens per step (0 without speculation)."""
+        return self.drafts if self.speculating else 0
+
+    @property
+    def kv_bytes_per_element(self) -> int:
+        return 2 if self.kv_dtype == "bf16" else 1
+
+    def to_json(self) -> dict:
+        return asdict(self)

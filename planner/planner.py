@@ -1,0 +1,216 @@
+"""`plan(inventory, profile, options, routing_stats=None) -> Placement`: a pure function.
+
+Order of claims on the VRAM budget (min(card, --vram-budget) minus the reserve):
+1. what every step needs: non-expert text weights, the output head, MTP and the proposal head when
+   speculating, vision when enabled, KV cache, GDN state, prefill workspace;
+2. routed experts of the text layers, by marginal value (expected hits per token per byte) across
+   all layers, hottest first; when not all fit, staging slots for streamed experts are set aside
+   first and the rest live in pinned host memory;
+3. the token embedding, only once every expert is resident (a token needs one row of it, which
+   costs nothing over PCIe; an expert in VRAM saves a transfer on almost every token).
+DFlash weights are never loaded (speculation uses MTP).
+"""
+
+from __future__ import annotations
+
+from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.cost import WeightTraffic, predict
+from ninfer_offload.planner.memory import (
+    ModelShape,
+    gdn_state_bytes,
+    gdn_state_copies,
+    kv_bytes_per_token,
+    staging_slots,
+    workspace_bytes,
+)
+from ninfer_offload.planner.options import PlanOptions
+from ninfer_offload.planner.placement import ComponentPlacement, Placement
+from ninfer_offload.planner.routing import RoutingStats, default_routing_stats
+from ninfer_offload.profiles import DeviceProfile
+
+HOST_PINNED_SHARE = 0.75  # default pinned budget: 3/4 of host RAM (the rest: OS, page cache, programs)
+ROUTED = ("routed_gate_up", "routed_down")
+GiB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | None = None, routing_stats: RoutingStats | None = None) -> Placement:
+    """Place every weight of `inventory` for `profile`; `feasible` is False (with `reason`) when it cannot fit."""
+    options = options or PlanOptions()
+    shape = ModelShape.from_config(inventory.text_config)
+    banks = inventory.banks_of("text")
+    if not banks:
+        raise NinferError("artifact has no routed experts in its text component; nothing to plan")
+    experts = banks[0].num_experts
+    if any(b.num_experts != experts for b in banks) or [b.layer for b in banks] != list(range(len(banks))):
+        raise NinferError("artifact's routed experts differ between layers or skip layers; cannot plan it")
+    stats = routing_stats or default_routing_stats(inventory.text_config, len(banks), experts)
+    stats.check(len(banks), experts)
+    if options.speculating and not inventory.select("mtp"):
+        raise NinferError("artifact has no MTP component; use --spec none")
+    if options.speculating and options.proposal_head and not inventory.select("proposal"):
+        raise NinferError("artifact has no proposal head; use --no-proposal-head")
+    if options.vision and not inventory.select("vision"):
+        raise NinferError("artifact has no vision component; drop --vision")
+
+    bytes_of = lambda tensors: sum(t.bytes for t in tensors)  # noqa: E731
+    text = inventory.select("text")
+    dense_text = [t for t in text if t.role not in (*ROUTED, "token_embedding", "output_head")]
+    embedding = bytes_of(t for t in text if t.role == "token_embedding")
+    head = bytes_of(t for t in text if t.role == "output_head")
+    mtp, proposal = bytes_of(inventory.select("mtp")), bytes_of(inventory.select("proposal"))
+    vision, dflash = bytes_of(inventory.select("vision")), bytes_of(inventory.select("dflash"))
+    other = bytes_of(t for t in inventory.tensors if t.component not in ("text", "mtp", "proposal", "vision", "dflash"))
+    use_proposal = options.speculating and options.proposal_head
+
+    card = profile.vram_bytes
+    budget = min(card, options.vram_budget) if options.vram_budget is not None else card
+    host_budget = options.host_budget if options.host_budget is not None else int(profile.ram_bytes * HOST_PINNED_SHARE)
+    reserve = options.vram_reserve if options.vram_reserve is not None else profile.reserve_bytes
+    kv = kv_bytes_per_token(shape, options) * options.max_context * options.concurrency
+    runtime = {
+        "reserve": reserve,
+        "kv_cache": kv,
+        "gdn_state": gdn_state_bytes(shape) * gdn_state_copies(options) * options.concurrency,
+        "workspace": workspace_bytes(shape, options),
+        "staging": 0,
+    }
+    fixed_weights = bytes_of(dense_text) + head + (mtp if options.speculating else 0) + (proposal if use_proposal else 0) + (vision if options.vision else 0)
+    fixed = fixed_weights + sum(runtime.values())
+
+    order = _expert_order(stats, [b.expert_bytes for b in banks])
+    all_experts = sum(b.expert_bytes * b.num_experts for b in banks)
+    slots = 0
+    if fixed + all_experts <= budget:
+        chosen = len(order)
+        embedding_on_device = fixed + all_experts + embedding <= budget
+    else:
+        embedding_on_device = False
+        slots = staging_slots(shape, options)
+        runtime["staging"] = slots * max(b.expert_bytes for b in banks)
+        room = budget - fixed - runtime["staging"]
+        chosen = 0
+        while chosen < len(order) and order[chosen][2] <= room:
+            room -= order[chosen][2]
+            chosen += 1
+
+    resident: list[list[int]] = [[] for _ in banks]
+    for layer, expert, _ in order[:chosen]:
+        resident[layer].append(expert)
+    resident_bytes = sum(size for _, _, size in order[:chosen])
+    host_experts = all_experts - resident_bytes
+    host_pinned = host_experts + (0 if embedding_on_device else embedding)
+    vram_used = fixed + runtime["staging"] + resident_bytes + (embedding if embedding_on_device else 0)
+
+    routed_stored = sum(b.bank_bytes for b in banks)
+    unused = lambda n: ComponentPlacement(n, "unused", 0, 0)  # noqa: E731
+    on_device = lambda n: ComponentPlacement(n, "vram", n, 0)  # noqa: E731
+    components = {
+        "text_dense": on_device(bytes_of(dense_text)),
+        "output_head": on_device(head),
+        "token_embedding": on_device(embedding) if embedding_on_device else ComponentPlacement(embedding, "host", 0, embedding),
+        "routed_experts": ComponentPlacement(routed_stored, "vram" if not host_experts else ("host" if not resident_bytes else "split"), resident_bytes, host_experts),
+        "mtp": on_device(mtp) if options.speculating else unused(mtp),
+        "proposal": on_device(proposal) if use_proposal else unused(proposal),
+        "vision": on_device(vision) if options.vision else unused(vision),
+        "dflash": unused(dflash),
+    }
+    if other:
+        components["other"] = unused(other)
+
+    total_hits = sum(sum(row) for row in stats.hits)
+    mass = sum(stats.hits[layer][e] for layer, ids in enumerate(resident) for e in ids) / total_hits
+    placement = Placement(
+        profile=profile.name,
+        options=options,
+        feasible=True,
+        reason=None,
+        vram_total_bytes=card,
+        vram_budget_bytes=budget,
+        vram_used_bytes=vram_used,
+        host_pinned_bytes=host_pinned,
+        host_budget_bytes=host_budget,
+        components=components,
+        runtime=runtime,
+        resident_experts=resident,
+        experts_per_layer=experts,
+        expert_bytes=[b.expert_bytes for b in banks],
+        routing_mass_resident=min(1.0, mass),
+        routing_stats=stats.source,
+        staging_slots=slots,
+        kv_capacity_tokens=options.max_context * options.concurrency,
+    )
+    reason = _infeasible(placement, fixed, fixed_weights, options, profile)
+    if reason:
+        placement.feasible, placement.reason = False, reason
+        return placement
+    mtp_banks = inventory.banks_of("mtp")
+    weights = WeightTraffic(
+        dense_text_bytes=bytes_of(dense_text),
+        dense_text_params=sum(_elements(t.shape) for t in dense_text),
+        embedding_row_bytes=-(-embedding // shape.vocab),
+        embedding_on_device=embedding_on_device,
+        head_bytes=head,
+        draft_head_bytes=proposal if use_proposal else head,
+        mtp_dense_bytes=mtp - sum(b.bank_bytes for b in mtp_banks),
+        mtp_expert_bytes=mtp_banks[0].expert_bytes if mtp_banks else 0,
+    )
+    placement.predicted = predict(shape, profile, options, weights, stats, resident, placement.expert_bytes)
+    return placement
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count
+
+
+def _expert_order(stats: RoutingStats, expert_bytes: list[int]) -> list[tuple[int, int, int]]:
+    """(layer, expert, bytes) of every text expert, most valuable first: expected hits per byte,
+    ties broken by the expert's rank within its layer, then by layer (so uniform routing spreads
+    residency evenly over the layers). Each layer's experts appear hottest first."""
+    keyed = []
+    for layer, (row, size) in enumerate(zip(stats.hits, expert_bytes)):
+        ranked = sorted(range(len(row)), key=lambda e: (-row[e], e))
+        keyed += [(-row[e] / size, rank, layer, e, size) for rank, e in enumerate(ranked)]
+    keyed.sort()
+    return [(layer, e, size) for _, _, layer, e, size in keyed]
+
+
+def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptions, profile: DeviceProfile) -> str | None:
+    """One line saying what does not fit and which option would make it fit, or None."""
+    budget = p.vram_budget_bytes
+    if p.vram_used_bytes > budget:
+        kv = p.runtime["kv_cache"]
+        hints = []
+        if options.max_context > 8192 and kv > GiB // 4:
+            hints.append("a lower --max-context")
+        if options.kv_dtype == "bf16":
+            hints.append("--kv-dtype fp8")
+        if options.concurrency > 1:
+            hints.append("a lower --concurrency")
+        if options.speculating:
+            hints.append("--spec none" + (" or --no-proposal-head" if options.proposal_head else ""))
+        if options.vision:
+            hints.append("--no-vision")
+        if p.runtime["workspace"] > GiB // 2:
+            hints.append("a smaller --prefill-chunk")
+        if options.vram_budget is not None and options.vram_budget < profile.vram_bytes:
+            hints.append("a larger --vram-budget")
+        what = f"weights that must stay resident {_gib(fixed_weights)}, KV cache {_gib(kv)} for {p.kv_capacity_tokens} tokens, other runtime buffers {_gib(fixed - fixed_weights - kv)}"
+        if p.runtime["staging"]:
+            what += f", {p.staging_slots} expert staging slots {_gib(p.runtime['staging'])}"
+        remedy = "; try " + ", ".join(hints) if hints else "; this card is too small for this model"
+        return f"needs {_gib(p.vram_used_bytes)} VRAM ({what}), budget is {_gib(budget)} on {profile.name}{remedy}"
+    if p.host_pinned_bytes > p.host_budget_bytes:
+        return (
+            f"needs {_gib(p.host_pinned_bytes)} pinned host memory for offloaded experts, budget is "
+            f"{_gib(p.host_budget_bytes)} ({HOST_PINNED_SHARE:.0%} of {_gib(profile.ram_bytes)} RAM on {profile.name}); "
+            "give a larger --host-budget or --vram-budget, or a profile with more RAM"
+        )
+    return None

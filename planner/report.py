@@ -1,0 +1,115 @@
+"""Rich rendering of placements for `ninfer plan`: one plan in detail, or several side by side."""
+
+from __future__ import annotations
+
+from statistics import mean
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from ninfer_offload.planner.placement import Placement
+
+GiB = 2**30
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _expert_line(p: Placement) -> str:
+    counts = [len(ids) for ids in p.resident_experts]
+    return f"{min(counts)} / {mean(counts):.1f} / {max(counts)}"
+
+
+def render_plan(p: Placement, source: str) -> Group:
+    """Every section of one plan: components, memory, experts, predictions and assumptions."""
+    o = p.options
+    spec = f"MTP x{o.drafts}" + (" + proposal head" if o.proposal_head else "") if o.speculating else "none"
+    head = Table.grid(padding=(0, 2))
+    head.add_row("profile", p.profile)
+    head.add_row("model", source)
+    head.add_row("options", f"context {o.max_context}, concurrency {o.concurrency}, KV {o.kv_dtype}, speculation {spec}, vision {'on' if o.vision else 'off'}, prefill chunk {o.prefill_chunk}")
+    head.add_row("status", "[green]feasible[/]" if p.feasible else f"[red]does not fit[/]: {p.reason}")
+
+    components = Table(title="Weights by component", title_justify="left")
+    for col in ("component", "stored", "placement", "VRAM", "pinned host"):
+        components.add_column(col, justify="left" if col in ("component", "placement") else "right")
+    for name, c in p.components.items():
+        components.add_row(name, gib(c.bytes), c.placement, gib(c.vram_bytes), gib(c.host_bytes))
+
+    memory = Table(title="Memory", title_justify="left")
+    memory.add_column("item")
+    memory.add_column("bytes", justify="right")
+    weights_vram = sum(c.vram_bytes for c in p.components.values())
+    memory.add_row("weights in VRAM", gib(weights_vram))
+    for name, size in p.runtime.items():
+        memory.add_row(name.replace("_", " "), gib(size))
+    memory.add_row("[bold]VRAM used[/]", f"[bold]{gib(p.vram_used_bytes)}[/]")
+    memory.add_row("VRAM budget (card)", f"{gib(p.vram_budget_bytes)} ({gib(p.vram_total_bytes)})")
+    memory.add_row("VRAM free", gib(p.vram_free_bytes))
+    memory.add_row("pinned host used / budget", f"{gib(p.host_pinned_bytes)} / {gib(p.host_budget_bytes)}")
+
+    experts = Table(title="Routed experts (text layers)", title_justify="left")
+    experts.add_column("item")
+    experts.add_column("value", justify="right")
+    experts.add_row("resident", f"{p.experts_resident} of {p.experts_total}")
+    experts.add_row("per layer min / mean / max", _expert_line(p))
+    experts.add_row("routing mass covered", f"{p.routing_mass_resident:.1%}")
+    experts.add_row("routing statistics", p.routing_stats)
+    experts.add_row("staging slots", str(p.staging_slots))
+    experts.add_row("KV capacity (tokens)", f"{p.kv_capacity_tokens:,}")
+
+    parts = [head, components, memory, experts]
+    if p.predicted is not None:
+        r = p.predicted
+        speed = Table(title="Predicted speed", title_justify="left")
+        speed.add_column("item")
+        speed.add_column("value", justify="right")
+        speed.add_row("decode tok/s (batch 1)", _rate(r.decode_tok_s))
+        speed.add_row("decode tok/s with MTP", _rate(r.decode_tok_s_mtp))
+        speed.add_row("prefill tok/s", _rate(r.prefill_tok_s))
+        speed.add_row("VRAM read per token", gib(r.vram_bytes_per_token))
+        speed.add_row("PCIe per token", f"{r.pcie_bytes_per_token / 2**20:.1f} MiB")
+        assumptions = Table(title="Assumptions", title_justify="left", show_header=False)
+        assumptions.add_column("assumption")
+        for line in r.assumptions:
+            assumptions.add_row(f"- {line}")
+        parts += [speed, assumptions]
+    return Group(*parts)
+
+
+def render_comparison(plans: list[Placement]) -> Table:
+    """Key figures of several plans, one column per profile."""
+    table = Table(title="Plans side by side", title_justify="left")
+    table.add_column("")
+    for p in plans:
+        table.add_column(p.profile, justify="right")
+    rows = [
+        ("feasible", lambda p: "yes" if p.feasible else "no"),
+        ("VRAM budget", lambda p: gib(p.vram_budget_bytes)),
+        ("VRAM used", lambda p: gib(p.vram_used_bytes)),
+        ("pinned host", lambda p: gib(p.host_pinned_bytes)),
+        ("experts resident", lambda p: f"{p.experts_resident}/{p.experts_total}"),
+        ("per layer min/mean/max", _expert_line),
+        ("routing mass covered", lambda p: f"{p.routing_mass_resident:.1%}"),
+        ("token embedding", lambda p: p.components["token_embedding"].placement),
+        ("staging slots", lambda p: str(p.staging_slots)),
+        ("KV capacity (tokens)", lambda p: f"{p.kv_capacity_tokens:,}"),
+        ("decode tok/s", lambda p: _rate(p.predicted.decode_tok_s if p.predicted else None)),
+        ("decode tok/s MTP", lambda p: _rate(p.predicted.decode_tok_s_mtp if p.predicted else None)),
+        ("prefill tok/s", lambda p: _rate(p.predicted.prefill_tok_s if p.predicted else None)),
+    ]
+    for label, cell in rows:
+        table.add_row(label, *(cell(p) for p in plans))
+    for p in plans:
+        if not p.feasible:
+            table.caption = (table.caption + "\n" if table.caption else "") + f"{p.profile}: {p.reason}"
+    return table
+
+
+def print_renderable(renderable) -> None:
+    Console(width=140).print(renderable)
