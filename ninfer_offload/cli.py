@@ -36,8 +36,12 @@ def _register() -> None:
     from ninfer_offload.commands.convert import convert
     from ninfer_offload.commands.generate import generate
     from ninfer_offload.commands.inspect import inspect
+    from ninfer_offload.commands.plan import plan
+    from ninfer_offload.commands.profile import profile
 
     app.command("inspect")(inspect)
+    app.command("plan")(plan)
+    app.command("profile")(profile)
     app.command("generate")(generate)
     app.command("convert")(convert)
 
