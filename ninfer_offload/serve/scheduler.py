@@ -120,6 +120,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self._ids = itertools.count(1)
+        self._largest_batch = 0
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
 
     # -- HTTP side -------------------------------------------------------------------------
@@ -147,9 +148,9 @@ class Scheduler:
         return handle
 
     def stats(self) -> dict[str, int]:
-        """Active sequences (each holding an engine session) and waiting requests."""
+        """Active sequences (each holding an engine session), waiting requests, largest decode batch so far."""
         with self._wake:
-            return {"active": len(self._active), "waiting": len(self._waiting)}
+            return {"active": len(self._active), "waiting": len(self._waiting), "largest_batch": self._largest_batch}
 
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -213,6 +214,7 @@ class Scheduler:
         batch = [s for s in self._active if s.next_token is not None]
         if not batch:
             return
+        self._largest_batch = max(self._largest_batch, len(batch))
         try:
             logits = self.engine.step_batch([s.session for s in batch], [s.next_token for s in batch])
         except Exception as exc:  # noqa: BLE001
