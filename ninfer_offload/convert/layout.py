@@ -193,7 +193,7 @@ class LayoutBuilder:
             gate_up_members += [Member(f"{ex}/gate", i, (ffn,)), Member(f"{ex}/up", i, (ffn,))]
             down_members.append(Member(f"{ex}/down", h, (f"{ex}/product",)))
         experts = f"{p}mlp.experts."
-        if self.has(f"{experts}gate_up_proj"):
+        if self.has(f"{experts}gate_up_proj") or self.has(f"{experts}down_proj"):  # fused banks
             gate_up_sources = [_source(f"{experts}gate_up_proj", (e_count, 2 * i, h), FLATTEN)]
             down_sources = [_source(f"{experts}down_proj", (e_count, h, i), FLATTEN)]
         else:
