@@ -125,7 +125,8 @@ def _print_report(console: Console, report: dict) -> None:
 def _verify(artifact: Artifact) -> dict[str, list[str]]:
     total = sum(o.bytes for o in artifact.objects)
     columns = (TextColumn("verify"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    console = Console(stderr=True)
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("verify", total=total)
         return verify_artifact(artifact, lambda n: bar.advance(task, n))
 
