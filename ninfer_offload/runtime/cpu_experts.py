@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numba
 import numpy as np
+import torch
 from numba import njit, prange
 
 from ninfer_offload.artifact.codecs import decode_row_split_values
@@ -312,8 +313,9 @@ def reference_routed(
 class MissSplitter:
     """Splits a step's missing experts between CPU compute and PCIe transfer by measured rates.
 
-    Rates are bytes of expert records per second; they start from the device profile (or a
-    measurement) and are refined by an exponential moving average of every measured call.
+    Rates are bytes of expert records per second. They start from the device profile (host: a
+    fraction of its DRAM bandwidth; PCIe: its H2D bandwidth) and every measured call moves them
+    by an exponential moving average. Counts and the last split are kept for stats.
     """
 
     cpu_rate: float
@@ -324,6 +326,14 @@ class MissSplitter:
     last_split: tuple[int, int] = (0, 0)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    # Starting guess for the CPU: this share of the host's DRAM bandwidth (the kernels' target).
+    CPU_FRACTION_OF_DRAM = 0.6
+
+    @classmethod
+    def from_profile(cls, profile) -> "MissSplitter":
+        """Starting rates from a DeviceProfile (`h2d_bandwidth_gbs`, `dram_bandwidth_gbs`)."""
+        return cls(cpu_rate=cls.CPU_FRACTION_OF_DRAM * profile.dram_bandwidth_gbs * 1e9, pcie_rate=profile.h2d_bandwidth_gbs * 1e9)
+
     def cpu_share(self, missing: int) -> int:
         """How many of `missing` equally sized experts the CPU should compute (both sides finish together)."""
         if missing <= 0 or self.cpu_rate <= 0:
@@ -332,11 +342,18 @@ class MissSplitter:
             return missing
         return int(round(missing * self.cpu_rate / (self.cpu_rate + self.pcie_rate)))
 
-    def record(self, cpu: int, pcie: int) -> None:
+    def split(self, missing: np.ndarray, tokens_per_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(CPU experts, PCIe experts) of `missing`: the CPU takes its share, fewest tokens first
+        (its cost grows with tokens, a transfer's does not). Recorded in the stats."""
+        missing = np.asarray(missing, dtype=np.int64)
+        order = np.lexsort((missing, np.asarray(tokens_per_expert)))
+        share = self.cpu_share(missing.size)
+        cpu, pcie = np.sort(missing[order[:share]]), np.sort(missing[order[share:]])
         with self._lock:
-            self.cpu_experts += cpu
-            self.pcie_experts += pcie
-            self.last_split = (cpu, pcie)
+            self.cpu_experts += cpu.size
+            self.pcie_experts += pcie.size
+            self.last_split = (int(cpu.size), int(pcie.size))
+        return cpu, pcie
 
     def observe(self, path: str, nbytes: int, seconds: float) -> None:
         """Fold one measured transfer or computation (path "cpu" or "pcie") into its rate."""
@@ -351,68 +368,112 @@ class MissSplitter:
 
     def stats(self) -> dict:
         return {
-            "cpu_rate_gbs": self.cpu_rate / 1e9,
-            "pcie_rate_gbs": self.pcie_rate / 1e9,
+            "cpu_rate_gbs": round(self.cpu_rate / 1e9, 3),
+            "pcie_rate_gbs": round(self.pcie_rate / 1e9, 3),
             "cpu_experts": self.cpu_experts,
             "pcie_experts": self.pcie_experts,
             "last_split": {"cpu": self.last_split[0], "pcie": self.last_split[1]},
         }
 
 
-_WARM_LOCK = threading.Lock()
-_warmed: set[int] = set()
+_warm_lock = threading.Lock()
+_warm = False
 
 
-def warm_up(threads: int | None = None) -> None:
-    """Compile (or load from cache) the kernels and start numba's thread pool, once per process."""
-    with _WARM_LOCK:
-        if threads is not None:
-            numba.set_num_threads(threads)
-        if _warmed:
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel and start numba's thread pool, once per process."""
+    global _warm
+    with _warm_lock:
+        if _warm:
             return
         layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", 128, 64)
-        record = np.zeros(layout.nbytes, dtype=np.uint8)
-        x = np.ones((1, 128), dtype=np.float32)
+        ones = np.ones((1, 1), dtype=np.float32)
         routed_experts_cpu(
-            RecordKernelPlan.create(layout), record, np.zeros(1, dtype=np.int64), x, np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32)
+            RecordKernelPlan.create(layout), np.zeros(layout.nbytes, np.uint8), np.zeros(1, np.int64), np.ones((1, 128), np.float32), np.zeros((1, 1), np.int64), ones
         )
-        _warmed.add(1)
+        _warm = True
 
 
 class CpuExpertExecutor:
-    """Runs routed-expert work on the host in a worker thread (numba releases the GIL).
+    """Computes routed experts on the host from a layer's host records, in a worker thread.
 
-    `submit` returns a Future of the [T, H] float32 partial output so the caller can overlap it
-    with GPU work and add it later; `run` is the synchronous form. Measured CPU rates feed the
-    optional `MissSplitter`.
+    Records are a CPU uint8 tensor [E, stride] (row e = expert e's record, pinned or not).
+    `submit` returns a Future of the [T, H] float32 CPU partial output, so the caller overlaps it
+    with device work and adds it later (numba releases the GIL); `run` is the synchronous form.
+    Quantized records run through the numba kernels; lossless bf16/fp32 records (a test recipe)
+    through the torch reference op. One call at a time uses the thread pool (`threads` numba
+    threads, default all); measured rates feed the optional `MissSplitter`.
     """
 
     def __init__(self, threads: int | None = None, splitter: MissSplitter | None = None):
-        warm_up(threads)
+        warm_up()
+        self.threads = threads
         self.splitter = splitter
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
+        self._lock = threading.Lock()
         self._plans: dict[ExpertRecordLayout, RecordKernelPlan] = {}
         self.calls = 0
         self.seconds = 0.0
+        self.bytes = 0
 
-    def plan(self, layout: ExpertRecordLayout) -> RecordKernelPlan:
+    def run(self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor | None = None) -> torch.Tensor:
+        """sum over the (selected) assignments of w * expert(x[token]) -> CPU float32 [T, H]."""
+        return self._compute(layout, records, *_host_inputs(x, topk_ids, topk_weights, selected))
+
+    def submit(self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor | None = None) -> Future:
+        """`run` in the worker thread; inputs are brought to the host first, in the caller's stream order."""
+        return self._worker.submit(self._compute, layout, records, *_host_inputs(x, topk_ids, topk_weights, selected))
+
+    def _compute(self, layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None) -> torch.Tensor:
+        if records.device.type != "cpu" or records.dtype != torch.uint8 or records.dim() != 2 or records.stride(1) != 1:
+            raise NinferError("CPU expert compute needs host records as a CPU uint8 tensor [experts, bytes]")
+        used = np.unique(ids if selected is None else ids[selected])
+        with self._lock:
+            if self.threads is not None:
+                numba.set_num_threads(self.threads)
+            start = time.perf_counter()
+            if isinstance(layout, ExpertRecordLayout):
+                flat = records.as_strided(((records.shape[0] - 1) * records.stride(0) + records.shape[1],), (1,)).numpy()
+                offsets = np.arange(records.shape[0], dtype=np.int64) * records.stride(0)
+                out = torch.from_numpy(routed_experts_cpu(self._plan(layout), flat, offsets, x, ids, weights, selected))
+            else:
+                out = _reference_dense(layout, records, x, ids, weights, selected)
+            elapsed = time.perf_counter() - start
+        self.calls += 1
+        self.seconds += elapsed
+        self.bytes += used.size * layout.nbytes
+        if self.splitter is not None and used.size:
+            self.splitter.observe("cpu", used.size * layout.nbytes, elapsed)
+        return out
+
+    def _plan(self, layout: ExpertRecordLayout) -> RecordKernelPlan:
         if layout not in self._plans:
             self._plans[layout] = RecordKernelPlan.create(layout)
         return self._plans[layout]
 
-    def run(self, layout, records, record_offsets, x, topk_ids, topk_weights, selected=None) -> np.ndarray:
-        start = time.perf_counter()
-        out = routed_experts_cpu(self.plan(layout), records, record_offsets, x, topk_ids, topk_weights, selected)
-        elapsed = time.perf_counter() - start
-        self.calls += 1
-        self.seconds += elapsed
-        if self.splitter is not None:
-            ids = np.asarray(topk_ids) if selected is None else np.asarray(topk_ids)[selected]
-            self.splitter.observe("cpu", int(np.unique(ids).size) * layout.nbytes, elapsed)
-        return out
-
-    def submit(self, layout, records, record_offsets, x, topk_ids, topk_weights, selected=None) -> Future:
-        return self._worker.submit(self.run, layout, records, record_offsets, x, topk_ids, topk_weights, selected)
+    def stats(self) -> dict:
+        return {"calls": self.calls, "seconds": round(self.seconds, 6), "gbs": round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0}
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _host_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor | None):
+    """float32/int64/bool numpy copies on the host of a call's inputs."""
+    return (
+        x.detach().to("cpu", torch.float32).contiguous().numpy(),
+        topk_ids.detach().to("cpu", torch.int64).numpy(),
+        topk_weights.detach().to("cpu", torch.float32).numpy(),
+        None if selected is None else selected.detach().to("cpu", torch.bool).numpy(),
+    )
+
+
+def _reference_dense(layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None) -> torch.Tensor:
+    """Lossless (bf16/fp32) records: the torch reference op on the host."""
+    from ninfer_offload.model.backend import ReferenceBackend
+    from ninfer_offload.model.experts import ExpertBank
+
+    if selected is not None:
+        weights = np.where(selected, weights, 0).astype(np.float32)
+    bank = ExpertBank(layout, records, torch.arange(records.shape[0]))
+    return ReferenceBackend().routed_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), bank)

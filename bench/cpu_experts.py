@@ -1,0 +1,180 @@
+"""Benchmark: CPU routed-expert throughput (numba kernels) against host memory bandwidth.
+
+Full-size Qwen3.6-35B-A3B expert records (hidden 2048, intermediate 512, official formats: Q4
+gate/up, Q5 down; 1.77 MB each), one layer's worth (256 records, larger than any L3), random
+valid codes. For each thread count it measures, in the same run:
+  * host bandwidth: a numba parallel streaming read of the record buffer (GB/s);
+  * single expert: one token through one expert per call, cycling through the layer (cold records);
+  * layer: one token through 8 distinct experts per call (a decode step's routed work of a layer);
+and reports GB/s of expert records consumed and its fraction of the measured host bandwidth.
+
+    python bench/cpu_experts.py --label dev        # writes bench/results/cpu_experts_dev.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ninfer_offload.runtime import cpu_experts as ce
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _stream_read(words):
+    """Sum of every 64-bit word, read once in parallel contiguous chunks (a host bandwidth probe)."""
+    chunks = 1024
+    per = words.shape[0] // chunks
+    partial = np.zeros(chunks, dtype=np.uint64)
+    for c in prange(chunks):
+        chunk = words[c * per : (c + 1) * per]
+        acc = np.uint64(0)
+        for i in range(chunk.shape[0]):
+            acc += chunk[i]
+        partial[c] = acc
+    return partial.sum()
+
+
+def make_layer(rng: np.random.Generator) -> tuple[ExpertRecordLayout, np.ndarray, np.ndarray]:
+    """256 full-size records with random codes and small finite scales."""
+    layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", HIDDEN, INTER)
+    records = rng.integers(0, 256, EXPERTS * layout.nbytes, dtype=np.uint8)
+    scale_words = np.float16(0.01).view(np.uint16)
+    for e in range(EXPERTS):
+        at = e * layout.nbytes
+        for geo, offset in ((layout.gate_up, layout.gate_up_offset), (layout.down, layout.down_offset)):
+            start = at + offset + geo.scale_offset
+            records[start : start + geo.scale_bytes].view(np.uint16)[:] = scale_words
+    return layout, records, np.arange(EXPERTS, dtype=np.int64) * layout.nbytes
+
+
+def host_bandwidth(records: np.ndarray, seconds: float) -> float:
+    words = records.view(np.uint64)
+    _stream_read(words)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        _stream_read(words)
+        best = max(best, words.nbytes / (time.perf_counter() - start))
+    return best
+
+
+def expert_throughput(plan, records, offsets, experts_per_call: int, seconds: float, rng) -> tuple[float, float]:
+    """(GB/s of records consumed, ms per call) for one token through `experts_per_call` experts."""
+    x = rng.standard_normal((1, HIDDEN)).astype(np.float32)
+    weights = np.full((1, experts_per_call), 1.0 / experts_per_call, dtype=np.float32)
+    order = rng.permutation(EXPERTS)
+    calls = 0
+    ce.routed_experts_cpu(plan, records, offsets, x, order[None, :experts_per_call], weights)
+    start = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        first = (calls * experts_per_call) % (EXPERTS - experts_per_call)
+        ce.routed_experts_cpu(plan, records, offsets, x, order[None, first : first + experts_per_call], weights)
+        calls += 1
+    return calls * experts_per_call * plan.layout.nbytes / elapsed / 1e9, 1e3 * elapsed / calls
+
+
+def small_call_us(rng) -> float:
+    """Median wall time of a call on a tiny expert: the fixed cost of one kernel call."""
+    layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", 128, 64)
+    plan = ce.RecordKernelPlan.create(layout)
+    records = np.zeros(layout.nbytes, dtype=np.uint8)
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    ids, w = np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32)
+    times = []
+    for _ in range(200):
+        start = time.perf_counter()
+        ce.routed_experts_cpu(plan, records, np.zeros(1, np.int64), x, ids, w)
+        times.append(time.perf_counter() - start)
+    return 1e6 * float(np.median(times))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--label", default=platform.node() or "host", help="result file suffix")
+    parser.add_argument("--seconds", type=float, default=1.0, help="measurement time per point")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(0)
+    ce.warm_up()
+    layout, records, offsets = make_layer(rng)
+    plan = ce.RecordKernelPlan.create(layout)
+    cores = numba.config.NUMBA_NUM_THREADS
+    counts = sorted({c for c in (1, 2, 4, 8) if c < cores} | {cores})
+    points = []
+    for threads in counts:
+        numba.set_num_threads(threads)
+        bandwidth = host_bandwidth(records, args.seconds) / 1e9
+        for kind, per_call in (("single_expert", 1), ("layer_8_experts", TOP_K)):
+            gbs, ms = expert_throughput(plan, records, offsets, per_call, args.seconds, rng)
+            points.append(
+                {
+                    "threads": threads,
+                    "kind": kind,
+                    "experts_per_call": per_call,
+                    "weights_gbs": round(gbs, 3),
+                    "ms_per_call": round(ms, 4),
+                    "host_bandwidth_gbs": round(bandwidth, 3),
+                    "host_bandwidth_fraction": round(gbs / bandwidth, 4),
+                }
+            )
+            print(f"threads {threads:3d}  {kind:16s} {gbs:7.2f} GB/s  {ms:8.3f} ms/call  host {bandwidth:7.2f} GB/s  fraction {gbs / bandwidth:.2f}")
+    numba.set_num_threads(cores)
+    result = {
+        "benchmark": "cpu_experts",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": cores,
+            "os_cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "numba": numba.__version__,
+            "threading_layer": numba.threading_layer(),
+        },
+        "record": {"hidden": HIDDEN, "intermediate": INTER, "gate_up": "q4_g64_fp16", "down": "q5_g64_fp16", "bytes": layout.nbytes},
+        "layer_bytes": int(records.nbytes),
+        "small_call_us": round(small_call_us(rng), 2),
+        "points": points,
+    }
+    out = args.out or Path(__file__).parent / "results" / f"cpu_experts_{args.label}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""CPU expert kernels (numba) against the reference op, the executor, the miss split."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ninfer_offload.artifact.codecs import encode_row_split
+from ninfer_offload.errors import NinferError
+from ninfer_offload.runtime import cpu_experts as ce
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+
+FORMATS = ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"]
+HIDDEN, INTER, EXPERTS = 200, 70, 6  # neither K is a multiple of 64 or 128
+
+
+def make_records(gate_up_fmt: str, down_fmt: str, hidden=HIDDEN, inter=INTER, experts=EXPERTS, seed=0):
+    """A buffer of `experts` records encoded from random weights, with a gap before each record."""
+    rng = np.random.default_rng(seed)
+    layout = ExpertRecordLayout.create(gate_up_fmt, down_fmt, hidden, inter)
+    stride = layout.nbytes + 256  # records need not be back to back
+    records = np.full(experts * stride, 0xA5, dtype=np.uint8)
+    offsets = np.arange(experts, dtype=np.int64)[::-1] * stride  # and need not be in expert order
+    for e in range(experts):
+        record = records[offsets[e] : offsets[e] + layout.nbytes]
+        record[:] = 0
+        w_gu = rng.standard_normal((2 * inter, hidden)).astype(np.float32) / np.sqrt(hidden)
+        w_dn = rng.standard_normal((hidden, inter)).astype(np.float32) / np.sqrt(inter)
+        record[: layout.gate_up.encoded_size] = encode_row_split(w_gu, gate_up_fmt)
+        record[layout.down_offset : layout.down_offset + layout.down.encoded_size] = encode_row_split(w_dn, down_fmt)
+    return layout, records, offsets
+
+
+def routing(tokens: int, k: int, seed: int, experts=EXPERTS):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)])
+    weights = rng.random((tokens, k)).astype(np.float32)
+    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+    return x, ids, weights
+
+
+def assert_close(got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.parametrize("gate_up_fmt", FORMATS)
+@pytest.mark.parametrize("down_fmt", FORMATS)
+def test_kernel_matches_reference_all_formats(gate_up_fmt, down_fmt):
+    layout, records, offsets = make_records(gate_up_fmt, down_fmt)
+    x, ids, weights = routing(tokens=3, k=2, seed=1)
+    plan = ce.RecordKernelPlan.create(layout)
+    got = ce.routed_experts_cpu(plan, records, offsets, x, ids, weights)
+    assert_close(got, ce.reference_routed(layout, records, offsets, x, ids, weights))
+
+
+@pytest.mark.parametrize("tokens", range(1, 9))
+def test_kernel_matches_reference_for_1_to_8_tokens(tokens):
+    layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
+    x, ids, weights = routing(tokens, k=3, seed=tokens)
+    got = ce.routed_experts_cpu(ce.RecordKernelPlan.create(layout), records, offsets, x, ids, weights)
+    assert_close(got, ce.reference_routed(layout, records, offsets, x, ids, weights))
+
+
+def test_repeated_experts_and_shared_tokens():
+    """Every token uses the same expert, and one token lists an expert twice: all contributions add."""
+    layout, records, offsets = make_records("q6_g64_fp16", "q8_g32_fp16")
+    x, _, weights = routing(tokens=5, k=3, seed=7)
+    ids = np.array([[2, 4, 2], [2, 0, 1], [4, 2, 5], [2, 3, 4], [1, 2, 0]])
+    got = ce.routed_experts_cpu(ce.RecordKernelPlan.create(layout), records, offsets, x, ids, weights)
+    assert_close(got, ce.reference_routed(layout, records, offsets, x, ids, weights))
+
+
+def test_reference_expert_is_the_dequantized_matrix_math():
+    """The oracle itself: one token through one expert equals hand-written dequantized math."""
+    layout, records, offsets = make_records("q5_g64_fp16", "q4_g64_fp16")
+    x, _, _ = routing(tokens=1, k=1, seed=3)
+    from ninfer_offload.artifact.codecs import decode_row_split_values
+
+    rec = records[offsets[1] : offsets[1] + layout.nbytes]
+    w_gu = decode_row_split_values(rec[: layout.gate_up.encoded_size], "q5_g64_fp16", 2 * INTER, HIDDEN)
+    w_dn = decode_row_split_values(rec[layout.down_offset : layout.down_offset + layout.down.encoded_size], "q4_g64_fp16", HIDDEN, INTER)
+    h = w_gu.astype(np.float64) @ x[0].astype(np.float64)
+    act = h[:INTER] / (1 + np.exp(-h[:INTER])) * h[INTER:]
+    np.testing.assert_allclose(ce.reference_expert(layout, rec, x)[0], w_dn @ act, rtol=1e-4, atol=1e-5)
+
+
+def test_selected_assignments_only():
+    layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
+    x, ids, weights = routing(tokens=4, k=3, seed=11)
+    selected = np.random.default_rng(0).random(ids.shape) < 0.5
+    got = ce.routed_experts_cpu(ce.RecordKernelPlan.create(layout), records, offsets, x, ids, weights, selected)
+    masked = np.where(selected, weights, 0).astype(np.float32)
+    assert_close(got, ce.reference_routed(layout, records, offsets, x, ids, masked))
+    none = ce.routed_experts_cpu(ce.RecordKernelPlan.create(layout), records, offsets, x, ids, weights, np.zeros_like(selected))
+    assert not none.any()
+
+
+def test_bad_inputs_give_one_line_errors():
+    layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
+    plan = ce.RecordKernelPlan.create(layout)
+    x, ids, weights = routing(tokens=2, k=2, seed=5)
+    with pytest.raises(NinferError, match="width"):
+        ce.routed_experts_cpu(plan, records, offsets, x[:, :100], ids, weights)
+    missing = offsets.copy()
+    missing[ids[0, 0]] = -1
+    with pytest.raises(NinferError, match="no host record"):
+        ce.routed_experts_cpu(plan, records, missing, x, ids, weights)
+
+
+def test_executor_runs_torch_inputs_in_a_worker_and_feeds_the_splitter():
+    layout, records, offsets = make_records("q4_g64_fp16", "q6_g64_fp16")
+    padded = torch.zeros(EXPERTS, layout.nbytes + 256, dtype=torch.uint8)  # rows wider than a record
+    for e in range(EXPERTS):
+        padded[e, : layout.nbytes] = torch.from_numpy(records[offsets[e] : offsets[e] + layout.nbytes])
+    table = padded[:, : layout.nbytes]
+    x, ids, weights = routing(tokens=2, k=2, seed=9)
+    selected = torch.tensor([[True, False], [True, True]])
+    splitter = ce.MissSplitter(cpu_rate=1e15, pcie_rate=1e9)
+    executor = ce.CpuExpertExecutor(threads=1, splitter=splitter)
+    try:
+        future = executor.submit(layout, table, torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), selected)
+        got = future.result(timeout=60)
+    finally:
+        executor.close()
+    masked = np.where(selected.numpy(), weights, 0).astype(np.float32)
+    assert got.dtype == torch.float32 and got.shape == (2, HIDDEN)
+    assert_close(got.numpy(), ce.reference_routed(layout, records, offsets, x, ids, masked))
+    assert executor.calls == 1 and executor.stats()["gbs"] > 0
+    assert splitter.cpu_rate < 1e15  # the measured call pulled the optimistic start down
+
+
+def test_executor_rejects_device_or_malformed_records():
+    layout, records, _ = make_records("q4_g64_fp16", "q5_g64_fp16")
+    x, ids, weights = routing(tokens=1, k=2, seed=2)
+    executor = ce.CpuExpertExecutor()
+    try:
+        with pytest.raises(NinferError, match="host records"):
+            executor.run(layout, torch.from_numpy(records), torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights))
+    finally:
+        executor.close()
+
+
+def test_miss_splitter_balances_by_rates_and_keeps_stats():
+    splitter = ce.MissSplitter(cpu_rate=30e9, pcie_rate=60e9)
+    assert splitter.cpu_share(9) == 3  # both sides then take the same time
+    assert splitter.cpu_share(0) == 0
+    assert ce.MissSplitter(cpu_rate=0.0, pcie_rate=1e9).cpu_share(5) == 0
+    assert ce.MissSplitter(cpu_rate=1e9, pcie_rate=0.0).cpu_share(5) == 5
+    missing = np.array([11, 3, 7, 5, 9, 1])
+    tokens = np.array([1, 4, 1, 2, 3, 1])
+    cpu, pcie = splitter.split(missing, tokens)
+    assert cpu.tolist() == [1, 7] and pcie.tolist() == [3, 5, 9, 11]  # CPU takes the fewest-token experts
+    splitter.observe("pcie", nbytes=10**9, seconds=1 / 30)  # measured 30 GB/s: the PCIe rate moves toward it
+    assert 30e9 < splitter.pcie_rate < 60e9
+    splitter.split(np.array([2]), np.array([1]))
+    stats = splitter.stats()
+    assert stats["cpu_experts"] + stats["pcie_experts"] == 7 and stats["cpu_experts"] >= 2
+    assert sum(stats["last_split"].values()) == 1
+
+
+def test_miss_splitter_starts_from_the_profile():
+    from types import SimpleNamespace
+
+    splitter = ce.MissSplitter.from_profile(SimpleNamespace(h2d_bandwidth_gbs=27.5, dram_bandwidth_gbs=60.0))
+    assert splitter.pcie_rate == 27.5e9 and splitter.cpu_rate == pytest.approx(36e9)
+    assert splitter.cpu_share(8) == 5  # 8 * 36 / 63.5 = 4.5 -> 5
+
+
+_STARTUP_PROBE = """
+import torch
+import numba.np.ufunc.parallel as parallel
+from ninfer_offload.runtime import cpu_experts as ce
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+assert not parallel._is_initialized
+executor = ce.CpuExpertExecutor()
+assert parallel._is_initialized, "thread pool not started by the executor"
+compiled = len(ce._moe_kernel.signatures)
+for fmt in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"):
+    layout = ExpertRecordLayout.create(fmt, "q5_g64_fp16", 128, 64)
+    records = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
+    for t in range(1, 9):
+        ids = torch.tensor([[0, 1]] * t)
+        executor.submit(layout, records, torch.ones(t, 128), ids, torch.ones(t, 2)).result()
+ce.CpuExpertExecutor().close()
+executor.close()
+assert len(ce._moe_kernel.signatures) == compiled == 1, ce._moe_kernel.signatures
+print("ok", compiled)
+"""
+
+
+def test_compilation_and_thread_pool_start_up_are_paid_once():
+    """In a fresh process: the executor starts the pool; later calls (any format, T) compile nothing."""
+    result = subprocess.run([sys.executable, "-c", _STARTUP_PROBE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["ok", "1"]
