@@ -38,12 +38,14 @@ def _register() -> None:
     from ninfer_offload.commands.inspect import inspect
     from ninfer_offload.commands.plan import plan
     from ninfer_offload.commands.profile import profile
+    from ninfer_offload.commands.serve import serve
 
     app.command("inspect")(inspect)
     app.command("plan")(plan)
     app.command("profile")(profile)
     app.command("generate")(generate)
     app.command("convert")(convert)
+    app.command("serve")(serve)
 
 
 def entry() -> None:
