@@ -33,6 +33,7 @@ def _decode_partial_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
+    D_PAD: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     SPAN_SIZE: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -45,18 +46,19 @@ def _decode_partial_kernel(
     length = tl.load(length_ptr)
     heads = tl.arange(0, GROUP_PAD)
     head_mask = heads < group
-    dims = tl.arange(0, D)
-    qt = tl.load(q + (hkv * group + heads)[:, None] * D + dims[None, :], mask=head_mask[:, None], other=0.0)
+    dims = tl.arange(0, D_PAD)
+    dmask = dims < D
+    qt = tl.load(q + (hkv * group + heads)[:, None] * D + dims[None, :], mask=head_mask[:, None] & dmask[None, :], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
     start = split * SPAN_SIZE
     for s0 in range(start, tl.minimum(start + SPAN_SIZE, length), BLOCK_S):
         pos = s0 + tl.arange(0, BLOCK_S)
         pmask = pos < length
         off = pos[:, None].to(tl.int64) * stride_kc + hkv * D + dims[None, :]
-        kt = tl.load(k_cache + off, mask=pmask[:, None], other=0.0).to(qt.dtype)
-        vt = tl.load(v_cache + off, mask=pmask[:, None], other=0.0).to(qt.dtype)
+        kt = tl.load(k_cache + off, mask=pmask[:, None] & dmask[None, :], other=0.0).to(qt.dtype)
+        vt = tl.load(v_cache + off, mask=pmask[:, None] & dmask[None, :], other=0.0).to(qt.dtype)
         if IEEE:
             scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale
         else:
@@ -74,7 +76,7 @@ def _decode_partial_kernel(
     base = (hkv * group + heads) * nsplit + split
     tl.store(part_max + base, m, mask=head_mask)
     tl.store(part_sum + base, l, mask=head_mask)
-    tl.store(part_out + base[:, None] * D + dims[None, :], acc, mask=head_mask[:, None])
+    tl.store(part_out + base[:, None] * D + dims[None, :], acc, mask=head_mask[:, None] & dmask[None, :])
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int | torch.Tensor) -> torch.Tensor:
@@ -96,7 +98,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_sum = torch.empty(hq, nsplit, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(hkv, nsplit)](
         q.contiguous(), k_cache, v_cache, length_t, part_out, part_max, part_sum, d**-0.5, k_cache.stride(0),
-        HQ=hq, HKV=hkv, D=d, GROUP_PAD=max(16, triton.next_power_of_2(group)), SPAN_SIZE=SPAN, BLOCK_S=64,
+        HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d), GROUP_PAD=max(16, triton.next_power_of_2(group)), SPAN_SIZE=SPAN, BLOCK_S=64,
         IEEE=q.dtype == torch.float32,
     )
     top = part_max.max(dim=1, keepdim=True).values

@@ -26,28 +26,32 @@ def _gdn_recurrent_kernel(
     HV: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
+    DK_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     h = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     hk = h // (HV // HK)
-    dk = tl.arange(0, DK)
+    dk = tl.arange(0, DK_PAD)
+    kmask = dk < DK
+    vmask = cols < DV
+    smask = kmask[:, None] & vmask[None, :]
     sptr = state + h * DK * DV + dk[:, None] * DV + cols[None, :]
-    s = tl.load(sptr)
+    s = tl.load(sptr, mask=smask, other=0.0)
     for t in range(T):
-        qt = tl.load(q + (t * HK + hk) * DK + dk).to(tl.float32)
-        kt = tl.load(k + (t * HK + hk) * DK + dk).to(tl.float32)
+        qt = tl.load(q + (t * HK + hk) * DK + dk, mask=kmask, other=0.0).to(tl.float32)
+        kt = tl.load(k + (t * HK + hk) * DK + dk, mask=kmask, other=0.0).to(tl.float32)
         qt = qt * tl.rsqrt(tl.sum(qt * qt) + 1e-6) * (1.0 / tl.sqrt(float(DK)))
         kt = kt * tl.rsqrt(tl.sum(kt * kt) + 1e-6)
-        vt = tl.load(v + (t * HV + h) * DV + cols).to(tl.float32)
+        vt = tl.load(v + (t * HV + h) * DV + cols, mask=vmask, other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(g + t * HV + h).to(tl.float32))
         b = tl.load(beta + t * HV + h).to(tl.float32)
         s = s * decay
         update = b * (vt - tl.sum(kt[:, None] * s, axis=0))
         s = s + kt[:, None] * update[None, :]
         o = tl.sum(qt[:, None] * s, axis=0)
-        tl.store(out + (t * HV + h) * DV + cols, o.to(out.dtype.element_ty))
-    tl.store(sptr, s)
+        tl.store(out + (t * HV + h) * DV + cols, o.to(out.dtype.element_ty), mask=vmask)
+    tl.store(sptr, s, mask=smask)
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -57,10 +61,10 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError("the GDN state must be a contiguous float32 tensor")
     out = torch.empty_like(v)
-    block_v = min(32, dv)
-    _gdn_recurrent_kernel[(hv, dv // block_v)](
+    block_v = min(32, triton.next_power_of_2(dv))
+    _gdn_recurrent_kernel[(hv, triton.cdiv(dv, block_v))](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, out, t,
-        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_V=block_v,
+        HK=hk, HV=hv, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v,
     )
     return out
 

@@ -79,7 +79,7 @@ def test_routed_experts_through_bank_slots():
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_gdn_decode_and_conv_update(tokens):
-    hk, hv, dk, dv, c = 2, 4, 32, 64, 300
+    hk, hv, dk, dv, c = 2, 4, 24, 40, 300  # dims that are not powers of two
     q, k = torch.randn(tokens, hk, dk, generator=_gen(9)), torch.randn(tokens, hk, dk, generator=_gen(10))
     v = torch.randn(tokens, hv, dv, generator=_gen(11))
     g = -torch.rand(tokens, hv, generator=_gen(12))
@@ -101,7 +101,7 @@ def test_gdn_decode_and_conv_update(tokens):
 
 @pytest.mark.parametrize("length", [1, 70, 600])
 def test_attention_decode(length):
-    hq, hkv, d, capacity = 8, 2, 64, 700
+    hq, hkv, d, capacity = 8, 2, 48, 700
     kc, vc = torch.randn(capacity, hkv, d, generator=_gen(18)), torch.randn(capacity, hkv, d, generator=_gen(19))
     q = torch.randn(1, hq, d, generator=_gen(20))
     ref = REF.attention_decode(q, kc, vc, length)
