@@ -77,3 +77,14 @@ def test_bad_requests_are_clear_errors(engine):
         generate(engine, [], max_tokens=4)
     with pytest.raises(NinferError, match="max_tokens"):
         generate(engine, PROMPT, max_tokens=0)
+
+
+def test_full_context_finishes_with_length(tiny_artifact, reference_greedy):
+    small = Engine.load(tiny_artifact, max_context=len(PROMPT) + 3)
+    result = generate(small, PROMPT, max_tokens=16, sampling=GREEDY).run()
+    assert result.token_ids == reference_greedy[:4]
+    assert result.finish_reason == "length"
+
+
+def test_engine_generate_delegates_to_the_loop(engine, reference_greedy):
+    assert engine.generate(PROMPT, max_tokens=5, sampling=GREEDY).run().token_ids == reference_greedy[:5]

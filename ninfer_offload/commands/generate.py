@@ -8,6 +8,7 @@ does), then the neutral defaults; `--greedy` (or `--temperature 0`) takes the ar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -61,16 +62,6 @@ def _sampling(defaults: dict, greedy: bool, seed: int | None, **given: Any):
     return SamplingParams(seed=seed, greedy=greedy, **values)
 
 
-def _check_device(device: str) -> None:
-    if device != "cpu" and not device.startswith("cuda"):
-        raise NinferError(f"--device must be cpu or cuda[:N], got {device!r}")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise NinferError("--device cuda: no CUDA device is available on this machine (use --device cpu)")
-
-
 def _summary(result) -> str:
     return (
         f"prefill: {result.prompt_tokens} tokens in {result.prefill_seconds:.3f} s "
@@ -106,13 +97,10 @@ def generate(
     """Generate text from a prompt, a conversation or token ids."""
     if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
         raise NinferError("give exactly one of --prompt, --messages, --prompt-ids")
-    if experts not in ("resident", "host"):
-        raise NinferError(f"--experts must be resident or host, got {experts!r}")
     if max_tokens < 1:
         raise NinferError(f"--max-tokens must be >= 1, got {max_tokens}")
     if not artifact.is_file():
         raise NinferError(f"no such artifact file: {artifact}")
-    _check_device(device)
     template = _read_text(chat_template, "chat template") if chat_template is not None else None
     conversation = _read_messages(messages) if messages is not None else None
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
@@ -142,10 +130,8 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
     )
-    engine = Engine.load(artifact, device=device, experts=experts, max_context=max_context, progress=not json_out)
-    vocab = engine.config.vocab_size
-    if any(not 0 <= i < vocab for i in ids):
-        raise NinferError(f"prompt token ids must be in [0, {vocab})")
+    with contextlib.redirect_stdout(sys.stderr):  # the loading progress bar must not mix with the output
+        engine = Engine.load(artifact, device=device, experts=experts, max_context=max_context, progress=not json_out)
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
 
     if json_out:

@@ -12,7 +12,8 @@ from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 
 @dataclass
 class GenerationResult:
-    """What a finished generation produced. `token_ids` excludes the stop id (kept in `stop_id`)."""
+    """What a finished generation produced. `token_ids` excludes the stop id (kept in `stop_id`).
+    finish_reason "length" means `max_tokens` was reached or the context limit was full."""
 
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
@@ -95,7 +96,7 @@ class Generation:
             while token not in self.stop_ids:
                 output.append(token)
                 yield token
-                if len(output) >= self.max_tokens:
+                if len(output) >= self.max_tokens or session.length >= self.engine.max_context:
                     break
                 start = time.perf_counter()
                 logits = session.step(token)
