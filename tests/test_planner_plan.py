@@ -1,0 +1,185 @@
+"""The planner: feasibility per card, byte accounting, monotonicity, routing stats, infeasibility."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.errors import NinferError
+from ninfer_offload.model.contract import official_directory
+from ninfer_offload.planner import PLAN_SCHEMA, PlanOptions, RoutingStats, load_routing_stats, parse_size, plan
+from ninfer_offload.planner.routing import shipped_routing_stats
+from ninfer_offload.planner.schema import schema_errors
+from ninfer_offload.profiles import load_profile
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def inventory() -> Inventory:
+    return Inventory.from_directory(official_directory())
+
+
+def test_default_rtx5090_is_all_resident(inventory):
+    p = plan(inventory, load_profile("rtx5090"))
+    assert p.feasible and p.reason is None
+    assert p.experts_resident == p.experts_total == 40 * 256
+    assert p.routing_mass_resident == pytest.approx(1.0)
+    assert p.host_pinned_bytes == 0 and p.staging_slots == 0
+    assert {n: c.placement for n, c in p.components.items()} == {
+        "text_dense": "vram", "output_head": "vram", "token_embedding": "vram", "routed_experts": "vram",
+        "mtp": "vram", "proposal": "vram", "vision": "unused", "dflash": "unused",
+    }
+    assert p.kv_capacity_tokens == 262144
+    # fp8 KV: 10 full-attention layers + the MTP layer, K and V, 2 heads x 256, 1 byte each.
+    assert p.runtime["kv_cache"] == 11 * 2 * 2 * 256 * 262144
+    assert p.vram_used_bytes <= p.vram_budget_bytes
+    assert p.predicted.decode_tok_s > 0 and p.predicted.decode_tok_s_mtp > 0 and p.predicted.prefill_tok_s > 0
+
+
+def test_rtx5060ti_offloads_part_of_the_experts(inventory):
+    p = plan(inventory, load_profile("rtx5060ti"))
+    assert p.feasible
+    assert 0 < p.experts_resident < p.experts_total
+    assert p.vram_used_bytes <= p.vram_budget_bytes == 16 * GiB
+    assert p.components["routed_experts"].placement == "split"
+    assert p.components["token_embedding"].placement == "host"
+    assert p.staging_slots == 2 * 8 * 4  # two layers in flight x top-8 x (1 + 3 drafts)
+    assert p.host_pinned_bytes == p.components["routed_experts"].host_bytes + p.components["token_embedding"].bytes
+    assert p.host_pinned_bytes <= p.host_budget_bytes
+    assert p.predicted.pcie_bytes_per_token > 0
+    assert 0 < p.routing_mass_resident < 1
+
+
+def test_rtxpro6000_all_resident_with_vision(inventory):
+    p = plan(inventory, load_profile("rtxpro6000"), PlanOptions(vision=True))
+    assert p.feasible and p.experts_resident == p.experts_total
+    assert p.components["vision"].placement == "vram"
+
+
+def test_every_byte_counted_once(inventory):
+    for name in ("rtx5090", "rtx5060ti"):
+        p = plan(inventory, load_profile(name))
+        assert sum(c.bytes for c in p.components.values()) == inventory.total_bytes
+        weights_vram = sum(c.vram_bytes for c in p.components.values())
+        assert p.vram_used_bytes == weights_vram + sum(p.runtime.values())
+        for c in p.components.values():
+            assert c.vram_bytes + c.host_bytes == (0 if c.placement == "unused" else c.bytes)
+
+
+def test_resident_experts_are_hottest_first(inventory):
+    stats = shipped_routing_stats()
+    p = plan(inventory, load_profile("rtx5060ti"))
+    for layer, ids in enumerate(p.resident_experts):
+        hits = stats.hits[layer]
+        assert [hits[e] for e in ids] == sorted((hits[e] for e in ids), reverse=True)
+        coldest_kept = min(hits[e] for e in ids)
+        assert all(hits[e] <= coldest_kept for e in set(range(256)) - set(ids))
+
+
+@pytest.mark.parametrize("options", [PlanOptions(), PlanOptions(speculative="none", kv_dtype="int8", max_context=65536)])
+def test_more_vram_never_hurts(inventory, options):
+    profile = load_profile("rtx5090")
+    previous = None
+    for budget_gib in [x / 2 for x in range(8, 70)]:
+        p = plan(inventory, profile, replace(options, vram_budget=int(budget_gib * GiB)))
+        if not p.feasible:
+            assert previous is None, "a larger budget became infeasible"
+            continue
+        assert p.vram_used_bytes <= p.vram_budget_bytes
+        if previous is not None:
+            assert p.experts_resident >= previous.experts_resident
+            assert all(set(a) <= set(b) for a, b in zip(previous.resident_experts, p.resident_experts))
+            assert p.routing_mass_resident >= previous.routing_mass_resident
+            assert p.predicted.decode_tok_s >= previous.predicted.decode_tok_s
+            assert p.predicted.prefill_tok_s >= previous.predicted.prefill_tok_s * (1 - 1e-12)
+            if options.speculating:
+                assert p.predicted.decode_tok_s_mtp >= previous.predicted.decode_tok_s_mtp
+        previous = p
+    assert previous is not None and previous.experts_resident == previous.experts_total
+
+
+def test_infeasible_budget_gives_one_line_reason(inventory):
+    p = plan(inventory, load_profile("rtx5090"), PlanOptions(vram_budget=2 * GiB))
+    assert not p.feasible and p.predicted is None
+    assert "\n" not in p.reason and "needs" in p.reason and "--max-context" in p.reason and "budget is 2.0 GiB" in p.reason
+
+
+def test_host_budget_is_checked(inventory):
+    p = plan(inventory, load_profile("rtx5060ti"), PlanOptions(host_budget=1 * GiB))
+    assert not p.feasible and "pinned host memory" in p.reason and "--host-budget" in p.reason
+
+
+def test_kv_dtype_and_context_scale_kv(inventory):
+    profile = load_profile("rtxpro6000")
+    base = plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000)).runtime["kv_cache"]
+    assert plan(inventory, profile, PlanOptions(kv_dtype="bf16", max_context=1000)).runtime["kv_cache"] == 2 * base
+    assert plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000, concurrency=3)).runtime["kv_cache"] == 3 * base
+    no_mtp = plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000, speculative="none"))
+    assert no_mtp.runtime["kv_cache"] * 11 == base * 10
+    assert no_mtp.components["mtp"].placement == "unused" and no_mtp.predicted.decode_tok_s_mtp is None
+
+
+def test_routing_stats_file_changes_the_choice(inventory, tmp_path):
+    rows = [" ".join(str(1000 if e == 255 - layer % 256 else 1) for e in range(256)) for layer in range(40)]
+    path = tmp_path / "counts.txt"
+    path.write_text("\n".join(rows) + "\n")
+    stats = load_routing_stats(path, top_k=8)
+    p = plan(inventory, load_profile("rtx5060ti"), routing_stats=stats)
+    assert p.routing_stats == str(path)
+    assert all(ids[0] == 255 - layer for layer, ids in enumerate(p.resident_experts))
+
+
+def test_routing_stats_shape_mismatch(inventory, tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("1 2 3\n")
+    with pytest.raises(NinferError, match="1 x 3"):
+        plan(inventory, load_profile("rtx5090"), routing_stats=load_routing_stats(path, top_k=8))
+    path.write_text("1 x 3\n")
+    with pytest.raises(NinferError, match="not an integer"):
+        load_routing_stats(path, top_k=8)
+
+
+def test_shipped_stats_and_uniform():
+    stats = shipped_routing_stats()
+    assert len(stats.hits) == 40 and all(len(r) == 256 for r in stats.hits)
+    assert all(sum(r) == pytest.approx(8) for r in stats.hits)
+    uniform = RoutingStats.uniform(3, 16, 2)
+    assert uniform.hits[0][0] == pytest.approx(2 / 16)
+
+
+def test_json_matches_schema(inventory):
+    for name, options in [("rtx5090", PlanOptions()), ("rtx5060ti", PlanOptions()), ("rtx5090", PlanOptions(vram_budget=GiB))]:
+        document = plan(inventory, load_profile(name), options).to_json()
+        assert schema_errors(document, PLAN_SCHEMA) == []
+        assert len(document["experts_resident_per_layer"]) == 40
+
+
+def test_schema_checker_rejects_bad_documents(inventory):
+    document = plan(inventory, load_profile("rtx5090")).to_json()
+    broken = dict(document, feasible="yes", extra=1)
+    del broken["kv_capacity_tokens"]
+    broken["components"] = dict(broken["components"], text_dense={"bytes": -1, "placement": "gpu", "vram_bytes": 0, "host_bytes": 0})
+    errors = schema_errors(broken, PLAN_SCHEMA)
+    assert any("feasible" in e for e in errors)
+    assert any("unexpected 'extra'" in e for e in errors)
+    assert any("missing 'kv_capacity_tokens'" in e for e in errors)
+    assert any("text_dense.bytes" in e for e in errors) and any("'gpu' not in" in e for e in errors)
+
+
+@pytest.mark.parametrize("text, expected", [("2GiB", 2 * GiB), ("24GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("1.5G", 1_500_000_000), ("4096", 4096), ("7 gib", 7 * GiB)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"kv_dtype": "fp4"}, "--kv-dtype"), ({"drafts": 6}, "--drafts"), ({"max_context": 0}, "--max-context"), ({"speculative": "eagle"}, "--spec")],
+)
+def test_bad_options(kwargs, message):
+    with pytest.raises(NinferError, match=message):
+        PlanOptions(**kwargs)
+    with pytest.raises(NinferError, match="cannot read size"):
+        parse_size("lots")
