@@ -81,16 +81,18 @@ def _bytes_table(title: str, rows: dict[str, int], total: int) -> Table:
 
 def _print_report(console: Console, report: dict) -> None:
     ident = report["artifact_id"] or f"model_id {report['model_id']}"
-    console.print(f"[bold]{report['path']}[/bold]: container v{report['container_version']} ({ident})")
+    console.print(f"[bold]{report['path']}[/bold]: container v{report['container_version']} ({ident})", soft_wrap=True)
     files = report["files"]
     console.print(
         f"files: {len(files)} (entry{f' + {len(files) - 1} parts' if len(files) > 1 else ''}), "
-        f"payload {report['payload_bytes']:,} bytes ({_gib(report['payload_bytes'])})"
+        f"payload {report['payload_bytes']:,} bytes ({_gib(report['payload_bytes'])})",
+        soft_wrap=True,
     )
     obj = report["objects"]
     console.print(
         f"objects: {obj['total']} ({obj['tensors']} tensors, {obj['resources']} resources), "
-        f"bindings: {report['bindings']}, uses: {report['uses']}"
+        f"bindings: {report['bindings']}, uses: {report['uses']}",
+        soft_wrap=True,
     )
     comps = Table(title="components", title_justify="left")
     for col in ("component", "target", "proposal", "config"):
@@ -111,7 +113,8 @@ def _print_report(console: Console, report: dict) -> None:
     console.print(
         f"routed experts: {report['routed_expert_bytes']:,} bytes ({_gib(report['routed_expert_bytes'])}) in "
         f"{len(report['expert_banks'])} banks; everything else: {report['other_tensor_bytes']:,} bytes "
-        f"({_gib(report['other_tensor_bytes'])})"
+        f"({_gib(report['other_tensor_bytes'])})",
+        soft_wrap=True,
     )
     if report["resources"]:
         res = Table(title="resources", title_justify="left")
@@ -149,9 +152,9 @@ def inspect(
         _print_report(console, report)
         if verify:
             for oid, found in report["verify"]["problems"].items():
-                console.print(f"[red]invalid[/red] {oid}: {'; '.join(found)}")
+                console.print(f"[red]invalid[/red] {oid}: {'; '.join(found)}", soft_wrap=True)
             if not report["verify"]["problems"]:
-                console.print(f"verify: all {report['objects']['tensors']} tensors decode with valid codes and scales")
+                console.print(f"verify: all {report['objects']['tensors']} tensors decode with valid codes and scales", soft_wrap=True)
     if verify and report["verify"]["problems"]:
         bad = report["verify"]["problems"]
         first = next(iter(bad))
