@@ -1,0 +1,103 @@
+"""The resident decode step of one sequence, captured once as a CUDA graph and replayed per token.
+
+Decode is launch-bound in Python (ARCHITECTURE.md decision 8): one token runs ~20 kernels per
+layer. `DecodeGraph` records the whole step (embedding, 40 layers, head) once and replays it.
+Everything that changes between tokens lives in device buffers the graph reads: the token id,
+its position (rotary, KV row) and the number of valid KV rows (attention). The KV cache and the
+GDN conv/recurrent states of the session are updated in place, so replay continues the same
+sequence that eager `Session.step` would. The eager layers use host-side positions, so the
+attention layers of the captured step take their positions from those device buffers instead
+(same ops, same weights); GDN layers and the MoE blocks are the model's own.
+
+Needs the Triton backend (its attention decode accepts a device length), resident experts
+(staging needs the routing on the host) and a CUDA device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer_offload.errors import NinferError
+from ninfer_offload.model.attention import GatedAttention
+from ninfer_offload.runtime.state import Segment
+
+
+class DecodeGraph:
+    """Captured single-token decode step bound to one session's state."""
+
+    def __init__(self, engine, session):
+        if engine.device.type != "cuda":
+            raise NinferError("CUDA-graph decode needs a CUDA device")
+        if getattr(engine.backend, "name", "") != "triton":
+            raise NinferError("CUDA-graph decode needs the triton backend")
+        if engine.store.mode != "resident":
+            raise NinferError("CUDA-graph decode needs resident experts (experts='resident')")
+        self.engine = engine
+        self.session = session
+        self.state = session._live_state()
+        device = engine.device
+        self.token = torch.zeros(1, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # position of the new token
+        self.rows = torch.ones(1, dtype=torch.int32, device=device)  # valid KV rows after its write
+        self.segments = [Segment(self.state, 0, 0, 1)]
+        self._set_inputs(0)
+        self._warm_up()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+
+    def step(self, token_id: int) -> torch.Tensor:
+        """Append `token_id` to the session; its logits [vocab] (float32, a fresh tensor)."""
+        state = self.session._live_state()
+        if state.length + 1 > state.capacity:
+            raise NinferError(f"a sequence reached the context limit of {state.capacity} tokens; raise --max-context")
+        if not 0 <= token_id < self.engine.config.vocab_size:
+            raise NinferError(f"token id {token_id} is outside the vocabulary [0, {self.engine.config.vocab_size})")
+        self._set_inputs(token_id)
+        self.graph.replay()
+        state.length += 1
+        return self.logits[0].clone()
+
+    # ------------------------------------------------------------------ internals
+    def _set_inputs(self, token_id: int) -> None:
+        self.token.fill_(token_id)
+        self.position.fill_(self.state.length)
+        self.rows.fill_(self.state.length + 1)
+
+    def _warm_up(self) -> None:
+        """Run the step once eagerly (compiles kernels, settles allocations) without changing the sequence."""
+        saved = [t.clone() for t in (*self.state.conv.values(), *self.state.recurrent.values())]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            self._forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        for live, copy in zip((*self.state.conv.values(), *self.state.recurrent.values()), saved):
+            live.copy_(copy)  # the KV row it wrote is rewritten by the first real step
+
+    def _forward(self) -> torch.Tensor:
+        text, backend = self.engine.text, self.engine.backend
+        x = text.embed(backend, self.token)
+        for layer in text.layers:
+            h = backend.rmsnorm(x, layer.input_norm, layer.eps, offset=True)
+            if isinstance(layer.mixer, GatedAttention):
+                x = x + self._attention(layer.mixer, h)
+            else:
+                x = x + layer.mixer(backend, h, self.position, self.segments)
+            x = x + layer.moe(backend, backend.rmsnorm(x, layer.post_attention_norm, layer.eps, offset=True))
+        return text.logits(backend, backend.rmsnorm(x, text.final_norm, text.config.rms_norm_eps, offset=True))
+
+    def _attention(self, att: GatedAttention, x: torch.Tensor) -> torch.Tensor:
+        """`GatedAttention` for one token with its position and KV length read from device buffers."""
+        backend, c = self.engine.backend, att.config
+        q = backend.linear(x, att.query).view(1, c.num_attention_heads, c.head_dim)
+        k = backend.linear(x, att.key_proj).view(1, c.num_kv_heads, c.head_dim)
+        v = backend.linear(x, att.value).view(1, c.num_kv_heads, c.head_dim)
+        gate = backend.linear(x, att.gate)
+        q = att.rotary(backend.rmsnorm(q, att.query_norm, c.rms_norm_eps, offset=True), self.position)
+        k = att.rotary(backend.rmsnorm(k, att.key_norm, c.rms_norm_eps, offset=True), self.position)
+        k_cache, v_cache = self.state.kv[att.key]
+        k_cache.index_copy_(0, self.position, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.position, v.to(v_cache.dtype))
+        out = backend.attention_decode(q, k_cache, v_cache, self.rows)
+        return backend.linear(out.reshape(1, -1) * torch.sigmoid(gate), att.output)
