@@ -88,3 +88,19 @@ def test_full_context_finishes_with_length(tiny_artifact, reference_greedy):
 
 def test_engine_generate_delegates_to_the_loop(engine, reference_greedy):
     assert engine.generate(PROMPT, max_tokens=5, sampling=GREEDY).run().token_ids == reference_greedy[:5]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_generation_on_cuda(tiny_artifact):
+    cuda = Engine.load(tiny_artifact, device="cuda")
+    session = cuda.session()
+    expected = [int(torch.argmax(session.prefill(PROMPT)))]
+    for _ in range(11):
+        expected.append(int(torch.argmax(session.step(expected[-1]))))
+    session.close()
+    result = generate(cuda, PROMPT, max_tokens=12, sampling=GREEDY).run()
+    assert result.token_ids == expected and result.decode_steps == 11
+    params = SamplingParams(temperature=1.2, top_p=0.95, min_p=0.01, repetition_penalty=1.1, seed=99)
+    first = generate(cuda, PROMPT, max_tokens=12, sampling=params).run().token_ids
+    assert generate(cuda, PROMPT, max_tokens=12, sampling=params).run().token_ids == first

@@ -49,17 +49,20 @@ def _read_messages(path: Path) -> tuple[list[dict], list[dict] | None]:
     return data, None
 
 
-def _sampling(defaults: dict, greedy: bool, seed: int | None, **given: Any):
-    """SamplingParams from the options given, else generation_config.json, else neutral values."""
+_DEFAULTED = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
+
+
+def _sampling(defaults: dict, **given: Any):
+    """SamplingParams from the options given, else generation_config.json's values, else the
+    SamplingParams defaults."""
     from ninfer_offload.runtime.sampling import SamplingParams
 
-    neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
-    values = {}
-    for name, value in given.items():
-        if value is None:
-            value = defaults.get(name, neutral.get(name, 0.0))
-        values[name] = value
-    return SamplingParams(seed=seed, greedy=greedy, **values)
+    try:
+        values = {name: kind(defaults[name]) for name, kind in _DEFAULTED.items() if defaults.get(name) is not None}
+    except (TypeError, ValueError):
+        raise NinferError("generation_config.json holds a sampling value of the wrong type") from None
+    values.update({name: value for name, value in given.items() if value is not None})
+    return SamplingParams(**values)
 
 
 def _summary(result) -> str:
@@ -97,6 +100,8 @@ def generate(
     """Generate text from a prompt, a conversation or token ids."""
     if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
         raise NinferError("give exactly one of --prompt, --messages, --prompt-ids")
+    if raw and prompt is None:
+        raise NinferError("--raw applies to --prompt only")
     if max_tokens < 1:
         raise NinferError(f"--max-tokens must be >= 1, got {max_tokens}")
     if not artifact.is_file():
@@ -118,10 +123,12 @@ def generate(
         else:
             chat, tools = conversation or ([{"role": "user", "content": prompt}], None)
             ids = frontend.encode(frontend.render(chat, tools=tools, enable_thinking=not no_thinking))
+    if max_context is not None and len(ids) > max_context:
+        raise NinferError(f"the prompt has {len(ids)} tokens, more than the context limit of {max_context}; raise --max-context")
     sampling = _sampling(
         frontend.generation_config,
-        greedy,
-        seed,
+        greedy=greedy,
+        seed=seed,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
