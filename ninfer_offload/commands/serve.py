@@ -96,7 +96,7 @@ def serve(
         max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk, api_key=api_key,
     )
     log.info(
-        "serving '%s' on http://%s:%d/v1 (%d concurrent sequences, queue %d)%s",
-        name, host, port, max_concurrency, max_queue, ", API key required" if api_key else "",
+        "serving model '%s' at /v1 (%d concurrent sequences, queue %d%s)",
+        name, max_concurrency, max_queue, ", API key required" if api_key else "",
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=shutdown_timeout)
