@@ -11,6 +11,7 @@ device bandwidth measured in the same run (a large device-to-device copy, read +
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from ninfer_offload.artifact.formats import RowSplitGeometry, grouped_format
 from ninfer_offload.kernels import attention, gdn, moe, quant_linear
@@ -38,6 +39,13 @@ def random_object(geometry: RowSplitGeometry, count: int = 1) -> torch.Tensor:
     return data
 
 
+def median_ms(fn, graph: bool) -> float:
+    """Median milliseconds of fn: replayed from a CUDA graph (decode-sized calls, as the engine runs them) or launched."""
+    if graph:
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
 def device_bandwidth() -> float:
     """Bytes/s of a 4 GiB device-to-device copy (read + write)."""
     src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
@@ -50,7 +58,7 @@ def bench_linear(name: str, fmt: str, n: int, k: int, tokens: int, bandwidth: fl
     geometry = RowSplitGeometry(grouped_format(fmt), n, k)
     data = random_object(geometry)[0]
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: quant_linear.rowsplit_linear(x, data, geometry), warmup=25, rep=200, return_mode="median")
+    ms = median_ms(lambda: quant_linear.rowsplit_linear(x, data, geometry), graph=tokens <= 8)
     moved = geometry.encoded_size + x.numel() * 2 + tokens * n * 2
     flops = 2 * tokens * n * k
     return {"op": name, "format": fmt, "shape": [n, k], "tokens": tokens, "ms": ms, "bytes": moved,
@@ -66,7 +74,7 @@ def bench_moe(tokens: int, down_fmt: str, bandwidth: float) -> dict:
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
     w = torch.softmax(torch.randn(tokens, TOP_K, device="cuda"), -1).to(torch.bfloat16)
-    ms = do_bench(lambda: moe.routed_experts(x, ids, w, table, layout), warmup=25, rep=200, return_mode="median")
+    ms = median_ms(lambda: moe.routed_experts(x, ids, w, table, layout), graph=tokens <= 8)
     distinct = int(torch.unique(ids).numel())
     moved = distinct * (layout.gate_up.encoded_size + layout.down.encoded_size)
     out = moe.routed_experts(x, ids, w, table, layout)
@@ -80,7 +88,7 @@ def bench_attention(context: int, kv_dtype: torch.dtype, bandwidth: float) -> di
     vc = torch.randn(context, 2, 256, device="cuda").to(kv_dtype)
     q = torch.randn(1, 16, 256, device="cuda", dtype=torch.bfloat16)
     length = torch.tensor([context], dtype=torch.int32, device="cuda")
-    ms = do_bench(lambda: attention.attention_decode(q, kc, vc, length), warmup=25, rep=200, return_mode="median")
+    ms = median_ms(lambda: attention.attention_decode(q, kc, vc, length), graph=True)
     moved = 2 * kc.numel() * kc.element_size()
     return {"op": "attention_decode", "kv_dtype": str(kv_dtype), "context": context, "ms": ms, "bytes": moved,
             "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
@@ -93,7 +101,7 @@ def bench_gdn(bandwidth: float) -> dict:
     g = -torch.rand(1, 32, device="cuda")
     beta = torch.rand(1, 32, device="cuda", dtype=torch.bfloat16)
     state = torch.randn(32, 128, 128, device="cuda")
-    ms = do_bench(lambda: gdn.gdn_decode(q, k, v, g, beta, state), warmup=25, rep=200, return_mode="median")
+    ms = median_ms(lambda: gdn.gdn_decode(q, k, v, g, beta, state), graph=True)
     moved = 2 * state.numel() * 4
     return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 
@@ -113,8 +121,21 @@ def main() -> None:
             results.append(bench_linear(name, fmt, n, k, tokens, bandwidth))
     for name, fmt, n, k in shapes[:3]:
         results.append(bench_linear(name, fmt, n, k, 4096, bandwidth))
-    for tokens in (1, 4, 8, 512, 4096):
-        results.append(bench_moe(tokens, "q5_g64_fp16", bandwidth))
+    for block_n, warps in ((16, 2), (32, 4), (64, 4), (32, 8)):  # decode tile sweep of the fused linear
+        quant_linear.DECODE_BLOCK_N, quant_linear.DECODE_WARPS = block_n, warps
+        for name, fmt, n, k in (shapes[0], shapes[2], shapes[5]):
+            results.append(dict(bench_linear(name, fmt, n, k, 1, bandwidth), tile=[block_n, warps]))
+    quant_linear.DECODE_BLOCK_N, quant_linear.DECODE_WARPS = 32, 4
+    for tiles in (moe.Tiles(16, 32, 64, 4), moe.Tiles(16, 16, 32, 4), moe.Tiles(16, 64, 128, 4), moe.Tiles(16, 32, 64, 8)):
+        moe.DECODE_TILES = tiles
+        for tokens in (1, 8):
+            results.append(dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=dataclasses.astuple(tiles)))
+    moe.DECODE_TILES = moe.Tiles(16, 32, 64, 4)
+    for tiles in (moe.Tiles(64, 32, 64, 4), moe.Tiles(64, 64, 64, 8), moe.Tiles(128, 64, 128, 8), moe.Tiles(128, 128, 128, 8)):
+        moe.PREFILL_TILES = tiles
+        for tokens in (512, 4096):
+            results.append(dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=dataclasses.astuple(tiles)))
+    moe.PREFILL_TILES = moe.Tiles(64, 32, 64, 4)
     results.append(bench_moe(1, "q6_g64_fp16", bandwidth))
     for context in (1024, 8192, 32768):
         for kv in (torch.bfloat16, torch.float8_e4m3fn):
@@ -129,7 +150,7 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1))
     print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     for r in results:
-        label = " ".join(str(r[k]) for k in ("op", "format", "down_format", "kv_dtype", "shape", "context", "tokens") if k in r)
+        label = " ".join(str(r[k]) for k in ("op", "format", "down_format", "kv_dtype", "shape", "context", "tokens", "tile") if k in r)
         print(f"{label:60s} {r['ms'] * 1e3:9.1f} us {r['GBps']:8.0f} GB/s ({100 * r['bandwidth_fraction']:5.1f}%)" + (f" {r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else ""))
 
 

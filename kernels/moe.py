@@ -27,6 +27,22 @@ from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """Launch shape of the two kernels: pairs per block, output columns per program, warps."""
+
+    block_m: int
+    gate_up_n: int
+    down_n: int
+    warps: int
+
+
+# Decode / verification (few pairs per expert) and prefill (many). Module-level so benchmarks can sweep them.
+DECODE_TILES = Tiles(16, 32, 64, 4)
+PREFILL_TILES = Tiles(64, 32, 64, 4)
+PREFILL_MIN_PAIRS = 256
+
+
+@dataclass(frozen=True)
 class WorkPlan:
     """Pairs grouped by expert: `block_expert[b]` (-1: unused block) and `block_pairs[b, :]` (-1: empty)."""
 
@@ -164,24 +180,22 @@ def routed_experts(
         raise ValueError(f"expert records [{layout.gate_up.n}, {layout.gate_up.k}] / [{layout.down.n}, {inter}] do not fit hidden size {hidden}")
     x = x.contiguous()
     pairs = t * top_k
-    block_m = 16 if pairs <= 256 else 64
-    plan = plan_work(topk_ids, table.numel(), block_m)
+    tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
+    plan = plan_work(topk_ids, table.numel(), tiles.block_m)
     blocks = plan.block_expert.numel()
     ieee = x.dtype == torch.float32
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
-    block_n = 32
-    _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, block_n))](
+    _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
         x, table, plan.block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
-        TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k_for(gu.k_pad), IEEE=ieee,
+        TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n,
+        BLOCK_K=block_k_for(gu.k_pad), IEEE=ieee, num_warps=tiles.warps,
     )
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
-    block_n = 64
-    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
+    _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
         act, table, plan.block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
         layout.down_offset, dn.high_offset, dn.scale_offset,
-        BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k_for(dn.k_pad),
-        IEEE=ieee,
+        BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
+        BLOCK_K=block_k_for(dn.k_pad), IEEE=ieee, num_warps=tiles.warps,
     )
     return weighted.view(t, top_k, hidden).sum(1).to(x.dtype)
 

@@ -21,6 +21,9 @@ from ninfer_offload.kernels.rowsplit import TileGeometry, block_k_for, load_weig
 
 # Token counts up to this use the fused kernel; above it, transient dequantization + cuBLAS.
 FUSED_MAX_TOKENS = 64
+# Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
+DECODE_BLOCK_N = 32
+DECODE_WARPS = 4
 
 
 @triton.jit
@@ -118,7 +121,7 @@ def rowsplit_linear(x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeome
     g = TileGeometry.of(geometry)
     n = geometry.n
     block_m = 16 if t <= 16 else (32 if t <= 32 else 64)
-    block_n = 32
+    block_n = DECODE_BLOCK_N
     block_k = block_k_for(g.k_pad)
     n_blocks = triton.cdiv(n, block_n)
     k_blocks = g.k_pad // block_k
@@ -130,6 +133,6 @@ def rowsplit_linear(x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeome
     _rowsplit_matmul_kernel[(n_blocks, m_blocks, split)](
         x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset, per_split,
         BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32,
+        IEEE=x.dtype == torch.float32, num_warps=DECODE_WARPS,
     )
     return out.sum(0).to(x.dtype) if split > 1 else out

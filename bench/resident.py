@@ -1,0 +1,287 @@
+"""Resident benchmark on one CUDA GPU: decode and prefill speed against the HBM roofline and transformers.
+
+    python bench/make_synthetic.py /tmp/q36.ninfer
+    python bench/resident.py /tmp/q36.ninfer --out bench/results/resident_h200.json
+
+Everything resident (all experts in VRAM), bf16 activations, batch 1. Measured in one run:
+* device bandwidth: a 4 GiB device-to-device copy (bytes read + written);
+* decode tokens/s after each context length (CUDA-graph step, and the eager step for
+  comparison); the roofline of that step: bytes it must read (all non-expert text weights but one
+  embedding row, the 8 routed experts of every layer, the KV cache rows, the GDN states read and
+  written) / device bandwidth; `roofline_fraction` = measured / roofline tokens/s;
+* prefill tokens/s for fresh prompts of each length (one `prefill` call);
+* a per-stage breakdown of one captured decode step (torch profiler kernel times by stage);
+* peak VRAM (torch allocator) against the planner's prediction for the same options;
+* transformers' `Qwen3_5MoeForCausalLM` (bf16, same GPU, its default attention and kernels on
+  this image) built at a reduced depth (two depths, per-layer cost by difference, extrapolated to
+  40 layers), decode after the same contexts and prefill of the same lengths;
+  `speedup_vs_transformers` per point.
+Results are rewritten to --out after every stage, so a partial run still reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.model.quant import QuantizedMatrix
+from ninfer_offload.planner import PlanOptions, plan
+from ninfer_offload.profiles import load_profile
+from ninfer_offload.runtime.cuda_graph import DecodeGraph
+from ninfer_offload.runtime.engine import Engine
+
+STAGES = (  # kernel-name fragment -> stage of the per-step breakdown (first match wins)
+    ("gate_up_swiglu", "routed experts"),
+    ("_down_kernel", "routed experts"),
+    ("rowsplit_matmul", "quantized linear"),
+    ("decode_partial", "attention"),
+    ("gdn_recurrent", "gdn recurrent"),
+    ("conv_update", "gdn conv"),
+    ("rmsnorm", "rmsnorm"),
+    ("softmax_topk", "router"),
+    ("gemv", "dense linear (cuBLAS)"),
+    ("gemm", "dense linear (cuBLAS)"),
+    ("sort", "routing plan"),
+    ("scatter", "routing plan"),
+    ("index", "indexing/copies"),
+    ("copy", "indexing/copies"),
+)
+
+
+def _bytes(value) -> int:
+    if isinstance(value, QuantizedMatrix):
+        return value.data.numel()
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(_bytes(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name not in ("config", "experts"))
+    return 0
+
+
+def decode_bytes(engine: Engine, context: int) -> dict:
+    """Bytes one decode token must read at `context` tokens of history (the roofline numerator)."""
+    text, c = engine.text, engine.config
+    weights = sum(_bytes(layer) for layer in text.layers) + _bytes(text.final_norm) + _bytes(text.head)
+    embedding_row = _bytes(text.embedding) // c.vocab_size
+    experts = sum(c.top_k * layout.nbytes for layout in engine.store.layouts[: len(text.layers)])
+    attention_layers = sum(1 for kind in c.layer_types if kind == "full_attention")
+    kv = attention_layers * 2 * (context + 1) * c.num_kv_heads * c.head_dim * engine.dtype.itemsize
+    gdn_layers = len(c.layer_types) - attention_layers
+    state = gdn_layers * 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    total = weights + embedding_row + experts + kv + state
+    return {"total": total, "dense_weights": weights, "routed_experts": experts, "kv_cache": kv, "gdn_state": state}
+
+
+def device_bandwidth() -> float:
+    src = torch.empty(1 << 32, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 32) / sorted(times)[len(times) // 2]
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `fn()` (synchronised)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2]
+
+
+def random_ids(count: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def stage_breakdown(graph: DecodeGraph, steps: int = 5) -> dict:
+    """Per-stage GPU microseconds of one captured decode step (torch profiler kernel records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.step(1)
+        torch.cuda.synchronize()
+    stages: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type.name != "CUDA" and not getattr(event, "self_device_time_total", 0):
+            continue
+        micros = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        name = event.key.lower()
+        stage = next((s for frag, s in STAGES if frag in name), "other elementwise")
+        stages[stage] = stages.get(stage, 0.0) + micros / steps
+    return dict(sorted(stages.items(), key=lambda kv: -kv[1]))
+
+
+def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandwidth: float, report: dict, save) -> None:
+    vocab = engine.config.vocab_size
+    report["prefill"] = []
+    for length in prefills:
+        session = engine.session()
+        ids = random_ids(length, vocab, length)
+        session.prefill(ids[:64])  # warm-up (kernel compilation) on the same session kind
+        session.close()
+        session = engine.session()
+        seconds = timed(lambda: session.prefill(ids), 1)
+        session.close()
+        report["prefill"].append({"tokens": length, "seconds": seconds, "tok_s": length / seconds})
+        save()
+    report["decode"] = []
+    session = engine.session()
+    done = 0
+    for context in contexts:
+        ids = random_ids(context - done, vocab, context)
+        for c0 in range(0, len(ids), 8192):
+            session.prefill(ids[c0 : c0 + 8192])
+        done = context
+        eager = timed(lambda: session.step(1), 5)
+        graph = DecodeGraph(engine, session)
+        graph.step(1)
+        steps = 50
+        seconds = timed(lambda: [graph.step(1) for _ in range(steps)], 3) / steps
+        moved = decode_bytes(engine, session.length)
+        roofline = bandwidth / moved["total"]
+        point = {"context": context, "tok_s": 1 / seconds, "ms_per_token": seconds * 1e3, "eager_tok_s": 1 / eager,
+                 "bytes_per_token": moved, "roofline_tok_s": roofline, "roofline_fraction": (1 / seconds) / roofline,
+                 "achieved_GBps": moved["total"] / seconds / 1e9}
+        if context == contexts[0]:
+            report["decode_stage_us"] = stage_breakdown(graph)
+        report["decode"].append(point)
+        done = session.length
+        del graph
+        save()
+    session.close()
+
+
+def planner_prediction(engine: Engine, max_context: int) -> dict:
+    options = PlanOptions(max_context=max_context, kv_dtype="bf16", speculative="none", proposal_head=False)
+    placement = plan(Inventory.from_artifact(engine.artifact), load_profile("h200"), options)
+    return {"vram_used_bytes": placement.vram_used_bytes, "runtime": placement.runtime, "feasible": placement.feasible,
+            "options": options.to_json(), "predicted_decode_tok_s": placement.predicted.decode_tok_s if placement.predicted else None}
+
+
+def bench_transformers(config: dict, layers: tuple[int, int], contexts: list[int], prefills: list[int], report: dict, save) -> None:
+    """transformers' model at two reduced depths; 40-layer times extrapolated from the per-layer difference."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    full_layers = config["num_hidden_layers"]
+    measured: dict[int, dict] = {}
+    for depth in layers:
+        cfg = dict(config, num_hidden_layers=depth, layer_types=config["layer_types"][:depth])
+        hf_config = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+        with torch.device("cuda"):
+            model = Qwen3_5MoeForCausalLM(hf_config).to(torch.bfloat16).eval()
+        result: dict = {"prefill_s": {}, "decode_s": {}, "attn_implementation": hf_config._attn_implementation}
+        with torch.no_grad():
+            for length in prefills:
+                ids = torch.randint(0, 1000, (1, length), device="cuda")
+                model(ids[:, :64])
+                result["prefill_s"][length] = timed(lambda: model(ids), 1)
+            for context in contexts:
+                ids = torch.randint(0, 1000, (1, context), device="cuda")
+                out = model(ids, use_cache=True)
+                cache = out.past_key_values
+                token = torch.ones(1, 1, dtype=torch.long, device="cuda")
+
+                def step():
+                    nonlocal cache
+                    cache = model(token, past_key_values=cache, use_cache=True).past_key_values
+
+                step()
+                result["decode_s"][context] = timed(step, 5)
+                del out, cache
+                torch.cuda.empty_cache()
+        measured[depth] = result
+        del model
+        torch.cuda.empty_cache()
+        report["transformers_measured"] = {str(d): r for d, r in measured.items()}
+        save()
+    lo, hi = layers
+
+    def extrapolate(a: float, b: float) -> float:
+        return a + (b - a) * (full_layers - lo) / (hi - lo)
+
+    report["transformers"] = {
+        "method": f"measured at {lo} and {hi} layers, per-layer cost by difference, extrapolated to {full_layers}",
+        "decode": [{"context": c, "tok_s": 1 / extrapolate(measured[lo]["decode_s"][c], measured[hi]["decode_s"][c])} for c in contexts],
+        "prefill": [{"tokens": n, "tok_s": n / extrapolate(measured[lo]["prefill_s"][n], measured[hi]["prefill_s"][n])} for n in prefills],
+    }
+    save()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--prefills", type=int, nargs="+", default=[512, 4096, 16384])
+    parser.add_argument("--hf-layers", type=int, nargs=2, default=[4, 8])
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report: dict = {"command": "python bench/resident.py " + " ".join(map(str, [args.artifact, "--out", args.out])),
+                    "commit": commit or None, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "torch": torch.__version__}
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+
+    bandwidth = device_bandwidth()
+    report["device_bandwidth_GBps"] = bandwidth / 1e9
+    max_context = max(args.contexts) + 128
+    began = time.perf_counter()
+    engine = Engine.load(args.artifact, device="cuda", max_context=max_context)
+    report["load_seconds"] = time.perf_counter() - began
+    report["vram_after_load_bytes"] = torch.cuda.memory_allocated()
+    report["planner"] = planner_prediction(engine, max_context)
+    save()
+    torch.cuda.reset_peak_memory_stats()
+    bench_engine(engine, args.contexts, args.prefills, bandwidth, report, save)
+    report["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
+    save()
+    config = engine.artifact.components["text"].config
+    engine.close()
+    del engine
+    torch.cuda.empty_cache()
+    if not args.skip_transformers:
+        bench_transformers(config, tuple(args.hf_layers), args.contexts, args.prefills, report, save)
+        hf = {p["context"]: p["tok_s"] for p in report["transformers"]["decode"]}
+        for point in report["decode"]:
+            point["speedup_vs_transformers"] = point["tok_s"] / hf[point["context"]]
+        hf_prefill = {p["tokens"]: p["tok_s"] for p in report["transformers"]["prefill"]}
+        for point in report["prefill"]:
+            point["speedup_vs_transformers"] = point["tok_s"] / hf_prefill[point["tokens"]]
+        save()
+    for point in report["decode"]:
+        print(f"decode @{point['context']:6d}: {point['tok_s']:7.1f} tok/s (eager {point['eager_tok_s']:.1f}), roofline "
+              f"{point['roofline_tok_s']:.0f} -> {100 * point['roofline_fraction']:.1f}%, x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
+    for point in report["prefill"]:
+        print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
+    print("stages (us/step):", json.dumps(report.get("decode_stage_us", {})))
+    print(f"peak VRAM {report['peak_vram_bytes'] / 2**30:.2f} GiB, planner {report['planner']['vram_used_bytes'] / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
