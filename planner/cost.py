@@ -102,17 +102,7 @@ def predict(
     expert_vram, expert_pcie = _expert_traffic(stats, resident, expert_bytes, chunk)
     weight_seconds = (weights.dense_text_bytes + weights.head_bytes + expert_vram) / vram_rate
     prefill_seconds = max(compute_seconds, weight_seconds) + expert_pcie / pcie_rate
-    assumptions = (
-        f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of {profile.memory_bandwidth_gbs:g} GB/s memory bandwidth",
-        f"host-resident experts move at {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D, not overlapped with compute, no cache hits",
-        f"{STEP_OVERHEAD_S * 1e3:g} ms fixed overhead per forward (launches, sampling)",
-        f"decode measured at context {context} tokens, batch 1; KV and GDN state traffic included",
-        f"routing from {stats.source}; tokens of one step route independently",
-        f"MTP: {options.draft_count} drafts per step, per-draft acceptance {options.mtp_acceptance:g} (assumed), "
-        f"draft head {'proposal head' if options.proposal_head else 'output head'}" if options.speculating else "no speculation",
-        f"prefill: chunk {chunk}, quantized GEMMs reach {PREFILL_EFFICIENCY:.0%} of {profile.tensor_tflops:g} TFLOPS, "
-        "each host-resident expert a chunk needs moves once per chunk",
-    )
+    assumptions = device_assumptions(profile) + general_assumptions(options, stats.source)
     return Prediction(
         decode_tok_s=1.0 / seconds,
         decode_tok_s_mtp=decode_mtp,
@@ -120,4 +110,32 @@ def predict(
         vram_bytes_per_token=int(vram_bytes),
         pcie_bytes_per_token=pcie_bytes,
         assumptions=assumptions,
+    )
+
+
+def device_assumptions(profile: DeviceProfile) -> tuple[str, ...]:
+    """The assumptions that depend on the device profile."""
+    return (
+        f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of the {profile.memory_bandwidth_gbs:g} GB/s memory bandwidth",
+        f"host-resident experts move at the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth",
+        f"quantized prefill GEMMs reach {PREFILL_EFFICIENCY:.0%} of the {profile.tensor_tflops:g} TFLOPS tensor throughput",
+    )
+
+
+def general_assumptions(options: PlanOptions, routing_source: str) -> tuple[str, ...]:
+    """The assumptions shared by every device."""
+    context = min(options.at_context, options.max_context)
+    draft_head = "proposal head" if options.proposal_head else "output head"
+    speculation = (
+        f"MTP: {options.draft_count} drafts per step, per-draft acceptance {options.mtp_acceptance:g} (assumed), drafting with the {draft_head}"
+        if options.speculating
+        else "no speculation"
+    )
+    return (
+        "expert transfers are not overlapped with compute and never hit a cache (conservative)",
+        f"{STEP_OVERHEAD_S * 1e3:g} ms fixed overhead per forward (launches, sampling)",
+        f"decode at batch 1 and context {context} tokens; KV and GDN state traffic included",
+        f"routing from {routing_source}; tokens of one step route independently",
+        speculation,
+        f"prefill in chunks of {options.prefill_chunk}; every host-resident expert a chunk needs moves once per chunk",
     )

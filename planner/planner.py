@@ -57,14 +57,13 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
     if options.vision and not inventory.select("vision"):
         raise NinferError("artifact has no vision component; drop --vision")
 
-    bytes_of = lambda tensors: sum(t.bytes for t in tensors)  # noqa: E731
     text = inventory.select("text")
     dense_text = [t for t in text if t.role not in (*ROUTED, "token_embedding", "output_head")]
-    embedding = bytes_of(t for t in text if t.role == "token_embedding")
-    head = bytes_of(t for t in text if t.role == "output_head")
-    mtp, proposal = bytes_of(inventory.select("mtp")), bytes_of(inventory.select("proposal"))
-    vision, dflash = bytes_of(inventory.select("vision")), bytes_of(inventory.select("dflash"))
-    other = bytes_of(t for t in inventory.tensors if t.component not in ("text", "mtp", "proposal", "vision", "dflash"))
+    embedding = _bytes(t for t in text if t.role == "token_embedding")
+    head = _bytes(t for t in text if t.role == "output_head")
+    mtp, proposal = _bytes(inventory.select("mtp")), _bytes(inventory.select("proposal"))
+    vision, dflash = _bytes(inventory.select("vision")), _bytes(inventory.select("dflash"))
+    other = _bytes(t for t in inventory.tensors if t.component not in ("text", "mtp", "proposal", "vision", "dflash"))
     use_proposal = options.speculating and options.proposal_head
 
     card = profile.vram_bytes
@@ -79,7 +78,7 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
         "workspace": workspace_bytes(shape, options),
         "staging": 0,
     }
-    fixed_weights = bytes_of(dense_text) + head + (mtp if options.speculating else 0) + (proposal if use_proposal else 0) + (vision if options.vision else 0)
+    fixed_weights = _bytes(dense_text) + head + (mtp if options.speculating else 0) + (proposal if use_proposal else 0) + (vision if options.vision else 0)
     fixed = fixed_weights + sum(runtime.values())
 
     order = _expert_order(stats, [b.expert_bytes for b in banks])
@@ -107,10 +106,9 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
     vram_used = fixed + runtime["staging"] + resident_bytes + (embedding if embedding_on_device else 0)
 
     routed_stored = sum(b.bank_bytes for b in banks)
-    unused = lambda n: ComponentPlacement(n, "unused", 0, 0)  # noqa: E731
-    on_device = lambda n: ComponentPlacement(n, "vram", n, 0)  # noqa: E731
+    unused, on_device = _placed("unused"), _placed("vram")
     components = {
-        "text_dense": on_device(bytes_of(dense_text)),
+        "text_dense": on_device(_bytes(dense_text)),
         "output_head": on_device(head),
         "token_embedding": on_device(embedding) if embedding_on_device else ComponentPlacement(embedding, "host", 0, embedding),
         "routed_experts": ComponentPlacement(routed_stored, "vram" if not host_experts else ("host" if not resident_bytes else "split"), resident_bytes, host_experts),
@@ -150,7 +148,7 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
         return placement
     mtp_banks = inventory.banks_of("mtp")
     weights = WeightTraffic(
-        dense_text_bytes=bytes_of(dense_text),
+        dense_text_bytes=_bytes(dense_text),
         dense_text_params=sum(_elements(t.shape) for t in dense_text),
         embedding_row_bytes=-(-embedding // shape.vocab),
         embedding_on_device=embedding_on_device,
@@ -161,6 +159,15 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
     )
     placement.predicted = predict(shape, profile, options, weights, stats, resident, placement.expert_bytes)
     return placement
+
+
+def _bytes(tensors) -> int:
+    return sum(t.bytes for t in tensors)
+
+
+def _placed(where: str):
+    """Constructor of a component placed wholly in VRAM ("vram") or not loaded ("unused")."""
+    return lambda n: ComponentPlacement(n, where, n if where == "vram" else 0, 0)
 
 
 def _elements(shape: tuple[int, ...]) -> int:

@@ -7,7 +7,9 @@ from statistics import mean
 from rich.console import Console, Group
 from rich.table import Table
 
+from ninfer_offload.planner.cost import KERNEL_EFFICIENCY, PREFILL_EFFICIENCY, general_assumptions
 from ninfer_offload.planner.placement import Placement
+from ninfer_offload.profiles import DeviceProfile
 
 GiB = 2**30
 
@@ -74,22 +76,22 @@ def render_plan(p: Placement, source: str) -> Group:
         speed.add_row("prefill tok/s", _rate(r.prefill_tok_s))
         speed.add_row("VRAM read per token", gib(r.vram_bytes_per_token))
         speed.add_row("PCIe per token", f"{r.pcie_bytes_per_token / 2**20:.1f} MiB")
-        assumptions = Table(title="Assumptions", title_justify="left", show_header=False)
-        assumptions.add_column("assumption")
-        for line in r.assumptions:
-            assumptions.add_row(f"- {line}")
-        parts += [speed, assumptions]
+        parts += [speed, _assumption_table(r.assumptions)]
     return Group(*parts)
 
 
-def render_comparison(plans: list[Placement]) -> Table:
-    """Key figures of several plans, one column per profile."""
+def render_comparison(plans: list[Placement], profiles: list[DeviceProfile]) -> Group:
+    """Key figures of several plans, one column per profile, then the shared assumptions."""
+    by_name = {profile.name: profile for profile in profiles}
     table = Table(title="Plans side by side", title_justify="left")
     table.add_column("")
     for p in plans:
         table.add_column(p.profile, justify="right")
     rows = [
         ("feasible", lambda p: "yes" if p.feasible else "no"),
+        ("memory bandwidth GB/s", lambda p: f"{by_name[p.profile].memory_bandwidth_gbs:g}"),
+        ("pinned H2D GB/s", lambda p: f"{by_name[p.profile].h2d_bandwidth_gbs:g}"),
+        ("tensor TFLOPS", lambda p: f"{by_name[p.profile].tensor_tflops:g}"),
         ("VRAM budget", lambda p: gib(p.vram_budget_bytes)),
         ("VRAM used", lambda p: gib(p.vram_used_bytes)),
         ("pinned host", lambda p: gib(p.host_pinned_bytes)),
@@ -108,6 +110,19 @@ def render_comparison(plans: list[Placement]) -> Table:
     for p in plans:
         if not p.feasible:
             table.caption = (table.caption + "\n" if table.caption else "") + f"{p.profile}: {p.reason}"
+    options = plans[0].options
+    lines = [
+        f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of each memory bandwidth; prefill GEMMs {PREFILL_EFFICIENCY:.0%} of each tensor throughput",
+        *general_assumptions(options, plans[0].routing_stats),
+    ]
+    return Group(table, _assumption_table(lines))
+
+
+def _assumption_table(lines) -> Table:
+    table = Table(title="Assumptions", title_justify="left", show_header=False)
+    table.add_column("assumption")
+    for line in lines:
+        table.add_row(f"- {line}")
     return table
 
 

@@ -91,7 +91,7 @@ def plan(
     else:
         from ninfer_offload.planner.report import print_renderable, render_comparison, render_plan
 
-        print_renderable(render_comparison(plans) if profile == "all" else render_plan(plans[0], source))
+        print_renderable(render_comparison(plans, profiles) if profile == "all" else render_plan(plans[0], source))
         if plot is not None:
             typer.echo(f"plot written to {plot}")
     if profile != "all" and not plans[0].feasible:
