@@ -3,7 +3,8 @@
 Roles come from the binding names (FORMAT.md §8.4), never from object IDs, so the official
 directory, directories written by our converter and v1 files (through the reader's synthesised
 bindings) classify alike. Every tensor object is counted exactly once: an object's component,
-role and layer are those of the first binding that references it.
+role and layer are those of the first binding that references it with a known role (a v1 parent
+is also bound under its own name, which classifies as `other`).
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ class Inventory:
             component, role, layer = classify(name)
             ids = _binding_objects(binding)
             for oid in ids:
-                label.setdefault(oid, (component, role, layer))
+                if oid not in label or (label[oid][1] == "other" and role != "other"):
+                    label[oid] = (component, role, layer)
             if role in ("routed_gate_up", "routed_down") and layer is not None:
                 bank = experts[(component, layer)]
                 bank["experts"].add(int(name.split("/moe/experts/")[1].split("/")[0]))
