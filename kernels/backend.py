@@ -2,8 +2,9 @@
 
 Same method signatures as `ReferenceBackend` (the engine picks the backend by device). Ops that
 are already a single library call keep it (dense bf16 products: cuBLAS; attention prefill:
-SDPA); the GDN chunked prefill stays on the reference's chunked form; lossless (bf16/fp32)
-expert records use the reference path.
+SDPA); the GDN chunked prefill uses flash-linear-attention's kernels on CUDA when that package is
+installed (the `gpu` extra), else the reference's chunked form; lossless (bf16/fp32) expert
+records use the reference path.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class TritonBackend(ReferenceBackend):
 
     name = "triton"
 
+    def __init__(self) -> None:
+        self.fla = gdn.fla_available()
+
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         if not isinstance(w, QuantizedMatrix):
             return x @ w.T
@@ -56,6 +60,11 @@ class TritonBackend(ReferenceBackend):
 
     def gdn_decode(self, q, k, v, g, beta, state) -> torch.Tensor:
         return gdn.gdn_decode(q, k, v, g, beta, state)
+
+    def gdn_prefill(self, q, k, v, g, beta, state) -> torch.Tensor:
+        if self.fla and q.is_cuda:
+            return gdn.gdn_prefill(q, k, v, g, beta, state)
+        return super().gdn_prefill(q, k, v, g, beta, state)
 
     def attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
         return attention.attention_prefill(q, k_cache, v_cache, start)

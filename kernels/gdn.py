@@ -95,3 +95,24 @@ def conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
     block_c = 256
     _conv_update_kernel[(triton.cdiv(c, block_c),)](x.contiguous(), conv_state, weight.contiguous(), out, t, c, TAPS=taps, BLOCK_C=block_c)
     return out
+
+
+def fla_available() -> bool:
+    """Whether flash-linear-attention's gated delta rule kernels can be imported."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """Chunked delta rule through flash-linear-attention (CUDA); the contract of `ReferenceBackend.gdn_prefill`."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    out, final = chunk_gated_delta_rule(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.to(v.dtype).unsqueeze(0),
+        scale=q.shape[-1] ** -0.5, initial_state=state.unsqueeze(0), output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    state.copy_(final[0])
+    return out[0].to(v.dtype)

@@ -129,3 +129,23 @@ def test_attention_decode_fp8_cache():
     q = torch.randn(1, hq, d, device="cuda", dtype=torch.bfloat16)
     ref = REF.attention_decode(q.float(), kc.float(), vc.float(), length)
     assert _close(_backend().attention_decode(q, kc, vc, length), ref, tol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gdn_prefill_through_flash_linear_attention():
+    from ninfer_offload.kernels import gdn
+
+    if not gdn.fla_available():
+        pytest.skip("flash-linear-attention is not installed")
+    t, hk, hv, dk, dv = 200, 2, 4, 128, 128
+    gen = _gen(30)
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g, beta = -torch.rand(t, hv, generator=gen) * 0.5, torch.rand(t, hv, generator=gen)
+    state = torch.randn(hv, dk, dv, generator=gen) * 0.1
+    ref_state = state.clone()
+    ref = REF.gdn_prefill(q, k, v, g, beta, ref_state)
+    dev_state = state.cuda()
+    out = _backend().gdn_prefill(*(x.cuda().to(torch.bfloat16) for x in (q, k, v)), g.cuda(), beta.cuda().to(torch.bfloat16), dev_state)
+    assert _close(out, ref, tol=3e-2) and _close(dev_state, ref_state, tol=3e-2)
