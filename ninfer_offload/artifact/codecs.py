@@ -70,25 +70,49 @@ def encode_contiguous(values: np.ndarray, fmt: str) -> np.ndarray:
 # ----------------------------------------------------------------------------- row split
 
 
-def unpack_codes(fmt: GroupedFormat, base: np.ndarray, high: np.ndarray | None, rows: int, gpr: int) -> np.ndarray:
-    """Codes int8 [rows, gpr*G] from base (and high) plane bytes of `rows` rows."""
+def _lane_tables(bits: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Lookup tables of a 4/5/6-bit format: base byte -> two lanes, high byte -> lanes' high bits, u -> signed code."""
+    byte = np.arange(256)
+    nibbles = ((byte & 0x0F) | ((byte >> 4) << 8)).astype(np.uint16)  # low lane in the low byte
+    extra = bits - 4
+    high = None
+    if extra:
+        lanes = 8 // extra
+        table = np.zeros((256, lanes), dtype=np.uint8)
+        for lane in range(lanes):
+            table[:, lane] = ((byte >> (lane * extra)) & ((1 << extra) - 1)) << 4
+        high = table.view(np.uint64 if lanes == 8 else np.uint32).reshape(256)
+    half = 1 << (bits - 1)
+    sign = ((np.arange(1 << bits) ^ half) - half).astype(np.int8)
+    return nibbles, high, sign
+
+
+_TABLES = {bits: _lane_tables(bits) for bits in (4, 5, 6)}
+# Q4 needs no high plane: one table maps a base byte straight to its two signed codes.
+_Q4_PAIRS = _TABLES[4][2][_TABLES[4][0].view(np.uint8)].view(np.uint16)
+
+
+def unpack_codes(
+    fmt: GroupedFormat, base: np.ndarray, high: np.ndarray | None, rows: int, gpr: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Codes int8 [rows, gpr*G] from base (and high) plane bytes of `rows` rows (table lookups, no per-lane math).
+
+    `out`, if given, is a C-contiguous int8 array of that shape to write into.
+    """
     g = fmt.group
+    shape = (rows, gpr * g)
+    if out is None:
+        out = np.empty(shape, dtype=np.int8)
     if fmt.bits == 8:
-        return base.view(np.int8).reshape(rows, gpr * g)
-    b = base.reshape(rows, gpr, fmt.base_bytes)
-    u = np.empty((rows, gpr, g), dtype=np.uint8)
-    u[:, :, 0::2] = b & 0x0F
-    u[:, :, 1::2] = b >> 4
-    if fmt.bits > 4:
-        bits = np.unpackbits(high.reshape(rows, gpr, fmt.high_bytes), axis=-1, bitorder="little")
-        extra = fmt.bits - 4
-        bits = bits.reshape(rows, gpr, g, extra)
-        for t in range(extra):
-            u |= bits[..., t] << (4 + t)
-    half = 1 << (fmt.bits - 1)
-    codes = u.astype(np.int16)
-    codes[codes >= half] -= 1 << fmt.bits
-    return codes.astype(np.int8).reshape(rows, gpr * g)
+        out.reshape(-1)[:] = base.view(np.int8)
+    elif fmt.bits == 4:
+        np.take(_Q4_PAIRS, base, mode="clip", out=out.reshape(-1).view(np.uint16))
+    else:
+        nibbles, high_table, sign = _TABLES[fmt.bits]
+        u = np.take(nibbles, base, mode="clip").view(np.uint8)
+        u |= np.take(high_table, high, mode="clip").view(np.uint8)
+        np.take(sign, u, mode="clip", out=out.reshape(-1))
+    return out.reshape(shape)
 
 
 def decode_row_split(buf, fmt_name: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +132,10 @@ def decode_row_split(buf, fmt_name: str, n: int, k: int) -> tuple[np.ndarray, np
         if fmt.high_bytes:
             start = geo.high_offset + r0 * gpr * fmt.high_bytes
             high = data[start : start + rows * gpr * fmt.high_bytes]
-        codes[r0:r1] = unpack_codes(fmt, base, high, rows, gpr)[:, :k]
+        if k == geo.k_pad:
+            unpack_codes(fmt, base, high, rows, gpr, out=codes[r0:r1])
+        else:
+            codes[r0:r1] = unpack_codes(fmt, base, high, rows, gpr)[:, :k]
     scales = scales_all[:, : geo.logical_groups_per_row].astype(np.float16)
     return codes, scales
 
@@ -119,8 +146,13 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
     out = np.empty((n, k), dtype=np.float32)
     rows = max(1, _CHUNK_ELEMENTS // max(1, k))
     for r0 in range(0, n, rows):
-        s = np.repeat(scales[r0 : r0 + rows].astype(np.float32), group, axis=1)[:, :k]
-        np.multiply(codes[r0 : r0 + rows], s, out=out[r0 : r0 + rows], dtype=np.float32)
+        s = scales[r0 : r0 + rows].astype(np.float32)
+        if k % group == 0:  # broadcast one scale over its group: a single pass
+            c = codes[r0 : r0 + rows].reshape(-1, k // group, group)
+            np.multiply(c, s[:, :, None], out=out[r0 : r0 + rows].reshape(c.shape), dtype=np.float32)
+        else:
+            s = np.repeat(s, group, axis=1)[:, :k]
+            np.multiply(codes[r0 : r0 + rows], s, out=out[r0 : r0 + rows], dtype=np.float32)
     return out
 
 
