@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ninfer_offload import Engine, NinferError
+from ninfer_offload.runtime import engine as engine_module
 from ninfer_offload.model.config import ModelConfig
 
 PROMPT = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -62,6 +63,14 @@ def test_step_batch_equals_single_steps(engine):
         assert torch.equal(out.argmax(-1), expected.argmax(-1))
         tokens = out.argmax(-1).tolist()
     assert [b.length for b in batched] == [n + 3 for n in lengths]
+
+
+def test_long_prefill_runs_in_chunks(engine, monkeypatch):
+    expected = engine.logits(PROMPT)
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 16)
+    chunked = engine.logits(PROMPT)
+    assert torch.allclose(chunked, expected, atol=1e-5 * max(1.0, expected.abs().max().item()))
+    assert torch.allclose(engine.session().prefill(PROMPT), expected[-1], atol=1e-5 * max(1.0, expected.abs().max().item()))
 
 
 def test_mtp_one_shot_equals_step_by_step(engine):

@@ -21,6 +21,7 @@ from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.state import Segment, SequenceState
 
 DEFAULT_MAX_CONTEXT = 32768
+PREFILL_CHUNK = 1024  # tokens per forward of a long prefill (bounds attention scores and expert temporaries)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -81,6 +82,22 @@ class Session:
 
     def forward(self, token_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `token_ids`: (logits [T, vocab] float32, final-normed hidden states [T, H])."""
+        hidden = self._advance(token_ids)
+        with torch.no_grad():
+            return self.engine.text.logits(self.engine.backend, hidden), hidden
+
+    def prefill(self, token_ids: Iterable[int]) -> torch.Tensor:
+        """Append `token_ids` (may be called repeatedly: chunked prefill); logits [vocab] of the last one."""
+        hidden = self._advance(token_ids)
+        with torch.no_grad():
+            return self.engine.text.logits(self.engine.backend, hidden[-1:])[0]
+
+    def step(self, token_id: int) -> torch.Tensor:
+        """Append one token; its logits [vocab]."""
+        return self.prefill([token_id])
+
+    def _advance(self, token_ids: Iterable[int]) -> torch.Tensor:
+        """Run `token_ids` through the layers in chunks of at most PREFILL_CHUNK; hidden states [T, H]."""
         ids = self.engine._token_tensor(token_ids)
         state = self._live_state()
         if state.length + len(ids) > state.capacity:
@@ -89,17 +106,11 @@ class Session:
                 f"(sequence holds {state.length}, {len(ids)} new); raise --max-context "
                 f"(the model allows up to {self.engine.config.max_position_embeddings})"
             )
-        hidden, logits = self.engine._forward(ids, [Segment(state, state.length, 0, len(ids))])
-        state.length += len(ids)
-        return logits, hidden
-
-    def prefill(self, token_ids: Iterable[int]) -> torch.Tensor:
-        """Append `token_ids` (may be called repeatedly: chunked prefill); logits [vocab] of the last one."""
-        return self.forward(token_ids)[0][-1]
-
-    def step(self, token_id: int) -> torch.Tensor:
-        """Append one token; its logits [vocab]."""
-        return self.forward([token_id])[0][0]
+        hidden = []
+        for chunk in ids.split(PREFILL_CHUNK):
+            hidden.append(self.engine._hidden(chunk, [Segment(state, state.length, 0, len(chunk))]))
+            state.length += len(chunk)
+        return torch.cat(hidden)
 
     def mtp(self, hidden: torch.Tensor, next_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the MTP module on target hidden states `hidden` [T, H] (positions continuing this
@@ -205,10 +216,11 @@ class Engine:
             if state.length + 1 > state.capacity:
                 raise NinferError(f"a sequence reached the context limit of {state.capacity} tokens; raise --max-context")
         ids = self._token_tensor(token_ids)
-        _, logits = self._forward(ids, [Segment(state, state.length, i, 1) for i, state in enumerate(states)])
+        hidden = self._hidden(ids, [Segment(state, state.length, i, 1) for i, state in enumerate(states)])
         for state in states:
             state.length += 1
-        return logits
+        with torch.no_grad():
+            return self.text.logits(self.backend, hidden)
 
     def generate(self, prompt_ids: Iterable[int], max_tokens: int = 256, sampling=None, stop_ids=None):
         """Generate after `prompt_ids` (see `ninfer_offload.runtime.generate.generate`)."""
@@ -229,7 +241,6 @@ class Engine:
             raise NinferError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
 
-    def _forward(self, ids: torch.Tensor, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden(self, ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         with torch.no_grad():
-            hidden = self.text.hidden(self.backend, ids, segments)
-            return hidden, self.text.logits(self.backend, hidden)
+            return self.text.hidden(self.backend, ids, segments)
