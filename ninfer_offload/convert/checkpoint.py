@@ -92,10 +92,16 @@ class Checkpoint:
         if self._dtype[name] not in _DTYPES:
             raise NinferError(f"tensor {name!r} has dtype {self._dtype[name]}; only BF16, F16 and F32 are converted")
 
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor in its stored dtype (the file is mapped only while reading)."""
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """The tensor (or its slice [start, stop) along the first axis) in its stored dtype.
+
+        The file is mapped only for the duration of the call, so reading a large tensor in
+        slices keeps the resident memory at one slice.
+        """
         with safe_open(str(self._file[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            if start is None:
+                return f.get_tensor(name)
+            return f.get_slice(name)[start:stop]
 
     def resource(self, filename: str) -> bytes | None:
         """Bytes of a resource file in the checkpoint directory, or None if absent."""

@@ -1,9 +1,12 @@
 """`convert()`: a Hugging Face Qwen3.5/3.6-MoE checkpoint directory -> a v3 `.ninfer` artifact.
 
 Memory bound: objects are encoded one at a time, in object order, while the writer streams them
-to disk, so the peak resident memory is about one encoded object plus the one source tensor it
-is being built from (plus a CHUNK_ELEMENTS float32 window and the interpreter): at most about 2x
-the largest tensor plus a constant, whatever the model size.
+to disk; sources are read in slices (encode.CHUNK_ELEMENTS elements). Peak resident memory is the
+encoded bytes of the object being produced and of the previous one (the writer still holds it
+while the next source runs) plus a slice window of about 60 MiB and the interpreter, torch and
+numpy: about 2x the largest tensor plus a constant (BF16 sources: an encoded object is at most as
+large as its source, except Q8 of rows shorter than 128). Measured: 264 MiB above the idle
+process for two consecutive 128 MiB tensors with the bf16 recipe (tests/test_convert_memory.py).
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ def convert(
 
 def _source(checkpoint: Checkpoint, parent: Parent, done):
     def encode():
-        data = encode_parent(parent, lambda source: checkpoint.read(source.tensor))
+        data = encode_parent(parent, checkpoint.read)
         done()
         return data
 

@@ -1,13 +1,16 @@
 """Encode one parent object from its checkpoint sources: §9 transforms, then its storage format.
 
-Sources are read one at a time and written into the parent's encoded buffer at their row offset,
-so the memory held while encoding a parent is its encoded size, one source tensor, and a bounded
-row chunk (row-split objects are encoded chunk by chunk and their planes copied into place).
+Sources are read in slices of about CHUNK_ELEMENTS elements along their first axis (whole only
+for the small transformed ones: attention q_proj halves, conv taps, vectors) and each slice is
+encoded straight into the parent's buffer at its row offset (row-split slices are encoded as
+standalone objects and their planes copied into place). So encoding a parent holds its encoded
+bytes plus a constant-size window, whatever the size of the source tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from math import prod
 
 import numpy as np
 import torch
@@ -15,11 +18,14 @@ import torch
 from ninfer_offload.artifact.codecs import encode_contiguous, encode_row_split
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.formats import CONTIGUOUS, DIRECT_FORMATS, ROW_SPLIT, RowSplitGeometry, encoded_size, grouped_format
-from ninfer_offload.convert.layout import FLATTEN, GATE_HALF, QUERY_HALF, TAPS_MAJOR, Parent, Source
+from ninfer_offload.convert.layout import FLATTEN, GATE_HALF, NONE, QUERY_HALF, TAPS_MAJOR, Parent, Source
 from ninfer_offload.errors import NinferError
 
-# Source elements converted to float32 at once when quantizing (bounds the temporaries).
-CHUNK_ELEMENTS = 1 << 22
+# Source elements read (and converted to float32 when quantizing) at once.
+CHUNK_ELEMENTS = 1 << 20
+
+# read(tensor name, start, stop) -> the tensor's slice [start, stop) along its first axis.
+Reader = Callable[[str, int, int], torch.Tensor]
 
 
 def storage_layout(fmt: str) -> str:
@@ -36,8 +42,19 @@ def transform(tensor: torch.Tensor, source: Source) -> torch.Tensor:
     if source.transform == TAPS_MAJOR:
         return tensor[:, 0, :].t()
     if source.transform == FLATTEN:
-        return tensor.reshape(source.rows, -1)
+        return tensor.reshape(-1, tensor.shape[-1]) if len(source.shape) == 3 else tensor.reshape(tensor.shape[0], -1)
     return tensor
+
+
+def source_rows(source: Source, read: Reader) -> Iterator[torch.Tensor]:
+    """The source's transformed rows in order, in slices of about CHUNK_ELEMENTS elements."""
+    lead = source.shape[0]
+    if source.transform in (NONE, FLATTEN) and len(source.shape) >= 2:
+        step = max(1, CHUNK_ELEMENTS // prod(source.shape[1:]))
+    else:
+        step = lead
+    for start in range(0, lead, step):
+        yield transform(read(source.tensor, start, min(lead, start + step)), source)
 
 
 def _bf16_words(values: torch.Tensor) -> np.ndarray:
@@ -52,34 +69,27 @@ def _fp32_words(values: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(values.to(torch.float32).numpy(), dtype="<f4").view(np.uint8).reshape(-1)
 
 
-def encode_parent(parent: Parent, read: Callable[[Source], torch.Tensor]) -> np.ndarray:
+def encode_parent(parent: Parent, read: Reader) -> np.ndarray:
     """The encoded bytes of `parent` (exactly `encoded_size`), reading each source through `read`."""
     fmt = parent.format
     layout = storage_layout(fmt)
     out = np.zeros(encoded_size(layout, fmt, parent.shape), dtype=np.uint8)
     row = 0
-    if layout == CONTIGUOUS:
-        word = DIRECT_FORMATS[fmt]
-        per_row = parent.row_elements * word
-        for source in parent.sources:
-            values = transform(read(source), source)
-            data = _bf16_words(values) if fmt == "bf16" else _fp32_words(values)
-            out[row * per_row : row * per_row + data.size] = data
-            row += source.rows
-        return out
-    geometry = RowSplitGeometry(grouped_format(fmt), parent.shape[0], parent.shape[1])
+    geometry = RowSplitGeometry(grouped_format(fmt), *parent.shape) if layout == ROW_SPLIT else None
     for source in parent.sources:
-        values = transform(read(source), source)
-        step = max(1, CHUNK_ELEMENTS // parent.shape[1])
-        for r0 in range(0, source.rows, step):
-            chunk = values[r0 : r0 + step].to(torch.float32).numpy()
-            try:
-                encoded = encode_row_split(chunk, fmt)
-            except ArtifactError as err:
-                raise NinferError(f"tensor {source.tensor!r}: {err}") from None
-            count = chunk.shape[0]
-            local = RowSplitGeometry(geometry.fmt, count, geometry.k)
-            for (dst, length), (src, _) in zip(geometry.row_spans(row + r0, count), local.row_spans(0, count)):
-                out[dst : dst + length] = encoded[src : src + length]
-        row += source.rows
+        for values in source_rows(source, read):
+            count = values.shape[0]
+            if geometry is None:
+                data = _bf16_words(values) if fmt == "bf16" else _fp32_words(values)
+                start = row * parent.row_elements * DIRECT_FORMATS[fmt]
+                out[start : start + data.size] = data
+            else:
+                try:
+                    encoded = encode_row_split(values.to(torch.float32).numpy(), fmt)
+                except ArtifactError as err:
+                    raise NinferError(f"tensor {source.tensor!r}: {err}") from None
+                local = RowSplitGeometry(geometry.fmt, count, geometry.k)
+                for (dst, length), (src, _) in zip(geometry.row_spans(row, count), local.row_spans(0, count)):
+                    out[dst : dst + length] = encoded[src : src + length]
+            row += count
     return out
