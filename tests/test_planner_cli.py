@@ -85,3 +85,23 @@ def test_profile_measures_the_gpu(tmp_path):
     plan = ninfer("plan", "--profile", str(out), "--json")
     document = json.loads(plan.stdout)
     assert document["profile"] and schema_errors(document, PLAN_SCHEMA) == []
+
+
+def test_plan_an_artifact_file(tiny_artifact_official, tmp_path):
+    result = ninfer("plan", str(tiny_artifact_official), "--spec", "none", "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["feasible"] and document["routing_stats"] == "uniform"
+    assert document["experts_resident"] == document["experts_total"] > 0
+    missing = ninfer("plan", str(tmp_path / "absent.ninfer"))
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1 and "Traceback" not in missing.stderr
+
+
+def test_routing_stats_option(tmp_path):
+    counts = tmp_path / "counts.txt"
+    counts.write_text("\n".join(" ".join(["5"] * 256) for _ in range(40)) + "\n")
+    result = ninfer("plan", "--profile", "rtx5060ti", "--routing-stats", str(counts), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["routing_stats"] == str(counts)
+    bad = ninfer("plan", "--routing-stats", str(tmp_path / "nope.txt"))
+    assert bad.returncode == 2 and bad.stderr.startswith("error: cannot read routing stats")
