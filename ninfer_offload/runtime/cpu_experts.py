@@ -2,18 +2,19 @@
 
 A routed expert is `y = W_down (silu(W_gate x) * W_up x)` weighted by its router weight and added
 into the layer output. The kernels read the record bytes (`ExpertRecordLayout`: gate/up object
-[2I, H] then down object [H, I]) group by group: each group's nibbles, high bits and FP16 scale
-are unpacked into a 64-float register buffer and dotted with the activations in fp32; no
-dequantized copy of a matrix is ever made. One call computes every (token, expert, weight)
-assignment of a layer, multi-threaded with `prange` (gate/up over expert rows, down over output
-rows, so no two threads write the same element).
+[2I, H] then down object [H, I]) directly: nibbles, high bits and FP16 scales are unpacked in the
+inner loop and multiplied into fp32 accumulators; no dequantized copy of a matrix is ever made.
+One call computes every (token, expert, weight) assignment of a layer, multi-threaded with
+`prange` (gate/up over expert rows, down over output rows, so no two threads write the same
+element).
 
-Lane order: a Q4/Q5/Q6 base byte holds lanes 2j and 2j+1, so a decoded group is laid out as
-[even lanes | odd lanes] and the activations are permuted the same way once per call; both inner
-loops are then contiguous and vectorise.
+Lane order: a Q4/Q5/Q6 base byte holds lanes 2j and 2j+1, so the activations are permuted once
+per call (per 128 lanes: even lanes, then odd lanes) and every inner loop reads them
+contiguously; a 128-lane block is one loop with per-lane scale selection, so the horizontal sum
+is paid once per 128 weights. Both make LLVM vectorise the unpacking.
 
 `reference_routed` is the oracle the kernels must match (codecs decode + numpy). `CpuExpertExecutor`
-owns the warmed-up kernels and a worker thread so CPU work overlaps the GPU; `MissSplitter` splits
+owns the warmed-up kernel and a worker thread so CPU work overlaps the GPU; `MissSplitter` splits
 missing experts between CPU compute and PCIe transfer by measured rates.
 """
 
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from ninfer_offload.artifact.codecs import decode_row_split_values
 from ninfer_offload.artifact.formats import RowSplitGeometry
@@ -51,95 +53,126 @@ def geometry_vector(geo: RowSplitGeometry, object_offset: int) -> np.ndarray:
 
 
 def lane_permutation(group: int, k_pad: int) -> np.ndarray:
-    """Index array p with permuted[p[i]] = natural[i]: per 64-lane group, even lanes then odd lanes."""
+    """Index array p with permuted[p[i]] = natural[i], per 128-lane block.
+
+    Q4/Q5/Q6 (two 64-lane groups per block): [even lanes of group 0 | even lanes of group 1 |
+    odd lanes of group 0 | odd lanes of group 1], so base byte j of the block feeds positions j
+    and 64 + j. Q8 (one byte per lane): natural order.
+    """
     i = np.arange(k_pad, dtype=np.int64)
-    if group == 32:  # Q8: one byte per lane, natural order
+    if group == 32:
         return i
-    within = i % 64
-    return (i - within) + within // 2 + 32 * (within % 2)
+    block, within = i - i % 128, i % 128
+    return block + 64 * (within % 2) + 32 * (within // 64) + (within % 64) // 2
 
 
 # ----------------------------------------------------------------------------- numba kernels
 
 
 # Each row-dot decodes one stored row group by group and dots it with x (permuted lane order) in
-# fp32. Integer work stays in int32 (explicit casts) so LLVM vectorises the unpacking.
+# fp32. numba widens int32 arithmetic to int64, which stops LLVM from vectorising the unpacking,
+# so a lane's code is built by one 32-bit intrinsic.
 _I32 = np.int32
 _F32 = np.float32
+
+
+@intrinsic
+def _code(typingctx, byte, nibble_shift, word, high_shift, high_mask, bits):
+    """Signed `bits`-bit code of one lane, in int32: the nibble (byte >> nibble_shift) & 15 with
+    the high bits (word >> high_shift) & high_mask above it, sign-extended."""
+    sig = types.int32(types.int32, types.int32, types.int32, types.int32, types.int32, types.int32)
+
+    def codegen(context, builder, signature, args):
+        byte, nibble_shift, word, high_shift, high_mask, bits = args
+        i32 = byte.type
+        nibble = builder.and_(builder.lshr(byte, nibble_shift), i32(15))
+        high = builder.and_(builder.lshr(word, high_shift), high_mask)
+        value = builder.or_(nibble, builder.shl(high, i32(4)))
+        unused = builder.sub(i32(32), bits)
+        return builder.ashr(builder.shl(value, unused), unused)
+
+    return sig, codegen
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _row_dot_q4(u8, u16, lut, base_at, scale_at, gpr, x):
     acc = _F32(0.0)
-    for g in range(gpr):
-        s = lut[u16[scale_at + g]]
-        q = u8[base_at + 32 * g : base_at + 32 * g + 32]
-        xe = x[64 * g : 64 * g + 32]
-        xo = x[64 * g + 32 : 64 * g + 64]
+    zero, four = _I32(0), _I32(4)
+    for blk in range(gpr // 2):  # 128 lanes = 2 groups = 64 base bytes
+        q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
+        xe = x[128 * blk : 128 * blk + 64]
+        xo = x[128 * blk + 64 : 128 * blk + 128]
+        s0, s1 = lut[u16[scale_at + 2 * blk]], lut[u16[scale_at + 2 * blk + 1]]
         d = _F32(0.0)
-        for j in range(32):
+        for j in range(64):
             b = _I32(q[j])
-            lo = _I32(_I32(b & _I32(15)) ^ _I32(8))
-            hi = _I32(_I32(b >> _I32(4)) ^ _I32(8))
-            d += (_F32(lo) - _F32(8.0)) * xe[j] + (_F32(hi) - _F32(8.0)) * xo[j]
-        acc += s * d
+            s = s0 if j < 32 else s1
+            d += s * (_F32(_code(b, zero, zero, zero, zero, four)) * xe[j] + _F32(_code(b, four, zero, zero, zero, four)) * xo[j])
+        acc += d
     return acc
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
     acc = _F32(0.0)
-    for g in range(gpr):
-        s = lut[u16[scale_at + g]]
+    zero, one, four, five = _I32(0), _I32(1), _I32(4), _I32(5)
+    for blk in range(gpr // 2):
+        q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
+        xe = x[128 * blk : 128 * blk + 64]
+        xo = x[128 * blk + 64 : 128 * blk + 128]
+        s0, s1 = lut[u16[scale_at + 2 * blk]], lut[u16[scale_at + 2 * blk + 1]]
+        h = u32[high_at + 4 * blk : high_at + 4 * blk + 4]  # bit 4 of 32 lanes per word
+        w0, w1, w2, w3 = _I32(h[0]), _I32(h[1]), _I32(h[2]), _I32(h[3])
         d = _F32(0.0)
-        for half in range(2):  # lanes 0..31 then 32..63: one 32-bit word of bit-4 flags each
-            w = _I32(u32[high_at + 2 * g + half])
-            q = u8[base_at + 32 * g + 16 * half : base_at + 32 * g + 16 * half + 16]
-            xe = x[64 * g + 16 * half : 64 * g + 16 * half + 16]
-            xo = x[64 * g + 32 + 16 * half : 64 * g + 32 + 16 * half + 16]
-            for j in range(16):
-                b = _I32(q[j])
-                sh = _I32(2 * j)
-                lo = _I32(_I32(_I32(b & _I32(15)) | _I32(_I32(_I32(w >> sh) & _I32(1)) << _I32(4))) ^ _I32(16))
-                hi = _I32(_I32(_I32(b >> _I32(4)) | _I32(_I32(_I32(w >> _I32(sh + _I32(1))) & _I32(1)) << _I32(4))) ^ _I32(16))
-                d += (_F32(lo) - _F32(16.0)) * xe[j] + (_F32(hi) - _F32(16.0)) * xo[j]
-        acc += s * d
+        for j in range(64):
+            b = _I32(q[j])
+            s = s0 if j < 32 else s1
+            w = w0 if j < 16 else (w1 if j < 32 else (w2 if j < 48 else w3))
+            sh = _I32((2 * j) & 31)
+            d += s * (_F32(_code(b, zero, w, sh, one, five)) * xe[j] + _F32(_code(b, four, w, _I32(sh + 1), one, five)) * xo[j])
+        acc += d
     return acc
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
     acc = _F32(0.0)
-    for g in range(gpr):
-        s = lut[u16[scale_at + g]]
+    zero, three, four, six = _I32(0), _I32(3), _I32(4), _I32(6)
+    for blk in range(gpr // 2):
+        q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
+        xe = x[128 * blk : 128 * blk + 64]
+        xo = x[128 * blk + 64 : 128 * blk + 128]
+        s0, s1 = lut[u16[scale_at + 2 * blk]], lut[u16[scale_at + 2 * blk + 1]]
+        h = u32[high_at + 8 * blk : high_at + 8 * blk + 8]  # bits 4-5 of 16 lanes per word
         d = _F32(0.0)
-        for quarter in range(4):  # lanes 16m..16m+15: one 32-bit word of 2-bit high fields each
-            w = _I32(u32[high_at + 4 * g + quarter])
-            q = u8[base_at + 32 * g + 8 * quarter : base_at + 32 * g + 8 * quarter + 8]
-            xe = x[64 * g + 8 * quarter : 64 * g + 8 * quarter + 8]
-            xo = x[64 * g + 32 + 8 * quarter : 64 * g + 32 + 8 * quarter + 8]
-            for j in range(8):
-                b = _I32(q[j])
-                sh = _I32(4 * j)
-                lo = _I32(_I32(_I32(b & _I32(15)) | _I32(_I32(_I32(w >> sh) & _I32(3)) << _I32(4))) ^ _I32(32))
-                hi = _I32(_I32(_I32(b >> _I32(4)) | _I32(_I32(_I32(w >> _I32(sh + _I32(2))) & _I32(3)) << _I32(4))) ^ _I32(32))
-                d += (_F32(lo) - _F32(32.0)) * xe[j] + (_F32(hi) - _F32(32.0)) * xo[j]
-        acc += s * d
+        for half in range(2):  # one group each: keeps the word choice to four
+            w0, w1, w2, w3 = _I32(h[4 * half]), _I32(h[4 * half + 1]), _I32(h[4 * half + 2]), _I32(h[4 * half + 3])
+            s = s0 if half == 0 else s1
+            for j in range(32):
+                b = _I32(q[32 * half + j])
+                w = w0 if j < 8 else (w1 if j < 16 else (w2 if j < 24 else w3))
+                sh = _I32((4 * j) & 31)
+                lo = _F32(_code(b, zero, w, sh, three, six)) * xe[32 * half + j]
+                d += s * (lo + _F32(_code(b, four, w, _I32(sh + 2), three, six)) * xo[32 * half + j])
+        acc += d
     return acc
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x):
     acc = _F32(0.0)
-    for g in range(gpr):
-        s = lut[u16[scale_at + g]]
-        q = u8[base_at + 32 * g : base_at + 32 * g + 32]
-        xg = x[32 * g : 32 * g + 32]
+    zero, four, eight, fifteen = _I32(0), _I32(4), _I32(8), _I32(15)
+    for blk in range(gpr // 4):  # 128 lanes = 4 groups of 32 bytes
+        q = u8[base_at + 128 * blk : base_at + 128 * blk + 128]
+        xg = x[128 * blk : 128 * blk + 128]
+        sc = u16[scale_at + 4 * blk : scale_at + 4 * blk + 4]
+        s0, s1, s2, s3 = lut[sc[0]], lut[sc[1]], lut[sc[2]], lut[sc[3]]
         d = _F32(0.0)
-        for j in range(32):
-            c = _I32(_I32(_I32(q[j]) ^ _I32(128)) - _I32(128))
-            d += _F32(c) * xg[j]
-        acc += s * d
+        for j in range(128):
+            b = _I32(q[j])
+            s = s0 if j < 32 else (s1 if j < 64 else (s2 if j < 96 else s3))
+            d += s * (_F32(_code(b, zero, b, four, fifteen, eight)) * xg[j])  # the whole byte, sign-extended
+        acc += d
     return acc
 
 
