@@ -252,3 +252,51 @@ def materialize_rows(buf, fmt_name: str, n: int, k: int, r0: int, count: int) ->
     for (offset, length), start in zip(src.row_spans(r0, count), dst_starts):
         out[start : start + length] = data[offset : offset + length]
     return out
+
+
+# ----------------------------------------------------------------------------- nvfp4 and fp8 rows
+
+
+def _e4m3fn_table() -> np.ndarray:
+    """float32 value of every E4M3FN byte (bias 7, no infinities, 0x7F/0xFF NaN)."""
+    byte = np.arange(256)
+    sign = np.where(byte & 0x80, -1.0, 1.0)
+    exp, man = (byte >> 3) & 0x0F, byte & 0x07
+    mag = np.where(exp == 0, man * 2.0**-9, (1 + man / 8) * 2.0 ** (exp - 7.0))
+    mag[(exp == 15) & (man == 7)] = np.nan
+    return (sign * mag).astype(np.float32)
+
+
+E4M3FN_VALUES = _e4m3fn_table()
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+def decode_nvfp4(buf, n: int, k: int, divisors: int = 1) -> np.ndarray:
+    """Decode a `block_scale_k16_m128x4_v1` nvfp4 object to float32 [n, k] (FORMAT.md §6.3)."""
+    data = _as_bytes(buf)
+    codes_bytes, groups = n * k // 2, n * k // 16
+    scale_offset = -(-codes_bytes // 256) * 256
+    if data.size != scale_offset + groups + 4 * divisors:
+        raise ArtifactError(f"nvfp4 object [{n}, {k}] needs {scale_offset + groups + 4 * divisors} bytes, got {data.size}")
+    packed = data[:codes_bytes]
+    values = np.empty((n, k), dtype=np.float32)
+    flat = values.reshape(-1)
+    flat[0::2] = E2M1_VALUES[packed & 0x0F]
+    flat[1::2] = E2M1_VALUES[packed >> 4]
+    k_tiles = k // 64
+    stored = data[scale_offset : scale_offset + groups].reshape(n // 128, k_tiles, 32, 4, 4)
+    natural = stored.transpose(0, 3, 2, 1, 4).reshape(n, k // 16)  # [tile][row/32][row%32][k tile][lane]
+    values.reshape(n, k // 16, 16)[:] *= E4M3FN_VALUES[natural][:, :, None]
+    divisor = data[scale_offset + groups :].view("<f4")
+    values /= np.repeat(divisor, n // divisors)[:, None]
+    return values
+
+
+def decode_fp8_rows(buf, n: int, k: int) -> np.ndarray:
+    """Decode a `row_scale_v1` fp8_e4m3fn_row_bf16 object to float32 [n, k] (FORMAT.md §6.4)."""
+    data = _as_bytes(buf)
+    scale_offset = -(-(n * k) // 256) * 256
+    if data.size != scale_offset + 2 * n:
+        raise ArtifactError(f"fp8 row object [{n}, {k}] needs {scale_offset + 2 * n} bytes, got {data.size}")
+    scales = decode_contiguous(data[scale_offset:], "bf16", (n, 1))
+    return E4M3FN_VALUES[data[: n * k]].reshape(n, k) * scales

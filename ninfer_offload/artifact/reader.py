@@ -16,6 +16,7 @@ import numpy as np
 from ninfer_offload.artifact import codecs
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.formats import (
+    BLOCK_SCALE,
     CONTIGUOUS,
     DIRECT_FORMATS,
     GROUPED_FORMATS,
@@ -251,7 +252,11 @@ class Artifact:
             r0, r1 = begin // k, -(-end // k)
             values = codecs.decode_row_split_values(self._row_slice(obj, r0, r1 - r0), obj.format, r1 - r0, k)
             return values.reshape(-1)[begin - r0 * k : end - r0 * k]
-        raise ArtifactError(f"object {obj.id!r}: decoding {obj.format}/{obj.layout} is not supported")
+        if obj.layout == BLOCK_SCALE:
+            values = codecs.decode_nvfp4(self.payload(obj.id), *obj.shape, divisors=obj.divisors)
+        else:  # ROW_SCALE, the last registered layout
+            values = codecs.decode_fp8_rows(self.payload(obj.id), *obj.shape)
+        return values.reshape(-1)[begin:end]
 
     # ------------------------------------------------------------------ lifetime
 
