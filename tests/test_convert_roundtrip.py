@@ -168,6 +168,10 @@ def test_bf16_recipe_is_bit_exact(layout, checkpoints, tiny_hf_model, conditiona
             got = artifact.tensor(name)
             assert got.numel() == want.numel(), name
             assert torch.equal(got.reshape(want.shape), want), name
+        if layout == "conditional":
+            roles = {"preprocessor_config.json", "video_preprocessor_config.json"}
+            assert set(artifact.components["vision"].resources) == roles
+            assert artifact.components["vision"].target == "text"
         # exact FP32 widening of the BF16 controls, tap-major convolution
         a_log = artifact.object(artifact.bindings["text/layers/0/gdn/a_log"].parts[0].object)
         assert a_log.format == "fp32"

@@ -314,4 +314,30 @@ def save_checkpoint(
     config["architectures"] = [type(model).__name__]
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer_files(directory, vocab_size=text_config_of(model).vocab_size)
+    if layout == "conditional":
+        vision = model.config.vision_config
+        for name, processor in (("preprocessor_config.json", "image"), ("video_preprocessor_config.json", "video")):
+            preprocessor = {
+                "processor_type": f"tiny {processor} processor",
+                "patch_size": vision.patch_size,
+                "temporal_patch_size": vision.temporal_patch_size,
+                "merge_size": vision.spatial_merge_size,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+            }
+            (directory / name).write_text(json.dumps(preprocessor, indent=2))
     return directory
+
+
+@torch.no_grad()
+def router_margin(model, token_ids: list[int]) -> float:
+    """Smallest gap, over layers and tokens, between the k-th and (k+1)-th router logit.
+
+    A seed whose margin is far from 0 routes identically under small numeric differences, so a
+    re-implementation's logits can be compared with transformers' without near-tie flips.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+    out = model(input_ids=ids, output_router_logits=True, use_cache=False)
+    k = text_config_of(model).num_experts_per_tok
+    margins = [torch.sort(logits.float(), dim=-1, descending=True).values for logits in out.router_logits]
+    return min(float((m[:, k - 1] - m[:, k]).min()) for m in margins)
