@@ -113,6 +113,20 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+def cpu_topology() -> dict:
+    """A few `lscpu` fields (threads per core tells hyper-threads from cores)."""
+    wanted = ("Model name", "Socket(s)", "Core(s) per socket", "Thread(s) per core", "L3 cache", "Flags")
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    topology = {key: fields[key].strip() for key in wanted if key in fields}
+    if "Flags" in topology:  # only the vector extensions that matter here
+        topology["Flags"] = " ".join(f for f in topology["Flags"].split() if f.startswith(("avx", "fma", "f16c")))
+    return topology
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -164,6 +178,8 @@ def main() -> None:
             "platform": platform.platform(),
             "numba": numba.__version__,
             "threading_layer": numba.threading_layer(),
+            "lscpu": cpu_topology(),
+            "load_average_1min": os.getloadavg()[0],
         },
         "record": {"hidden": HIDDEN, "intermediate": INTER, "gate_up": "q4_g64_fp16", "down": "q5_g64_fp16", "bytes": layout.nbytes},
         "layer_bytes": int(records.nbytes),
