@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import ninfer_offload
 from ninfer_offload.artifact.codecs import decode_row_split, decode_row_split_values, encode_contiguous, encode_row_split
 from ninfer_offload.artifact.formats import GROUPED_FORMATS, align_up, encoded_size
+from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.writer import ArtifactWriter
 
 CONTIG = "contiguous_le_v1"
@@ -273,6 +274,9 @@ def test_v1_objects_get_logical_bindings(tmp_path):
         assert art.object("text/layers/0/moe/routed_down").format == "q5_g64_fp16"
         assert art.resource("tokenizer.json") == b"{}"
         assert art.components["vision"].resources == {"preprocessor_config.json": "frontend/preprocessor_config.json"}
+        assert art.components["text"].config["num_experts"] == 256  # official configs come from the model id
+        assert art.components["mtp"].config == {"architectures": ["Qwen3_5MoeMTP"]} and art.components["mtp"].target == "text"
+        assert "dflash" not in art.components
         gu = decode_row_split_values(encode_row_split(gate_up, "q8_g32_fp16"), "q8_g32_fp16", *gate_up.shape)
         dn = decode_row_split_values(encode_row_split(down, "q5_g64_fp16"), "q5_g64_fp16", *down.shape)
         e = 2
@@ -288,6 +292,8 @@ def test_v1_objects_get_logical_bindings(tmp_path):
         assert art.tensor("vision/layers/0/norm1_weight").tolist() == [1.0, 1.0]
         assert art.tensor("text/layers/0/moe/routed_gate_up").shape == gate_up.shape  # v1 names still work
         assert art.uses == []
+        bank = Inventory.from_artifact(art).banks[0]  # the logical names classify v1 parents
+        assert (bank.layer, bank.num_experts) == (0, experts)
 
 
 # ----------------------------------------------------------------------------- property test

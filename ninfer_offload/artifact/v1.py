@@ -25,8 +25,10 @@ from ninfer_offload.artifact.schema import (
     shape_of,
     u64,
 )
+from ninfer_offload.model import contract
 
 VISION_RESOURCES = ("preprocessor_config.json", "video_preprocessor_config.json")
+OFFICIAL_MODEL_ID = "qwen3.6-35b-a3b"
 
 # 35B fused parents whose split cannot be derived from the shape alone: (shape, [(suffix, row0, row1)]).
 _ATTENTION_QKGV = ((9216, 2048), [("query", 0, 4096), ("key", 4096, 4608), ("gate", 4608, 8704), ("value", 8704, 9216)])
@@ -78,16 +80,8 @@ def parse_v1_directory(root, payload_bytes: int) -> tuple[str, Directory]:
         raise ArtifactError("objects: must be a non-empty array")
     objects = [_object(v, i) for i, v in enumerate(rec["objects"])]
     check_object_ranges(objects, payload_bytes)
-    text_resources, vision_resources = {}, {}
-    for obj in objects:
-        if obj.kind == "resource":
-            role = obj.id.rsplit("/", 1)[-1]
-            (vision_resources if role in VISION_RESOURCES else text_resources)[role] = obj.id
-    components = {"text": Component(config={}, resources=text_resources)}
-    if vision_resources:
-        components["vision"] = Component(config={}, target="text", resources=vision_resources)
     directory = Directory(
-        components=components,
+        components=_components(model_id, objects),
         objects=objects,
         bindings=synthesize_bindings({o.id: o for o in objects if o.kind == "tensor"}),
         uses=[],
@@ -96,6 +90,36 @@ def parse_v1_directory(root, payload_bytes: int) -> tuple[str, Directory]:
         provenance={},
     )
     return model_id, directory
+
+
+def _components(model_id: str, objects: list[ObjectInfo]) -> dict[str, Component]:
+    """v1 keeps configs in the binder, keyed by model_id: the 35B gets the official configs of FORMAT.md §8.2.
+
+    Other model ids get empty configs. Resources `frontend/<file>` become roles of text (or vision).
+    """
+    official = model_id == OFFICIAL_MODEL_ID
+    configs = {
+        "text": contract.TEXT_CONFIG,
+        "vision": contract.VISION_CONFIG,
+        "mtp": contract.MTP_CONFIG,
+        "dflash": contract.DFLASH_CONFIG,
+    }
+    resources: dict[str, dict[str, str]] = {"text": {}, "vision": {}}
+    for obj in objects:
+        if obj.kind == "resource":
+            role = obj.id.rsplit("/", 1)[-1]
+            resources["vision" if role in VISION_RESOURCES else "text"][role] = obj.id
+    present = {o.id.split("/", 1)[0] for o in objects if o.kind == "tensor"}
+    names = {o.id: o for o in objects}
+    proposal = None
+    if "text/draft_head" in names:
+        proposal = {"domain": "indexed", "rows": names["text/draft_head"].shape[0]}
+    components = {"text": Component(config=dict(configs["text"]) if official else {}, resources=resources["text"], proposal=proposal)}
+    for cid in ("vision", "mtp", "dflash"):
+        if cid in present or resources.get(cid):
+            config = dict(configs[cid]) if official else {}
+            components[cid] = Component(config=config, target="text", resources=resources.get(cid, {}))
+    return components
 
 
 def _rows(obj: ObjectInfo, r0: int, r1: int) -> Binding:
