@@ -122,8 +122,8 @@ def _vision_expected(t: dict, name: str) -> torch.Tensor:
     return t[b + simple[key]]
 
 
-def expected_tensors(model, with_vision: bool) -> dict:
-    """binding name -> expected float32 tensor, for every binding a converted artifact must hold."""
+def _hf_tensors(model, with_vision: bool) -> tuple:
+    """(text config, HF name -> tensor incl. mtp.*, text prefix) of the checkpoint of `model`."""
     cfg = tiny_hf.text_config_of(model)
     t = tiny_hf.checkpoint_tensors(model, "conditional" if with_vision else "fused", with_mtp=True)
     prefix = "model.language_model." if with_vision else "model."
@@ -146,7 +146,8 @@ def checkpoints(tiny_hf_model, conditional_model, tmp_path_factory):
 
 
 def _expected(model, layout: str):
-    cfg, t, prefix = expected_tensors(model, layout == "conditional")
+    """binding name -> the float32 tensor a converted artifact must hold for it."""
+    cfg, t, prefix = _hf_tensors(model, layout == "conditional")
 
     def lookup(name: str) -> torch.Tensor:
         value = _text_expected(t, cfg, name, prefix)

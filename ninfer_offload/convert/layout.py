@@ -11,11 +11,11 @@ Parents come in converter order (§8.6): every multi-member group first, then ev
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 
 from ninfer_offload.convert.hf_config import ModelSpec, TextDims, VisionDims
-from ninfer_offload.convert.recipes import role_format
+from ninfer_offload.convert.recipes import BF16, FP32, role_format
 
 # Source transforms (FORMAT.md §9).
 NONE = "none"
@@ -45,12 +45,14 @@ class Member:
     inputs: tuple[str, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parent:
+    """One physical object: its logical shape, storage format, row sources and bindings."""
+
     shape: tuple[int, ...]
     format: str
-    sources: list[Source] = field(default_factory=list)
-    members: list[Member] = field(default_factory=list)
+    sources: list[Source]
+    members: list[Member]
 
     @property
     def row_elements(self) -> int:
@@ -124,14 +126,14 @@ class LayoutBuilder:
             )
         )
         self.singles += [
-            _single("bf16", _source(f"{p}input_layernorm.weight", (d.hidden,)), f"{name}/input_norm"),
-            _single("bf16", _source(f"{p}self_attn.q_norm.weight", (d.head_dim,)), f"{name}/attention/query_norm"),
-            _single("bf16", _source(f"{p}self_attn.k_norm.weight", (d.head_dim,)), f"{name}/attention/key_norm"),
+            _single(BF16, _source(f"{p}input_layernorm.weight", (d.hidden,)), f"{name}/input_norm"),
+            _single(BF16, _source(f"{p}self_attn.q_norm.weight", (d.head_dim,)), f"{name}/attention/query_norm"),
+            _single(BF16, _source(f"{p}self_attn.k_norm.weight", (d.head_dim,)), f"{name}/attention/key_norm"),
             _single(
                 fmt, _source(f"{p}self_attn.o_proj.weight", (d.hidden, q_rows)), f"{name}/attention/output",
                 f"{name}/attention/gated_output",
             ),
-            _single("bf16", _source(f"{p}post_attention_layernorm.weight", (d.hidden,)), f"{name}/post_attention_norm"),
+            _single(BF16, _source(f"{p}post_attention_layernorm.weight", (d.hidden,)), f"{name}/post_attention_norm"),
         ]
 
     def gdn(self, p: str, name: str, d: TextDims) -> None:
@@ -167,13 +169,13 @@ class LayoutBuilder:
             )
         )
         self.singles += [
-            _single("bf16", _source(f"{p}input_layernorm.weight", (d.hidden,)), f"{name}/input_norm"),
-            _single("fp32", _source(f"{p}linear_attn.A_log", (nv,)), f"{name}/gdn/a_log"),
-            _single("fp32", _source(f"{p}linear_attn.dt_bias", (nv,)), f"{name}/gdn/dt_bias"),
-            _single("bf16", _source(f"{p}linear_attn.conv1d.weight", (conv, 1, d.conv_kernel), TAPS_MAJOR), f"{name}/gdn/convolution"),
-            _single("bf16", _source(f"{p}linear_attn.norm.weight", (d.linear_value_dim,)), f"{name}/gdn/norm"),
+            _single(BF16, _source(f"{p}input_layernorm.weight", (d.hidden,)), f"{name}/input_norm"),
+            _single(FP32, _source(f"{p}linear_attn.A_log", (nv,)), f"{name}/gdn/a_log"),
+            _single(FP32, _source(f"{p}linear_attn.dt_bias", (nv,)), f"{name}/gdn/dt_bias"),
+            _single(BF16, _source(f"{p}linear_attn.conv1d.weight", (conv, 1, d.conv_kernel), TAPS_MAJOR), f"{name}/gdn/convolution"),
+            _single(BF16, _source(f"{p}linear_attn.norm.weight", (d.linear_value_dim,)), f"{name}/gdn/norm"),
             _single(fmt, _source(f"{p}linear_attn.out_proj.weight", (d.hidden, v)), f"{name}/gdn/output", f"{name}/gdn/gated_output"),
-            _single("bf16", _source(f"{p}post_attention_layernorm.weight", (d.hidden,)), f"{name}/post_attention_norm"),
+            _single(BF16, _source(f"{p}post_attention_layernorm.weight", (d.hidden,)), f"{name}/post_attention_norm"),
         ]
 
     def moe(self, p: str, name: str, d: TextDims, gate_up_fmt: str, down_fmt: str) -> None:
@@ -223,7 +225,7 @@ class LayoutBuilder:
         self.singles += [
             _single(self.fmt("token_embedding"), _source(f"{tp}embed_tokens.weight", (d.vocab, d.hidden)), "text/token_embedding"),
             _single(self.fmt("output_head"), _source(head, (d.vocab, d.hidden)), "text/output_head", *head_inputs),
-            _single("bf16", _source(f"{tp}norm.weight", (d.hidden,)), "text/final_norm"),
+            _single(BF16, _source(f"{tp}norm.weight", (d.hidden,)), "text/final_norm"),
         ]
         for layer in range(d.layers):
             p, name = f"{tp}layers.{layer}.", f"text/layers/{layer}"
@@ -235,9 +237,9 @@ class LayoutBuilder:
         fmt = self.fmt("projection")
         self.singles += [
             _single(fmt, _source("mtp.fc.weight", (d.hidden, 2 * d.hidden)), "mtp/input_projection", "mtp/stem_input"),
-            _single("bf16", _source("mtp.pre_fc_norm_embedding.weight", (d.hidden,)), "mtp/embedding_norm"),
-            _single("bf16", _source("mtp.pre_fc_norm_hidden.weight", (d.hidden,)), "mtp/hidden_norm"),
-            _single("bf16", _source("mtp.norm.weight", (d.hidden,)), "mtp/final_norm"),
+            _single(BF16, _source("mtp.pre_fc_norm_embedding.weight", (d.hidden,)), "mtp/embedding_norm"),
+            _single(BF16, _source("mtp.pre_fc_norm_hidden.weight", (d.hidden,)), "mtp/hidden_norm"),
+            _single(BF16, _source("mtp.norm.weight", (d.hidden,)), "mtp/final_norm"),
         ]
         self.attention("mtp.layers.0.", "mtp/layers/0", d)
         routed = self.fmt("mtp_routed")
@@ -252,8 +254,8 @@ class LayoutBuilder:
                 _source(f"{vp}patch_embed.proj.weight", (h, v.in_channels, v.temporal_patch, v.patch, v.patch), FLATTEN),
                 "vision/patch_embedding", "vision/patch_input",
             ),
-            _single("bf16", _source(f"{vp}patch_embed.proj.bias", (h,)), "vision/patch_embedding_bias"),
-            _single("bf16", _source(f"{vp}pos_embed.weight", (v.positions, h)), "vision/position_embedding"),
+            _single(BF16, _source(f"{vp}patch_embed.proj.bias", (h,)), "vision/patch_embedding_bias"),
+            _single(BF16, _source(f"{vp}pos_embed.weight", (v.positions, h)), "vision/position_embedding"),
         ]
         for i in range(v.depth):
             b, name = f"{vp}blocks.{i}.", f"vision/layers/{i}"
@@ -267,33 +269,32 @@ class LayoutBuilder:
             )
             self.groups.append(
                 _parent(
-                    "bf16",
+                    BF16,
                     [_source(f"{b}attn.qkv.bias", (3 * h,))],
                     [Member(f"{name}/attention/{n}_bias", h) for n in ("query", "key", "value")],
                 )
             )
             self.singles += [
-                _single("bf16", _source(f"{b}norm1.weight", (h,)), f"{name}/norm1_weight"),
-                _single("bf16", _source(f"{b}norm1.bias", (h,)), f"{name}/norm1_bias"),
-                _single("bf16", _source(f"{b}norm2.weight", (h,)), f"{name}/norm2_weight"),
-                _single("bf16", _source(f"{b}norm2.bias", (h,)), f"{name}/norm2_bias"),
+                _single(BF16, _source(f"{b}norm1.weight", (h,)), f"{name}/norm1_weight"),
+                _single(BF16, _source(f"{b}norm1.bias", (h,)), f"{name}/norm1_bias"),
+                _single(BF16, _source(f"{b}norm2.weight", (h,)), f"{name}/norm2_weight"),
+                _single(BF16, _source(f"{b}norm2.bias", (h,)), f"{name}/norm2_bias"),
                 _single(self.fmt("vision_output"), _source(f"{b}attn.proj.weight", (h, h)), f"{name}/attention/output", f"{name}/attention_output"),
-                _single("bf16", _source(f"{b}attn.proj.bias", (h,)), f"{name}/attention/output_bias"),
+                _single(BF16, _source(f"{b}attn.proj.bias", (h,)), f"{name}/attention/output_bias"),
                 _single(self.fmt("vision_fc1"), _source(f"{b}mlp.linear_fc1.weight", (v.intermediate, h)), f"{name}/mlp/fc1", f"{name}/mlp_input"),
-                _single("bf16", _source(f"{b}mlp.linear_fc1.bias", (v.intermediate,)), f"{name}/mlp/fc1_bias"),
+                _single(BF16, _source(f"{b}mlp.linear_fc1.bias", (v.intermediate,)), f"{name}/mlp/fc1_bias"),
                 _single(self.fmt("vision_fc2"), _source(f"{b}mlp.linear_fc2.weight", (h, v.intermediate)), f"{name}/mlp/fc2", f"{name}/mlp_activation"),
-                _single("bf16", _source(f"{b}mlp.linear_fc2.bias", (h,)), f"{name}/mlp/fc2_bias"),
+                _single(BF16, _source(f"{b}mlp.linear_fc2.bias", (h,)), f"{name}/mlp/fc2_bias"),
             ]
         m, merged, merger_fmt = f"{vp}merger.", v.merged, self.fmt("vision_merger")
         self.singles += [
-            _single("bf16", _source(f"{m}norm.weight", (h,)), "vision/merger/norm_weight"),
-            _single("bf16", _source(f"{m}norm.bias", (h,)), "vision/merger/norm_bias"),
+            _single(BF16, _source(f"{m}norm.weight", (h,)), "vision/merger/norm_weight"),
+            _single(BF16, _source(f"{m}norm.bias", (h,)), "vision/merger/norm_bias"),
             _single(merger_fmt, _source(f"{m}linear_fc1.weight", (merged, merged)), "vision/merger/fc1", "vision/merger/input"),
-            _single("bf16", _source(f"{m}linear_fc1.bias", (merged,)), "vision/merger/fc1_bias"),
+            _single(BF16, _source(f"{m}linear_fc1.bias", (merged,)), "vision/merger/fc1_bias"),
             _single(merger_fmt, _source(f"{m}linear_fc2.weight", (v.out_hidden, merged)), "vision/merger/fc2", "vision/merger/activation"),
-            _single("bf16", _source(f"{m}linear_fc2.bias", (v.out_hidden,)), "vision/merger/fc2_bias"),
+            _single(BF16, _source(f"{m}linear_fc2.bias", (v.out_hidden,)), "vision/merger/fc2_bias"),
         ]
-
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ _OFFICIAL = {
     "vision_fc2": Q5,
     "vision_merger": Q8,
 }
-# Roles with one format in every recipe.
-_FIXED = {"control": BF16, "vector": BF16, "fp32": FP32}
+# Roles with one format in every recipe (norms, taps, biases are BF16 and A_log/dt_bias FP32 by
+# binder rule, so the layout writes those directly).
+_FIXED = {"control": BF16}
 
 # Layers of the published 40-layer model whose routed down projections are Q6.
 _PUBLISHED_Q6_DOWN = (34, 38, 39)
