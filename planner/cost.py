@@ -19,6 +19,7 @@ from ninfer_offload.profiles import DeviceProfile
 KERNEL_EFFICIENCY = 0.7  # share of peak memory bandwidth the decode kernels reach
 PREFILL_EFFICIENCY = 0.35  # share of peak tensor throughput quantized prefill GEMMs reach
 STEP_OVERHEAD_S = 0.001  # launches (CUDA graph replay), sampling and host work per forward
+CPU_EXPERT_SHARE_OF_DRAM = 0.3  # host expert kernels stream records at this share of DRAM bandwidth
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ def predict(
 ) -> Prediction:
     vram_rate = profile.memory_bandwidth_gbs * 1e9 * KERNEL_EFFICIENCY
     pcie_rate = profile.h2d_bandwidth_gbs * 1e9
+    miss_rate, pcie_share = miss_rates(profile, options.miss_path)
     context = min(options.at_context, options.max_context)
     kv_layer = kv_layer_bytes_per_token(shape, options) * context
 
@@ -76,12 +78,15 @@ def predict(
         embedding = weights.embedding_row_bytes * tokens
         vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + shape.attention_layers * kv_layer
         vram += gdn_state_bytes(shape) * (1 + tokens)  # read the state, write one per position
-        pcie = expert_pcie
+        pcie = expert_pcie * pcie_share
+        seconds = vram / vram_rate + expert_pcie / miss_rate + STEP_OVERHEAD_S
         if weights.embedding_on_device:
             vram += embedding
+            seconds += embedding / vram_rate
         else:
             pcie += embedding
-        return vram / vram_rate + pcie / pcie_rate + STEP_OVERHEAD_S, vram, pcie
+            seconds += embedding / pcie_rate
+        return seconds, vram, pcie
 
     seconds, vram_bytes, pcie_bytes = step(1)
     decode_mtp = None
@@ -102,7 +107,7 @@ def predict(
     expert_vram, expert_pcie = _expert_traffic(stats, resident, expert_bytes, chunk)
     weight_seconds = (weights.dense_text_bytes + weights.head_bytes + expert_vram) / vram_rate
     prefill_seconds = max(compute_seconds, weight_seconds) + expert_pcie / pcie_rate
-    assumptions = device_assumptions(profile) + general_assumptions(options, stats.source)
+    assumptions = device_assumptions(profile, options.miss_path) + general_assumptions(options, stats.source)
     return Prediction(
         decode_tok_s=1.0 / seconds,
         decode_tok_s_mtp=decode_mtp,
@@ -113,11 +118,30 @@ def predict(
     )
 
 
-def device_assumptions(profile: DeviceProfile) -> tuple[str, ...]:
+def miss_rates(profile: DeviceProfile, miss_path: str) -> tuple[float, float]:
+    """(bytes/s at which decode serves host-resident experts, share of them that crosses PCIe).
+    `split` divides the misses so that the CPU and the copy engine finish together."""
+    pcie = profile.h2d_bandwidth_gbs * 1e9
+    cpu = profile.dram_bandwidth_gbs * 1e9 * CPU_EXPERT_SHARE_OF_DRAM
+    if miss_path == "cpu":
+        return cpu, 0.0
+    if miss_path == "split":
+        return pcie + cpu, pcie / (pcie + cpu)
+    return pcie, 1.0
+
+
+def device_assumptions(profile: DeviceProfile, miss_path: str = "staged") -> tuple[str, ...]:
     """The assumptions that depend on the device profile."""
+    cpu = f"{CPU_EXPERT_SHARE_OF_DRAM:.0%} of the {profile.dram_bandwidth_gbs:g} GB/s host DRAM bandwidth"
+    misses = {
+        "staged": f"decode copies host-resident experts at the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth",
+        "cpu": f"decode computes host-resident experts on the host, streaming them at {cpu}",
+        "split": f"decode splits host-resident experts between {profile.h2d_bandwidth_gbs:g} GB/s H2D copies and host compute at {cpu}",
+    }[miss_path]
     return (
         f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of the {profile.memory_bandwidth_gbs:g} GB/s memory bandwidth",
-        f"host-resident experts move at the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth",
+        misses,
+        f"prefill copies host-resident experts at the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth",
         f"quantized prefill GEMMs reach {PREFILL_EFFICIENCY:.0%} of the {profile.tensor_tflops:g} TFLOPS tensor throughput",
     )
 

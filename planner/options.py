@@ -9,6 +9,7 @@ from ninfer_offload.errors import NinferError
 
 KV_DTYPES = ("bf16", "fp8", "int8")
 SPECULATIVE_MODES = ("none", "mtp")
+MISS_PATHS = ("staged", "cpu", "split")  # host-resident experts: copied to the GPU, computed on the host, or both
 MAX_DRAFTS = 5
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -42,6 +43,7 @@ class PlanOptions:
     host_budget: int | None = None  # bytes of pinned host memory; None = a share of host RAM
     mtp_acceptance: float = 0.75  # per-draft acceptance probability (assumption)
     at_context: int = 4096  # sequence length at which decode speed is predicted
+    miss_path: str = "staged"  # how decode serves host-resident experts (MISS_PATHS)
 
     def __post_init__(self) -> None:
         positive = {"max_context": self.max_context, "concurrency": self.concurrency, "prefill_chunk": self.prefill_chunk, "at_context": self.at_context}
@@ -54,6 +56,8 @@ class PlanOptions:
             raise NinferError(f"--spec must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
         if self.speculative == "mtp" and not 1 <= self.drafts <= MAX_DRAFTS:
             raise NinferError(f"--drafts must be 1..{MAX_DRAFTS} with --spec mtp, got {self.drafts}")
+        if self.miss_path not in MISS_PATHS:
+            raise NinferError(f"--miss-path must be one of {', '.join(MISS_PATHS)}, got {self.miss_path!r}")
         if not 0.0 <= self.mtp_acceptance < 1.0:
             raise NinferError(f"--mtp-acceptance must be in [0, 1), got {self.mtp_acceptance}")
         for name in ("vram_reserve", "vram_budget", "host_budget"):

@@ -136,7 +136,7 @@ PLAN_SCHEMA: dict = {
             "additionalProperties": False,
             "required": [
                 "max_context", "concurrency", "kv_dtype", "speculative", "drafts", "proposal_head", "vision",
-                "prefill_chunk", "vram_reserve", "vram_budget", "host_budget", "mtp_acceptance", "at_context",
+                "prefill_chunk", "vram_reserve", "vram_budget", "host_budget", "mtp_acceptance", "at_context", "miss_path",
             ],
             "properties": {
                 "max_context": _INT, "concurrency": _INT, "kv_dtype": {"type": "string", "enum": ["bf16", "fp8", "int8"]},
@@ -146,6 +146,7 @@ PLAN_SCHEMA: dict = {
                 "vram_budget": {"type": ["integer", "null"], "minimum": 0},
                 "host_budget": {"type": ["integer", "null"], "minimum": 0},
                 "mtp_acceptance": _NUMBER, "at_context": _INT,
+                "miss_path": {"type": "string", "enum": ["staged", "cpu", "split"]},
             },
         },
         "vram_total_bytes": _INT,

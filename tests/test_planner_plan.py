@@ -183,3 +183,16 @@ def test_bad_options(kwargs, message):
         PlanOptions(**kwargs)
     with pytest.raises(NinferError, match="cannot read size"):
         parse_size("lots")
+
+
+def test_miss_paths(inventory):
+    profile = load_profile("rtx5060ti")
+    staged, cpu, split = (plan(inventory, profile, PlanOptions(miss_path=m)) for m in ("staged", "cpu", "split"))
+    assert staged.resident_experts == cpu.resident_experts == split.resident_experts
+    assert cpu.predicted.pcie_bytes_per_token == pytest.approx(staged.components["token_embedding"].bytes / 248320, rel=0.01)
+    assert 0 < split.predicted.pcie_bytes_per_token < staged.predicted.pcie_bytes_per_token
+    # 27.5 GB/s H2D alone < 27.5 + 0.3 x 60 GB/s split; the CPU alone (18 GB/s) is slower than PCIe here.
+    assert cpu.predicted.decode_tok_s < staged.predicted.decode_tok_s < split.predicted.decode_tok_s
+    assert split.predicted.prefill_tok_s == staged.predicted.prefill_tok_s
+    with pytest.raises(NinferError, match="--miss-path"):
+        PlanOptions(miss_path="gpu")
