@@ -45,7 +45,7 @@ def test_graph_replay_equals_eager(tiny_artifact_official, dtype, tolerance):
     captured.prefill(PROMPT)
     graph = DecodeGraph(engine, captured)
     for token in STEPS * 3:
-        expected = eager.step(token).float()
+        expected = eager.forward([token])[0][0].float()  # the eager layers, not a graph
         got = graph.step(token)
         assert _relative(got.cpu(), expected.cpu()) < tolerance
     assert captured.length == eager.length == len(PROMPT) + 3 * len(STEPS)
@@ -67,9 +67,27 @@ def test_bf16_greedy_is_stable(tiny_artifact_official):
     assert greedy() == greedy()
 
 
-def test_graph_needs_cuda(tiny_artifact_official):
-    from ninfer_offload.runtime.cuda_graph import DecodeGraph
+def test_graph_needs_cuda_and_decode_step_falls_back(tiny_artifact_official):
+    from ninfer_offload.runtime.cuda_graph import DecodeGraph, decode_step
 
     engine = Engine.load(tiny_artifact_official, device="cpu")
     with pytest.raises(NinferError, match="CUDA"):
         DecodeGraph(engine, engine.session())
+    a, b = engine.session(), engine.session()
+    a.prefill(PROMPT)
+    b.prefill(PROMPT)
+    assert torch.equal(decode_step(a, 11), b.forward([11])[0][0]) and a.length == b.length
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_decode_step_keeps_one_graph_per_session(tiny_artifact_official):
+    from ninfer_offload.runtime import cuda_graph
+
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32")
+    a, b = engine.session(), engine.session()
+    a.prefill(PROMPT)
+    b.prefill(PROMPT)
+    for token in STEPS:
+        assert _relative(cuda_graph.decode_step(a, token).cpu(), b.forward([token])[0][0].float().cpu()) < 1e-5
+    assert cuda_graph._GRAPHS[a].session is a

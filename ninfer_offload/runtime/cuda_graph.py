@@ -15,6 +15,8 @@ Needs the Triton backend (its attention decode accepts a device length), residen
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ninfer_offload.errors import NinferError
@@ -22,16 +24,31 @@ from ninfer_offload.model.attention import GatedAttention
 from ninfer_offload.runtime.state import Segment
 
 
+# One captured step per live session (dropped with the session).
+_GRAPHS: "weakref.WeakKeyDictionary[object, DecodeGraph]" = weakref.WeakKeyDictionary()
+
+
+def graphs_apply(engine) -> bool:
+    """Whether `engine`'s decode steps run as CUDA graphs (CUDA device, triton backend, resident experts)."""
+    return engine.device.type == "cuda" and getattr(engine.backend, "name", "") == "triton" and engine.store.mode == "resident"
+
+
+def decode_step(session, token_id: int) -> torch.Tensor:
+    """Append one token to `session`: logits [vocab], from the session's captured graph where graphs apply."""
+    if not graphs_apply(session.engine):
+        return session.forward([token_id])[0][0]
+    graph = _GRAPHS.get(session)
+    if graph is None or graph.state is not session._live_state():
+        graph = _GRAPHS[session] = DecodeGraph(session.engine, session)
+    return graph.step(token_id)
+
+
 class DecodeGraph:
     """Captured single-token decode step bound to one session's state."""
 
     def __init__(self, engine, session):
-        if engine.device.type != "cuda":
-            raise NinferError("CUDA-graph decode needs a CUDA device")
-        if getattr(engine.backend, "name", "") != "triton":
-            raise NinferError("CUDA-graph decode needs the triton backend")
-        if engine.store.mode != "resident":
-            raise NinferError("CUDA-graph decode needs resident experts (experts='resident')")
+        if not graphs_apply(engine):
+            raise NinferError("CUDA-graph decode needs a CUDA device, the triton backend and resident experts")
         self.engine = engine
         self.session = session
         self.state = session._live_state()
