@@ -97,7 +97,10 @@ def generate(
     max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
-    """Generate text from a prompt, a conversation or token ids."""
+    """Generate text from a prompt, a conversation or token ids.
+
+    Text streams to stdout, statistics to stderr. Sampling options left unset take the model's
+    generation_config.json values."""
     if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
         raise NinferError("give exactly one of --prompt, --messages, --prompt-ids")
     if raw and prompt is None:
