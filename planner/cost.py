@@ -120,12 +120,12 @@ def predict(
 
 def miss_rates(profile: DeviceProfile, miss_path: str) -> tuple[float, float]:
     """(bytes/s at which decode serves host-resident experts, share of them that crosses PCIe).
-    `split` divides the misses so that the CPU and the copy engine finish together."""
+    `auto` divides the misses so that the CPU and the copy engine finish together."""
     pcie = profile.h2d_bandwidth_gbs * 1e9
     cpu = profile.dram_bandwidth_gbs * 1e9 * CPU_EXPERT_SHARE_OF_DRAM
     if miss_path == "cpu":
         return cpu, 0.0
-    if miss_path == "split":
+    if miss_path == "auto":
         return pcie + cpu, pcie / (pcie + cpu)
     return pcie, 1.0
 
@@ -136,7 +136,7 @@ def device_assumptions(profile: DeviceProfile, miss_path: str = "staged") -> tup
     misses = {
         "staged": f"decode copies host-resident experts at the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth",
         "cpu": f"decode computes host-resident experts on the host, streaming them at {cpu}",
-        "split": f"decode splits host-resident experts between {profile.h2d_bandwidth_gbs:g} GB/s H2D copies and host compute at {cpu}",
+        "auto": f"decode splits host-resident experts between {profile.h2d_bandwidth_gbs:g} GB/s H2D copies and host compute at {cpu}",
     }[miss_path]
     return (
         f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of the {profile.memory_bandwidth_gbs:g} GB/s memory bandwidth",

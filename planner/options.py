@@ -9,7 +9,7 @@ from ninfer_offload.errors import NinferError
 
 KV_DTYPES = ("bf16", "fp8", "int8")
 SPECULATIVE_MODES = ("none", "mtp")
-MISS_PATHS = ("staged", "cpu", "split")  # host-resident experts: copied to the GPU, computed on the host, or both
+MISS_PATHS = ("staged", "cpu", "auto")  # host-resident experts: copied to the GPU, computed on the host, or both
 MAX_DRAFTS = 5
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)

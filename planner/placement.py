@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ninfer_offload.planner.options import PlanOptions
 
 SCHEMA_ID = "ninfer-plan/1"
-PLACEMENTS = ("vram", "host", "split", "unused")
+PLACEMENTS = ("vram", "host", "auto", "unused")
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ PLAN_SCHEMA: dict = {
                 "vram_budget": {"type": ["integer", "null"], "minimum": 0},
                 "host_budget": {"type": ["integer", "null"], "minimum": 0},
                 "mtp_acceptance": _NUMBER, "at_context": _INT,
-                "miss_path": {"type": "string", "enum": ["staged", "cpu", "split"]},
+                "miss_path": {"type": "string", "enum": ["staged", "cpu", "auto"]},
             },
         },
         "vram_total_bytes": _INT,

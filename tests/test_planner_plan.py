@@ -44,7 +44,7 @@ def test_rtx5060ti_offloads_part_of_the_experts(inventory):
     assert p.feasible
     assert 0 < p.experts_resident < p.experts_total
     assert p.vram_used_bytes <= p.vram_budget_bytes == 16 * GiB
-    assert p.components["routed_experts"].placement == "split"
+    assert p.components["routed_experts"].placement == "auto"
     assert p.components["token_embedding"].placement == "host"
     assert p.staging_slots == 2 * 8 * 4  # two layers in flight x top-8 x (1 + 3 drafts)
     assert p.host_pinned_bytes == p.components["routed_experts"].host_bytes + p.components["token_embedding"].bytes
@@ -187,12 +187,12 @@ def test_bad_options(kwargs, message):
 
 def test_miss_paths(inventory):
     profile = load_profile("rtx5060ti")
-    staged, cpu, split = (plan(inventory, profile, PlanOptions(miss_path=m)) for m in ("staged", "cpu", "split"))
-    assert staged.resident_experts == cpu.resident_experts == split.resident_experts
+    staged, cpu, auto = (plan(inventory, profile, PlanOptions(miss_path=m)) for m in ("staged", "cpu", "auto"))
+    assert staged.resident_experts == cpu.resident_experts == auto.resident_experts
     assert cpu.predicted.pcie_bytes_per_token == pytest.approx(staged.components["token_embedding"].bytes / 248320, rel=0.01)
-    assert 0 < split.predicted.pcie_bytes_per_token < staged.predicted.pcie_bytes_per_token
-    # 27.5 GB/s H2D alone < 27.5 + 0.3 x 60 GB/s split; the CPU alone (18 GB/s) is slower than PCIe here.
-    assert cpu.predicted.decode_tok_s < staged.predicted.decode_tok_s < split.predicted.decode_tok_s
-    assert split.predicted.prefill_tok_s == staged.predicted.prefill_tok_s
+    assert 0 < auto.predicted.pcie_bytes_per_token < staged.predicted.pcie_bytes_per_token
+    # 27.5 GB/s H2D alone < 27.5 + 0.3 x 60 GB/s for auto; the CPU alone (18 GB/s) is slower than PCIe here.
+    assert cpu.predicted.decode_tok_s < staged.predicted.decode_tok_s < auto.predicted.decode_tok_s
+    assert auto.predicted.prefill_tok_s == staged.predicted.prefill_tok_s
     with pytest.raises(NinferError, match="--miss-path"):
         PlanOptions(miss_path="gpu")

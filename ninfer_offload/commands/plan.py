@@ -55,7 +55,7 @@ def plan(
     routing_stats: Optional[Path] = typer.Option(None, "--routing-stats", help="Per-layer expert pick counts (one line per layer)."),
     mtp_acceptance: float = typer.Option(0.75, "--mtp-acceptance", help="Assumed per-draft acceptance rate."),
     at_context: int = typer.Option(4096, "--at-context", help="Sequence length at which decode speed is predicted."),
-    miss_path: str = typer.Option("staged", "--miss-path", help="Host-resident experts in decode: staged (copied), cpu (computed on the host) or split."),
+    miss_path: str = typer.Option("staged", "--miss-path", help="Host-resident experts in decode: staged (copied), cpu (computed on the host) or auto (both, split by rate)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document (schema in README)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write predicted decode tok/s against VRAM budget to this PNG."),
 ) -> None:
