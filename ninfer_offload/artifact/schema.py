@@ -109,6 +109,7 @@ class Directory:
 
 
 def members(value, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+    """A JSON object with all `required` members, optionally some of `optional`, and nothing else."""
     if not isinstance(value, dict):
         raise ArtifactError(f"{where}: must be a JSON object, got {_json_type(value)}")
     missing = sorted(required - value.keys())
@@ -359,9 +360,8 @@ def _use(value, index: int, bindings: dict[str, Binding], objects: dict[str, Obj
     parameter = identifier(rec["parameter"], f"{where} parameter")
     if parameter not in bindings:
         raise ArtifactError(f"{where}: parameter {parameter!r} is not a binding")
-    where = f"use ({parameter!r}"
-    inp = identifier(rec["input"], f"{where}) input")
-    where = f"{where}, {inp!r})"
+    inp = identifier(rec["input"], f"{where} input")
+    where = f"use ({parameter!r}, {inp!r})"
     policy = rec.get("activation_policy")
     if policy is not None and policy not in ACTIVATION_POLICIES:
         raise ArtifactError(f"{where}: activation_policy {policy!r} is not one of {', '.join(ACTIVATION_POLICIES)}")
