@@ -56,7 +56,13 @@ def open_artifact(path) -> "Artifact":
 
 
 class Artifact:
-    """A validated `.ninfer` file set. See the package docs for the public attributes."""
+    """A validated `.ninfer` file set.
+
+    Directory: `path`, `version` (1 or 3), `artifact_id` (v3) / `model_id` (v1), `components`,
+    `objects`, `bindings`, `uses`, `files`, `metadata`, `provenance`, `directory` (the JSON root).
+    Payload: `payload(id)`, `read(offset, length)`, `tensor(name)`, `quantized(name)`, `rows(name)`,
+    `resource(name)`. v1 files expose synthesised bindings (see `artifact.v1`) and no uses.
+    """
 
     def __init__(self, path):
         self.path = Path(path)
