@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from ninfer_offload.errors import NinferError
@@ -69,6 +71,14 @@ def test_incremental_decoder_streams_whole_characters(frontend, text):
     deltas.append(decoder.flush())
     assert "".join(deltas) == text
     assert all("\ufffd" not in delta for delta in deltas)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 511), max_size=40), chunk=st.integers(1, 4))
+def test_incremental_decoder_reassembles_any_id_sequence(frontend, ids, chunk):
+    decoder = frontend.incremental_decoder()
+    deltas = [decoder.feed(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    assert "".join(deltas) + decoder.flush() == frontend.decode(ids)
 
 
 def test_incremental_decoder_holds_split_character_until_complete(frontend):
