@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ninfer_offload.planner.options import PlanOptions
 
 SCHEMA_ID = "ninfer-plan/1"
-PLACEMENTS = ("vram", "host", "auto", "unused")
+PLACEMENTS = ("vram", "host", "split", "unused")
 
 
 @dataclass(frozen=True)

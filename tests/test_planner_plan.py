@@ -44,7 +44,7 @@ def test_rtx5060ti_offloads_part_of_the_experts(inventory):
     assert p.feasible
     assert 0 < p.experts_resident < p.experts_total
     assert p.vram_used_bytes <= p.vram_budget_bytes == 16 * GiB
-    assert p.components["routed_experts"].placement == "auto"
+    assert p.components["routed_experts"].placement == "split"
     assert p.components["token_embedding"].placement == "host"
     assert p.staging_slots == 2 * 8 * 4  # two layers in flight x top-8 x (1 + 3 drafts)
     assert p.host_pinned_bytes == p.components["routed_experts"].host_bytes + p.components["token_embedding"].bytes
