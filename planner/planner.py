@@ -13,6 +13,7 @@ DFlash weights are never loaded (speculation uses MTP).
 
 from __future__ import annotations
 
+from ninfer_offload.artifact.formats import elements
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cost import WeightTraffic, predict
@@ -149,7 +150,7 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
     mtp_banks = inventory.banks_of("mtp")
     weights = WeightTraffic(
         dense_text_bytes=_bytes(dense_text),
-        dense_text_params=sum(_elements(t.shape) for t in dense_text),
+        dense_text_params=sum(elements(t.shape) for t in dense_text),
         embedding_row_bytes=-(-embedding // shape.vocab),
         embedding_on_device=embedding_on_device,
         head_bytes=head,
@@ -168,13 +169,6 @@ def _bytes(tensors) -> int:
 def _placed(where: str):
     """Constructor of a component placed wholly in VRAM ("vram") or not loaded ("unused")."""
     return lambda n: ComponentPlacement(n, where, n if where == "vram" else 0, 0)
-
-
-def _elements(shape: tuple[int, ...]) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count
 
 
 def _expert_order(stats: RoutingStats, expert_bytes: list[int]) -> list[tuple[int, int, int]]:

@@ -13,7 +13,7 @@ the tensors depend on them, never their sizes.
 
 from __future__ import annotations
 
-from ninfer_offload.artifact.formats import CONTIGUOUS, RAW_BYTES, ROW_SPLIT, align_up, encoded_size
+from ninfer_offload.artifact.formats import CONTIGUOUS, RAW_BYTES, ROW_SPLIT, align_up, elements, encoded_size
 
 HIDDEN = 2048
 VOCAB_ROWS = 248320
@@ -279,13 +279,6 @@ def _parent_shape(group: list[Param]) -> tuple[int, ...]:
     return (sum(p[1][0] for p in group), first[1])
 
 
-def _element_count(shape: tuple[int, ...]) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count
-
-
 def official_directory() -> dict:
     """The official Qwen3.6-35B-A3B v3 JSON root (FORMAT.md §8), with placeholder resource sizes."""
     objects: list[dict] = []
@@ -309,7 +302,7 @@ def official_directory() -> dict:
         offset += size
         begin = 0
         for name, pshape, _, inputs in group:
-            end = begin + _element_count(pshape)
+            end = begin + elements(pshape)
             if len(group) == 1:
                 bindings[name] = {"object": oid}
             else:
