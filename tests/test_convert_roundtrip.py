@@ -6,10 +6,14 @@ layout code): bf16 is bit-exact, quantized recipes equal the canonical encoder's
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import tiny_hf
 import torch
+from safetensors.torch import load_file, save_file
 
 from ninfer_offload import open_artifact
 from ninfer_offload.artifact.codecs import decode_row_split, encode_row_split
@@ -245,3 +249,25 @@ def test_uses_and_head_inputs(tiny_artifact):
         assert all(u.activation_policy == "A16Only" for u in artifact.uses)
         assert artifact.components["mtp"].config == {"architectures": ["Qwen3_5MoeMTP"]}
         assert artifact.provenance["recipe"] == "bf16"
+
+
+def test_float32_checkpoint_gives_the_same_artifact(tiny_hf_model, tiny_artifact, tmp_path):
+    """bf16-representable float32 weights convert to the very bytes of their bf16 checkpoint."""
+    src = tiny_hf.save_checkpoint(tiny_hf_model, tmp_path / "fp32", "fused", dtype=torch.float32)
+    path = convert(src, tmp_path / "fp32.ninfer", recipe="bf16", progress=False)
+    with open_artifact(path) as a, open_artifact(tiny_artifact) as b:
+        assert [o.id for o in a.objects] == [o.id for o in b.objects]
+        for obj in a.objects:
+            assert np.array_equal(a.payload(obj.id), b.payload(obj.id)), obj.id
+
+
+def test_tied_checkpoint_without_lm_head_uses_the_embedding(tiny_checkpoint, tmp_path):
+    src = shutil.copytree(tiny_checkpoint, tmp_path / "tied")
+    state = load_file(src / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with open_artifact(convert(src, tmp_path / "tied.ninfer", recipe="bf16", progress=False)) as artifact:
+        assert artifact.components["text"].config["tie_word_embeddings"] is True
+        assert torch.equal(artifact.tensor("text/output_head"), state["model.embed_tokens.weight"].float())

@@ -220,7 +220,8 @@ class LayoutBuilder:
 
     def text(self) -> None:
         d, tp = self.spec.text, self.tp
-        head = f"{tp}embed_tokens.weight" if d.tied else "lm_head.weight"
+        tied_only = d.tied and not self.has("lm_head.weight")  # tied checkpoints may omit lm_head
+        head = f"{tp}embed_tokens.weight" if tied_only else "lm_head.weight"
         head_inputs = ("text/final_hidden", "mtp/final_hidden") if self.with_mtp else ("text/final_hidden",)
         self.singles += [
             _single(self.fmt("token_embedding"), _source(f"{tp}embed_tokens.weight", (d.vocab, d.hidden)), "text/token_embedding"),
