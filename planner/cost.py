@@ -1,7 +1,8 @@
 """Cost model: predicted decode and prefill tokens/s from the bytes each token moves.
 
-Decode at batch 1 is memory-bound: a step reads the resident weights it touches from VRAM, pulls
-every routed expert it needs that is not resident over PCIe, and pays a fixed launch overhead.
+Decode at batch 1 is memory-bound: a step reads the resident weights it touches from VRAM, serves
+every routed expert it needs that is not resident by the miss path (copied over PCIe, computed on
+the host, or both), and pays a fixed launch overhead.
 Prefill of a chunk is compute-bound on the GPU plus one transfer of every host-resident expert
 the chunk touches. Every constant below is an assumption and is printed with the plan.
 """
@@ -66,6 +67,7 @@ def predict(
     resident: list[list[int]],
     expert_bytes: list[int],
 ) -> Prediction:
+    """Decode tokens/s (without and, when speculating, with MTP) and prefill tokens/s of a placement."""
     vram_rate = profile.memory_bandwidth_gbs * 1e9 * KERNEL_EFFICIENCY
     pcie_rate = profile.h2d_bandwidth_gbs * 1e9
     miss_rate, pcie_share = miss_rates(profile, options.miss_path)
