@@ -32,6 +32,8 @@ def _resolve_device(device: str | torch.device) -> torch.device:
         raise NinferError(f"unknown device {device!r}: use cpu or cuda") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise NinferError("device cuda was requested but no CUDA GPU is available here; use --device cpu")
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise NinferError(f"device {device} does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     if resolved.type not in ("cpu", "cuda"):
         raise NinferError(f"unsupported device {device!r}: use cpu or cuda")
     return resolved
