@@ -55,7 +55,7 @@ def _converter_directory(recipe: str) -> dict:
     spec = read_model_config(FULL_HF_CONFIG)
     layout = plan_layout(spec, recipe, lambda name: True, "model.language_model.", mtp=True, vision=True)
     objects, bindings, uses = [], {}, []
-    for oid, _, parent, ranges, parent_uses in directory_entries(layout):
+    for oid, parent, ranges, parent_uses in directory_entries(layout):
         objects.append({"id": oid, "shape": list(parent.shape), "format": parent.format})
         for name, begin, end in ranges:
             bindings[name] = {"object": oid} if len(ranges) == 1 else {"parts": [{"object": oid, "range": [begin, end]}]}
@@ -88,7 +88,7 @@ def test_official_parents_have_the_official_formats_and_sizes():
             want[obj["format"]][0] += 1
             want[obj["format"]][1] += obj["bytes"]
     got: dict[str, list[int]] = {}
-    for _, parent in _converter_directory("official")["layout"].parents:
+    for parent in _converter_directory("official")["layout"].parents:
         fmt = parent.format
         got.setdefault(fmt, [0, 0])
         got[fmt][0] += 1

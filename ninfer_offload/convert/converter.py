@@ -40,20 +40,20 @@ def text_prefix(names: set[str]) -> str:
 
 
 def directory_entries(layout: Layout):
-    """Per parent, in object order: (object id, component, parent, [(binding, begin, end)], [(binding, input)])."""
-    for index, (component, parent) in enumerate(layout.parents):
+    """Per parent, in object order: (object id, parent, [(binding, begin, end)], [(binding, input)])."""
+    for index, parent in enumerate(layout.parents):
         begin, ranges, uses = 0, [], []
         for member in parent.members:
             end = begin + member.rows * parent.row_elements
             ranges.append((member.binding, begin, end))
             uses += [(member.binding, i) for i in member.inputs]
             begin = end
-        yield f"weight/{index:06d}", component, parent, ranges, uses
+        yield f"weight/{index:06d}", parent, ranges, uses
 
 
 def _check_tensors(checkpoint: Checkpoint, layout: Layout, vision: bool) -> None:
     """Every planned source exists with its shape; no text/mtp (or converted vision) tensor is left over."""
-    for _, parent in layout.parents:
+    for parent in layout.parents:
         for source in parent.sources:
             checkpoint.check(source.tensor, source.shape)
     used = layout.tensors()
@@ -110,12 +110,12 @@ def convert(
         writer.add_resource(f"resource/{component}/{role}", data, component=component, role=role)
     with _progress_bar(progress) as bar:
         task = bar.add_task(f"convert ({recipe})", total=0)
-        for object_id, _, parent, ranges, uses in directory_entries(layout):
+        for object_id, parent, ranges, uses in directory_entries(layout):
             layout_name = storage_layout(parent.format)
             size = encoded_size(layout_name, parent.format, parent.shape)
             bar.update(task, total=bar.tasks[0].total + size)
             writer.add_tensor(object_id, parent.shape, parent.format, layout_name,
-                              _source(checkpoint, parent, lambda size=size: bar.advance(task, size)))
+                              _encoder(checkpoint, parent, lambda size=size: bar.advance(task, size)))
             for binding, begin, end in ranges:
                 if len(ranges) == 1:
                     writer.bind(binding, object_id)
@@ -126,7 +126,9 @@ def convert(
         return writer.write()
 
 
-def _source(checkpoint: Checkpoint, parent: Parent, done):
+def _encoder(checkpoint: Checkpoint, parent: Parent, done):
+    """The writer's source callable for `parent`: encodes it, then reports progress."""
+
     def encode():
         data = encode_parent(parent, checkpoint.read)
         done()

@@ -90,7 +90,7 @@ def _single(fmt: str, source: Source, binding: str, *inputs: str) -> Parent:
 
 
 class LayoutBuilder:
-    """Collects groups and singles in converter order for one model."""
+    """Collects the multi-member groups and the singles of one model, each in declaration order."""
 
     def __init__(self, spec: ModelSpec, recipe: str, has: Callable[[str], bool], text_prefix: str, with_mtp: bool):
         self.spec, self.recipe, self.has, self.tp, self.with_mtp = spec, recipe, has, text_prefix, with_mtp
@@ -300,12 +300,12 @@ class LayoutBuilder:
 
 @dataclass(frozen=True)
 class Layout:
-    """Parents in object order, each with its component."""
+    """Parents in object order."""
 
-    parents: list[tuple[str, Parent]]
+    parents: list[Parent]
 
     def tensors(self) -> set[str]:
-        return {s.tensor for _, p in self.parents for s in p.sources}
+        return {s.tensor for p in self.parents for s in p.sources}
 
 
 def plan_layout(spec: ModelSpec, recipe: str, has: Callable[[str], bool], text_prefix: str, mtp: bool, vision: bool) -> Layout:
@@ -314,16 +314,9 @@ def plan_layout(spec: ModelSpec, recipe: str, has: Callable[[str], bool], text_p
     `has(name)` tells whether the checkpoint holds a tensor (it selects fused or per-expert banks).
     """
     builder = LayoutBuilder(spec, recipe, has, text_prefix, mtp)
-    steps = [("text", builder.text)]
+    builder.text()
     if mtp:
-        steps.append(("mtp", builder.mtp))
+        builder.mtp()
     if vision:
-        steps.append(("vision", lambda: builder.vision(spec.vision)))
-    groups: list[tuple[str, Parent]] = []
-    singles: list[tuple[str, Parent]] = []
-    for component, step in steps:
-        step()
-        groups += [(component, p) for p in builder.groups]
-        singles += [(component, p) for p in builder.singles]
-        builder.groups, builder.singles = [], []
-    return Layout(groups + singles)
+        builder.vision(spec.vision)
+    return Layout(builder.groups + builder.singles)
