@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import ninfer_offload
 from ninfer_offload.artifact.codecs import decode_row_split, decode_row_split_values, encode_contiguous, encode_row_split
 from ninfer_offload.artifact.formats import GROUPED_FORMATS, align_up, encoded_size
+from ninfer_offload.artifact.framing import part_file_name, split_payload
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.writer import ArtifactWriter
 
@@ -362,3 +363,13 @@ def test_property_write_read_same_directory_and_bytes(tmp_path, inventory, rnd):
         assert [u.parameter for u in art.uses] == list(bindings)
         assert sum(f.payload_bytes for f in art.files) == art.objects[-1].end
         assert all(f.payload_bytes <= (limit or 2**64) for f in art.files)
+
+
+def test_sharding_worked_example():
+    assert split_payload(65536, 31_999_938_560, 32_000_000_000) == [31_999_934_464, 4096]
+    assert split_payload(65536, 31_999_934_464, 32_000_000_000) == [31_999_934_464]
+    assert split_payload(4096, 10 * 4096, None) == [10 * 4096]
+    assert split_payload(4096, 10 * 4096, 3 * 4096) == [2 * 4096, 2 * 4096, 2 * 4096, 2 * 4096, 2 * 4096]
+    assert (part_file_name("m.ninfer", 1), part_file_name("m.ninfer", 12345)) == ("m.ninfer.part-0001", "m.ninfer.part-12345")
+    with pytest.raises(ninfer_offload.ArtifactError, match="leaves no payload room"):
+        split_payload(8192, 10**6, 8192)
