@@ -373,3 +373,11 @@ def test_sharding_worked_example():
     assert (part_file_name("m.ninfer", 1), part_file_name("m.ninfer", 12345)) == ("m.ninfer.part-0001", "m.ninfer.part-12345")
     with pytest.raises(ninfer_offload.ArtifactError, match="leaves no payload room"):
         split_payload(8192, 10**6, 8192)
+
+
+def test_write_into_missing_directory_is_a_clear_error(tmp_path):
+    w = ArtifactWriter(tmp_path / "nowhere" / "x.ninfer")
+    w.add_component("text", {})
+    w.add_tensor("weight/0", [4], "fp32", CONTIG, None)
+    with pytest.raises(ninfer_offload.ArtifactError, match="cannot write .*x.ninfer"):
+        w.write()

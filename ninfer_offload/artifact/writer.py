@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,8 +166,8 @@ class ArtifactWriter:
         token = uuid.uuid4().hex[:8]
         temps = [self.path.with_name(f".{name}.{token}.tmp") for name in names]
         try:
-            handles = [open(t, "wb") for t in temps]
-            try:
+            with ExitStack() as stack:
+                handles = [stack.enter_context(open(t, "wb")) for t in temps]
                 handles[0].write(pack_entry_header(len(text), artifact_id) + text)
                 for i, h in enumerate(handles[1:], start=1):
                     h.write(pack_part_header(i, artifact_id))
@@ -177,15 +178,14 @@ class ArtifactWriter:
                     if data is not None:
                         sink.write(obj.offset, data)
                 for h, start, size in zip(handles, starts, sizes):
-                    h.truncate(start + size)
-            finally:
-                for h in handles:
-                    h.close()
+                    h.truncate(start + size)  # also extends over trailing holes (sparse)
             for temp, name in list(zip(temps, names))[1:] + [(temps[0], names[0])]:
                 os.replace(temp, self.path.with_name(name))
-        except BaseException:
+        except BaseException as err:
             for t in temps:
                 t.unlink(missing_ok=True)
+            if isinstance(err, OSError):
+                raise ArtifactError(f"cannot write {str(self.path)!r}: {err.strerror or err}") from None
             raise
         return self.path
 
