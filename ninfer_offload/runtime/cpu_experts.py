@@ -257,24 +257,54 @@ def _buffer_views(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return u8, usable.view(np.uint32), usable.view(np.uint16)
 
 
-def group_assignments(topk_ids: np.ndarray, topk_weights: np.ndarray, selected: np.ndarray | None):
-    """CSR grouping of the (token, expert, weight) assignments by expert.
-
-    Returns (experts [S], starts [S+1], tokens [A] int64, weights [A] float32), experts ascending.
-    """
-    t, k = topk_ids.shape
-    token_of = np.repeat(np.arange(t, dtype=np.int64), k)
-    ids = topk_ids.reshape(-1).astype(np.int64)
-    wts = topk_weights.reshape(-1).astype(np.float32)
-    if selected is not None:
-        keep = selected.reshape(-1)
-        token_of, ids, wts = token_of[keep], ids[keep], wts[keep]
-    order = np.argsort(ids, kind="stable")
-    ids, token_of, wts = ids[order], token_of[order], wts[order]
-    experts, counts = np.unique(ids, return_counts=True)
-    starts = np.zeros(experts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=starts[1:])
-    return experts, starts, token_of, np.ascontiguousarray(wts)
+@njit(nogil=True, cache=True)
+def _prepare(ids, weights, selected, record_offsets, record_bytes, buffer_bytes, x, perm, k_pad, act_width):
+    """Group the selected assignments by expert (CSR, experts ascending, tokens in order) and lay
+    out the kernel's inputs. Returns (ok, record_at, starts, tokens, weights, x permuted, act);
+    ok is False when a selected expert has no record inside the buffer."""
+    t, k = ids.shape
+    num = record_offsets.shape[0]
+    counts = np.zeros(num, dtype=np.int64)
+    ok = True
+    for i in range(t):
+        for j in range(k):
+            if selected[i, j]:
+                e = ids[i, j]
+                if e < 0 or e >= num or record_offsets[e] < 0 or record_offsets[e] + record_bytes > buffer_bytes:
+                    ok = False
+                else:
+                    counts[e] += 1
+    slots = 0
+    for e in range(num):
+        slots += counts[e] > 0
+    record_at = np.empty(slots, dtype=np.int64)
+    starts = np.empty(slots + 1, dtype=np.int64)
+    fill = np.empty(num, dtype=np.int64)
+    s = 0
+    pos = 0
+    for e in range(num):
+        if counts[e] > 0:
+            record_at[s] = record_offsets[e]
+            starts[s] = pos
+            fill[e] = pos
+            pos += counts[e]
+            s += 1
+    starts[slots] = pos
+    tokens = np.empty(pos, dtype=np.int64)
+    wts = np.empty(pos, dtype=np.float32)
+    if ok:
+        for i in range(t):
+            for j in range(k):
+                if selected[i, j]:
+                    e = ids[i, j]
+                    tokens[fill[e]] = i
+                    wts[fill[e]] = weights[i, j]
+                    fill[e] += 1
+    xp = np.zeros((t, k_pad), dtype=np.float32)
+    for i in range(t):
+        for lane in range(x.shape[1]):
+            xp[i, perm[lane]] = x[i, lane]
+    return ok, record_at, starts, tokens, wts, xp, np.zeros((pos, act_width), dtype=np.float32)
 
 
 def routed_experts_cpu(
@@ -285,31 +315,29 @@ def routed_experts_cpu(
     topk_ids: np.ndarray,
     topk_weights: np.ndarray,
     selected: np.ndarray | None = None,
-    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Sum over assignments of weight * expert(x[token]) into out [T, H] (float32, numba kernels).
+    """Sum over assignments of weight * expert(x[token]) -> [T, H] float32 (numba kernels).
 
     records: uint8 buffer holding the records; record_offsets[e]: byte offset of expert e's record
     in it. selected: optional bool mask [T, k] of the assignments to compute (others skipped).
     """
     gu, dn = plan.layout.gate_up, plan.layout.down
-    x = np.asarray(x, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
     t, hidden = x.shape
     if hidden != gu.k:
         raise NinferError(f"activations have width {hidden}, the expert records expect {gu.k}")
-    experts, starts, tokens, weights = group_assignments(np.asarray(topk_ids), np.asarray(topk_weights), selected)
-    if out is None:
-        out = np.zeros((t, hidden), dtype=np.float32)
-    if experts.size == 0:
-        return out
-    record_at = np.ascontiguousarray(record_offsets[experts], dtype=np.int64)
-    if np.any(record_at < 0) or np.any(record_at + plan.layout.nbytes > records.size):
-        raise NinferError("a routed expert selected for CPU compute has no host record")
-    xp = np.zeros((t, gu.k_pad), dtype=np.float32)
-    xp[:, plan.gate_up_perm[:hidden]] = x
-    act = np.zeros((tokens.size, dn.k_pad), dtype=np.float32)
+    ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
+    mask = np.ones(ids.shape, dtype=np.bool_) if selected is None else np.ascontiguousarray(selected, dtype=np.bool_)
     u8, u32, u16 = _buffer_views(records)
-    _moe_kernel(u8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.down_perm, record_at, starts, tokens, weights, xp, act, out)
+    ok, record_at, starts, tokens, weights, xp, act = _prepare(
+        ids, np.ascontiguousarray(topk_weights, dtype=np.float32), mask, np.ascontiguousarray(record_offsets, dtype=np.int64),
+        plan.layout.nbytes, u8.size, x, plan.gate_up_perm, gu.k_pad, dn.k_pad,
+    )
+    if not ok:
+        raise NinferError("a routed expert selected for CPU compute has no host record")
+    out = np.zeros((t, hidden), dtype=np.float32)
+    if record_at.size:
+        _moe_kernel(u8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.down_perm, record_at, starts, tokens, weights, xp, act, out)
     return out
 
 
