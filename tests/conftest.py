@@ -1,14 +1,20 @@
 """Session fixtures shared by every test: one tiny HF model, its checkpoint, and its converted artifacts.
 
-`tiny_hf` is imported first so that transformers' qwen3_5_moe modeling module is bound to its
-pure-PyTorch kernels before any test module imports transformers (see `tiny_hf.oracle_module`).
-Everything is built once per session under a session temporary directory.
+Where flash-linear-attention or causal-conv1d is installed, transformers' qwen3_5_moe modeling
+module is imported here, before any test module can import it, so that the oracle is bound to its
+pure-PyTorch kernels (see `tiny_hf.oracle_module`). Everything is built once per session under a
+session temporary directory.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import tiny_hf
+
+if any(importlib.util.find_spec(name) for name in ("fla", "causal_conv1d")):
+    tiny_hf.oracle_module()
 
 TINY_SEED = 0
 
