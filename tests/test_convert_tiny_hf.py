@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import tiny_hf
@@ -86,3 +89,35 @@ def test_checkpoints_reload_in_transformers(layout, tiny_hf_model, tmp_path):
         fused = "model.layers.0.mlp.experts.gate_up_proj" in keys
         assert fused == (layout == "fused")
         assert ("mtp.layers.0.mlp.experts.gate_up_proj" in keys) == fused
+
+
+_BINDING_PROBE = """
+import inspect, sys
+sys.path[:0] = sys.argv[1:3]
+if sys.argv[3] == "helper":
+    import tiny_hf
+    module = tiny_hf.oracle_module()
+else:
+    import importlib
+    module = importlib.import_module("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+fast = inspect.getclosurevars(module.torch_chunk_gated_delta_rule).nonlocals["is_new_implementation"]
+import fla.ops.gated_delta_rule  # still importable by the engine afterwards
+print("fast" if fast else "torch")
+"""
+
+
+@pytest.mark.parametrize("how, bound", [("plain", "fast"), ("helper", "torch")])
+def test_oracle_module_hides_an_installed_fla(how, bound, tmp_path):
+    """With a (stand-in) flash-linear-attention installed, plain import binds it; the helper does not."""
+    package = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    package.mkdir(parents=True)
+    (tmp_path / "fla" / "__init__.py").write_text("")
+    (tmp_path / "fla" / "ops" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(
+        "def chunk_gated_delta_rule(*args, **kwargs):\n    raise RuntimeError('CPU tensors in a Triton kernel')\n"
+        "fused_recurrent_gated_delta_rule = chunk_gated_delta_rule\n"
+    )
+    tests = str(Path(__file__).parent)
+    done = subprocess.run([sys.executable, "-c", _BINDING_PROBE, str(tmp_path), tests, how], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == bound
