@@ -39,7 +39,9 @@ from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 # float32 value of every binary16 word (exact, subnormals included).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
-ROWS_PER_ITEM = 16  # rows one parallel work item computes
+# Rows per parallel work item: each item writes whole cache lines of act/out (no false sharing).
+ACT_ITEM = 32
+OUT_ITEM = 64
 _GEO_FIELDS = 9  # bits, group, gpr, base_bytes, high_bytes, high_offset, scale_offset, object_offset, n
 
 
@@ -194,31 +196,35 @@ def _row_dot(u8, u32, u16, lut, geo, record_at, row, x):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _moe_kernel(u8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, tokens, weights, x, act, out):
+def _moe_kernel(u8, u32, u16, lut, gate_up, down, act_rows, record_at, starts, tokens, weights, x, act, out):
     """Compute every assignment, grouped by expert (CSR `starts` over `tokens`/`weights`), into out.
 
-    x: [T, H_pad] permuted for gate/up; act: [A, I_pad] zeroed scratch; out: [T, H], added to.
-    Gate/up runs in parallel over (expert, block of intermediate rows), down over blocks of
-    output rows, so every element has one writer.
+    x: [T, H_pad] permuted for gate/up; act: [A, I_pad] zeroed, filled in the down object's lane
+    order (act_rows[p] = intermediate row feeding position p, or -1 for padding); out: [T, H].
+    Gate/up runs in parallel over (expert, block of act positions), down over blocks of output
+    rows, so every element has one writer and items write contiguous runs.
     """
     slots = record_at.shape[0]
     inter = gate_up[8] // 2
     hidden = down[8]
-    items = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    width = act.shape[1]
+    items = (width + ACT_ITEM - 1) // ACT_ITEM
     for item in prange(slots * items):
         s = item // items
-        r0 = (item % items) * ROWS_PER_ITEM
-        for i in range(r0, min(r0 + ROWS_PER_ITEM, inter)):
-            p = down_perm[i]
+        p0 = (item % items) * ACT_ITEM
+        for p in range(p0, min(p0 + ACT_ITEM, width)):
+            i = act_rows[p]
+            if i < 0:
+                continue
             for a in range(starts[s], starts[s + 1]):
                 xt = x[tokens[a]]
                 gate = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], i, xt)
                 up = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], inter + i, xt)
                 act[a, p] = gate / (_F32(1.0) + np.exp(-gate)) * up
-    blocks = (hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    blocks = (hidden + OUT_ITEM - 1) // OUT_ITEM
     for blk in prange(blocks):
         for s in range(slots):
-            for h in range(blk * ROWS_PER_ITEM, min((blk + 1) * ROWS_PER_ITEM, hidden)):
+            for h in range(blk * OUT_ITEM, min((blk + 1) * OUT_ITEM, hidden)):
                 for a in range(starts[s], starts[s + 1]):
                     out[tokens[a], h] += weights[a] * _row_dot(u8, u32, u16, lut, down, record_at[s], h, act[a])
 
@@ -234,19 +240,22 @@ class RecordKernelPlan:
     gate_up: np.ndarray
     down: np.ndarray
     gate_up_perm: np.ndarray  # natural hidden lane -> permuted position
-    down_perm: np.ndarray  # natural intermediate lane -> permuted position
+    act_rows: np.ndarray  # down lane position -> intermediate row (-1: padding)
 
     @classmethod
     def create(cls, layout: ExpertRecordLayout) -> "RecordKernelPlan":
         gu, dn = layout.gate_up, layout.down
         if gu.n != 2 * dn.k or gu.k != dn.n:
             raise NinferError(f"expert record shapes gate/up {[gu.n, gu.k]} and down {[dn.n, dn.k]} do not agree")
+        down_perm = lane_permutation(dn.fmt.group, dn.k_pad)
+        act_rows = np.full(dn.k_pad, -1, dtype=np.int64)
+        act_rows[down_perm[: dn.k]] = np.arange(dn.k)
         return cls(
             layout,
             geometry_vector(gu, layout.gate_up_offset),
             geometry_vector(dn, layout.down_offset),
             lane_permutation(gu.fmt.group, gu.k_pad),
-            lane_permutation(dn.fmt.group, dn.k_pad),
+            act_rows,
         )
 
 
@@ -337,7 +346,7 @@ def routed_experts_cpu(
         raise NinferError("a routed expert selected for CPU compute has no host record")
     out = np.zeros((t, hidden), dtype=np.float32)
     if record_at.size:
-        _moe_kernel(u8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.down_perm, record_at, starts, tokens, weights, xp, act, out)
+        _moe_kernel(u8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.act_rows, record_at, starts, tokens, weights, xp, act, out)
     return out
 
 
