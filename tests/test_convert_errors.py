@@ -121,3 +121,19 @@ def test_cli_end_to_end(tiny_checkpoint, tmp_path):
     again = _cli(tiny_checkpoint, out)
     assert again.returncode == 2
     assert again.stderr.strip() == f"error: {out} already exists; remove it or choose another output path"
+
+
+def test_unreadable_checkpoint_files(tiny_checkpoint, tmp_path):
+    src = _edited(tiny_checkpoint, tmp_path / "src", drop_files=("config.json",))
+    with pytest.raises(NinferError, match="config.json: not found"):
+        convert(src, tmp_path / "a.ninfer", progress=False)
+    src = _edited(tiny_checkpoint, tmp_path / "garbage")
+    (src / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(NinferError, match="not a valid safetensors file"):
+        convert(src, tmp_path / "b.ninfer", progress=False)
+    src = _edited(tiny_checkpoint, tmp_path / "sharded")
+    index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model.safetensors"}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(NinferError, match="model-00001-of-00002.safetensors: not found"):
+        convert(src, tmp_path / "c.ninfer", progress=False)
+    assert not list(tmp_path.glob("*.ninfer*"))
