@@ -165,9 +165,12 @@ def test_miss_splitter_balances_by_rates_and_keeps_stats():
 def test_miss_splitter_starts_from_the_profile():
     from types import SimpleNamespace
 
+    from ninfer_offload.planner.cost import CPU_EXPERT_SHARE_OF_DRAM
+
     splitter = ce.MissSplitter.from_profile(SimpleNamespace(h2d_bandwidth_gbs=27.5, dram_bandwidth_gbs=60.0))
-    assert splitter.pcie_rate == 27.5e9 and splitter.cpu_rate == pytest.approx(36e9)
-    assert splitter.cpu_share(8) == 5  # 8 * 36 / 63.5 = 4.5 -> 5
+    assert splitter.pcie_rate == 27.5e9 and splitter.cpu_rate == pytest.approx(CPU_EXPERT_SHARE_OF_DRAM * 60e9)
+    cpu = CPU_EXPERT_SHARE_OF_DRAM * 60
+    assert splitter.cpu_share(8) == round(8 * cpu / (cpu + 27.5))
 
 
 _STARTUP_PROBE = """

@@ -396,13 +396,12 @@ class MissSplitter:
     last_split: tuple[int, int] = (0, 0)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    # Starting guess for the CPU: this share of the host's DRAM bandwidth (the kernels' target).
-    CPU_FRACTION_OF_DRAM = 0.6
-
     @classmethod
     def from_profile(cls, profile) -> "MissSplitter":
-        """Starting rates from a DeviceProfile (`h2d_bandwidth_gbs`, `dram_bandwidth_gbs`)."""
-        return cls(cpu_rate=cls.CPU_FRACTION_OF_DRAM * profile.dram_bandwidth_gbs * 1e9, pcie_rate=profile.h2d_bandwidth_gbs * 1e9)
+        """Starting rates from a DeviceProfile, as the planner's cost model assumes them."""
+        from ninfer_offload.planner.cost import CPU_EXPERT_SHARE_OF_DRAM
+
+        return cls(cpu_rate=CPU_EXPERT_SHARE_OF_DRAM * profile.dram_bandwidth_gbs * 1e9, pcie_rate=profile.h2d_bandwidth_gbs * 1e9)
 
     def cpu_share(self, missing: int) -> int:
         """How many of `missing` equally sized experts the CPU should compute (both sides finish together)."""
