@@ -177,6 +177,7 @@ class ArtifactWriter:
                     data = _object_bytes(obj)
                     if data is not None:
                         sink.write(obj.offset, data)
+                    del data  # only one encoded object alive while the next source runs
                 for h, start, size in zip(handles, starts, sizes):
                     h.truncate(start + size)  # also extends over trailing holes (sparse)
             for temp, name in list(zip(temps, names))[1:] + [(temps[0], names[0])]:
