@@ -411,12 +411,15 @@ class MissSplitter:
             return missing
         return int(round(missing * self.cpu_rate / (self.cpu_rate + self.pcie_rate)))
 
-    def split(self, missing: np.ndarray, tokens_per_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(CPU experts, PCIe experts) of `missing`: the CPU takes its share, fewest tokens first
-        (its cost grows with tokens, a transfer's does not). Recorded in the stats."""
+    def split(self, missing: np.ndarray, tokens_per_expert: np.ndarray, max_pcie: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(CPU experts, PCIe experts) of `missing`: the CPU takes its share (and whatever exceeds
+        `max_pcie`), fewest tokens first: its cost grows with tokens, a transfer's does not.
+        Recorded in the stats."""
         missing = np.asarray(missing, dtype=np.int64)
         order = np.lexsort((missing, np.asarray(tokens_per_expert)))
         share = self.cpu_share(missing.size)
+        if max_pcie is not None:
+            share = max(share, missing.size - max_pcie)
         cpu, pcie = np.sort(missing[order[:share]]), np.sort(missing[order[share:]])
         with self._lock:
             self.cpu_experts += cpu.size
@@ -546,3 +549,76 @@ def _reference_dense(layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarr
         weights = np.where(selected, weights, 0).astype(np.float32)
     bank = ExpertBank(layout, records, torch.arange(records.shape[0]))
     return ReferenceBackend().routed_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), bank)
+
+
+class CpuMissPath:
+    """The expert store's CPU miss path: which assignments the host computes, and computing them.
+
+    "cpu": every assignment whose expert is not in a device slot runs on the host. "auto": the
+    missing experts are split between host compute and staging (PCIe) by `MissSplitter`, seeded
+    from this machine's stored profile (`ninfer profile`) or the default profile and refined by
+    measuring both paths. Host work runs in the executor's worker thread while the device works.
+    """
+
+    DEFAULT_PROFILE = "rtx5090"
+
+    def __init__(self, mode: str, device: torch.device):
+        self.mode = mode
+        self.splitter = _initial_splitter(self.DEFAULT_PROFILE) if mode == "auto" else None
+        # With a GPU, leave one core to the thread that drives it.
+        threads = max(1, numba.config.NUMBA_NUM_THREADS - 1) if device.type == "cuda" else None
+        self.executor = CpuExpertExecutor(threads=threads, splitter=self.splitter)
+        self._pending: list[tuple[int, object, object]] = []  # staged bytes with their CUDA events
+
+    def host_assignments(self, ids: torch.Tensor, in_slot: torch.Tensor, free_slots: int) -> torch.Tensor:
+        """bool [T, k]: the assignments the host computes, given which experts sit in device slots
+        (`in_slot` [num_experts]) and how many more experts staging could place."""
+        missing = ~in_slot[ids]
+        if self.splitter is None or not bool(missing.any()):
+            return missing
+        experts, counts = torch.unique(ids[missing], return_counts=True)
+        cpu, _ = self.splitter.split(experts.numpy(), counts.numpy(), max_pcie=free_slots)
+        return missing & torch.from_numpy(np.isin(ids.numpy(), cpu))
+
+    def submit(self, layout, records: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> Future:
+        return self.executor.submit(layout, records, x, ids, weights, selected)
+
+    def staging_started(self, device: torch.device):
+        """A mark taken before staging copies are issued (for `staging_finished`)."""
+        if self.splitter is None or device.type != "cuda":
+            return time.perf_counter()
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        return begin
+
+    def staging_finished(self, mark, nbytes: int) -> None:
+        """Fold a staging of `nbytes` since `mark` into the PCIe rate. CUDA copies are asynchronous:
+        their end event is read on a later call, once complete, so no step waits for it."""
+        if self.splitter is None:
+            return
+        if isinstance(mark, float):
+            if nbytes > 0:
+                self.splitter.observe("pcie", nbytes, time.perf_counter() - mark)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        pending = self._pending + ([(nbytes, mark, end)] if nbytes > 0 else [])
+        self._pending = []
+        for n, begin, finish in pending:
+            if finish.query():
+                self.splitter.observe("pcie", n, begin.elapsed_time(finish) / 1e3)
+            else:
+                self._pending.append((n, begin, finish))
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, "cpu": self.executor.stats(), **({"split": self.splitter.stats()} if self.splitter else {})}
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def _initial_splitter(default_profile: str) -> MissSplitter:
+    from ninfer_offload.profiles import load_profile, stored_profile_path
+
+    stored = stored_profile_path()
+    return MissSplitter.from_profile(load_profile(str(stored) if stored.is_file() else default_profile))

@@ -9,23 +9,23 @@ Staging needs the routing on the host (one sync per MoE layer); a call whose dis
 not fit the pool is split into token chunks that do. Both modes run the same backend op on the
 same record bytes, so they produce identical outputs.
 
-`host_output` is the seam of the CPU miss path: the routed output of selected assignments,
-computed on the host straight from the host records.
+With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), experts missing from the slots
+are computed on the host straight from the host records (numba kernels), concurrently with the
+device work on the others, and the partial outputs are added.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.model.backend import ReferenceBackend
 from ninfer_offload.model.experts import ExpertBank, RecordLayout
 
 MODES = ("resident", "host")
-MISS_PATHS = (None, "cpu")
+MISS_PATHS = (None, "cpu", "auto")
 
 
 @dataclass
@@ -34,6 +34,7 @@ class StoreStats:
     misses: int = 0
     staged_bytes: int = 0
     cpu_assignments: int = 0
+    miss_path: dict = field(default_factory=dict)  # the CPU miss path's rates and split
 
 
 class ExpertStore:
@@ -53,7 +54,7 @@ class ExpertStore:
         if mode not in MODES:
             raise NinferError(f"experts must be one of {', '.join(MODES)}, got {mode!r}")
         if miss_path not in MISS_PATHS:
-            raise NinferError(f"miss path must be one of None, 'cpu', got {miss_path!r}")
+            raise NinferError(f"miss path must be one of None, 'cpu', 'auto', got {miss_path!r}")
         if miss_path is not None and mode != "host":
             raise NinferError("a miss path needs host-resident experts (experts='host')")
         self.layouts = layouts
@@ -70,7 +71,10 @@ class ExpertStore:
             self.banks = [ExpertBank(layout, r.to(device), identity) for layout, r in zip(layouts, records)]
             return
         self.host = records
-        self.host_backend = ReferenceBackend()
+        if miss_path is not None:
+            from ninfer_offload.runtime.cpu_experts import CpuMissPath
+
+            self.cpu_path = CpuMissPath(miss_path, device)
         self.num_slots = max(top_k, num_slots if num_slots is not None else self.num_experts // 4)
         width = max(layout.nbytes for layout in layouts)
         self.pool = torch.zeros(self.num_slots, width, dtype=torch.uint8, device=device)
@@ -87,7 +91,7 @@ class ExpertStore:
         """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for layer `layer` -> [T, H]."""
         if self.mode == "resident":
             return self.backend.routed_experts(x, topk_ids, topk_weights, self.banks[layer])
-        if self.miss_path == "cpu":
+        if self.miss_path is not None:
             return self._routed_cpu_misses(layer, x, topk_ids, topk_weights)
         t = x.shape[0]
         distinct = int(torch.unique(topk_ids).numel())
@@ -100,28 +104,27 @@ class ExpertStore:
         return torch.cat(outputs)
 
     def _routed_cpu_misses(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Experts already in a slot run on the device; the others run on the host (not staged)."""
+        """Experts in a slot run on the device; the host computes the missing ones ("cpu") or its
+        measured share of them ("auto": the rest are staged), while the device works."""
         ids = topk_ids.cpu()
         in_slot = torch.zeros(self.num_experts, dtype=torch.bool)
         in_slot[[expert for (lyr, expert) in self.lru if lyr == layer]] = True
-        hit = in_slot[ids]
-        self.stats.misses += int(torch.unique(ids[~hit]).numel())
-        self.stats.cpu_assignments += int((~hit).sum())
-        out = self.host_output(layer, x, topk_ids, topk_weights, ~hit)
-        if bool(hit.any()):
-            bank = self._stage(layer, sorted(set(ids[hit].tolist())))
-            on_device = topk_weights * hit.to(device=x.device, dtype=topk_weights.dtype)
-            out = out + self.backend.routed_experts(x, topk_ids, on_device, bank)
-        return out
-
-    def host_output(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor
-    ) -> torch.Tensor:
-        """Routed output [T, H] (on x's device) of the assignments where `selected` [T, k] is true,
-        computed on the host from the host records (the CPU miss path)."""
-        bank = ExpertBank(self.layouts[layer], self.host[layer], torch.arange(self.num_experts))
-        weights = topk_weights.cpu() * selected.cpu().to(topk_weights.dtype)
-        return self.host_backend.routed_experts(x.cpu(), topk_ids.cpu(), weights, bank).to(x.device)
+        used_slots = int(torch.unique(ids[in_slot[ids]]).numel())
+        on_host = self.cpu_path.host_assignments(ids, in_slot, self.num_slots - used_slots)
+        self.stats.misses += int(torch.unique(ids[on_host]).numel())
+        self.stats.cpu_assignments += int(on_host.sum())
+        host = self.cpu_path.submit(self.layouts[layer], self.host[layer], x, ids, topk_weights, on_host)
+        out = None
+        on_device = ~on_host
+        if bool(on_device.any()):
+            mark, staged = self.cpu_path.staging_started(self.device), self.stats.staged_bytes
+            bank = self._stage(layer, sorted(set(ids[on_device].tolist())))
+            self.cpu_path.staging_finished(mark, self.stats.staged_bytes - staged)
+            weights = topk_weights * on_device.to(device=x.device, dtype=topk_weights.dtype)
+            out = self.backend.routed_experts(x, topk_ids, weights, bank)
+        partial = host.result().to(device=x.device, dtype=x.dtype)
+        self.stats.miss_path = self.cpu_path.stats()
+        return partial if out is None else out + partial
 
     # ------------------------------------------------------------------ staging
     def _stage(self, layer: int, experts: list[int]) -> ExpertBank:

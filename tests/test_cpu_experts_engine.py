@@ -1,0 +1,70 @@
+"""The CPU miss path end to end: host-resident experts computed by the numba kernels give the
+logits of the all-resident engine (tiny converted models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_offload.errors import NinferError
+from ninfer_offload.runtime.engine import Engine
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 61, 300, 12, 8, 444]
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_artifact_official):
+    return Engine.load(tiny_artifact_official)
+
+
+def test_cpu_path_runs_every_routed_expert_on_the_host(tiny_artifact_official, resident):
+    engine = Engine.load(tiny_artifact_official, experts="host", miss_path="cpu")
+    assert_logits_close(engine.logits(PROMPT), resident.logits(PROMPT))
+    config, stats = engine.config, engine.store.stats
+    assert stats.cpu_assignments == len(PROMPT) * config.top_k * config.num_layers  # nothing staged
+    assert stats.staged_bytes == 0
+    assert stats.miss_path["mode"] == "cpu" and stats.miss_path["cpu"]["calls"] == config.num_layers
+
+
+def test_cpu_path_decode_steps_match_resident(tiny_artifact_official, resident):
+    engine = Engine.load(tiny_artifact_official, experts="host", miss_path="cpu")
+    mine, theirs = engine.session(), resident.session()
+    assert_logits_close(mine.prefill(PROMPT[:7]), theirs.prefill(PROMPT[:7]))
+    for token in PROMPT[7:]:
+        assert_logits_close(mine.step(token), theirs.step(token))
+
+
+def test_auto_path_splits_misses_and_matches_resident(tiny_artifact_official, resident):
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=4, miss_path="auto")
+    session, reference = engine.session(), resident.session()
+    assert_logits_close(session.prefill(PROMPT), reference.prefill(PROMPT))
+    for token in (3, 9, 27):
+        assert_logits_close(session.step(token), reference.step(token))
+    stats = engine.store.stats
+    split = stats.miss_path["split"]
+    assert split["cpu_experts"] > 0 and split["pcie_experts"] > 0  # both paths served misses
+    assert stats.staged_bytes > 0 and stats.cpu_assignments > 0
+    assert split["cpu_rate_gbs"] > 0 and split["pcie_rate_gbs"] > 0
+
+
+def test_q8_records_through_the_cpu_path(tiny_artifact_q8):
+    want = Engine.load(tiny_artifact_q8).logits(PROMPT)
+    assert_logits_close(Engine.load(tiny_artifact_q8, experts="host", miss_path="cpu").logits(PROMPT), want)
+
+
+def test_unknown_miss_path_is_a_one_line_error(tiny_artifact_official):
+    with pytest.raises(NinferError, match="'auto'") as err:
+        Engine.load(tiny_artifact_official, experts="host", miss_path="gpu")
+    assert "\n" not in str(err.value)
+
+
+def test_lossless_records_use_the_host_reference_op(tiny_artifact):
+    """bf16 expert records (the lossless test recipe) have no numba kernel: the torch op runs on the host."""
+    want = Engine.load(tiny_artifact).logits(PROMPT)
+    engine = Engine.load(tiny_artifact, experts="host", miss_path="cpu")
+    assert_logits_close(engine.logits(PROMPT), want)
+    assert engine.store.stats.miss_path["cpu"]["calls"] == engine.config.num_layers
