@@ -68,3 +68,21 @@ def test_lossless_records_use_the_host_reference_op(tiny_artifact):
     engine = Engine.load(tiny_artifact, experts="host", miss_path="cpu")
     assert_logits_close(engine.logits(PROMPT), want)
     assert engine.store.stats.miss_path["cpu"]["calls"] == engine.config.num_layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("miss_path", ["cpu", "auto"])
+def test_mixed_cpu_and_gpu_split_matches_all_gpu(tiny_artifact_official, miss_path):
+    """On CUDA (float32): missing experts computed on the host while the GPU runs the staged ones."""
+    ids = PROMPT * 3
+    want = Engine.load(tiny_artifact_official, device="cuda", dtype="float32").logits(ids)
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", experts="host", num_slots=4, miss_path=miss_path)
+    session, reference = engine.session(), Engine.load(tiny_artifact_official, device="cuda", dtype="float32").session()
+    got = session.prefill(ids)
+    assert torch.allclose(got, want[-1], rtol=1e-3, atol=1e-3 * max(1.0, want.abs().max().item()))
+    reference.prefill(ids)
+    for token in (3, 9, 27, 81):
+        step, expected = session.step(token), reference.step(token)
+        assert torch.allclose(step, expected, rtol=1e-3, atol=1e-3 * max(1.0, expected.abs().max().item()))
+    assert engine.store.stats.cpu_assignments > 0
