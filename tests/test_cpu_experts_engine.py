@@ -86,3 +86,22 @@ def test_mixed_cpu_and_gpu_split_matches_all_gpu(tiny_artifact_official, miss_pa
         step, expected = session.step(token), reference.step(token)
         assert torch.allclose(step, expected, rtol=1e-3, atol=1e-3 * max(1.0, expected.abs().max().item()))
     assert engine.store.stats.cpu_assignments > 0
+
+
+def _generate(artifact, *flags: str):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "ninfer_offload", "generate", str(artifact), "--prompt-ids", "5,17,42,99", "--greedy", "--max-tokens", "4", "--json", *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_cli_miss_path_flag(tiny_artifact_official):
+    import json
+
+    resident = _generate(tiny_artifact_official)
+    on_host = _generate(tiny_artifact_official, "--experts", "host", "--miss-path", "cpu")
+    assert resident.returncode == 0 and on_host.returncode == 0, on_host.stderr[-1000:]
+    assert json.loads(on_host.stdout)["ids"] == json.loads(resident.stdout)["ids"]
+    bad = _generate(tiny_artifact_official, "--experts", "host", "--miss-path", "gpu")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1

@@ -94,6 +94,7 @@ def generate(
     chat_template: Path | None = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     experts: str = typer.Option("resident", "--experts", help="resident (on the device) or host (staged per use)."),
+    miss_path: str = typer.Option("staged", "--miss-path", help="With --experts host: staged (copied to the device), cpu (computed on the host) or auto (both, split by measured rates)."),
     max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -141,7 +142,9 @@ def generate(
         repetition_penalty=repetition_penalty,
     )
     with contextlib.redirect_stdout(sys.stderr):  # the loading progress bar must not mix with the output
-        engine = Engine.load(artifact, device=device, experts=experts, max_context=max_context, progress=not json_out)
+        engine = Engine.load(
+            artifact, device=device, experts=experts, max_context=max_context, miss_path=None if miss_path == "staged" else miss_path, progress=not json_out
+        )
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
 
     if json_out:
