@@ -144,6 +144,12 @@ def test_executor_rejects_device_or_malformed_records():
         executor.close()
 
 
+def test_kernels_release_the_gil_and_run_in_parallel():
+    """The worker thread can only overlap the GPU thread if the compiled code drops the GIL."""
+    assert ce._moe_kernel.targetoptions["nogil"] and ce._moe_kernel.targetoptions["parallel"]
+    assert ce._prepare.targetoptions["nogil"]
+
+
 def test_miss_splitter_balances_by_rates_and_keeps_stats():
     splitter = ce.MissSplitter(cpu_rate=30e9, pcie_rate=60e9)
     assert splitter.cpu_share(9) == 3  # both sides then take the same time
