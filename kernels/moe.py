@@ -17,6 +17,7 @@ down rows and the routing weight. The per-token sum over the k slots is a fixed-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -37,9 +38,11 @@ class Tiles:
 
 
 # Decode / verification (few pairs per expert) and prefill (many). Module-level so benchmarks can sweep them.
-DECODE_TILES = Tiles(16, 32, 64, 4)
+DECODE_TILES = Tiles(16, 16, 32, 4)
 PREFILL_TILES = Tiles(64, 32, 64, 4)
 PREFILL_MIN_PAIRS = 256
+# Up to this many (token, slot) pairs each pair is its own block: no sort, no scatter (decode).
+PAIR_PLAN_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,19 @@ class WorkPlan:
     block_expert: torch.Tensor  # [max_blocks] int64
     block_pairs: torch.Tensor  # [max_blocks, block_m] int64, pair index = token * top_k + slot
     block_m: int
+
+
+@lru_cache(maxsize=64)
+def _one_pair_per_block(pairs: int, block_m: int, device: torch.device) -> torch.Tensor:
+    rows = torch.full((pairs, block_m), -1, dtype=torch.int64, device=device)
+    rows[:, 0] = torch.arange(pairs, device=device)
+    return rows
+
+
+def plan_pairs(topk_ids: torch.Tensor, block_m: int) -> WorkPlan:
+    """Each (token, slot) pair in its own block (few pairs: planning costs one reshape, no sort)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    return WorkPlan(flat, _one_pair_per_block(flat.numel(), block_m, flat.device), block_m)
 
 
 def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPlan:
@@ -181,7 +197,10 @@ def routed_experts(
     x = x.contiguous()
     pairs = t * top_k
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
-    plan = plan_work(topk_ids, table.numel(), tiles.block_m)
+    if pairs <= PAIR_PLAN_MAX:
+        plan = plan_pairs(topk_ids, tiles.block_m)
+    else:
+        plan = plan_work(topk_ids, table.numel(), tiles.block_m)
     blocks = plan.block_expert.numel()
     ieee = x.dtype == torch.float32
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)

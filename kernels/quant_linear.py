@@ -126,7 +126,7 @@ def rowsplit_linear(x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeome
     n_blocks = triton.cdiv(n, block_n)
     k_blocks = g.k_pad // block_k
     m_blocks = triton.cdiv(t, block_m)
-    split = max(1, min(k_blocks, (2 * _sm_count(x.device)) // (n_blocks * m_blocks)))
+    split = max(1, min(k_blocks, (4 * _sm_count(x.device)) // (n_blocks * m_blocks)))
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)
     out = torch.empty((split, t, n) if split > 1 else (t, n), device=x.device, dtype=torch.float32 if split > 1 else x.dtype)
