@@ -81,7 +81,7 @@ class LiveServer:
     def post(self, path: str, body, **kwargs) -> httpx.Response:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
-        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=60, **kwargs)
+        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=kwargs.pop("timeout", 60), **kwargs)
 
     def wait_idle(self, timeout: float = 10.0) -> float:
         """Seconds until no sequence is active or waiting."""
@@ -345,6 +345,13 @@ def test_disconnect_mid_stream_frees_the_slot(scripted, frontend):
     start = time.monotonic()
     response = scripted.client().completions.create(model=MODEL, prompt="Once", max_tokens=4, temperature=0)
     assert response.usage.completion_tokens >= 1 and time.monotonic() - start < 10
+
+
+def test_non_streaming_client_that_gives_up_is_cancelled(scripted, frontend):
+    scripted.engine.scripts.append(frontend.encode(" a") * 3000)
+    with pytest.raises(httpx.ReadTimeout):
+        scripted.post("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 3000, "temperature": 0}, timeout=1.0)
+    assert scripted.wait_idle(5.0) < 5.0  # well before the 3000 tokens it asked for
 
 
 def test_full_queue_answers_429(scripted, frontend):

@@ -11,6 +11,7 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ninfer_offload.runtime.sampling import Sampler
 from ninfer_offload.serve.chat import chat_completion
 from ninfer_offload.serve.completions import completion
 from ninfer_offload.serve.context import ServeContext
@@ -79,10 +80,8 @@ def create_app(
     max_body_bytes: int = 16 * 1024 * 1024,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`; its scheduler thread runs while the app is up."""
-    from ninfer_offload.runtime.sampling import Sampler, SamplingParams
-
     scheduler = Scheduler(engine, Sampler, max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk)
-    ctx = ServeContext(frontend, scheduler, model_name, max_context, SamplingParams)
+    ctx = ServeContext(frontend, scheduler, model_name, max_context)
     created = int(time.time())
 
     @asynccontextmanager

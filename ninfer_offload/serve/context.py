@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ninfer_offload.errors import NinferError
+from ninfer_offload.runtime.sampling import SamplingParams
 from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.generation import TextGeneration
 from ninfer_offload.serve.protocol import SamplingFields
@@ -22,18 +23,17 @@ class ServeContext:
     scheduler: Scheduler
     model_name: str
     max_context: int
-    sampling_type: type  # SamplingParams
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
 
-    def sampling(self, body: SamplingFields) -> Any:
+    def sampling(self, body: SamplingFields) -> SamplingParams:
         """Request values, else the model's generation_config.json defaults, else OpenAI's."""
         defaults = self.frontend.generation_config
         temperature = body.temperature if body.temperature is not None else float(defaults.get("temperature", 1.0))
         top_k = body.top_k if body.top_k is not None else int(defaults.get("top_k", 0))
-        return self.sampling_type(
+        return SamplingParams(
             temperature=temperature,
             top_k=max(top_k, 0),
             top_p=body.top_p if body.top_p is not None else float(defaults.get("top_p", 1.0)),

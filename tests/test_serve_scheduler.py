@@ -1,0 +1,141 @@
+"""The engine thread on the real tiny engine: chunked prefill interleaved with batched decode,
+outputs equal to solo greedy generation, cancellation freeing state, failures isolated, queue limit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ninfer_offload.runtime.engine import Engine
+from ninfer_offload.runtime.generate import generate
+from ninfer_offload.runtime.sampling import Sampler, SamplingParams
+from ninfer_offload.serve.scheduler import GenerationRequest, QueueFullError, Scheduler
+
+GREEDY = SamplingParams(greedy=True)
+
+
+class RecordingSession:
+    def __init__(self, owner: RecordingEngine, inner, tag: int) -> None:
+        self.owner, self.inner, self.tag = owner, inner, tag
+
+    def prefill(self, token_ids):
+        self.owner.calls.append(("prefill", self.tag, len(token_ids)))
+        return self.inner.prefill(token_ids)
+
+    def close(self) -> None:
+        self.owner.open_sessions -= 1
+        self.inner.close()
+
+
+class RecordingEngine:
+    """The real engine; records every forward and counts the sessions not yet closed."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.calls: list[tuple] = []
+        self.open_sessions = 0
+        self.created = 0
+
+    def session(self) -> RecordingSession:
+        self.open_sessions += 1
+        self.created += 1
+        return RecordingSession(self, self.engine.session(), self.created)
+
+    def step_batch(self, sessions, token_ids):
+        self.calls.append(("decode", tuple(s.tag for s in sessions)))
+        return self.engine.step_batch([s.inner for s in sessions], token_ids)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_artifact):
+    return Engine.load(tiny_artifact, device="cpu")
+
+
+async def collect(handle) -> list[int]:
+    return [token async for token in handle.tokens()]
+
+
+def solo(engine, prompt: list[int], max_tokens: int) -> list[int]:
+    return list(generate(engine, prompt, max_tokens, GREEDY))
+
+
+def test_prefill_chunks_interleave_with_decode_and_outputs_match_solo(engine):
+    recording = RecordingEngine(engine)
+    short = [11, 12, 13]
+    long = [(7 * i) % 500 + 5 for i in range(40)]
+
+    async def run() -> tuple[list[int], list[int], int]:
+        scheduler = Scheduler(recording, Sampler, max_concurrency=2, max_queue=4, prefill_chunk=8)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        first = scheduler.submit(GenerationRequest(short, 24, GREEDY), loop)
+        tokens = first.tokens()
+        head = [await anext(tokens)]  # the first sequence is decoding now
+        marker = len(recording.calls)
+        second = scheduler.submit(GenerationRequest(long, 4, GREEDY), loop)
+        rest, other = await asyncio.gather(collect_rest(tokens), collect(second))
+        scheduler.stop()
+        return head + rest, other, marker
+
+    async def collect_rest(tokens) -> list[int]:
+        return [token async for token in tokens]
+
+    first_out, second_out, marker = asyncio.run(run())
+    assert first_out == solo(engine, short, 24)
+    assert second_out == solo(engine, long, 4)
+    calls = recording.calls[marker:]
+    chunks = [i for i, call in enumerate(calls) if call[0] == "prefill" and call[1] == 2]
+    assert [calls[i][2] for i in chunks] == [8, 8, 8, 8, 8]
+    for before, after in zip(chunks, chunks[1:]):  # the first sequence kept decoding between chunks
+        assert any(call[0] == "decode" and 1 in call[1] for call in calls[before:after])
+    assert ("decode", (1, 2)) in calls  # then both decoded in one batched forward
+    assert recording.open_sessions == 0
+
+
+def test_cancel_frees_the_session_and_failures_stay_isolated(engine):
+    recording = RecordingEngine(engine)
+
+    async def run():
+        scheduler = Scheduler(recording, Sampler, max_concurrency=4, max_queue=4)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        long = scheduler.submit(GenerationRequest([5, 6, 7], 10_000, GREEDY), loop)
+        tokens = long.tokens()
+        await anext(tokens)
+        await anext(tokens)
+        bad = scheduler.submit(GenerationRequest([5, 100_000], 3, GREEDY), loop)  # id outside the vocabulary
+        assert await collect(bad) == []
+        long.cancel()
+        leftover = [token async for token in tokens]
+        good = scheduler.submit(GenerationRequest([5, 6, 7], 3, GREEDY), loop)
+        good_out = await collect(good)
+        stats = scheduler.stats()
+        scheduler.stop()
+        return long, leftover, bad, good, good_out, stats
+
+    long, leftover, bad, good, good_out, stats = asyncio.run(run())
+    assert long.finished.reason == "cancelled" and len(leftover) < 10_000
+    assert bad.finished.reason == "error" and "outside the vocabulary" in bad.finished.error
+    assert good.finished.reason == "length" and good_out == solo(engine, [5, 6, 7], 3)
+    assert stats["active"] == 0 and recording.open_sessions == 0
+
+
+def test_queue_limit_and_stop_cancels_waiting(engine):
+    async def run():
+        scheduler = Scheduler(engine, Sampler, max_concurrency=1, max_queue=2)  # not started: nothing is admitted
+        loop = asyncio.get_running_loop()
+        waiting = [scheduler.submit(GenerationRequest([5], 2, GREEDY), loop) for _ in range(2)]
+        with pytest.raises(QueueFullError):
+            scheduler.submit(GenerationRequest([5], 2, GREEDY), loop)
+        assert scheduler.stats()["waiting"] == 2
+        scheduler.start()
+        scheduler.stop()
+        outputs = [await collect(h) for h in waiting]
+        with pytest.raises(QueueFullError, match="shutting down"):
+            scheduler.submit(GenerationRequest([5], 2, GREEDY), loop)
+        return waiting, outputs
+
+    waiting, outputs = asyncio.run(run())
+    assert all(h.finished.reason in ("cancelled", "length") for h in waiting)
+    assert all(len(out) <= 2 for out in outputs)
