@@ -394,6 +394,8 @@ GOOD = {"model": MODEL, "messages": USER, "max_tokens": 2}
         ("/v1/chat/completions", {**GOOD, "n": 2}, 400, "n"),
         ("/v1/chat/completions", {**GOOD, "tool_choice": "required", "tools": [WEATHER_TOOL]}, 400, "tool_choice"),
         ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
+        ("/v1/chat/completions", {**GOOD, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "lighthouse " * 600}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [5, 100000]}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL}, 422, "prompt"),

@@ -36,6 +36,8 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
 
 def _prompt(ctx: ServeContext, body: ChatCompletionRequest) -> str:
     options = dict(body.chat_template_kwargs or {})
+    if {"messages", "tools"} & options.keys():
+        raise APIError(400, "chat_template_kwargs cannot replace messages or tools", param="chat_template_kwargs", code="invalid_value")
     enable_thinking = bool(options.pop("enable_thinking", True))
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
     try:
@@ -44,13 +46,12 @@ def _prompt(ctx: ServeContext, body: ChatCompletionRequest) -> str:
         raise APIError(400, str(exc), param="messages", code="invalid_messages") from None
 
 
-
 async def chat_completion(ctx: ServeContext, body: ChatCompletionRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     body.check_supported()
     prompt = _prompt(ctx, body)
     prompt_ids = ctx.frontend.encode(prompt)
-    max_tokens = ctx.token_budget(len(prompt_ids), body.token_limit())
+    max_tokens = ctx.token_budget(len(prompt_ids), body.token_limit(), "messages")
     thinking = prompt_leaves_thinking_open(prompt)
     tools = [tool.model_dump() for tool in body.tools] if body.uses_tools else None
     generation = ctx.start("chatcmpl", prompt_ids, body, max_tokens)
@@ -87,12 +88,12 @@ async def _complete(ctx: ServeContext, generation: TextGeneration, thinking: boo
 async def _chunks(
     ctx: ServeContext, body: ChatCompletionRequest, generation: TextGeneration, thinking: bool, tools: list[dict] | None
 ) -> AsyncIterator[str]:
-    created = int(time.time())
+    header = {"id": generation.handle.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": ctx.model_name}
     usage_field = {"usage": None} if body.include_usage else {}
 
     def chunk(delta: dict, finish_reason: str | None = None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return sse({"id": generation.handle.id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name, "choices": [choice], **usage_field})
+        return sse({**header, "choices": [choice], **usage_field})
 
     reasoning_stream = ReasoningStream(thinking)
     tool_stream = ToolCallStream(tools) if tools else None
@@ -121,4 +122,4 @@ async def _chunks(
     finish_reason = "tool_calls" if tool_stream is not None and tool_stream.calls else generation.finish_reason
     yield chunk({}, finish_reason)
     if body.include_usage:
-        yield sse({"id": generation.handle.id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name, "choices": [], "usage": generation.usage()})
+        yield sse({**header, "choices": [], "usage": generation.usage()})

@@ -34,7 +34,7 @@ async def completion(ctx: ServeContext, body: CompletionRequest, request: Reques
     ctx.check_model(body.model)
     body.check_supported()
     prompt_ids = _prompt_ids(ctx, body)
-    max_tokens = ctx.token_budget(len(prompt_ids), body.token_limit())
+    max_tokens = ctx.token_budget(len(prompt_ids), body.token_limit(), "prompt")
     generation = ctx.start("cmpl", prompt_ids, body, max_tokens)
     if body.stream:
         return event_stream(_chunks(ctx, body, generation), generation)

@@ -45,10 +45,10 @@ class ServeContext:
             greedy=temperature == 0.0,
         )
 
-    def token_budget(self, prompt_tokens: int, requested: int | None) -> int:
+    def token_budget(self, prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
         """`max_tokens` checked against the context (vLLM's rule); None means all the room left."""
         if prompt_tokens == 0:
-            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+            raise APIError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
         room = self.max_context - prompt_tokens
         if room <= 0 or (requested is not None and requested > room):
             asked = prompt_tokens + (requested or 0)
@@ -57,7 +57,7 @@ class ServeContext:
                 f"This model's maximum context length is {self.max_context} tokens. However, you requested "
                 f"{asked} tokens ({prompt_tokens} in the prompt, {requested or 0} for the completion). "
                 "Please shorten the prompt or lower max_tokens.",
-                param="messages" if room <= 0 else "max_tokens",
+                param=prompt_param if room <= 0 else "max_tokens",
                 code="context_length_exceeded",
             )
         return requested if requested is not None else room
