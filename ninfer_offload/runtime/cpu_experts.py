@@ -39,9 +39,9 @@ from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 # float32 value of every binary16 word (exact, subnormals included).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
-# Rows per parallel work item: each item writes whole cache lines of act/out (no false sharing).
+# Rows per parallel work item: each item writes runs of whole cache lines (little false sharing).
 ACT_ITEM = 32
-OUT_ITEM = 64
+OUT_ITEM = 128
 _GEO_FIELDS = 9  # bits, group, gpr, base_bytes, high_bytes, high_offset, scale_offset, object_offset, n
 
 
@@ -196,37 +196,42 @@ def _row_dot(u8, u32, u16, lut, geo, record_at, row, x):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _moe_kernel(u8, u32, u16, lut, gate_up, down, act_rows, record_at, starts, tokens, weights, x, act, out):
+def _moe_kernel(u8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, tokens, weights, x, hidden_act, act, partial, out):
     """Compute every assignment, grouped by expert (CSR `starts` over `tokens`/`weights`), into out.
 
-    x: [T, H_pad] permuted for gate/up; act: [A, I_pad] zeroed, filled in the down object's lane
-    order (act_rows[p] = intermediate row feeding position p, or -1 for padding); out: [T, H].
-    Gate/up runs in parallel over (expert, block of act positions), down over blocks of output
-    rows, so every element has one writer and items write contiguous runs.
+    x: [T, H_pad] permuted for gate/up; hidden_act: [A, I] scratch (natural order); act: [A, I_pad]
+    zeroed, the same values in the down object's lane order; partial: [A, H] scratch (each
+    assignment's down output); out: [T, H]. Both projections run in parallel over (expert, block
+    of consecutive rows), so reads are sequential and every scratch element has one writer; the
+    lane permutation between them and the weighted sum into out are short serial loops.
     """
     slots = record_at.shape[0]
     inter = gate_up[8] // 2
     hidden = down[8]
-    width = act.shape[1]
-    items = (width + ACT_ITEM - 1) // ACT_ITEM
+    items = (inter + ACT_ITEM - 1) // ACT_ITEM
     for item in prange(slots * items):
         s = item // items
-        p0 = (item % items) * ACT_ITEM
-        for p in range(p0, min(p0 + ACT_ITEM, width)):
-            i = act_rows[p]
-            if i < 0:
-                continue
+        r0 = (item % items) * ACT_ITEM
+        for i in range(r0, min(r0 + ACT_ITEM, inter)):
             for a in range(starts[s], starts[s + 1]):
                 xt = x[tokens[a]]
                 gate = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], i, xt)
                 up = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], inter + i, xt)
-                act[a, p] = gate / (_F32(1.0) + np.exp(-gate)) * up
+                hidden_act[a, i] = gate / (_F32(1.0) + np.exp(-gate)) * up
+    for a in range(act.shape[0]):
+        for i in range(inter):
+            act[a, down_perm[i]] = hidden_act[a, i]
     blocks = (hidden + OUT_ITEM - 1) // OUT_ITEM
-    for blk in prange(blocks):
-        for s in range(slots):
-            for h in range(blk * OUT_ITEM, min((blk + 1) * OUT_ITEM, hidden)):
-                for a in range(starts[s], starts[s + 1]):
-                    out[tokens[a], h] += weights[a] * _row_dot(u8, u32, u16, lut, down, record_at[s], h, act[a])
+    for item in prange(slots * blocks):
+        s = item // blocks
+        h0 = (item % blocks) * OUT_ITEM
+        for h in range(h0, min(h0 + OUT_ITEM, hidden)):
+            for a in range(starts[s], starts[s + 1]):
+                partial[a, h] = _row_dot(u8, u32, u16, lut, down, record_at[s], h, act[a])
+    for a in range(tokens.shape[0]):  # serial: a few thousand adds cost less than a third thread barrier
+        row = out[tokens[a]]
+        for h in range(hidden):
+            row[h] += weights[a] * partial[a, h]
 
 
 # ----------------------------------------------------------------------------- host-side entry
@@ -240,22 +245,19 @@ class RecordKernelPlan:
     gate_up: np.ndarray
     down: np.ndarray
     gate_up_perm: np.ndarray  # natural hidden lane -> permuted position
-    act_rows: np.ndarray  # down lane position -> intermediate row (-1: padding)
+    down_perm: np.ndarray  # natural intermediate lane -> permuted position
 
     @classmethod
     def create(cls, layout: ExpertRecordLayout) -> "RecordKernelPlan":
         gu, dn = layout.gate_up, layout.down
         if gu.n != 2 * dn.k or gu.k != dn.n:
             raise NinferError(f"expert record shapes gate/up {[gu.n, gu.k]} and down {[dn.n, dn.k]} do not agree")
-        down_perm = lane_permutation(dn.fmt.group, dn.k_pad)
-        act_rows = np.full(dn.k_pad, -1, dtype=np.int64)
-        act_rows[down_perm[: dn.k]] = np.arange(dn.k)
         return cls(
             layout,
             geometry_vector(gu, layout.gate_up_offset),
             geometry_vector(dn, layout.down_offset),
             lane_permutation(gu.fmt.group, gu.k_pad),
-            act_rows,
+            lane_permutation(dn.fmt.group, dn.k_pad),
         )
 
 
@@ -267,9 +269,10 @@ def _buffer_views(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 @njit(nogil=True, cache=True)
-def _prepare(ids, weights, selected, record_offsets, record_bytes, buffer_bytes, x, perm, k_pad, act_width):
+def _prepare(ids, weights, selected, record_offsets, record_bytes, buffer_bytes, x, perm, k_pad, inter, act_width):
     """Group the selected assignments by expert (CSR, experts ascending, tokens in order) and lay
-    out the kernel's inputs. Returns (ok, record_at, starts, tokens, weights, x permuted, act);
+    out the kernel's inputs. Returns (ok, record_at, starts, tokens, weights, x permuted, scratch:
+    (act in natural order, act in permuted order, down outputs));
     ok is False when a selected expert has no record inside the buffer."""
     t, k = ids.shape
     num = record_offsets.shape[0]
@@ -313,7 +316,8 @@ def _prepare(ids, weights, selected, record_offsets, record_bytes, buffer_bytes,
     for i in range(t):
         for lane in range(x.shape[1]):
             xp[i, perm[lane]] = x[i, lane]
-    return ok, record_at, starts, tokens, wts, xp, np.zeros((pos, act_width), dtype=np.float32)
+    scratch = np.empty((pos, inter), dtype=np.float32), np.zeros((pos, act_width), dtype=np.float32), np.empty((pos, x.shape[1]), dtype=np.float32)
+    return ok, record_at, starts, tokens, wts, xp, scratch
 
 
 def routed_experts_cpu(
@@ -338,15 +342,15 @@ def routed_experts_cpu(
     ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
     mask = np.ones(ids.shape, dtype=np.bool_) if selected is None else np.ascontiguousarray(selected, dtype=np.bool_)
     u8, u32, u16 = _buffer_views(records)
-    ok, record_at, starts, tokens, weights, xp, act = _prepare(
+    ok, record_at, starts, tokens, weights, xp, scratch = _prepare(
         ids, np.ascontiguousarray(topk_weights, dtype=np.float32), mask, np.ascontiguousarray(record_offsets, dtype=np.int64),
-        plan.layout.nbytes, u8.size, x, plan.gate_up_perm, gu.k_pad, dn.k_pad,
+        plan.layout.nbytes, u8.size, x, plan.gate_up_perm, gu.k_pad, dn.k, dn.k_pad,
     )
     if not ok:
         raise NinferError("a routed expert selected for CPU compute has no host record")
     out = np.zeros((t, hidden), dtype=np.float32)
     if record_at.size:
-        _moe_kernel(u8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.act_rows, record_at, starts, tokens, weights, xp, act, out)
+        _moe_kernel(u8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.down_perm, record_at, starts, tokens, weights, xp, *scratch, out)
     return out
 
 
