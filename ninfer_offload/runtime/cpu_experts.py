@@ -5,8 +5,8 @@ into the layer output. The kernels read the record bytes (`ExpertRecordLayout`: 
 [2I, H] then down object [H, I]) directly: nibbles, high bits and FP16 scales are unpacked in the
 inner loop and multiplied into fp32 accumulators; no dequantized copy of a matrix is ever made.
 One call computes every (token, expert, weight) assignment of a layer, multi-threaded with
-`prange` (gate/up over expert rows, down over output rows, so no two threads write the same
-element).
+`prange` over (expert, block of consecutive rows) for each projection: reads are sequential and
+no two threads write the same element.
 
 Lane order: a Q4/Q5/Q6 base byte holds lanes 2j and 2j+1, so the activations are permuted once
 per call (per 128 lanes: even lanes, then odd lanes) and every inner loop reads them
@@ -42,14 +42,15 @@ F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float3
 # Rows per parallel work item: each item writes runs of whole cache lines (little false sharing).
 ACT_ITEM = 32
 OUT_ITEM = 128
-_GEO_FIELDS = 9  # bits, group, gpr, base_bytes, high_bytes, high_offset, scale_offset, object_offset, n
 
 
 def geometry_vector(geo: RowSplitGeometry, object_offset: int) -> np.ndarray:
-    """The int64 description of one row-split object inside a record that the kernels take."""
+    """The int64 description of one row-split object inside a record that the kernels take:
+    [bits, groups per row, base bytes per group, high bytes per group, high plane offset,
+    scale plane offset, object offset in the record, rows]."""
     f = geo.fmt
     return np.array(
-        [f.bits, f.group, geo.groups_per_row, f.base_bytes, f.high_bytes, geo.high_offset, geo.scale_offset, object_offset, geo.n],
+        [f.bits, geo.groups_per_row, f.base_bytes, f.high_bytes, geo.high_offset, geo.scale_offset, object_offset, geo.n],
         dtype=np.int64,
     )
 
@@ -181,15 +182,15 @@ def _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x):
 @njit(nogil=True, cache=True, fastmath=True)
 def _row_dot(u8, u32, u16, lut, geo, record_at, row, x):
     """dot(row `row` of the object described by geo inside the record at record_at, x)."""
-    bits, gpr = geo[0], geo[2]
-    at = record_at + geo[7]
-    base_at = at + row * gpr * geo[3]
-    scale_at = (at + geo[6]) // 2 + row * gpr
+    bits, gpr = geo[0], geo[1]
+    at = record_at + geo[6]
+    base_at = at + row * gpr * geo[2]
+    scale_at = (at + geo[5]) // 2 + row * gpr
     if bits == 4:
         return _row_dot_q4(u8, u16, lut, base_at, scale_at, gpr, x)
     if bits == 8:
         return _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x)
-    high_at = (at + geo[5] + row * gpr * geo[4]) // 4
+    high_at = (at + geo[4] + row * gpr * geo[3]) // 4
     if bits == 5:
         return _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
     return _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
@@ -206,8 +207,8 @@ def _moe_kernel(u8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, 
     lane permutation between them and the weighted sum into out are short serial loops.
     """
     slots = record_at.shape[0]
-    inter = gate_up[8] // 2
-    hidden = down[8]
+    inter = gate_up[7] // 2
+    hidden = down[7]
     items = (inter + ACT_ITEM - 1) // ACT_ITEM
     for item in prange(slots * items):
         s = item // items
