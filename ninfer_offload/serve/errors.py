@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,8 +44,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|.*[\[\-].*)$")
+
+
 def _field_path(location: tuple) -> str:
-    parts = [str(p) for p in location if p != "body"]
+    """`messages.0.content` from a pydantic location, without "body" and union member tags."""
+    parts = [str(p) for p in location if p != "body" and not (isinstance(p, str) and _TYPE_TAG.match(p))]
     return ".".join(parts)
 
 

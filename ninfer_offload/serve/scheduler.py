@@ -161,11 +161,16 @@ class Scheduler:
                 if self._stopping:
                     break
                 admitted = self._take_admissible()
-            for handle in admitted:
-                self._start(handle)
-            self._drop_cancelled()
-            self._prefill_one()
-            self._decode_all()
+            try:
+                for handle in admitted:
+                    self._start(handle)
+                self._drop_cancelled()
+                self._prefill_one()
+                self._decode_all()
+            except Exception:  # noqa: BLE001 - a failure here must not stop the server
+                log.exception("scheduler iteration failed; ending its sequences")
+                for sequence in list(self._active):
+                    self._finish(sequence, "error", "internal error in the scheduler")
         self._shutdown()
 
     def _take_admissible(self) -> list[RequestHandle]:
@@ -227,7 +232,12 @@ class Scheduler:
 
     def _accept(self, sequence: _Sequence, logits: Any) -> None:
         """Sample the next token from `logits`, hand it out, and decide whether the sequence ends."""
-        token = int(sequence.sampler.sample(logits, sequence.output, sequence.prompt))
+        try:
+            token = int(sequence.sampler.sample(logits, sequence.output, sequence.prompt))
+        except Exception as exc:  # noqa: BLE001
+            log.exception("request %s: sampling failed", sequence.handle.id)
+            self._finish(sequence, "error", str(exc))
+            return
         sequence.output.append(token)
         request, handle = sequence.handle.request, sequence.handle
         if handle.timings.first_token is None:
