@@ -618,10 +618,6 @@ class CpuMissPath:
     def stats(self) -> dict:
         return {"mode": self.mode, "cpu": self.executor.stats(), **({"split": self.splitter.stats()} if self.splitter else {})}
 
-    def close(self) -> None:
-        self.executor.close()
-
-
 def _initial_splitter(default_profile: str) -> MissSplitter:
     from ninfer_offload.profiles import load_profile, stored_profile_path
 
