@@ -125,10 +125,14 @@ def test_queue_limit_and_stop_cancels_waiting(engine):
     async def run():
         scheduler = Scheduler(engine, Sampler, max_concurrency=1, max_queue=2)  # not started: nothing is admitted
         loop = asyncio.get_running_loop()
-        waiting = [scheduler.submit(GenerationRequest([5], 2, GREEDY), loop) for _ in range(2)]
+        waiting = [scheduler.submit(GenerationRequest([5], 2, GREEDY), loop) for _ in range(3)]  # one slot + two queued
         with pytest.raises(QueueFullError):
             scheduler.submit(GenerationRequest([5], 2, GREEDY), loop)
-        assert scheduler.stats()["waiting"] == 2
+        assert scheduler.stats()["waiting"] == 3
+        no_queue = Scheduler(engine, Sampler, max_concurrency=1, max_queue=0)  # only what a free slot takes
+        no_queue.submit(GenerationRequest([5], 2, GREEDY), loop)
+        with pytest.raises(QueueFullError):
+            no_queue.submit(GenerationRequest([5], 2, GREEDY), loop)
         scheduler.start()
         scheduler.stop()
         outputs = [await collect(h) for h in waiting]

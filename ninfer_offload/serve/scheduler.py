@@ -136,11 +136,12 @@ class Scheduler:
             self._thread.join(timeout)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, request_id: str | None = None) -> RequestHandle:
-        """Queue a request; raises QueueFullError beyond `max_queue` waiting requests."""
+        """Queue a request; raises QueueFullError when every slot is taken and `max_queue` requests wait."""
         with self._wake:
             if self._stopping:
                 raise QueueFullError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            free_slots = max(self.max_concurrency - len(self._active), 0)
+            if len(self._waiting) >= self.max_queue + free_slots:
                 raise QueueFullError(f"too many requests waiting ({self.max_queue}); retry later")
             handle = RequestHandle(request_id or f"req-{next(self._ids)}", request, loop)
             self._waiting.append(handle)
