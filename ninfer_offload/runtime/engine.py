@@ -172,7 +172,8 @@ class Engine:
         """Open `path` and load it onto `device` (bf16 on CUDA, fp32 on CPU unless `dtype` says).
 
         experts: "resident" (all routed experts on the device) or "host" (host memory, staged
-        through `num_slots` device slots; `miss_path="cpu"` computes misses on the host instead).
+        through `num_slots` device slots; `miss_path="cpu"` computes misses on the host instead,
+        `miss_path="auto"` splits them between host compute and staging by measured rates).
         max_context: per-sequence capacity (default min(model maximum, 32768)). mtp: also load the
         MTP draft module. backend: "auto" (Triton on CUDA, reference on CPU), "reference", "triton".
         """
