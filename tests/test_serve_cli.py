@@ -54,9 +54,11 @@ class ServeProcess:
 
 
 def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact):
-    server = ServeProcess(str(tiny_artifact), "--served-model-name", "tiny", "--max-context", "1024", "--max-concurrency", "2")
+    args = ["--served-model-name", "tiny", "--max-context", "1024", "--max-concurrency", "2", "--profile", "rtx5090"]
+    server = ServeProcess(str(tiny_artifact), *args)
     try:
         assert server.wait_for(r"loaded .* 6 layers, 8 experts \(top-2\), vocab 512, cpu float32")
+        assert server.wait_for(r"plan on rtx5090: fits; VRAM .* 48/48 experts resident")
         response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert response.status_code == 200
         request_id = response.json()["id"]
