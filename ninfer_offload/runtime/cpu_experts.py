@@ -39,9 +39,10 @@ from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 # float32 value of every binary16 word (exact, subnormals included).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
-# Rows per parallel work item: each item writes runs of whole cache lines (little false sharing).
-ACT_ITEM = 32
-OUT_ITEM = 128
+# Rows per parallel work item: consecutive rows (sequential reads), small enough that one
+# expert splits into many items and 15-16 threads stay balanced.
+ACT_ITEM = 8
+OUT_ITEM = 32
 
 
 def geometry_vector(geo: RowSplitGeometry, object_offset: int) -> np.ndarray:
