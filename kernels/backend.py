@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import torch
 
+from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, router
 from ninfer_offload.kernels.quant_linear import rowsplit_linear
 from ninfer_offload.model.backend import ReferenceBackend, Weight
 from ninfer_offload.model.experts import ExpertBank
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+
+
+# bf16 tensor-core products (tl.dot on bf16) need Ampere (sm_80) or newer; sm_90 and sm_120 are the targets.
+MIN_CAPABILITY = (8, 0)
 
 
 def expert_table(experts: ExpertBank) -> torch.Tensor:
@@ -33,6 +38,13 @@ class TritonBackend(ReferenceBackend):
     name = "triton"
 
     def __init__(self) -> None:
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            if major < MIN_CAPABILITY[0]:
+                raise NinferError(
+                    f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) is not supported by the triton "
+                    f"backend, which needs {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (bf16 tensor cores); use --device cpu or backend='reference'"
+                )
         self.fla = gdn.fla_available()
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:

@@ -149,3 +149,14 @@ def test_gdn_prefill_through_flash_linear_attention():
     dev_state = state.cuda()
     out = _backend().gdn_prefill(*(x.cuda().to(torch.bfloat16) for x in (q, k, v)), g.cuda(), beta.cuda().to(torch.bfloat16), dev_state)
     assert _close(out, ref, tol=3e-2) and _close(dev_state, ref_state, tol=3e-2)
+
+
+def test_unsupported_gpu_is_a_one_line_error(monkeypatch):
+    from ninfer_offload.errors import NinferError
+    from ninfer_offload.kernels.backend import TritonBackend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(NinferError, match=r"Tesla T4 \(compute capability 7.5\) is not supported.*--device cpu"):
+        TritonBackend()
