@@ -180,7 +180,7 @@ def _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x):
     return acc
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _row_dot(u8, u32, u16, lut, geo, record_at, row, x):
     """dot(row `row` of the object described by geo inside the record at record_at, x)."""
     bits, gpr = geo[0], geo[1]
