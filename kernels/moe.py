@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import TileGeometry, block_k_for, load_weight_tile
 from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
@@ -216,7 +217,7 @@ def routed_experts(
         BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
         BLOCK_K=block_k_for(dn.k_pad), IEEE=ieee, num_warps=tiles.warps,
     )
-    return weighted.view(t, top_k, hidden).sum(1).to(x.dtype)
+    return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
 
 
 def record_table(records: torch.Tensor, layout: ExpertRecordLayout) -> torch.Tensor:

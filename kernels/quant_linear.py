@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ninfer_offload.artifact.formats import RowSplitGeometry
+from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import TileGeometry, block_k_for, load_weight_tile
 
 # Token counts up to this use the fused kernel; above it, transient dequantization + cuBLAS.
@@ -135,4 +136,4 @@ def rowsplit_linear(x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeome
         BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32, num_warps=DECODE_WARPS,
     )
-    return out.sum(0).to(x.dtype) if split > 1 else out
+    return sum_middle(out.view(1, split, t * n), x.dtype).view(t, n) if split > 1 else out

@@ -49,3 +49,12 @@ def test_split_k_and_dequantize_paths():
     assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
     one = rowsplit_linear(x[:1].to(DEVICE), data, geometry)  # K = 1024 padded: split across programs
     assert _relative_error(one, x[:1].double() @ weight.double().T) < 1e-5
+
+
+def test_sum_middle_is_a_float32_sum_then_cast():
+    from ninfer_offload.kernels.reduce import sum_middle
+
+    src = torch.randn(3, 5, 1500, generator=torch.Generator().manual_seed(3))
+    out = sum_middle(src.to(DEVICE), torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu().float(), src.sum(1), rtol=8e-3, atol=1e-5)  # one bf16 rounding
