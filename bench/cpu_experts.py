@@ -6,7 +6,8 @@ valid codes. For each thread count it measures, in the same run:
   * host bandwidth: a numba parallel streaming read of the record buffer (GB/s);
   * single expert: one token through one expert per call, cycling through the layer (cold records);
   * layer: one token through 8 distinct experts per call (a decode step's routed work of a layer);
-and reports GB/s of expert records consumed and its fraction of the measured host bandwidth.
+and reports GB/s of expert records consumed (median call) and its fraction of the measured host
+bandwidth (best streaming read).
 
     python bench/cpu_experts.py --label dev        # writes bench/results/cpu_experts_dev.json
 """
@@ -74,18 +75,21 @@ def host_bandwidth(records: np.ndarray, seconds: float) -> float:
 
 
 def expert_throughput(plan, records, offsets, experts_per_call: int, seconds: float, rng) -> tuple[float, float]:
-    """(GB/s of records consumed, ms per call) for one token through `experts_per_call` experts."""
+    """(GB/s of records consumed, ms per call) for one token through `experts_per_call` experts,
+    from the median call (robust to other processes on a shared machine)."""
     x = rng.standard_normal((1, HIDDEN)).astype(np.float32)
     weights = np.full((1, experts_per_call), 1.0 / experts_per_call, dtype=np.float32)
     order = rng.permutation(EXPERTS)
-    calls = 0
     ce.routed_experts_cpu(plan, records, offsets, x, order[None, :experts_per_call], weights)
-    start = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        first = (calls * experts_per_call) % (EXPERTS - experts_per_call)
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        first = (len(times) * experts_per_call) % (EXPERTS - experts_per_call)
+        start = time.perf_counter()
         ce.routed_experts_cpu(plan, records, offsets, x, order[None, first : first + experts_per_call], weights)
-        calls += 1
-    return calls * experts_per_call * plan.layout.nbytes / elapsed / 1e9, 1e3 * elapsed / calls
+        times.append(time.perf_counter() - start)
+    median = float(np.median(times))
+    return experts_per_call * plan.layout.nbytes / median / 1e9, 1e3 * median
 
 
 def small_call_us(rng) -> float:
