@@ -36,7 +36,7 @@ def graphs_apply(engine) -> bool:
 def decode_step(session, token_id: int) -> torch.Tensor:
     """Append one token to `session`: logits [vocab], from the session's captured graph where graphs apply."""
     if not graphs_apply(session.engine):
-        return session.forward([token_id])[0][0]
+        return session.prefill([token_id])
     graph = _GRAPHS.get(session)
     if graph is None or graph.state is not session._live_state():
         graph = _GRAPHS[session] = DecodeGraph(session.engine, session)
