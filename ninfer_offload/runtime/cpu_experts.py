@@ -537,12 +537,13 @@ class CpuExpertExecutor:
 
 
 def _host_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor | None):
-    """float32/int64/bool numpy copies on the host of a call's inputs."""
+    """float32/int64/bool numpy copies on the host of a call's inputs (copies, so the caller may
+    reuse its tensors while the worker runs)."""
     return (
-        x.detach().to("cpu", torch.float32).contiguous().numpy(),
-        topk_ids.detach().to("cpu", torch.int64).numpy(),
-        topk_weights.detach().to("cpu", torch.float32).numpy(),
-        None if selected is None else selected.detach().to("cpu", torch.bool).numpy(),
+        x.detach().to("cpu", torch.float32, copy=True).contiguous().numpy(),
+        topk_ids.detach().to("cpu", torch.int64, copy=True).numpy(),
+        topk_weights.detach().to("cpu", torch.float32, copy=True).numpy(),
+        None if selected is None else selected.detach().to("cpu", torch.bool, copy=True).numpy(),
     )
 
 
