@@ -70,14 +70,14 @@ def bench_moe(tokens: int, down_fmt: str, bandwidth: float) -> dict:
     records = torch.randint(0, 256, (EXPERTS, layout.nbytes), dtype=torch.uint8, device="cuda")
     records[:, : layout.gate_up.encoded_size] = random_object(layout.gate_up, EXPERTS)
     records[:, layout.down_offset : layout.down_offset + layout.down.encoded_size] = random_object(layout.down, EXPERTS)
-    table = moe.record_table(records.view(-1), layout)
+    table = moe.record_table(torch.arange(EXPERTS, device="cuda"), layout.nbytes)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
     w = torch.softmax(torch.randn(tokens, TOP_K, device="cuda"), -1).to(torch.bfloat16)
-    ms = median_ms(lambda: moe.routed_experts(x, ids, w, table, layout), graph=tokens <= 8)
+    ms = median_ms(lambda: moe.routed_experts(x, ids, w, records, table, layout), graph=tokens <= 8)
     distinct = int(torch.unique(ids).numel())
     moved = distinct * (layout.gate_up.encoded_size + layout.down.encoded_size)
-    out = moe.routed_experts(x, ids, w, table, layout)
+    out = moe.routed_experts(x, ids, w, records, table, layout)
     return {"op": "routed_experts", "down_format": down_fmt, "tokens": tokens, "distinct_experts": distinct, "ms": ms,
             "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth,
             "TFLOPs": 2 * tokens * TOP_K * 3 * INTER * HIDDEN / ms / 1e9, "finite": bool(torch.isfinite(out).all())}

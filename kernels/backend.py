@@ -24,12 +24,6 @@ from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 MIN_CAPABILITY = (8, 0)
 
 
-def expert_table(experts: ExpertBank) -> torch.Tensor:
-    """Per-expert record addresses [E] int64 of a bank (computed on the device, no host sync)."""
-    records = experts.records
-    if not records.is_contiguous():
-        raise ValueError("expert records must be one contiguous [slots, nbytes] tensor")
-    return experts.slots * records.shape[1] + records.data_ptr()
 
 
 class TritonBackend(ReferenceBackend):
@@ -65,7 +59,11 @@ class TritonBackend(ReferenceBackend):
     ) -> torch.Tensor:
         if not isinstance(experts.layout, ExpertRecordLayout):
             return super().routed_experts(x, topk_ids, topk_weights, experts)
-        return moe.routed_experts(x, topk_ids, topk_weights, expert_table(experts), experts.layout)
+        records = experts.records
+        if not records.is_contiguous():
+            raise ValueError("expert records must be one contiguous [slots, nbytes] tensor")
+        table = moe.record_table(experts.slots, records.shape[1])
+        return moe.routed_experts(x, topk_ids, topk_weights, records, table, experts.layout)
 
     def conv_update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return gdn.conv_update(x, conv_state, weight)

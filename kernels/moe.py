@@ -3,10 +3,14 @@
 Reference op: `ReferenceBackend.routed_experts(x, topk_ids, topk_weights, experts)`:
 `out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = topk_ids[t, j]`.
 
-Experts are reached through a per-layer int64 address table: `table[e]` is the device address
-of expert e's record (`ExpertRecordLayout`: gate/up object, then the down object at
-`down_offset`). Resident banks, staged cache slots and mapped pinned host records all go
-through the same kernels; only the table differs.
+Experts are reached through a per-layer int64 table: `table[e]` is the byte offset of expert e's
+record (`ExpertRecordLayout`: gate/up object, then the down object at `down_offset`) from an
+`arena` base tensor, a multiple of 256. Resident banks (arena = the bank), staged cache slots
+(arena = the slot pool) and mapped pinned host records (arena = any 256-aligned tensor, offsets
+= address differences in the unified address space) all go through the same kernels; only the
+table differs. Offsets from an aligned base argument, rather than raw addresses, let the
+compiler prove alignment and issue 16-byte pipelined loads (raw int-to-pointer addresses
+compile to one-byte loads).
 
 Work is planned on the device without host syncs (so it can be captured in a CUDA graph): the
 (token, slot) pairs are sorted by expert and cut into blocks of at most BLOCK_M pairs of one
@@ -91,6 +95,7 @@ def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPla
 @triton.jit
 def _gate_up_swiglu_kernel(
     x,
+    arena,
     table,
     block_expert,
     block_pairs,
@@ -112,7 +117,7 @@ def _gate_up_swiglu_kernel(
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
     if e >= 0:
-        record = tl.load(table + e).to(tl.pointer_type(tl.uint8))
+        record = arena + tl.multiple_of(tl.load(table + e), 256)
         pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_mask = pairs >= 0
         toks = tl.where(pair_mask, pairs // TOP_K, 0)
@@ -140,6 +145,7 @@ def _gate_up_swiglu_kernel(
 @triton.jit
 def _down_kernel(
     act,
+    arena,
     table,
     block_expert,
     block_pairs,
@@ -161,7 +167,7 @@ def _down_kernel(
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
     if e >= 0:
-        down = tl.load(table + e).to(tl.pointer_type(tl.uint8)) + down_offset
+        down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
         pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_mask = pairs >= 0
         safe_pairs = tl.where(pair_mask, pairs, 0)
@@ -185,10 +191,12 @@ def routed_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    arena: torch.Tensor,
     table: torch.Tensor,
     layout: ExpertRecordLayout,
 ) -> torch.Tensor:
-    """Routed-experts output [T, H] in x's dtype; `table` [E] int64 holds each expert's record address."""
+    """Routed-experts output [T, H] in x's dtype; expert e's record starts `table[e]` bytes (int64, a
+    multiple of 256) after the start of the uint8 tensor `arena`."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     gu, dn = TileGeometry.of(layout.gate_up), TileGeometry.of(layout.down)
@@ -206,13 +214,13 @@ def routed_experts(
     ieee = x.dtype == torch.float32
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
-        x, table, plan.block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
+        x, arena, table, plan.block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
         TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n,
         BLOCK_K=block_k_for(gu.k_pad), IEEE=ieee, num_warps=tiles.warps,
     )
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
-        act, table, plan.block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
+        act, arena, table, plan.block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
         layout.down_offset, dn.high_offset, dn.scale_offset,
         BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
         BLOCK_K=block_k_for(dn.k_pad), IEEE=ieee, num_warps=tiles.warps,
@@ -220,8 +228,8 @@ def routed_experts(
     return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
 
 
-def record_table(records: torch.Tensor, layout: ExpertRecordLayout) -> torch.Tensor:
-    """Address table [E] of records packed back to back in one uint8 tensor [E * layout.nbytes]."""
-    count = records.numel() // layout.nbytes
-    base = records.data_ptr()
-    return torch.tensor([base + e * layout.nbytes for e in range(count)], dtype=torch.int64, device=records.device)
+def record_table(slots: torch.Tensor, stride: int) -> torch.Tensor:
+    """Offset table [E] of experts held in rows `slots[e]` of an arena of `stride`-byte rows."""
+    if stride % 256:
+        raise ValueError(f"record rows must be a multiple of 256 bytes, got {stride}")
+    return slots.to(torch.int64) * stride
