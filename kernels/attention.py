@@ -82,22 +82,21 @@ def _decode_partial_kernel(
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int | torch.Tensor) -> torch.Tensor:
     """One token q [1, Hq, D] over the first `length` rows of k_cache/v_cache [capacity, Hkv, D] -> [1, Hq, D].
 
-    `length` is an int or a one-element int32 device tensor (then every span of the capacity is
-    launched and spans past the end do nothing, which keeps the launch shape fixed).
+    `length` is an int or a one-element int32 device tensor. Every span of the capacity is
+    launched and spans past the end do nothing: the launch shape is fixed (graph capture) and an
+    int length gives bit-identical results to the same length as a tensor.
     """
     _, hq, d = q.shape
     capacity, hkv, _ = k_cache.shape
-    if isinstance(length, torch.Tensor):
-        length_t, rows = length, capacity
-    else:
-        length_t, rows = torch.tensor([length], dtype=torch.int32, device=q.device), length
-    nsplit = max(1, triton.cdiv(rows, SPAN))
+    if not isinstance(length, torch.Tensor):
+        length = torch.tensor([length], dtype=torch.int32, device=q.device)
+    nsplit = max(1, triton.cdiv(capacity, SPAN))
     group = hq // hkv
     part_out = torch.empty(hq, nsplit, d, dtype=torch.float32, device=q.device)
     part_max = torch.empty(hq, nsplit, dtype=torch.float32, device=q.device)
     part_sum = torch.empty(hq, nsplit, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(hkv, nsplit)](
-        q.contiguous(), k_cache, v_cache, length_t, part_out, part_max, part_sum, d**-0.5, k_cache.stride(0),
+        q.contiguous(), k_cache, v_cache, length, part_out, part_max, part_sum, d**-0.5, k_cache.stride(0),
         HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d), GROUP_PAD=max(16, triton.next_power_of_2(group)), SPAN_SIZE=SPAN, BLOCK_S=64,
         IEEE=q.dtype == torch.float32,
     )
