@@ -99,7 +99,8 @@ def test_delta_rule_chunked_equals_recurrent_and_transformers():
     q, k, v, g, beta, s0 = _gdn_inputs(150)
     modeling = tiny_hf.oracle_module()
     ref_out, ref_state = modeling.torch_recurrent_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None], output_final_state=True, use_qk_l2norm_in_kernel=True
+        q[None], k[None], v[None], g[None], beta[None],
+        initial_state=s0[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
     chunked_state, recurrent_state = s0.clone(), s0.clone()
     chunked = backend.gdn_prefill(q, k, v, g, beta, chunked_state)

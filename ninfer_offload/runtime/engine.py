@@ -129,7 +129,8 @@ class Session:
         if len(ids) != hidden.shape[0] or state.length + len(ids) > state.capacity:
             raise NinferError(f"MTP needs one next token per hidden state within the context limit {state.capacity}")
         with torch.no_grad():
-            out = engine.mtp(engine.backend, engine.text, hidden.to(engine.dtype), ids, [Segment(state, state.length, 0, len(ids))])
+            segments = [Segment(state, state.length, 0, len(ids))]
+            out = engine.mtp(engine.backend, engine.text, hidden.to(engine.dtype), ids, segments)
             logits = engine.text.logits(engine.backend, out)
         state.length += len(ids)
         return logits, out
