@@ -7,32 +7,15 @@ import sys
 import pytest
 
 import ninfer_offload
-from ninfer_offload.artifact.writer import ArtifactWriter
+from ninfer_offload.artifact.writer import write_directory
 from ninfer_offload.model.contract import official_directory
 
 
 @pytest.fixture(scope="module")
 def official(tmp_path_factory):
     root = official_directory()
-    w = ArtifactWriter(tmp_path_factory.mktemp("official") / "qwen3_6_35b_a3b.ninfer", metadata=root["metadata"], provenance=root["provenance"])
-    roles = {}
-    for cid, comp in root["components"].items():
-        w.add_component(cid, comp["config"], target=comp.get("target"), proposal=comp.get("proposal"))
-        roles.update({oid: (cid, role) for role, oid in comp.get("resources", {}).items()})
-    for obj in root["objects"]:
-        if obj["kind"] == "resource":
-            cid, role = roles[obj["id"]]
-            w.add_resource(obj["id"], bytes(obj["bytes"]), component=cid, role=role)
-        else:
-            w.add_tensor(obj["id"], obj["shape"], obj["format"], obj["layout"], None)  # a hole: no payload written
-    for name, binding in root["bindings"].items():
-        if "object" in binding:
-            w.bind(name, binding["object"])
-        else:
-            w.bind_parts(name, [(p["object"], *p["range"]) for p in binding["parts"]])
-    for use in root["uses"]:
-        w.use(use["parameter"], use["input"], use["activation_policy"])
-    return w.write(), root
+    path = write_directory(root, tmp_path_factory.mktemp("official") / "qwen3_6_35b_a3b.ninfer")  # tensors are holes
+    return path, root
 
 
 def test_full_size_file_matches_the_model_card(official):

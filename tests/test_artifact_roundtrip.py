@@ -17,7 +17,7 @@ from ninfer_offload.artifact.codecs import decode_row_split, decode_row_split_va
 from ninfer_offload.artifact.formats import GROUPED_FORMATS, align_up, encoded_size
 from ninfer_offload.artifact.framing import part_file_name, split_payload
 from ninfer_offload.artifact.inventory import Inventory
-from ninfer_offload.artifact.writer import ArtifactWriter
+from ninfer_offload.artifact.writer import ArtifactWriter, write_directory
 
 CONTIG = "contiguous_le_v1"
 ROWS = "row_split_k128_v1"
@@ -90,6 +90,24 @@ def test_single_file_round_trip(tmp_path):
             ("text/bank", "AllowA8"),
         ]
         _check_values(art, data)
+
+
+def test_directory_replay_reproduces_the_file(tmp_path):
+    path, data = _small_artifact(tmp_path / "a.ninfer", max_file_bytes=3 * 4096)
+    (tmp_path / "copy").mkdir()
+    with ninfer_offload.open_artifact(path) as art:
+        replayed = write_directory(
+            art.directory,
+            tmp_path / "copy" / "a.ninfer",
+            tensor_source=lambda obj: lambda: art.payload(obj["id"]).copy(),
+            resource_bytes={"tokenizer.json": art.resource("tokenizer.json")},
+            max_file_bytes=3 * 4096,
+        )
+    with ninfer_offload.open_artifact(replayed) as copy:
+        assert copy.directory == art.directory
+        assert copy.resource("tokenizer.json") == b'{"tok": "\xc3\xa9"}'
+        assert copy.resource("chat_template.jinja") == bytes(7)  # not given: zeros of the recorded size
+        _check_values(copy, data)
 
 
 def _check_values(art, data):

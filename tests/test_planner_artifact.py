@@ -7,39 +7,16 @@ import pytest
 
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.reader import open_artifact
-from ninfer_offload.artifact.writer import ArtifactWriter
+from ninfer_offload.artifact.writer import write_directory
 from ninfer_offload.model.contract import official_directory
 from ninfer_offload.planner import PlanOptions, plan
 from ninfer_offload.profiles import load_profile
 
 
-def write_sparse(root: dict, path) -> None:
-    """Replay a JSON root through ArtifactWriter with holes for every tensor payload."""
-    writer = ArtifactWriter(path, metadata=root.get("metadata"), provenance=root.get("provenance"))
-    for cid, comp in root["components"].items():
-        writer.add_component(cid, comp["config"], target=comp.get("target"), proposal=comp.get("proposal"))
-    roles = {oid: (cid, role) for cid, comp in root["components"].items() for role, oid in comp.get("resources", {}).items()}
-    for obj in root["objects"]:
-        if obj["kind"] == "resource":
-            cid, role = roles[obj["id"]]
-            writer.add_resource(obj["id"], b" " * obj["bytes"], component=cid, role=role)
-        else:
-            writer.add_tensor(obj["id"], obj["shape"], obj["format"], obj["layout"], None)
-    for name, binding in root["bindings"].items():
-        if "object" in binding:
-            writer.bind(name, binding["object"])
-        else:
-            writer.bind_parts(name, [(p["object"], *p["range"]) for p in binding["parts"]])
-    for use in root["uses"]:
-        writer.use(use["parameter"], use["input"], use["activation_policy"])
-    writer.write()
-
-
 @pytest.fixture(scope="module")
 def official_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("official") / "qwen3_6_35b_a3b.ninfer"
-    write_sparse(official_directory(), path)
-    return path
+    return write_directory(official_directory(), path)  # tensors are holes
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +189,42 @@ class ArtifactWriter:
                 raise ArtifactError(f"cannot write {str(self.path)!r}: {err.strerror or err}") from None
             raise
         return self.path
+
+
+def write_directory(
+    root: dict,
+    path,
+    tensor_source: Callable[[dict], Source | None] | None = None,
+    resource_bytes: Mapping[str, bytes] | None = None,
+    max_file_bytes: int | None = None,
+) -> Path:
+    """Write the artifact a parsed JSON directory root describes (components, objects, bindings, uses).
+
+    `tensor_source(object_record)` gives each tensor's source (None: a hole); without it every
+    tensor is a hole. Resources take their bytes from `resource_bytes[role]`, else zeros of the
+    size the directory records. Offsets are recomputed by the writer.
+    """
+    writer = ArtifactWriter(path, max_file_bytes, metadata=root.get("metadata"), provenance=root.get("provenance"))
+    roles: dict[str, tuple[str, str]] = {}
+    for cid, component in root["components"].items():
+        writer.add_component(cid, component["config"], target=component.get("target"), proposal=component.get("proposal"))
+        roles.update({oid: (cid, role) for role, oid in component.get("resources", {}).items()})
+    resource_bytes = resource_bytes or {}
+    for obj in root["objects"]:
+        if obj["kind"] == "resource":
+            cid, role = roles[obj["id"]]
+            writer.add_resource(obj["id"], resource_bytes.get(role, bytes(obj["bytes"])), component=cid, role=role)
+        else:
+            source = tensor_source(obj) if tensor_source is not None else None
+            writer.add_tensor(obj["id"], obj["shape"], obj["format"], obj["layout"], source)
+    for name, binding in root["bindings"].items():
+        if "object" in binding:
+            writer.bind(name, binding["object"])
+        else:
+            writer.bind_parts(name, [(p["object"], *p["range"]) for p in binding["parts"]])
+    for use in root["uses"]:
+        writer.use(use["parameter"], use["input"], use["activation_policy"])
+    return writer.write()
 
 
 class _PayloadSink:
