@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.runtime.sampling import Sampler, SamplingParams, apply_penalties
+from ninfer_offload.runtime.sampling import Sampler, SamplingParams, apply_penalties, sampling_from_config
 
 # probabilities 0.5, 0.3, 0.15, 0.05
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
@@ -137,3 +137,26 @@ def test_draw_frequencies_follow_the_distribution():
 def test_invalid_params_are_clear_errors(params, message):
     with pytest.raises(NinferError, match=message):
         SamplingParams(**params)
+
+
+QWEN_CONFIG = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1, 2]}
+
+
+def test_config_values_fill_what_is_not_given():
+    params = sampling_from_config(QWEN_CONFIG, temperature=None, top_p=0.5, seed=3)
+    assert params == SamplingParams(temperature=0.6, top_k=20, top_p=0.5, seed=3)
+    assert sampling_from_config({}) == SamplingParams()
+
+
+def test_do_sample_false_means_greedy_unless_a_temperature_is_given():
+    config = {**QWEN_CONFIG, "do_sample": False}
+    assert sampling_from_config(config).is_greedy
+    assert sampling_from_config(config, top_k=5).is_greedy
+    assert not sampling_from_config(config, temperature=0.8).is_greedy
+    assert not sampling_from_config(QWEN_CONFIG).is_greedy
+    assert sampling_from_config(QWEN_CONFIG, greedy=True).is_greedy
+
+
+def test_config_value_of_the_wrong_type():
+    with pytest.raises(NinferError, match="generation_config.json holds a sampling value of the wrong type"):
+        sampling_from_config({"top_k": "many"})

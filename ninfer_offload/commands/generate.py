@@ -3,7 +3,8 @@
 Streams the generated text to stdout as it is produced (statistics go to stderr), or with
 `--json` prints one JSON object: prompt and generated ids, text, finish reason, timings.
 Sampling options left unset take the model's generation_config.json values (as transformers
-does), then the neutral defaults; `--greedy` (or `--temperature 0`) takes the argmax.
+does, `do_sample: false` meaning greedy), then the neutral defaults; `--greedy` (or
+`--temperature 0`) takes the argmax.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -47,22 +47,6 @@ def _read_messages(path: Path) -> tuple[list[dict], list[dict] | None]:
     if isinstance(data, dict):
         return data.get("messages"), data.get("tools")
     return data, None
-
-
-_DEFAULTED = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
-
-
-def _sampling(defaults: dict, **given: Any):
-    """SamplingParams from the options given, else generation_config.json's values, else the
-    SamplingParams defaults."""
-    from ninfer_offload.runtime.sampling import SamplingParams
-
-    try:
-        values = {name: kind(defaults[name]) for name, kind in _DEFAULTED.items() if defaults.get(name) is not None}
-    except (TypeError, ValueError):
-        raise NinferError("generation_config.json holds a sampling value of the wrong type") from None
-    values.update({name: value for name, value in given.items() if value is not None})
-    return SamplingParams(**values)
 
 
 def _summary(result) -> str:
@@ -118,6 +102,7 @@ def generate(
     from ninfer_offload.frontend import Frontend
     from ninfer_offload.runtime.engine import Engine
     from ninfer_offload.runtime.generate import Generation
+    from ninfer_offload.runtime.sampling import sampling_from_config
 
     with open_artifact(artifact) as opened:
         frontend = Frontend.from_artifact(opened, chat_template=template)
@@ -129,7 +114,7 @@ def generate(
             ids = frontend.encode(frontend.render(chat, tools=tools, enable_thinking=not no_thinking))
     if max_context is not None and len(ids) > max_context:
         raise NinferError(f"the prompt has {len(ids)} tokens, more than the context limit of {max_context}; raise --max-context")
-    sampling = _sampling(
+    sampling = sampling_from_config(
         frontend.generation_config,
         greedy=greedy,
         seed=seed,

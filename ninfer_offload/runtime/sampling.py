@@ -14,8 +14,9 @@ Definitions:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,6 +54,22 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
+
+
+_CONFIG_DEFAULTS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
+
+
+def sampling_from_config(generation_config: Mapping[str, Any], greedy: bool = False, **given: Any) -> SamplingParams:
+    """SamplingParams from the values `given` (None = unset), else the model's generation_config.json
+    values, else the SamplingParams defaults. `do_sample: false` there means greedy unless a
+    temperature is given."""
+    try:
+        values = {name: kind(generation_config[name]) for name, kind in _CONFIG_DEFAULTS.items() if generation_config.get(name) is not None}
+    except (TypeError, ValueError):
+        raise NinferError("generation_config.json holds a sampling value of the wrong type") from None
+    values.update({name: value for name, value in given.items() if value is not None})
+    greedy = greedy or (generation_config.get("do_sample") is False and given.get("temperature") is None)
+    return SamplingParams(**values, greedy=greedy)
 
 
 def apply_penalties(

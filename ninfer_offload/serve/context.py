@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.runtime.sampling import SamplingParams
+from ninfer_offload.runtime.sampling import SamplingParams, sampling_from_config
 from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.generation import TextGeneration
 from ninfer_offload.serve.protocol import SamplingFields
@@ -30,19 +30,16 @@ class ServeContext:
 
     def sampling(self, body: SamplingFields) -> SamplingParams:
         """Request values, else the model's generation_config.json defaults, else OpenAI's."""
-        defaults = self.frontend.generation_config
-        temperature = body.temperature if body.temperature is not None else float(defaults.get("temperature", 1.0))
-        top_k = body.top_k if body.top_k is not None else int(defaults.get("top_k", 0))
-        return SamplingParams(
-            temperature=temperature,
-            top_k=max(top_k, 0),
-            top_p=body.top_p if body.top_p is not None else float(defaults.get("top_p", 1.0)),
-            min_p=body.min_p if body.min_p is not None else float(defaults.get("min_p", 0.0)),
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else float(defaults.get("repetition_penalty", 1.0)),
+        return sampling_from_config(
+            self.frontend.generation_config,
+            temperature=body.temperature,
+            top_k=None if body.top_k is None else max(body.top_k, 0),  # -1 (vLLM) disables top-k
+            top_p=body.top_p,
+            min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
             seed=body.seed,
-            greedy=temperature == 0.0,
         )
 
     def token_budget(self, prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
