@@ -9,7 +9,6 @@ does, `do_sample: false` meaning greedy), then the neutral defaults; `--greedy` 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -126,10 +125,9 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
     )
-    with contextlib.redirect_stdout(sys.stderr):  # the loading progress bar must not mix with the output
-        engine = Engine.load(
-            artifact, device=device, experts=experts, max_context=max_context, miss_path=None if miss_path == "staged" else miss_path, progress=not json_out
-        )
+    engine = Engine.load(
+        artifact, device=device, experts=experts, max_context=max_context, miss_path=None if miss_path == "staged" else miss_path, progress=not json_out
+    )
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
 
     if json_out:

@@ -95,9 +95,10 @@ def load_model(
     pinned = experts == "host" and device.type == "cuda"
     steps = range(len(prefixes))
     if progress:
+        from rich.console import Console
         from rich.progress import track
 
-        steps = track(steps, description="loading experts", transient=True)
+        steps = track(steps, description="loading experts", transient=True, console=Console(stderr=True))
     packed = []
     for i in steps:  # resident records go to the device layer by layer, bounding host memory
         layout, records = pack_records(artifact, prefixes[i], config, pinned)
