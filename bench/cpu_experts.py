@@ -28,7 +28,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ninfer_offload.runtime import cpu_experts as ce
+from ninfer_offload.runtime import cpu_expert_kernels as ce
 from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8

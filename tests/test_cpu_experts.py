@@ -11,6 +11,7 @@ import torch
 
 from ninfer_offload.artifact.codecs import encode_row_split
 from ninfer_offload.errors import NinferError
+from ninfer_offload.runtime import cpu_expert_kernels as ck
 from ninfer_offload.runtime import cpu_experts as ce
 from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
@@ -52,17 +53,17 @@ def assert_close(got, want):
 def test_kernel_matches_reference_all_formats(gate_up_fmt, down_fmt):
     layout, records, offsets = make_records(gate_up_fmt, down_fmt)
     x, ids, weights = routing(tokens=3, k=2, seed=1)
-    plan = ce.RecordKernelPlan.create(layout)
-    got = ce.routed_experts_cpu(plan, records, offsets, x, ids, weights)
-    assert_close(got, ce.reference_routed(layout, records, offsets, x, ids, weights))
+    plan = ck.RecordKernelPlan.create(layout)
+    got = ck.routed_experts_cpu(plan, records, offsets, x, ids, weights)
+    assert_close(got, ck.reference_routed(layout, records, offsets, x, ids, weights))
 
 
 @pytest.mark.parametrize("tokens", range(1, 9))
 def test_kernel_matches_reference_for_1_to_8_tokens(tokens):
     layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
     x, ids, weights = routing(tokens, k=3, seed=tokens)
-    got = ce.routed_experts_cpu(ce.RecordKernelPlan.create(layout), records, offsets, x, ids, weights)
-    assert_close(got, ce.reference_routed(layout, records, offsets, x, ids, weights))
+    got = ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), records, offsets, x, ids, weights)
+    assert_close(got, ck.reference_routed(layout, records, offsets, x, ids, weights))
 
 
 def test_repeated_experts_and_shared_tokens():
@@ -70,8 +71,8 @@ def test_repeated_experts_and_shared_tokens():
     layout, records, offsets = make_records("q6_g64_fp16", "q8_g32_fp16")
     x, _, weights = routing(tokens=5, k=3, seed=7)
     ids = np.array([[2, 4, 2], [2, 0, 1], [4, 2, 5], [2, 3, 4], [1, 2, 0]])
-    got = ce.routed_experts_cpu(ce.RecordKernelPlan.create(layout), records, offsets, x, ids, weights)
-    assert_close(got, ce.reference_routed(layout, records, offsets, x, ids, weights))
+    got = ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), records, offsets, x, ids, weights)
+    assert_close(got, ck.reference_routed(layout, records, offsets, x, ids, weights))
 
 
 def test_reference_expert_is_the_dequantized_matrix_math():
@@ -85,30 +86,30 @@ def test_reference_expert_is_the_dequantized_matrix_math():
     w_dn = decode_row_split_values(rec[layout.down_offset : layout.down_offset + layout.down.encoded_size], "q4_g64_fp16", HIDDEN, INTER)
     h = w_gu.astype(np.float64) @ x[0].astype(np.float64)
     act = h[:INTER] / (1 + np.exp(-h[:INTER])) * h[INTER:]
-    np.testing.assert_allclose(ce.reference_expert(layout, rec, x)[0], w_dn @ act, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ck.reference_expert(layout, rec, x)[0], w_dn @ act, rtol=1e-4, atol=1e-5)
 
 
 def test_selected_assignments_only():
     layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
     x, ids, weights = routing(tokens=4, k=3, seed=11)
     selected = np.random.default_rng(0).random(ids.shape) < 0.5
-    got = ce.routed_experts_cpu(ce.RecordKernelPlan.create(layout), records, offsets, x, ids, weights, selected)
+    got = ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), records, offsets, x, ids, weights, selected)
     masked = np.where(selected, weights, 0).astype(np.float32)
-    assert_close(got, ce.reference_routed(layout, records, offsets, x, ids, masked))
-    none = ce.routed_experts_cpu(ce.RecordKernelPlan.create(layout), records, offsets, x, ids, weights, np.zeros_like(selected))
+    assert_close(got, ck.reference_routed(layout, records, offsets, x, ids, masked))
+    none = ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), records, offsets, x, ids, weights, np.zeros_like(selected))
     assert not none.any()
 
 
 def test_bad_inputs_give_one_line_errors():
     layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
-    plan = ce.RecordKernelPlan.create(layout)
+    plan = ck.RecordKernelPlan.create(layout)
     x, ids, weights = routing(tokens=2, k=2, seed=5)
     with pytest.raises(NinferError, match="width"):
-        ce.routed_experts_cpu(plan, records, offsets, x[:, :100], ids, weights)
+        ck.routed_experts_cpu(plan, records, offsets, x[:, :100], ids, weights)
     missing = offsets.copy()
     missing[ids[0, 0]] = -1
     with pytest.raises(NinferError, match="no host record"):
-        ce.routed_experts_cpu(plan, records, missing, x, ids, weights)
+        ck.routed_experts_cpu(plan, records, missing, x, ids, weights)
 
 
 def test_executor_runs_torch_inputs_in_a_worker_and_feeds_the_splitter():
@@ -128,7 +129,7 @@ def test_executor_runs_torch_inputs_in_a_worker_and_feeds_the_splitter():
         executor.close()
     masked = np.where(selected.numpy(), weights, 0).astype(np.float32)
     assert got.dtype == torch.float32 and got.shape == (2, HIDDEN)
-    assert_close(got.numpy(), ce.reference_routed(layout, records, offsets, x, ids, masked))
+    assert_close(got.numpy(), ck.reference_routed(layout, records, offsets, x, ids, masked))
     assert executor.calls == 1 and executor.stats()["gbs"] > 0
     assert splitter.cpu_rate < 1e15  # the measured call pulled the optimistic start down
 
@@ -146,8 +147,8 @@ def test_executor_rejects_device_or_malformed_records():
 
 def test_kernels_release_the_gil_and_run_in_parallel():
     """The worker thread can only overlap the GPU thread if the compiled code drops the GIL."""
-    assert ce._moe_kernel.targetoptions["nogil"] and ce._moe_kernel.targetoptions["parallel"]
-    assert ce._prepare.targetoptions["nogil"]
+    assert ck._moe_kernel.targetoptions["nogil"] and ck._moe_kernel.targetoptions["parallel"]
+    assert ck._prepare.targetoptions["nogil"]
 
 
 def test_miss_splitter_balances_by_rates_and_keeps_stats():
@@ -184,12 +185,13 @@ def test_miss_splitter_starts_from_the_profile():
 _STARTUP_PROBE = """
 import torch
 import numba.np.ufunc.parallel as parallel
+from ninfer_offload.runtime import cpu_expert_kernels as ck
 from ninfer_offload.runtime import cpu_experts as ce
 from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 assert not parallel._is_initialized
 executor = ce.CpuExpertExecutor()
 assert parallel._is_initialized, "thread pool not started by the executor"
-compiled = len(ce._moe_kernel.signatures)
+compiled = len(ck._moe_kernel.signatures)
 for fmt in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"):
     layout = ExpertRecordLayout.create(fmt, "q5_g64_fp16", 128, 64)
     records = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
@@ -198,7 +200,7 @@ for fmt in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"):
         executor.submit(layout, records, torch.ones(t, 128), ids, torch.ones(t, 2)).result()
 ce.CpuExpertExecutor().close()
 executor.close()
-assert len(ce._moe_kernel.signatures) == compiled == 1, ce._moe_kernel.signatures
+assert len(ck._moe_kernel.signatures) == compiled == 1, ck._moe_kernel.signatures
 print("ok", compiled)
 """
 

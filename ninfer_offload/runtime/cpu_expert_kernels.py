@@ -1,0 +1,395 @@
+"""Routed experts computed on the host: numba kernels that read the stored row-split records.
+
+A routed expert is `y = W_down (silu(W_gate x) * W_up x)` weighted by its router weight and added
+into the layer output. The kernels read the record bytes (`ExpertRecordLayout`: gate/up object
+[2I, H] then down object [H, I]) directly: nibbles, high bits and FP16 scales are unpacked in the
+inner loop and multiplied into fp32 accumulators; no dequantized copy of a matrix is ever made.
+One call computes every (token, expert, weight) assignment of a layer, multi-threaded with
+`prange` over (expert, block of consecutive rows) for each projection: reads are sequential and
+no two threads write the same element.
+
+Lane order: a Q4/Q5/Q6 base byte holds lanes 2j and 2j+1, so the activations are permuted once
+per call (per 128 lanes: even lanes, then odd lanes) and every inner loop reads them
+contiguously; a 128-lane block is one loop with per-lane scale selection, so the horizontal sum
+is paid once per 128 weights. Both make LLVM vectorise the unpacking.
+
+`routed_experts_cpu` is the entry point; `reference_routed` is the oracle it must match (codecs
+decode + numpy).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from ninfer_offload.artifact.codecs import decode_row_split_values
+from ninfer_offload.artifact.formats import RowSplitGeometry
+from ninfer_offload.errors import NinferError
+from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+
+# float32 value of every binary16 word (exact, subnormals included).
+F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+# Rows per parallel work item: consecutive rows (sequential reads), small enough that one
+# expert splits into many items and 15-16 threads stay balanced.
+ACT_ITEM = 8
+OUT_ITEM = 32
+
+
+def geometry_vector(geo: RowSplitGeometry, object_offset: int) -> np.ndarray:
+    """The int64 description of one row-split object inside a record that the kernels take:
+    [bits, groups per row, base bytes per group, high bytes per group, high plane offset,
+    scale plane offset, object offset in the record, rows]."""
+    f = geo.fmt
+    return np.array(
+        [f.bits, geo.groups_per_row, f.base_bytes, f.high_bytes, geo.high_offset, geo.scale_offset, object_offset, geo.n],
+        dtype=np.int64,
+    )
+
+
+def lane_permutation(group: int, k_pad: int) -> np.ndarray:
+    """Index array p with permuted[p[i]] = natural[i], per 128-lane block.
+
+    Q4/Q5/Q6 (two 64-lane groups per block): [even lanes of group 0 | even lanes of group 1 |
+    odd lanes of group 0 | odd lanes of group 1], so base byte j of the block feeds positions j
+    and 64 + j. Q8 (one byte per lane): natural order.
+    """
+    i = np.arange(k_pad, dtype=np.int64)
+    if group == 32:
+        return i
+    block, within = i - i % 128, i % 128
+    return block + 64 * (within % 2) + 32 * (within // 64) + (within % 64) // 2
+
+
+# ----------------------------------------------------------------------------- numba kernels
+
+
+# Each row-dot decodes one stored row group by group and dots it with x (permuted lane order) in
+# fp32. numba widens int32 arithmetic to int64, which stops LLVM from vectorising the unpacking,
+# so a lane's code is built by one 32-bit intrinsic.
+_I32 = np.int32
+_F32 = np.float32
+
+
+@intrinsic
+def _code(typingctx, byte, nibble_shift, word, high_shift, high_mask, bits):
+    """Signed `bits`-bit code of one lane, in int32: the nibble (byte >> nibble_shift) & 15 with
+    the high bits (word >> high_shift) & high_mask above it, sign-extended."""
+    sig = types.int32(types.int32, types.int32, types.int32, types.int32, types.int32, types.int32)
+
+    def codegen(context, builder, signature, args):
+        byte, nibble_shift, word, high_shift, high_mask, bits = args
+        i32 = byte.type
+        nibble = builder.and_(builder.lshr(byte, nibble_shift), i32(15))
+        high = builder.and_(builder.lshr(word, high_shift), high_mask)
+        value = builder.or_(nibble, builder.shl(high, i32(4)))
+        unused = builder.sub(i32(32), bits)
+        return builder.ashr(builder.shl(value, unused), unused)
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot_q4(u8, u16, lut, base_at, scale_at, gpr, x):
+    acc = _F32(0.0)
+    zero, four = _I32(0), _I32(4)
+    for blk in range(gpr // 2):  # 128 lanes = 2 groups = 64 base bytes
+        q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
+        xe = x[128 * blk : 128 * blk + 64]
+        xo = x[128 * blk + 64 : 128 * blk + 128]
+        s0, s1 = lut[u16[scale_at + 2 * blk]], lut[u16[scale_at + 2 * blk + 1]]
+        d = _F32(0.0)
+        for j in range(64):
+            b = _I32(q[j])
+            s = s0 if j < 32 else s1
+            d += s * (_F32(_code(b, zero, zero, zero, zero, four)) * xe[j] + _F32(_code(b, four, zero, zero, zero, four)) * xo[j])
+        acc += d
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
+    acc = _F32(0.0)
+    zero, one, four, five = _I32(0), _I32(1), _I32(4), _I32(5)
+    for blk in range(gpr // 2):
+        q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
+        xe = x[128 * blk : 128 * blk + 64]
+        xo = x[128 * blk + 64 : 128 * blk + 128]
+        s0, s1 = lut[u16[scale_at + 2 * blk]], lut[u16[scale_at + 2 * blk + 1]]
+        h = u32[high_at + 4 * blk : high_at + 4 * blk + 4]  # bit 4 of 32 lanes per word
+        w0, w1, w2, w3 = _I32(h[0]), _I32(h[1]), _I32(h[2]), _I32(h[3])
+        d = _F32(0.0)
+        for j in range(64):
+            b = _I32(q[j])
+            s = s0 if j < 32 else s1
+            w = w0 if j < 16 else (w1 if j < 32 else (w2 if j < 48 else w3))
+            sh = _I32((2 * j) & 31)
+            d += s * (_F32(_code(b, zero, w, sh, one, five)) * xe[j] + _F32(_code(b, four, w, _I32(sh + 1), one, five)) * xo[j])
+        acc += d
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
+    acc = _F32(0.0)
+    zero, three, four, six = _I32(0), _I32(3), _I32(4), _I32(6)
+    for blk in range(gpr // 2):
+        q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
+        xe = x[128 * blk : 128 * blk + 64]
+        xo = x[128 * blk + 64 : 128 * blk + 128]
+        s0, s1 = lut[u16[scale_at + 2 * blk]], lut[u16[scale_at + 2 * blk + 1]]
+        h = u32[high_at + 8 * blk : high_at + 8 * blk + 8]  # bits 4-5 of 16 lanes per word
+        d = _F32(0.0)
+        for half in range(2):  # one group each: keeps the word choice to four
+            w0, w1, w2, w3 = _I32(h[4 * half]), _I32(h[4 * half + 1]), _I32(h[4 * half + 2]), _I32(h[4 * half + 3])
+            s = s0 if half == 0 else s1
+            for j in range(32):
+                b = _I32(q[32 * half + j])
+                w = w0 if j < 8 else (w1 if j < 16 else (w2 if j < 24 else w3))
+                sh = _I32((4 * j) & 31)
+                lo = _F32(_code(b, zero, w, sh, three, six)) * xe[32 * half + j]
+                d += s * (lo + _F32(_code(b, four, w, _I32(sh + 2), three, six)) * xo[32 * half + j])
+        acc += d
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x):
+    acc = _F32(0.0)
+    zero, four, eight, fifteen = _I32(0), _I32(4), _I32(8), _I32(15)
+    for blk in range(gpr // 4):  # 128 lanes = 4 groups of 32 bytes
+        q = u8[base_at + 128 * blk : base_at + 128 * blk + 128]
+        xg = x[128 * blk : 128 * blk + 128]
+        sc = u16[scale_at + 4 * blk : scale_at + 4 * blk + 4]
+        s0, s1, s2, s3 = lut[sc[0]], lut[sc[1]], lut[sc[2]], lut[sc[3]]
+        d = _F32(0.0)
+        for j in range(128):
+            b = _I32(q[j])
+            s = s0 if j < 32 else (s1 if j < 64 else (s2 if j < 96 else s3))
+            d += s * (_F32(_code(b, zero, b, four, fifteen, eight)) * xg[j])  # the whole byte, sign-extended
+        acc += d
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot(u8, u32, u16, lut, geo, record_at, row, x):
+    """dot(row `row` of the object described by geo inside the record at record_at, x)."""
+    bits, gpr = geo[0], geo[1]
+    at = record_at + geo[6]
+    base_at = at + row * gpr * geo[2]
+    scale_at = (at + geo[5]) // 2 + row * gpr
+    if bits == 4:
+        return _row_dot_q4(u8, u16, lut, base_at, scale_at, gpr, x)
+    if bits == 8:
+        return _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x)
+    high_at = (at + geo[4] + row * gpr * geo[3]) // 4
+    if bits == 5:
+        return _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
+    return _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _moe_kernel(u8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, tokens, weights, x, hidden_act, act, partial, out):
+    """Compute every assignment, grouped by expert (CSR `starts` over `tokens`/`weights`), into out.
+
+    x: [T, H_pad] permuted for gate/up; hidden_act: [A, I] scratch (natural order); act: [A, I_pad]
+    zeroed, the same values in the down object's lane order; partial: [A, H] scratch (each
+    assignment's down output); out: [T, H]. Both projections run in parallel over (expert, block
+    of consecutive rows), so reads are sequential and every scratch element has one writer; the
+    lane permutation between them and the weighted sum into out are short serial loops.
+    """
+    slots = record_at.shape[0]
+    inter = gate_up[7] // 2
+    hidden = down[7]
+    items = (inter + ACT_ITEM - 1) // ACT_ITEM
+    for item in prange(slots * items):
+        s = item // items
+        r0 = (item % items) * ACT_ITEM
+        for i in range(r0, min(r0 + ACT_ITEM, inter)):
+            for a in range(starts[s], starts[s + 1]):
+                xt = x[tokens[a]]
+                gate = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], i, xt)
+                up = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], inter + i, xt)
+                hidden_act[a, i] = gate / (_F32(1.0) + np.exp(-gate)) * up
+    for a in range(act.shape[0]):
+        for i in range(inter):
+            act[a, down_perm[i]] = hidden_act[a, i]
+    blocks = (hidden + OUT_ITEM - 1) // OUT_ITEM
+    for item in prange(slots * blocks):
+        s = item // blocks
+        h0 = (item % blocks) * OUT_ITEM
+        for h in range(h0, min(h0 + OUT_ITEM, hidden)):
+            for a in range(starts[s], starts[s + 1]):
+                partial[a, h] = _row_dot(u8, u32, u16, lut, down, record_at[s], h, act[a])
+    for a in range(tokens.shape[0]):  # serial: a few thousand adds cost less than a third thread barrier
+        row = out[tokens[a]]
+        for h in range(hidden):
+            row[h] += weights[a] * partial[a, h]
+
+
+# ----------------------------------------------------------------------------- host-side entry
+
+
+@dataclass(frozen=True)
+class RecordKernelPlan:
+    """Per-layout constants the kernel needs (built once per record layout)."""
+
+    layout: ExpertRecordLayout
+    gate_up: np.ndarray
+    down: np.ndarray
+    gate_up_perm: np.ndarray  # natural hidden lane -> permuted position
+    down_perm: np.ndarray  # natural intermediate lane -> permuted position
+
+    @classmethod
+    def create(cls, layout: ExpertRecordLayout) -> "RecordKernelPlan":
+        gu, dn = layout.gate_up, layout.down
+        if gu.n != 2 * dn.k or gu.k != dn.n:
+            raise NinferError(f"expert record shapes gate/up {[gu.n, gu.k]} and down {[dn.n, dn.k]} do not agree")
+        return cls(
+            layout,
+            geometry_vector(gu, layout.gate_up_offset),
+            geometry_vector(dn, layout.down_offset),
+            lane_permutation(gu.fmt.group, gu.k_pad),
+            lane_permutation(dn.fmt.group, dn.k_pad),
+        )
+
+
+def _buffer_views(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """uint8, uint32 and uint16 views of a record buffer (whole 4-byte words only)."""
+    u8 = records.reshape(-1).view(np.uint8)
+    usable = u8[: u8.size - u8.size % 4]
+    return u8, usable.view(np.uint32), usable.view(np.uint16)
+
+
+@njit(nogil=True, cache=True)
+def _prepare(ids, weights, selected, record_offsets, record_bytes, buffer_bytes, x, perm, k_pad, inter, act_width):
+    """Group the selected assignments by expert (CSR, experts ascending, tokens in order) and lay
+    out the kernel's inputs. Returns (ok, record_at, starts, tokens, weights, x permuted, scratch:
+    (act in natural order, act in permuted order, down outputs));
+    ok is False when a selected expert has no record inside the buffer."""
+    t, k = ids.shape
+    num = record_offsets.shape[0]
+    counts = np.zeros(num, dtype=np.int64)
+    ok = True
+    for i in range(t):
+        for j in range(k):
+            if selected[i, j]:
+                e = ids[i, j]
+                if e < 0 or e >= num or record_offsets[e] < 0 or record_offsets[e] + record_bytes > buffer_bytes:
+                    ok = False
+                else:
+                    counts[e] += 1
+    slots = 0
+    for e in range(num):
+        slots += counts[e] > 0
+    record_at = np.empty(slots, dtype=np.int64)
+    starts = np.empty(slots + 1, dtype=np.int64)
+    fill = np.empty(num, dtype=np.int64)
+    s = 0
+    pos = 0
+    for e in range(num):
+        if counts[e] > 0:
+            record_at[s] = record_offsets[e]
+            starts[s] = pos
+            fill[e] = pos
+            pos += counts[e]
+            s += 1
+    starts[slots] = pos
+    tokens = np.empty(pos, dtype=np.int64)
+    wts = np.empty(pos, dtype=np.float32)
+    if ok:
+        for i in range(t):
+            for j in range(k):
+                if selected[i, j]:
+                    e = ids[i, j]
+                    tokens[fill[e]] = i
+                    wts[fill[e]] = weights[i, j]
+                    fill[e] += 1
+    xp = np.zeros((t, k_pad), dtype=np.float32)
+    for i in range(t):
+        for lane in range(x.shape[1]):
+            xp[i, perm[lane]] = x[i, lane]
+    scratch = np.empty((pos, inter), dtype=np.float32), np.zeros((pos, act_width), dtype=np.float32), np.empty((pos, x.shape[1]), dtype=np.float32)
+    return ok, record_at, starts, tokens, wts, xp, scratch
+
+
+def routed_experts_cpu(
+    plan: RecordKernelPlan,
+    records: np.ndarray,
+    record_offsets: np.ndarray,
+    x: np.ndarray,
+    topk_ids: np.ndarray,
+    topk_weights: np.ndarray,
+    selected: np.ndarray | None = None,
+) -> np.ndarray:
+    """Sum over assignments of weight * expert(x[token]) -> [T, H] float32 (numba kernels).
+
+    records: uint8 buffer holding the records; record_offsets[e]: byte offset of expert e's record
+    in it. selected: optional bool mask [T, k] of the assignments to compute (others skipped).
+    """
+    gu, dn = plan.layout.gate_up, plan.layout.down
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    t, hidden = x.shape
+    if hidden != gu.k:
+        raise NinferError(f"activations have width {hidden}, the expert records expect {gu.k}")
+    ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
+    mask = np.ones(ids.shape, dtype=np.bool_) if selected is None else np.ascontiguousarray(selected, dtype=np.bool_)
+    u8, u32, u16 = _buffer_views(records)
+    ok, record_at, starts, tokens, weights, xp, scratch = _prepare(
+        ids, np.ascontiguousarray(topk_weights, dtype=np.float32), mask, np.ascontiguousarray(record_offsets, dtype=np.int64),
+        plan.layout.nbytes, u8.size, x, plan.gate_up_perm, gu.k_pad, dn.k, dn.k_pad,
+    )
+    if not ok:
+        raise NinferError("a routed expert selected for CPU compute has no host record")
+    out = np.zeros((t, hidden), dtype=np.float32)
+    if record_at.size:
+        _moe_kernel(u8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.down_perm, record_at, starts, tokens, weights, xp, *scratch, out)
+    return out
+
+
+_warm_lock = threading.Lock()
+_warm = False
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel and start numba's thread pool, once per process."""
+    global _warm
+    with _warm_lock:
+        if _warm:
+            return
+        layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", 128, 64)
+        ones = np.ones((1, 1), dtype=np.float32)
+        routed_experts_cpu(
+            RecordKernelPlan.create(layout), np.zeros(layout.nbytes, np.uint8), np.zeros(1, np.int64), np.ones((1, 128), np.float32), np.zeros((1, 1), np.int64), ones
+        )
+        _warm = True
+
+
+# ----------------------------------------------------------------------------- reference op
+
+
+def reference_expert(layout: ExpertRecordLayout, record: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """One expert on tokens x [T, H] -> [T, H]: decode the record with the codecs, then numpy fp32."""
+    gu, dn = layout.gate_up, layout.down
+    w_gu = decode_row_split_values(record[: gu.encoded_size], gu.fmt.name, gu.n, gu.k)
+    w_dn = decode_row_split_values(record[layout.down_offset : layout.down_offset + dn.encoded_size], dn.fmt.name, dn.n, dn.k)
+    h = np.asarray(x, dtype=np.float32) @ w_gu.T
+    gate, up = h[:, : dn.k], h[:, dn.k :]
+    return ((gate / (1.0 + np.exp(-gate))) * up) @ w_dn.T
+
+
+def reference_routed(
+    layout: ExpertRecordLayout, records: np.ndarray, record_offsets: np.ndarray, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray
+) -> np.ndarray:
+    """The oracle of `routed_experts_cpu`: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])."""
+    x = np.asarray(x, dtype=np.float32)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(topk_ids[t], topk_weights[t]):
+            at = int(record_offsets[int(e)])
+            out[t] += np.float32(w) * reference_expert(layout, records[at : at + layout.nbytes], x[t : t + 1])[0]
+    return out
