@@ -69,10 +69,6 @@ class VisionDims:
     out_hidden: int
 
     @property
-    def patch_inputs(self) -> int:
-        return self.in_channels * self.temporal_patch * self.patch * self.patch
-
-    @property
     def merged(self) -> int:
         return self.hidden * self.merge * self.merge
 

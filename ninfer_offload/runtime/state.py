@@ -36,13 +36,6 @@ class SequenceState:
                     dtype=torch.float32,
                 )
 
-    def reset(self) -> None:
-        """Back to an empty sequence (buffers kept)."""
-        self.length = 0
-        for buffers in (*self.kv.values(), tuple(self.conv.values()), tuple(self.recurrent.values())):
-            for buffer in buffers:
-                buffer.zero_()
-
 
 @dataclass(frozen=True)
 class Segment:
