@@ -12,8 +12,7 @@ import torch.nn.functional as F
 
 from ninfer_offload.model.experts import ExpertBank, record_weights
 from ninfer_offload.model.quant import QuantizedMatrix
-
-Weight = torch.Tensor | QuantizedMatrix
+from ninfer_offload.model.weights import Weight
 
 # Expert assignments decoded at once by `routed_experts` (bounds the temporary weight copies).
 _ASSIGNMENT_CHUNK = 16
