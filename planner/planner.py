@@ -14,7 +14,7 @@ DFlash weights are never loaded (speculation uses MTP).
 from __future__ import annotations
 
 from ninfer_offload.artifact.formats import elements
-from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cost import WeightTraffic, predict
 from ninfer_offload.planner.memory import (
@@ -64,7 +64,7 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
     head = _bytes(t for t in text if t.role == "output_head")
     mtp, proposal = _bytes(inventory.select("mtp")), _bytes(inventory.select("proposal"))
     vision, dflash = _bytes(inventory.select("vision")), _bytes(inventory.select("dflash"))
-    other = _bytes(t for t in inventory.tensors if t.component not in ("text", "mtp", "proposal", "vision", "dflash"))
+    other = _bytes(t for t in inventory.tensors if t.component not in COMPONENTS)
     use_proposal = options.speculating and options.proposal_head
 
     card = profile.vram_bytes
