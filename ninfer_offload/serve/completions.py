@@ -29,7 +29,6 @@ def _prompt_ids(ctx: ServeContext, body: CompletionRequest) -> list[int]:
     return list(prompt)
 
 
-
 async def completion(ctx: ServeContext, body: CompletionRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     body.check_supported()
