@@ -93,13 +93,14 @@ class ExpertStore:
             return self.backend.routed_experts(x, topk_ids, topk_weights, self.banks[layer])
         if self.miss_path is not None:
             return self._routed_cpu_misses(layer, x, topk_ids, topk_weights)
-        t = x.shape[0]
-        distinct = int(torch.unique(topk_ids).numel())
-        chunk = t if distinct <= self.num_slots else max(1, self.num_slots // self.top_k)
+        experts = torch.unique(topk_ids).tolist()  # sorted; one host sync
+        if len(experts) <= self.num_slots:
+            return self.backend.routed_experts(x, topk_ids, topk_weights, self._stage(layer, experts))
+        chunk = max(1, self.num_slots // self.top_k)
         outputs = []
-        for t0 in range(0, t, chunk):
+        for t0 in range(0, x.shape[0], chunk):
             ids = topk_ids[t0 : t0 + chunk]
-            bank = self._stage(layer, sorted(set(ids.reshape(-1).tolist())))
+            bank = self._stage(layer, torch.unique(ids).tolist())
             outputs.append(self.backend.routed_experts(x[t0 : t0 + chunk], ids, topk_weights[t0 : t0 + chunk], bank))
         return torch.cat(outputs)
 
