@@ -15,7 +15,7 @@ import tiny_hf
 import torch
 from safetensors.torch import load_file, save_file
 
-from ninfer_offload import open_artifact
+from ninfer_offload import Engine, open_artifact
 from ninfer_offload.artifact.codecs import decode_row_split, encode_row_split
 from ninfer_offload.convert import convert
 from ninfer_offload.convert.recipes import q6_down_layers
@@ -271,3 +271,11 @@ def test_tied_checkpoint_without_lm_head_uses_the_embedding(tiny_checkpoint, tmp
     with open_artifact(convert(src, tmp_path / "tied.ninfer", recipe="bf16", progress=False)) as artifact:
         assert artifact.components["text"].config["tie_word_embeddings"] is True
         assert torch.equal(artifact.tensor("text/output_head"), state["model.embed_tokens.weight"].float())
+    hf = tiny_hf.oracle_module().Qwen3_5MoeForCausalLM.from_pretrained(src, dtype=torch.float32)
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    prompt = list(range(3, 40, 3))
+    ref, _ = tiny_hf.oracle_forward(hf, prompt)
+    engine = Engine.load(tmp_path / "tied.ninfer")
+    ours = engine.logits(prompt)
+    engine.close()
+    assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())

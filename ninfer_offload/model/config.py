@@ -63,9 +63,6 @@ class ModelConfig:
             raise NinferError(
                 f"unsupported architecture {archs!r}: this engine implements {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if config.get("tie_word_embeddings"):
-            raise NinferError("tied word embeddings are not supported: Qwen3.5/3.6 MoE has a separate output head")
-
         def need(key: str, source: dict = config):
             if key not in source:
                 raise NinferError(f"text config lacks {key!r}; re-convert the checkpoint with `ninfer convert`")
