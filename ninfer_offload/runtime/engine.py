@@ -95,8 +95,11 @@ class Session:
             return self.engine.text.logits(self.engine.backend, hidden[-1:])[0]
 
     def step(self, token_id: int) -> torch.Tensor:
-        """Append one token; its logits [vocab]."""
-        return self.prefill([token_id])
+        """Append one token; its logits [vocab]. On CUDA with the triton backend and resident experts the
+        step is this session's captured CUDA graph (`runtime.cuda_graph`), else a one-token prefill."""
+        from ninfer_offload.runtime.cuda_graph import decode_step
+
+        return decode_step(self, token_id)
 
     def _advance(self, token_ids: Iterable[int]) -> torch.Tensor:
         """Run `token_ids` through the layers in chunks of at most PREFILL_CHUNK; hidden states [T, H]."""
