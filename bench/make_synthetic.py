@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ninfer_offload.artifact.formats import CONTIGUOUS, RowSplitGeometry, grouped_format
-from ninfer_offload.artifact.writer import ArtifactWriter
+from ninfer_offload.artifact.writer import write_directory
 from ninfer_offload.model.contract import HIDDEN, official_directory
 
 POOL_BYTES = 1 << 29
@@ -115,33 +115,18 @@ def _resources() -> dict[str, bytes]:
 
 def write_synthetic(path: Path, seed: int = 0) -> Path:
     """Write the artifact to `path`; returns the entry path."""
-    root = official_directory()
+    root = {
+        **official_directory(),
+        "metadata": {"name": "qwen3.6-35b-a3b-synthetic"},
+        "provenance": {"generator": "bench/make_synthetic.py", "seed": seed},
+    }
     weights = RandomWeights(seed)
-    files = _resources()
-    writer = ArtifactWriter(path, metadata={"name": "qwen3.6-35b-a3b-synthetic"},
-                            provenance={"generator": "bench/make_synthetic.py", "seed": seed})
-    roles: dict[str, tuple[str, str]] = {}
-    for cid, component in root["components"].items():
-        writer.add_component(cid, component["config"], component.get("target"), component.get("proposal"))
-        roles.update({oid: (cid, role) for role, oid in component.get("resources", {}).items()})
     names: dict[str, list[str]] = {}
     for name, binding in root["bindings"].items():
         for part in binding["parts"] if "parts" in binding else [binding]:
             names.setdefault(part["object"], []).append(name)
-    for obj in root["objects"]:
-        if obj["kind"] == "resource":
-            cid, role = roles[obj["id"]]
-            writer.add_resource(obj["id"], files.get(role, b"{}"), component=cid, role=role)
-        else:
-            writer.add_tensor(obj["id"], obj["shape"], obj["format"], obj["layout"], weights.source(obj, names[obj["id"]]))
-    for name, binding in root["bindings"].items():
-        if "object" in binding:
-            writer.bind(name, binding["object"])
-        else:
-            writer.bind_parts(name, [(p["object"], *p["range"]) for p in binding["parts"]])
-    for use in root["uses"]:
-        writer.use(use["parameter"], use["input"], use["activation_policy"])
-    return writer.write()
+    resources = {"preprocessor_config.json": b"{}", "video_preprocessor_config.json": b"{}", **_resources()}
+    return write_directory(root, path, lambda obj: weights.source(obj, names[obj["id"]]), resources)
 
 
 def main() -> None:
