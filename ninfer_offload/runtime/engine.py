@@ -15,9 +15,12 @@ import torch
 from ninfer_offload.artifact.reader import open_artifact
 from ninfer_offload.errors import NinferError
 from ninfer_offload.model.backend import ReferenceBackend
-from ninfer_offload.model.config import FULL_ATTENTION
+from ninfer_offload.artifact.errors import ArtifactError
+from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
 from ninfer_offload.runtime.expert_store import MODES
 from ninfer_offload.runtime.loader import load_model
+from ninfer_offload.runtime.memory_check import check_fits, load_footprint
 from ninfer_offload.runtime.state import Segment, SequenceState
 
 DEFAULT_MAX_CONTEXT = 32768
@@ -188,13 +191,21 @@ class Engine:
         ops = _backend_for(resolved, backend)
         artifact = open_artifact(path)
         try:
-            loaded = load_model(
-                artifact, resolved, resolved_dtype, ops, experts, num_slots, miss_path, with_mtp=mtp, progress=progress
-            )
-            limit = loaded.config.max_position_embeddings
+            if "text" not in artifact.components:
+                raise ArtifactError(f"{artifact.path.name} has no text component")
+            config = ModelConfig.from_component(artifact.components["text"].config)
+            limit = config.max_position_embeddings
             capacity = min(limit, DEFAULT_MAX_CONTEXT) if max_context is None else int(max_context)
             if not 0 < capacity <= limit:
                 raise NinferError(f"max context {capacity} must be between 1 and the model's {limit} positions")
+            if resolved.type == "cuda":
+                footprint = load_footprint(
+                    Inventory.from_artifact(artifact), config, experts, capacity, resolved_dtype, mtp, num_slots
+                )
+                check_fits(footprint, torch.cuda.mem_get_info(resolved)[0], resolved)
+            loaded = load_model(
+                artifact, config, resolved, resolved_dtype, ops, experts, num_slots, miss_path, with_mtp=mtp, progress=progress
+            )
         except BaseException:
             artifact.close()
             raise

@@ -76,6 +76,7 @@ def pack_records(artifact, prefix: str, config: ModelConfig, pinned: bool) -> tu
 
 def load_model(
     artifact,
+    config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
     backend,
@@ -85,10 +86,7 @@ def load_model(
     with_mtp: bool = False,
     progress: bool = False,
 ) -> LoadedModel:
-    """Read every weight the text model (and the MTP module if `with_mtp`) needs onto `device`."""
-    if "text" not in artifact.components:
-        raise ArtifactError(f"{artifact.path.name} has no text component")
-    config = ModelConfig.from_component(artifact.components["text"].config)
+    """Read every weight the text model of `config` (and the MTP module if `with_mtp`) needs onto `device`."""
     if with_mtp and "mtp/input_projection" not in artifact.bindings:
         raise ArtifactError(f"{artifact.path.name} has no MTP weights (convert the checkpoint with its mtp.* tensors)")
     prefixes = [f"text/layers/{i}" for i in range(config.num_layers)] + ([MTP_PREFIX] if with_mtp else [])
