@@ -51,6 +51,11 @@ class TritonBackend(ReferenceBackend):
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
         return norm.rmsnorm(x, w, eps, offset)
 
+    def add_rmsnorm(
+        self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, offset: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm.add_rmsnorm(x, delta, w, eps, offset)
+
     def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return router.softmax_topk(self.linear(x, w), top_k, x.dtype)
 

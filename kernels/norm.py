@@ -1,4 +1,4 @@
-"""RMSNorm in one pass (reference op: `ReferenceBackend.rmsnorm`), for hidden rows and per-head q/k rows."""
+"""RMSNorm in one pass, alone or after the residual add (reference ops: `ReferenceBackend.rmsnorm`, `add_rmsnorm`)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,32 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch
     if rows:
         _rmsnorm_kernel[(rows,)](xc, w.contiguous(), out, d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d))
     return out
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    xv = tl.load(x + row * D + cols, mask=mask, other=0.0)
+    s = (xv.to(tl.float32) + tl.load(delta + row * D + cols, mask=mask, other=0.0).to(tl.float32)).to(xv.dtype)
+    tl.store(total + row * D + cols, s, mask=mask)
+    sf = s.to(tl.float32)  # the sum rounded to x's dtype, as the reference normalises it
+    normed = sf * tl.rsqrt(tl.sum(sf * sf) / D + eps)
+    wv = tl.load(w + cols, mask=mask, other=0.0)
+    if OFFSET:
+        y = normed * (1.0 + wv.to(tl.float32))
+    else:
+        y = wv.to(xv.dtype).to(tl.float32) * normed.to(xv.dtype).to(tl.float32)
+    tl.store(out + row * D + cols, y.to(out.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rmsnorm(x + delta)) in one pass; the contract of `ReferenceBackend.add_rmsnorm`."""
+    d = x.shape[-1]
+    xc, dc = x.contiguous(), delta.contiguous()
+    total, out = torch.empty_like(xc), torch.empty_like(xc)
+    rows = xc.numel() // d
+    if rows:
+        _add_rmsnorm_kernel[(rows,)](xc, dc, total, out, w.contiguous(), d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d))
+    return total, out

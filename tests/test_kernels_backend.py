@@ -50,6 +50,16 @@ def test_rmsnorm(offset):
     assert _close(_backend().rmsnorm(x.to(DEVICE), w.to(DEVICE), 1e-6, offset), REF.rmsnorm(x, w, 1e-6, offset))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm(dtype):
+    x, delta = torch.randn(3, 2, 96, generator=_gen(20)).to(dtype), torch.randn(3, 2, 96, generator=_gen(21)).to(dtype)
+    w = (torch.randn(96, generator=_gen(22)) * 0.1).to(dtype)
+    total, normed = _backend().add_rmsnorm(x.to(DEVICE), delta.to(DEVICE), w.to(DEVICE), 1e-6, True)
+    ref_total, ref_normed = REF.add_rmsnorm(x, delta, w, 1e-6, True)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the interpreter rounds fp32 -> bf16 toward zero, CUDA to nearest
+    assert _close(total, ref_total, tol) and _close(normed, ref_normed, 10 * tol)
+
+
 def test_router_softmax_topk():
     x, w = torch.randn(4, 64, generator=_gen(4)), torch.randn(10, 64, generator=_gen(5))
     ids, weights = _backend().router(x.to(DEVICE), w.to(DEVICE), 3)

@@ -91,3 +91,28 @@ def test_decode_step_keeps_one_graph_per_session(tiny_artifact_official):
     for token in STEPS:
         assert _relative(cuda_graph.decode_step(a, token).cpu(), b.forward([token])[0][0].float().cpu()) < 1e-5
     assert cuda_graph._GRAPHS[a].session is a
+
+
+@needs_triton_device
+def test_captured_step_ops_equal_eager_step(tiny_artifact_official):
+    """The ops a graph records (device-held position and KV length) give the eager step's logits and KV rows bit for bit."""
+    from ninfer_offload.runtime.cuda_graph import captured_forward
+    from ninfer_offload.runtime.state import Segment
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    engine = Engine.load(tiny_artifact_official, device=device, dtype="float32", backend="triton")
+    eager, captured = engine.session(), engine.session()
+    eager.prefill(PROMPT)
+    captured.prefill(PROMPT)
+    state = captured._live_state()
+    for token in STEPS:
+        expected = eager.forward([token])[0][0]
+        position = torch.tensor([state.length], device=device)
+        rows = torch.tensor([state.length + 1], dtype=torch.int32, device=device)
+        with torch.no_grad():
+            got = captured_forward(engine, [Segment(state, 0, 0, 1)], torch.tensor([token], device=device), position, rows)[0]
+        state.length += 1
+        assert torch.equal(got, expected)
+    for key, (k_cache, v_cache) in state.kv.items():
+        eager_k, eager_v = eager._live_state().kv[key]
+        assert torch.equal(k_cache[: state.length], eager_k[: state.length]) and torch.equal(v_cache[: state.length], eager_v[: state.length])

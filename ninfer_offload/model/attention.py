@@ -62,14 +62,7 @@ class GatedAttention:
         )
 
     def __call__(self, backend, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        c = self.config
-        t = x.shape[0]
-        q = backend.linear(x, self.query).view(t, c.num_attention_heads, c.head_dim)
-        k = backend.linear(x, self.key_proj).view(t, c.num_kv_heads, c.head_dim)
-        v = backend.linear(x, self.value).view(t, c.num_kv_heads, c.head_dim)
-        gate = backend.linear(x, self.gate)
-        q = self.rotary(backend.rmsnorm(q, self.query_norm, c.rms_norm_eps, offset=True), positions)
-        k = self.rotary(backend.rmsnorm(k, self.key_norm, c.rms_norm_eps, offset=True), positions)
+        q, k, v, gate = self._project(backend, x, positions)
         out = torch.empty_like(q)
         for seg in segments:
             k_cache, v_cache = seg.state.kv[self.key]
@@ -79,4 +72,28 @@ class GatedAttention:
                 out[seg.rows] = backend.attention_decode(q[seg.rows], k_cache, v_cache, seg.start + 1)
             else:
                 out[seg.rows] = backend.attention_prefill(q[seg.rows], k_cache, v_cache, seg.start)
-        return backend.linear(out.reshape(t, -1) * torch.sigmoid(gate), self.output)
+        return self._gated_output(backend, out, gate)
+
+    def decode(self, backend, x: torch.Tensor, position: torch.Tensor, length: torch.Tensor, state) -> torch.Tensor:
+        """One token x [1, H] whose position [1] and valid KV rows after its write (`length` [1] int32) are
+        device values, as in a captured decode step: its KV row of `state` is written by index."""
+        q, k, v, gate = self._project(backend, x, position)
+        k_cache, v_cache = state.kv[self.key]
+        k_cache.index_copy_(0, position, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, position, v.to(v_cache.dtype))
+        return self._gated_output(backend, backend.attention_decode(q, k_cache, v_cache, length), gate)
+
+    def _project(self, backend, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [T, Hq, D] and k [T, Hkv, D] normed and rotated, v [T, Hkv, D], gate [T, Hq*D]."""
+        c = self.config
+        t = x.shape[0]
+        q = backend.linear(x, self.query).view(t, c.num_attention_heads, c.head_dim)
+        k = backend.linear(x, self.key_proj).view(t, c.num_kv_heads, c.head_dim)
+        v = backend.linear(x, self.value).view(t, c.num_kv_heads, c.head_dim)
+        gate = backend.linear(x, self.gate)
+        q = self.rotary(backend.rmsnorm(q, self.query_norm, c.rms_norm_eps, offset=True), positions)
+        k = self.rotary(backend.rmsnorm(k, self.key_norm, c.rms_norm_eps, offset=True), positions)
+        return q, k, v, gate
+
+    def _gated_output(self, backend, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return backend.linear(out.reshape(out.shape[0], -1) * torch.sigmoid(gate), self.output)

@@ -51,6 +51,13 @@ class ReferenceBackend:
             return (normed * (1.0 + w.float())).to(x.dtype)
         return w.to(x.dtype) * normed.to(x.dtype)
 
+    def add_rmsnorm(
+        self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, offset: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the norm after it: (x + delta, rmsnorm(x + delta))."""
+        x = x + delta
+        return x, self.rmsnorm(x, w, eps, offset)
+
     # ------------------------------------------------------------------ MoE
     def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 softmax over expert logits, top-k, renormalised: (ids int64 [T, k], weights [T, k] in x.dtype)."""

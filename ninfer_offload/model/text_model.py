@@ -19,7 +19,11 @@ MTP_PREFIX = "mtp/layers/0"
 
 @dataclass
 class DecoderLayer:
-    """x = x + mixer(offset_rmsnorm(x)); x = x + moe(offset_rmsnorm(x))."""
+    """x = x + mixer(offset_rmsnorm(x)); x = x + moe(offset_rmsnorm(x)).
+
+    The residual stream is carried as (x, pending delta) so that each residual add is one op with the
+    norm after it (`backend.add_rmsnorm`), the last one with the next layer's or the final norm.
+    """
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -44,9 +48,19 @@ class DecoderLayer:
             eps=config.rms_norm_eps,
         )
 
-    def __call__(self, backend, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        x = x + self.mixer(backend, backend.rmsnorm(x, self.input_norm, self.eps, offset=True), positions, segments)
-        return x + self.moe(backend, backend.rmsnorm(x, self.post_attention_norm, self.eps, offset=True))
+    def __call__(
+        self, backend, x: torch.Tensor, delta: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+        kv_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this layer's output delta). `kv_rows` [1] (device): the captured one-token step, whose
+        attention reads its position and valid KV rows from device buffers (`GatedAttention.decode`)."""
+        x, h = backend.add_rmsnorm(x, delta, self.input_norm, self.eps, offset=True)
+        if kv_rows is not None and isinstance(self.mixer, GatedAttention):
+            mixed = self.mixer.decode(backend, h, positions, kv_rows, segments[0].state)
+        else:
+            mixed = self.mixer(backend, h, positions, segments)
+        x, h = backend.add_rmsnorm(x, mixed, self.post_attention_norm, self.eps, offset=True)
+        return x, self.moe(backend, h)
 
 
 @dataclass
@@ -61,13 +75,21 @@ class TextModel:
     def embed(self, backend, token_ids: torch.Tensor) -> torch.Tensor:
         return backend.embedding(token_ids, self.embedding, self.dtype)
 
-    def hidden(self, backend, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """Final-normed hidden states [T, H] of the batch rows; advances every segment's state."""
+    def hidden(
+        self, backend, token_ids: torch.Tensor, segments: list[Segment],
+        positions: torch.Tensor | None = None, kv_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, H] of the batch rows; advances every segment's state.
+
+        A captured decode step passes its device-held `positions` [1] and `kv_rows` [1] (see `DecoderLayer`).
+        """
         x = self.embed(backend, token_ids)
-        positions = positions_of(segments, x.device)
+        if positions is None:
+            positions = positions_of(segments, x.device)
+        delta = torch.zeros_like(x)
         for layer in self.layers:
-            x = layer(backend, x, positions, segments)
-        return backend.rmsnorm(x, self.final_norm, self.config.rms_norm_eps, offset=True)
+            x, delta = layer(backend, x, delta, positions, segments, kv_rows)
+        return backend.add_rmsnorm(x, delta, self.final_norm, self.config.rms_norm_eps, offset=True)[1]
 
     def logits(self, backend, hidden: torch.Tensor) -> torch.Tensor:
         """Output-head logits [T, vocab] in float32."""
@@ -107,5 +129,6 @@ class MtpModule:
         """MTP hidden states [T, H] for target hidden `hidden` [T, H] and next tokens `next_ids` [T]."""
         embedded = backend.rmsnorm(text.embed(backend, next_ids), self.embedding_norm, self.eps, offset=True)
         stem = torch.cat([embedded, backend.rmsnorm(hidden, self.hidden_norm, self.eps, offset=True)], dim=-1)
-        x = self.layer(backend, backend.linear(stem, self.input_projection), positions_of(segments, hidden.device), segments)
-        return backend.rmsnorm(x, self.final_norm, self.eps, offset=True)
+        x = backend.linear(stem, self.input_projection)
+        x, delta = self.layer(backend, x, torch.zeros_like(x), positions_of(segments, hidden.device), segments)
+        return backend.add_rmsnorm(x, delta, self.final_norm, self.eps, offset=True)[1]

@@ -5,9 +5,9 @@ layer. `DecodeGraph` records the whole step (embedding, 40 layers, head) once an
 Everything that changes between tokens lives in device buffers the graph reads: the token id,
 its position (rotary, KV row) and the number of valid KV rows (attention). The KV cache and the
 GDN conv/recurrent states of the session are updated in place, so replay continues the same
-sequence that eager `Session.step` would. The eager layers use host-side positions, so the
-attention layers of the captured step take their positions from those device buffers instead
-(same ops, same weights); GDN layers and the MoE blocks are the model's own.
+sequence that eager `Session.step` would. The step is the model's own forward
+(`TextModel.hidden` with the device-held position and KV row count, which its attention layers
+read through `GatedAttention.decode`).
 
 Needs the Triton backend (its attention decode accepts a device length), resident experts
 (staging needs the routing on the host) and a CUDA device.
@@ -20,7 +20,6 @@ import weakref
 import torch
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.model.attention import GatedAttention
 from ninfer_offload.runtime.state import Segment
 
 
@@ -93,28 +92,10 @@ class DecodeGraph:
             live.copy_(copy)  # the KV row it wrote is rewritten by the first real step
 
     def _forward(self) -> torch.Tensor:
-        text, backend = self.engine.text, self.engine.backend
-        x = text.embed(backend, self.token)
-        for layer in text.layers:
-            h = backend.rmsnorm(x, layer.input_norm, layer.eps, offset=True)
-            if isinstance(layer.mixer, GatedAttention):
-                x = x + self._attention(layer.mixer, h)
-            else:
-                x = x + layer.mixer(backend, h, self.position, self.segments)
-            x = x + layer.moe(backend, backend.rmsnorm(x, layer.post_attention_norm, layer.eps, offset=True))
-        return text.logits(backend, backend.rmsnorm(x, text.final_norm, text.config.rms_norm_eps, offset=True))
+        return captured_forward(self.engine, self.segments, self.token, self.position, self.rows)
 
-    def _attention(self, att: GatedAttention, x: torch.Tensor) -> torch.Tensor:
-        """`GatedAttention` for one token with its position and KV length read from device buffers."""
-        backend, c = self.engine.backend, att.config
-        q = backend.linear(x, att.query).view(1, c.num_attention_heads, c.head_dim)
-        k = backend.linear(x, att.key_proj).view(1, c.num_kv_heads, c.head_dim)
-        v = backend.linear(x, att.value).view(1, c.num_kv_heads, c.head_dim)
-        gate = backend.linear(x, att.gate)
-        q = att.rotary(backend.rmsnorm(q, att.query_norm, c.rms_norm_eps, offset=True), self.position)
-        k = att.rotary(backend.rmsnorm(k, att.key_norm, c.rms_norm_eps, offset=True), self.position)
-        k_cache, v_cache = self.state.kv[att.key]
-        k_cache.index_copy_(0, self.position, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.position, v.to(v_cache.dtype))
-        out = backend.attention_decode(q, k_cache, v_cache, self.rows)
-        return backend.linear(out.reshape(1, -1) * torch.sigmoid(gate), att.output)
+
+def captured_forward(engine, segments: list[Segment], token: torch.Tensor, position: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The ops a `DecodeGraph` records: logits [1, vocab] of `token` [1] at device `position` [1], `rows` [1] valid KV rows."""
+    text, backend = engine.text, engine.backend
+    return text.logits(backend, text.hidden(backend, token, segments, position, rows))

@@ -1,0 +1,113 @@
+"""Kernel launches of one captured decode step, counted on the CPU: Triton kernels and torch ops.
+
+Usage: python bench/decode_launches.py [ARTIFACT]
+
+Runs the step a `DecodeGraph` records (`cuda_graph.captured_forward`) on the Triton backend under
+the Triton interpreter, after a short prefill, and counts what it would launch on a GPU: each
+Triton kernel call, and each torch op that computes (views and uninitialised allocations launch
+nothing and are left out). Without ARTIFACT it converts the tiny test model (tests/tiny_hf.py) to
+the `official` recipe in a temporary directory. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from ninfer_offload.runtime.cuda_graph import captured_forward  # noqa: E402
+from ninfer_offload.runtime.engine import Engine  # noqa: E402
+from ninfer_offload.runtime.state import Segment  # noqa: E402
+
+PROMPT = [5, 17, 300, 42, 7]
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """While active: Triton kernel calls by kernel name, and the torch ops outside them that would launch a
+    kernel (not views, not uninitialised allocations; the interpreter's own tensor traffic is not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: Counter[str] = Counter()
+        self.ops: Counter[str] = Counter()
+        self._in_kernel = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._in_kernel and not func.is_view and name not in _NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> "LaunchCounter":
+        self._run = run = InterpretedFunction.run
+
+        def counted(fn, *args, **kwargs):
+            self.kernels[fn.fn.__name__] += 1
+            self._in_kernel = True
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                self._in_kernel = False
+
+        InterpretedFunction.run = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        InterpretedFunction.run = self._run
+        super().__exit__(*exc)
+
+
+def tiny_artifact(directory: Path) -> Path:
+    """The tiny test model converted with the official recipe."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import tiny_hf
+
+    from ninfer_offload.convert import convert
+
+    model = tiny_hf.build_tiny_model(seed=0, layout="fused")
+    checkpoint = tiny_hf.save_checkpoint(model, directory / "checkpoint", "fused", seed=0)
+    return convert(checkpoint, directory / "tiny.ninfer", recipe="official", progress=False)
+
+
+def count_step(artifact: Path) -> dict:
+    engine = Engine.load(artifact, device="cpu", dtype="float32", backend="triton")
+    session = engine.session()
+    session.prefill(PROMPT)
+    state = session._live_state()
+    token, position = torch.tensor([11]), torch.tensor([state.length])
+    rows = torch.tensor([state.length + 1], dtype=torch.int32)
+    with torch.no_grad(), LaunchCounter() as counter:
+        captured_forward(engine, [Segment(state, 0, 0, 1)], token, position, rows)
+    layers = len(engine.text.layers)
+    triton_total, torch_total = sum(counter.kernels.values()), sum(counter.ops.values())
+    return {
+        "layers": layers,
+        "launches_per_step": triton_total + torch_total,
+        "launches_per_layer": round((triton_total + torch_total) / layers, 1),
+        "triton_kernels": triton_total,
+        "torch_ops": torch_total,
+        "triton_by_kernel": dict(counter.kernels.most_common()),
+        "torch_by_op": dict(counter.ops.most_common()),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1:
+        print(json.dumps(count_step(Path(sys.argv[1])), indent=1))
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        print(json.dumps(count_step(tiny_artifact(Path(directory))), indent=1))
+
+
+if __name__ == "__main__":
+    main()
