@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.kernels import attention, gdn, moe, norm, router
+from ninfer_offload.kernels import attention, gdn, moe, norm, rotary, router, shared_expert
 from ninfer_offload.kernels.quant_linear import rowsplit_linear
 from ninfer_offload.model.backend import ReferenceBackend, Weight
 from ninfer_offload.model.experts import ExpertBank
@@ -56,6 +56,15 @@ class TritonBackend(ReferenceBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return norm.add_rmsnorm(x, delta, w, eps, offset)
 
+    def qk_norm_rotary(self, x: torch.Tensor, w: torch.Tensor, eps: float, rotary_embedding, positions: torch.Tensor) -> torch.Tensor:
+        return rotary.qk_norm_rotary(x, w, eps, rotary_embedding.inv_freq, rotary_embedding.dim, positions)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return shared_expert.swiglu(gate, up)
+
+    def add_gated(self, routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return shared_expert.add_gated(routed, score, shared)
+
     def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return router.softmax_topk(self.linear(x, w), top_k, x.dtype)
 
@@ -72,6 +81,11 @@ class TritonBackend(ReferenceBackend):
 
     def conv_update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return gdn.conv_update(x, conv_state, weight)
+
+    def gdn_gating(
+        self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return gdn.gdn_gating(a, b, a_log, dt_bias)
 
     def gdn_decode(self, q, k, v, g, beta, state) -> torch.Tensor:
         return gdn.gdn_decode(q, k, v, g, beta, state)

@@ -1,6 +1,6 @@
-"""Gated DeltaNet decode kernels: the recurrent delta-rule step and the causal conv state update.
+"""Gated DeltaNet decode kernels: the gating (g, beta), the recurrent delta-rule step and the causal conv state update.
 
-Reference ops: `ReferenceBackend.gdn_decode` and `ReferenceBackend.conv_update`. The recurrent
+Reference ops: `ReferenceBackend.gdn_gating`, `gdn_decode` and `conv_update`. The recurrent
 kernel keeps one value-column block of a head's fp32 state in registers while it walks the tokens
 (T = 1 in decode, a few when verifying drafts), so the state is read and written once per call.
 """
@@ -116,3 +116,29 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     )
     state.copy_(final[0])
     return out[0].to(v.dtype)
+
+
+@triton.jit
+def _gating_kernel(a, b, a_log, dt_bias, g, beta, N, HV: tl.constexpr, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < N
+    h = idx % HV
+    x = tl.load(a + idx, mask=mask, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=mask, other=0.0)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
+    tl.store(g + idx, -tl.exp(tl.load(a_log + h, mask=mask, other=0.0)) * softplus, mask=mask)
+    bv = tl.load(b + idx, mask=mask, other=0.0).to(tl.float32)
+    tl.store(beta + idx, (1.0 / (1.0 + tl.exp(-bv))).to(beta.dtype.element_ty), mask=mask)
+
+
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """g = -exp(a_log) * softplus(a + dt_bias) (fp32) and beta = sigmoid(b), [T, Hv], in one launch;
+    the contract of `ReferenceBackend.gdn_gating`."""
+    hv = a.shape[-1]
+    g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(b)
+    n = a.numel()
+    block = min(1024, triton.next_power_of_2(max(n, 1)))
+    _gating_kernel[(triton.cdiv(n, block),)](
+        a.contiguous(), b.contiguous(), a_log.float().contiguous(), dt_bias.float().contiguous(), g, beta, n, HV=hv, BLOCK=block
+    )
+    return g, beta

@@ -171,3 +171,37 @@ def test_unsupported_gpu_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     with pytest.raises(NinferError, match=r"Tesla T4 \(compute capability 7.5\) is not supported.*--device cpu"):
         TritonBackend()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_gdn_gating(dtype, tol):
+    a, b = (torch.randn(3, 6, generator=_gen(30)) * 8).to(dtype), (torch.randn(3, 6, generator=_gen(31)) * 4).to(dtype)
+    a[0, 0], a[0, 1] = 25.0, -30.0  # both sides of softplus' linear threshold
+    a_log, dt_bias = torch.randn(6, generator=_gen(32)), torch.randn(6, generator=_gen(33))
+    g, beta = _backend().gdn_gating(*(t.to(DEVICE) for t in (a, b, a_log, dt_bias)))
+    ref_g, ref_beta = REF.gdn_gating(a, b, a_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    assert _close(g, ref_g, 1e-6) and _close(beta, ref_beta, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_shared_expert_swiglu_and_gated_add(dtype, tol):
+    gate, up = torch.randn(3, 1100, generator=_gen(34)).to(dtype), torch.randn(3, 1100, generator=_gen(35)).to(dtype)
+    assert _close(_backend().swiglu(gate.to(DEVICE), up.to(DEVICE)), REF.swiglu(gate, up), tol)
+    routed, shared = torch.randn(3, 1100, generator=_gen(36)).to(dtype), torch.randn(3, 1100, generator=_gen(37)).to(dtype)
+    score = (torch.randn(3, 1, generator=_gen(38)) * 3).to(dtype)
+    got = _backend().add_gated(routed.to(DEVICE), score.to(DEVICE), shared.to(DEVICE))
+    assert _close(got, REF.add_gated(routed, score, shared), tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,dim,rotated", [(4, 32, 8), (2, 24, 12), (3, 16, 16)])
+def test_qk_norm_rotary(dtype, tol, heads, dim, rotated):
+    from ninfer_offload.model.attention import Rotary
+
+    x = torch.randn(3, heads, dim, generator=_gen(39)).to(dtype)
+    w = (torch.randn(dim, generator=_gen(40)) * 0.1).to(dtype)
+    positions = torch.tensor([0, 7, 30001])
+    ref = REF.qk_norm_rotary(x, w, 1e-6, Rotary(rotated, 1e7, torch.device("cpu")), positions)
+    got = _backend().qk_norm_rotary(x.to(DEVICE), w.to(DEVICE), 1e-6, Rotary(rotated, 1e7, DEVICE), positions.to(DEVICE))
+    assert got.shape == ref.shape and _close(got, ref, tol)

@@ -91,8 +91,8 @@ class GatedAttention:
         k = backend.linear(x, self.key_proj).view(t, c.num_kv_heads, c.head_dim)
         v = backend.linear(x, self.value).view(t, c.num_kv_heads, c.head_dim)
         gate = backend.linear(x, self.gate)
-        q = self.rotary(backend.rmsnorm(q, self.query_norm, c.rms_norm_eps, offset=True), positions)
-        k = self.rotary(backend.rmsnorm(k, self.key_norm, c.rms_norm_eps, offset=True), positions)
+        q = backend.qk_norm_rotary(q, self.query_norm, c.rms_norm_eps, self.rotary, positions)
+        k = backend.qk_norm_rotary(k, self.key_norm, c.rms_norm_eps, self.rotary, positions)
         return q, k, v, gate
 
     def _gated_output(self, backend, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,19 @@ class ReferenceBackend:
         x = x + delta
         return x, self.rmsnorm(x, w, eps, offset)
 
+    def qk_norm_rotary(self, x: torch.Tensor, w: torch.Tensor, eps: float, rotary, positions: torch.Tensor) -> torch.Tensor:
+        """Per-head offset RMSNorm of q or k x [T, heads, D], then `rotary` (model.attention.Rotary) at `positions` [T]."""
+        return rotary(self.rmsnorm(x, w, eps, offset=True), positions)
+
     # ------------------------------------------------------------------ MoE
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up."""
+        return F.silu(gate) * up
+
+    def add_gated(self, routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """routed + sigmoid(score) * shared: the shared expert [T, H] scaled by its score [T, 1], added to the routed output."""
+        return routed + torch.sigmoid(score) * shared
+
     def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 softmax over expert logits, top-k, renormalised: (ids int64 [T, k], weights [T, k] in x.dtype)."""
         probs = torch.softmax(self.linear(x, w).float(), dim=-1)
@@ -96,6 +108,12 @@ class ReferenceBackend:
         out = sum(weight[i].float() * window[i : i + t].float() for i in range(taps))
         conv_state.copy_(window[t:])
         return F.silu(out).to(x.dtype)
+
+    def gdn_gating(
+        self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log decay g = -exp(a_log) * softplus(a + dt_bias) (fp32) and beta = sigmoid(b) (b's dtype), all [T, Hv]."""
+        return -a_log.exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
     def _gdn_inputs(self, q, k, v, g, beta):
         """Heads-first fp32 tensors; Q/K heads repeated for their value heads, l2-normalised, q scaled."""

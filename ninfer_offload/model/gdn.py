@@ -58,8 +58,7 @@ class GatedDeltaNet:
         nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed = torch.cat([backend.linear(x, w) for w in (self.query, self.key_proj, self.value)], dim=-1)
         z = backend.linear(x, self.z).view(t, nv, dv)
-        beta = torch.sigmoid(backend.linear(x, self.b))
-        g = -self.a_log.exp() * F.softplus(backend.linear(x, self.a).float() + self.dt_bias)
+        g, beta = backend.gdn_gating(backend.linear(x, self.a), backend.linear(x, self.b), self.a_log, self.dt_bias)
         out = torch.empty(t, nv, dv, dtype=x.dtype, device=x.device)
         for seg in segments:
             conv = backend.conv_update(mixed[seg.rows], seg.state.conv[self.key], self.convolution)

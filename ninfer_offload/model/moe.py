@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.weights import Weight, WeightReader
@@ -48,5 +47,5 @@ class SparseMoe:
     def __call__(self, backend, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = backend.router(x, self.router, self.top_k)
         routed = self.experts.routed(self.layer, x, topk_ids, topk_weights)
-        shared = backend.linear(F.silu(backend.linear(x, self.shared_gate)) * backend.linear(x, self.shared_up), self.shared_down)
-        return routed + torch.sigmoid(backend.linear(x, self.shared_score)) * shared
+        shared = backend.linear(backend.swiglu(backend.linear(x, self.shared_gate), backend.linear(x, self.shared_up)), self.shared_down)
+        return backend.add_gated(routed, backend.linear(x, self.shared_score), shared)
