@@ -3,7 +3,7 @@
 Reference ops: `ReferenceBackend.attention_decode` / `attention_prefill` (causal GQA, scale
 D^-1/2, fp32 softmax). Decode splits the cached positions across programs (one program per KV
 head and span, all of the head's query heads at once with `tl.dot`), each writing a partial
-softmax (max, sum, weighted values) that a fixed-order merge combines. The number of valid rows
+softmax (max, sum, weighted values) that a fixed-order merge kernel combines. The number of valid rows
 can be a device tensor, so a captured decode step keeps working as the sequence grows; spans
 past the end exit at once. An fp8 (e4m3) cache is widened in registers.
 """
@@ -17,6 +17,8 @@ import triton.language as tl
 
 # Cached positions per program in decode.
 SPAN = 256
+# Spans the merge combines per step.
+MERGE_BLOCK = 16
 
 
 @triton.jit
@@ -79,6 +81,30 @@ def _decode_partial_kernel(
     tl.store(part_out + base[:, None] * D + dims[None, :], acc, mask=head_mask[:, None] & dmask[None, :])
 
 
+@triton.jit
+def _decode_merge_kernel(part_out, part_max, part_sum, out, NSPLIT, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+    """One query head: its spans' partial softmaxes combined in a fixed order (empty spans weigh exp(-inf) = 0)."""
+    h = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, D_PAD)
+    dmask = dims < D
+    top = tl.full([BLOCK_SPLIT], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BLOCK_SPLIT):
+        splits = s0 + tl.arange(0, BLOCK_SPLIT)
+        top = tl.maximum(top, tl.load(part_max + h * NSPLIT + splits, mask=splits < NSPLIT, other=float("-inf")))
+    m = tl.max(top)
+    total = tl.zeros([BLOCK_SPLIT], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_SPLIT, D_PAD], dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BLOCK_SPLIT):
+        splits = s0 + tl.arange(0, BLOCK_SPLIT)
+        smask = splits < NSPLIT
+        weight = tl.exp(tl.load(part_max + h * NSPLIT + splits, mask=smask, other=float("-inf")) - m)
+        total += tl.load(part_sum + h * NSPLIT + splits, mask=smask, other=0.0) * weight
+        rows = tl.load(part_out + (h * NSPLIT + splits)[:, None] * D + dims[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+        acc += rows * weight[:, None]
+    result = tl.sum(acc, axis=0) / tl.sum(total)
+    tl.store(out + h * D + dims, result.to(out.dtype.element_ty), mask=dmask)
+
+
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int | torch.Tensor) -> torch.Tensor:
     """One token q [1, Hq, D] over the first `length` rows of k_cache/v_cache [capacity, Hkv, D] -> [1, Hq, D].
 
@@ -100,11 +126,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d), GROUP_PAD=max(16, triton.next_power_of_2(group)), SPAN_SIZE=SPAN, BLOCK_S=64,
         IEEE=q.dtype == torch.float32,
     )
-    top = part_max.max(dim=1, keepdim=True).values
-    weight = torch.exp(part_max - top)  # empty spans: exp(-inf) = 0
-    total = (part_sum * weight).sum(1)
-    out = (part_out * weight.unsqueeze(-1)).sum(1) / total.unsqueeze(-1)
-    return out.to(q.dtype).unsqueeze(0)
+    out = torch.empty(1, hq, d, dtype=q.dtype, device=q.device)
+    _decode_merge_kernel[(hq,)](part_out, part_max, part_sum, out, nsplit, D=d, D_PAD=triton.next_power_of_2(d), BLOCK_SPLIT=MERGE_BLOCK)
+    return out
 
 
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:

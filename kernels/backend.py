@@ -51,6 +51,9 @@ class TritonBackend(ReferenceBackend):
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
         return norm.rmsnorm(x, w, eps, offset)
 
+    def gated_rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor:
+        return norm.gated_rmsnorm(x, w, eps, z)
+
     def add_rmsnorm(
         self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, offset: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:

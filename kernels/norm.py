@@ -1,4 +1,5 @@
-"""RMSNorm in one pass, alone or after the residual add (reference ops: `ReferenceBackend.rmsnorm`, `add_rmsnorm`)."""
+"""RMSNorm in one pass: alone, after the residual add, or gated by silu(z) (reference ops:
+`ReferenceBackend.rmsnorm`, `add_rmsnorm`, `gated_rmsnorm`)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,28 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: floa
     if rows:
         _add_rmsnorm_kernel[(rows,)](xc, dc, total, out, w.contiguous(), d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d))
     return total, out
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(x, w, z, out, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    xv = tl.load(x + row * D + cols, mask=mask, other=0.0)
+    xf = xv.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf) / D + eps)).to(xv.dtype).to(tl.float32)
+    y = (tl.load(w + cols, mask=mask, other=0.0).to(xv.dtype).to(tl.float32) * normed).to(xv.dtype).to(tl.float32)
+    zf = tl.load(z + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = (zf / (1.0 + tl.exp(-zf))).to(xv.dtype).to(tl.float32)
+    tl.store(out + row * D + cols, (y * gate).to(out.dtype.element_ty), mask=mask)
+
+
+def gated_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor:
+    """rmsnorm(x) * w * silu(z) per row of the last dim, in one pass; the contract of `ReferenceBackend.gated_rmsnorm`."""
+    d = x.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    rows = xc.numel() // d
+    if rows:
+        _gated_rmsnorm_kernel[(rows,)](xc, w.contiguous(), z.contiguous(), out, d, eps, BLOCK_D=triton.next_power_of_2(d))
+    return out

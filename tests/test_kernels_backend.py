@@ -60,6 +60,15 @@ def test_add_rmsnorm(dtype):
     assert _close(total, ref_total, tol) and _close(normed, ref_normed, 10 * tol)
 
 
+# bf16: three roundings, which the interpreter does toward zero (CUDA: to nearest)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_gated_rmsnorm(dtype, tol):
+    x, z = torch.randn(3, 4, 40, generator=_gen(23)).to(dtype), torch.randn(3, 4, 40, generator=_gen(24)).to(dtype)
+    w = (1 + torch.randn(40, generator=_gen(25)) * 0.1).to(dtype)
+    got = _backend().gated_rmsnorm(x.to(DEVICE), w.to(DEVICE), 1e-6, z.to(DEVICE))
+    assert got.dtype == dtype and _close(got, REF.gated_rmsnorm(x, w, 1e-6, z), tol)
+
+
 def test_router_softmax_topk():
     x, w = torch.randn(4, 64, generator=_gen(4)), torch.randn(10, 64, generator=_gen(5))
     ids, weights = _backend().router(x.to(DEVICE), w.to(DEVICE), 3)
@@ -109,9 +118,9 @@ def test_gdn_decode_and_conv_update(tokens):
     assert _close(out, ref) and torch.equal(dev_conv.cpu(), ref_conv)
 
 
-@pytest.mark.parametrize("length", [1, 70, 600])
-def test_attention_decode(length):
-    hq, hkv, d, capacity = 8, 2, 48, 700
+@pytest.mark.parametrize("length,capacity", [(1, 700), (70, 700), (600, 700), (4500, 4700)])
+def test_attention_decode(length, capacity):
+    hq, hkv, d = 8, 2, 48
     kc, vc = torch.randn(capacity, hkv, d, generator=_gen(18)), torch.randn(capacity, hkv, d, generator=_gen(19))
     q = torch.randn(1, hq, d, generator=_gen(20))
     ref = REF.attention_decode(q, kc, vc, length)

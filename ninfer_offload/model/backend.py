@@ -51,6 +51,10 @@ class ReferenceBackend:
             return (normed * (1.0 + w.float())).to(x.dtype)
         return w.to(x.dtype) * normed.to(x.dtype)
 
+    def gated_rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor:
+        """rmsnorm(x) with weights w (no offset), times silu(z) taken in fp32 and rounded to x's dtype."""
+        return self.rmsnorm(x, w, eps, offset=False) * F.silu(z.float()).to(x.dtype)
+
     def add_rmsnorm(
         self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, offset: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.weights import Weight, WeightReader
@@ -68,5 +67,5 @@ class GatedDeltaNet:
                 q.reshape(-1, nk, dk), k.reshape(-1, nk, dk), v.reshape(-1, nv, dv),
                 g[seg.rows], beta[seg.rows], seg.state.recurrent[self.key],
             )
-        gated = backend.rmsnorm(out, self.norm, c.rms_norm_eps, offset=False) * F.silu(z.float()).to(x.dtype)
+        gated = backend.gated_rmsnorm(out, self.norm, c.rms_norm_eps, z)
         return backend.linear(gated.reshape(t, -1), self.output)
