@@ -142,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default=platform.node() or "host", help="result file suffix")
     parser.add_argument("--seconds", type=float, default=1.0, help="measurement time per point")
+    parser.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1, 2, 4, 8 and all)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -150,7 +151,7 @@ def main() -> None:
     layout, records, offsets = make_layer(rng)
     plan = ce.RecordKernelPlan.create(layout)
     cores = numba.config.NUMBA_NUM_THREADS
-    counts = sorted({c for c in (1, 2, 4, 8) if c < cores} | {cores})
+    counts = sorted({c for c in args.threads or (1, 2, 4, 8, cores) if 1 <= c <= cores})
     points = []
     for threads in counts:
         numba.set_num_threads(threads)

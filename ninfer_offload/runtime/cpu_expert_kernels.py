@@ -11,7 +11,8 @@ no two threads write the same element.
 Lane order: a Q4/Q5/Q6 base byte holds lanes 2j and 2j+1, so the activations are permuted once
 per call (per 128 lanes: even lanes, then odd lanes) and every inner loop reads them
 contiguously; a 128-lane block is one loop with per-lane scale selection, so the horizontal sum
-is paid once per 128 weights. Both make LLVM vectorise the unpacking.
+is paid once per 128 weights. Both make LLVM vectorise the unpacking. Q4 rows go two per pass
+(gate row i with up row i, down rows h and h + 1) so each activation load feeds both.
 
 `routed_experts_cpu` is the entry point; `reference_routed` is the oracle it must match (codecs
 decode + numpy).
@@ -93,22 +94,48 @@ def _code(typingctx, byte, nibble_shift, word, high_shift, high_mask, bits):
     return sig, codegen
 
 
+@intrinsic
+def _shl(typingctx, value, amount):
+    """value << amount in int32 (bits shifted out are dropped)."""
+    sig = types.int32(types.int32, types.int32)
+    return sig, lambda context, builder, signature, args: builder.shl(args[0], args[1])
+
+
+@intrinsic
+def _sar(typingctx, value, amount):
+    """value >> amount in int32, sign-extending."""
+    sig = types.int32(types.int32, types.int32)
+    return sig, lambda context, builder, signature, args: builder.ashr(args[0], args[1])
+
+
+# Q4 low nibble: float(byte << 28) is code * 2**28 exactly; this undoes it (a power of two: exact).
+_LOW_NIBBLE_SCALE = _F32(2.0**-28)
+
+
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _row_dot_q4(u8, u16, lut, base_at, scale_at, gpr, x):
-    acc = _F32(0.0)
-    zero, four = _I32(0), _I32(4)
+def _rows_dot_q4(i8, u16, lut, base_a, base_b, scale_a, scale_b, gpr, x):
+    """Two rows in one pass over x (every activation load feeds both). The base bytes are read
+    signed: the high nibble's code is byte >> 4 (arithmetic) and the low nibble's is the byte
+    shifted to the top of the word, so each code costs one shift before its conversion."""
+    acc_a, acc_b = _F32(0.0), _F32(0.0)
+    four, top = _I32(4), _I32(28)
     for blk in range(gpr // 2):  # 128 lanes = 2 groups = 64 base bytes
-        q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
+        qa = i8[base_a + 64 * blk : base_a + 64 * blk + 64]
+        qb = i8[base_b + 64 * blk : base_b + 64 * blk + 64]
         xe = x[128 * blk : 128 * blk + 64]
         xo = x[128 * blk + 64 : 128 * blk + 128]
-        s0, s1 = lut[u16[scale_at + 2 * blk]], lut[u16[scale_at + 2 * blk + 1]]
-        d = _F32(0.0)
+        sa0, sa1 = lut[u16[scale_a + 2 * blk]], lut[u16[scale_a + 2 * blk + 1]]
+        sb0, sb1 = lut[u16[scale_b + 2 * blk]], lut[u16[scale_b + 2 * blk + 1]]
+        da, db = _F32(0.0), _F32(0.0)
         for j in range(64):
-            b = _I32(q[j])
-            s = s0 if j < 32 else s1
-            d += s * (_F32(_code(b, zero, zero, zero, zero, four)) * xe[j] + _F32(_code(b, four, zero, zero, zero, four)) * xo[j])
-        acc += d
-    return acc
+            ba, bb, e, o = _I32(qa[j]), _I32(qb[j]), xe[j] * _LOW_NIBBLE_SCALE, xo[j]
+            sa = sa0 if j < 32 else sa1
+            sb = sb0 if j < 32 else sb1
+            da += sa * (_F32(_shl(ba, top)) * e + _F32(_sar(ba, four)) * o)
+            db += sb * (_F32(_shl(bb, top)) * e + _F32(_sar(bb, four)) * o)
+        acc_a += da
+        acc_b += db
+    return acc_a, acc_b
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
@@ -176,14 +203,24 @@ def _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x):
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _rows_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, row_b, x):
+    """(dot(row row_a, x), dot(row row_b, x)) of the object described by geo inside the record at
+    record_at; Q4 reads both rows in one pass, the other formats one row after the other."""
+    if geo[0] == 4:
+        gpr = geo[1]
+        at = record_at + geo[6]
+        scale_at = (at + geo[5]) // 2
+        return _rows_dot_q4(i8, u16, lut, at + row_a * gpr * geo[2], at + row_b * gpr * geo[2], scale_at + row_a * gpr, scale_at + row_b * gpr, gpr, x)
+    return _row_dot(u8, u32, u16, lut, geo, record_at, row_a, x), _row_dot(u8, u32, u16, lut, geo, record_at, row_b, x)
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _row_dot(u8, u32, u16, lut, geo, record_at, row, x):
-    """dot(row `row` of the object described by geo inside the record at record_at, x)."""
+    """dot(row `row` of the Q5, Q6 or Q8 object described by geo inside the record at record_at, x)."""
     bits, gpr = geo[0], geo[1]
     at = record_at + geo[6]
     base_at = at + row * gpr * geo[2]
     scale_at = (at + geo[5]) // 2 + row * gpr
-    if bits == 4:
-        return _row_dot_q4(u8, u16, lut, base_at, scale_at, gpr, x)
     if bits == 8:
         return _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x)
     high_at = (at + geo[4] + row * gpr * geo[3]) // 4
@@ -193,7 +230,7 @@ def _row_dot(u8, u32, u16, lut, geo, record_at, row, x):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _moe_kernel(u8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, tokens, weights, x, hidden_act, act, partial, out):
+def _moe_kernel(u8, i8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, tokens, weights, x, hidden_act, act, partial, out):
     """Compute every assignment, grouped by expert (CSR `starts` over `tokens`/`weights`), into out.
 
     x: [T, H_pad] permuted for gate/up; hidden_act: [A, I] scratch (natural order); act: [A, I_pad]
@@ -212,8 +249,7 @@ def _moe_kernel(u8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, 
         for i in range(r0, min(r0 + ACT_ITEM, inter)):
             for a in range(starts[s], starts[s + 1]):
                 xt = x[tokens[a]]
-                gate = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], i, xt)
-                up = _row_dot(u8, u32, u16, lut, gate_up, record_at[s], inter + i, xt)
+                gate, up = _rows_dot(u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xt)
                 hidden_act[a, i] = gate / (_F32(1.0) + np.exp(-gate)) * up
     for a in range(act.shape[0]):
         for i in range(inter):
@@ -222,9 +258,10 @@ def _moe_kernel(u8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, 
     for item in prange(slots * blocks):
         s = item // blocks
         h0 = (item % blocks) * OUT_ITEM
-        for h in range(h0, min(h0 + OUT_ITEM, hidden)):
+        for h in range(h0, min(h0 + OUT_ITEM, hidden), 2):  # row pairs (the last one alone when odd)
+            h1 = min(h + 1, hidden - 1)
             for a in range(starts[s], starts[s + 1]):
-                partial[a, h] = _row_dot(u8, u32, u16, lut, down, record_at[s], h, act[a])
+                partial[a, h], partial[a, h1] = _rows_dot(u8, i8, u32, u16, lut, down, record_at[s], h, h1, act[a])
     for a in range(tokens.shape[0]):  # serial: a few thousand adds cost less than a third thread barrier
         row = out[tokens[a]]
         for h in range(hidden):
@@ -258,11 +295,11 @@ class RecordKernelPlan:
         )
 
 
-def _buffer_views(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """uint8, uint32 and uint16 views of a record buffer (whole 4-byte words only)."""
+def _buffer_views(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """uint8, int8, uint32 and uint16 views of a record buffer (whole 4-byte words only)."""
     u8 = records.reshape(-1).view(np.uint8)
     usable = u8[: u8.size - u8.size % 4]
-    return u8, usable.view(np.uint32), usable.view(np.uint16)
+    return u8, u8.view(np.int8), usable.view(np.uint32), usable.view(np.uint16)
 
 
 @njit(nogil=True, cache=True)
@@ -338,7 +375,7 @@ def routed_experts_cpu(
         raise NinferError(f"activations have width {hidden}, the expert records expect {gu.k}")
     ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
     mask = np.ones(ids.shape, dtype=np.bool_) if selected is None else np.ascontiguousarray(selected, dtype=np.bool_)
-    u8, u32, u16 = _buffer_views(records)
+    u8, i8, u32, u16 = _buffer_views(records)
     ok, record_at, starts, tokens, weights, xp, scratch = _prepare(
         ids, np.ascontiguousarray(topk_weights, dtype=np.float32), mask, np.ascontiguousarray(record_offsets, dtype=np.int64),
         plan.layout.nbytes, u8.size, x, plan.gate_up_perm, gu.k_pad, dn.k, dn.k_pad,
@@ -347,7 +384,7 @@ def routed_experts_cpu(
         raise NinferError("a routed expert selected for CPU compute has no host record")
     out = np.zeros((t, hidden), dtype=np.float32)
     if record_at.size:
-        _moe_kernel(u8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.down_perm, record_at, starts, tokens, weights, xp, *scratch, out)
+        _moe_kernel(u8, i8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.down_perm, record_at, starts, tokens, weights, xp, *scratch, out)
     return out
 
 
