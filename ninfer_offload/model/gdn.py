@@ -58,14 +58,15 @@ class GatedDeltaNet:
         mixed = torch.cat([backend.linear(x, w) for w in (self.query, self.key_proj, self.value)], dim=-1)
         z = backend.linear(x, self.z).view(t, nv, dv)
         g, beta = backend.gdn_gating(backend.linear(x, self.a), backend.linear(x, self.b), self.a_log, self.dt_bias)
-        out = torch.empty(t, nv, dv, dtype=x.dtype, device=x.device)
+        parts = []  # per segment, in row order
         for seg in segments:
             conv = backend.conv_update(mixed[seg.rows], seg.state.conv[self.key], self.convolution)
             q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
             rule = backend.gdn_decode if seg.count == 1 else backend.gdn_prefill
-            out[seg.rows] = rule(
+            parts.append(rule(
                 q.reshape(-1, nk, dk), k.reshape(-1, nk, dk), v.reshape(-1, nv, dv),
                 g[seg.rows], beta[seg.rows], seg.state.recurrent[self.key],
-            )
+            ))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # one segment (a decode step): no copy
         gated = backend.gated_rmsnorm(out, self.norm, c.rms_norm_eps, z)
         return backend.linear(gated.reshape(t, -1), self.output)
