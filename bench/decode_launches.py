@@ -1,16 +1,19 @@
 """Kernel launches of one captured decode step, counted on the CPU: Triton kernels and torch ops.
 
-Usage: python bench/decode_launches.py [ARTIFACT]
+Usage: python bench/decode_launches.py [--dtype bfloat16] [ARTIFACT]
 
 Runs the step a `DecodeGraph` records (`cuda_graph.captured_forward`) on the Triton backend under
 the Triton interpreter, after a short prefill, and counts what it would launch on a GPU: each
 Triton kernel call, and each torch op that computes (views and uninitialised allocations launch
 nothing and are left out). Without ARTIFACT it converts the tiny test model (tests/tiny_hf.py) to
-the `official` recipe in a temporary directory. Prints one JSON object.
+the `official` recipe in a temporary directory. Prints one JSON object, with the launches of each
+kind of layer and an estimate for the full model's 40 layers (its layer kinds, these per-layer
+counts, the launches outside the layers).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -24,6 +27,9 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from ninfer_offload.model.attention import GatedAttention  # noqa: E402
+from ninfer_offload.model.config import FULL_ATTENTION  # noqa: E402
+from ninfer_offload.model.contract import TEXT_CONFIG  # noqa: E402
 from ninfer_offload.runtime.cuda_graph import captured_forward  # noqa: E402
 from ninfer_offload.runtime.engine import Engine  # noqa: E402
 from ninfer_offload.runtime.state import Segment  # noqa: E402
@@ -48,6 +54,10 @@ class LaunchCounter(TorchDispatchMode):
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
+    @property
+    def total(self) -> int:
+        return sum(self.kernels.values()) + sum(self.ops.values())
+
     def __enter__(self) -> "LaunchCounter":
         self._run = run = InterpretedFunction.run
 
@@ -67,6 +77,20 @@ class LaunchCounter(TorchDispatchMode):
         super().__exit__(*exc)
 
 
+class MeasuredLayer:
+    """A decoder layer that records the launches of each of its calls under its mixer's kind."""
+
+    def __init__(self, layer, counter: LaunchCounter, per_kind: dict[str, list[int]]) -> None:
+        self.layer, self.counter, self.per_kind = layer, counter, per_kind
+
+    def __call__(self, *args, **kwargs):
+        before = self.counter.total
+        result = self.layer(*args, **kwargs)
+        kind = "attention" if isinstance(self.layer.mixer, GatedAttention) else "gdn"
+        self.per_kind.setdefault(kind, []).append(self.counter.total - before)
+        return result
+
+
 def tiny_artifact(directory: Path) -> Path:
     """The tiny test model converted with the official recipe."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -79,21 +103,31 @@ def tiny_artifact(directory: Path) -> Path:
     return convert(checkpoint, directory / "tiny.ninfer", recipe="official", progress=False)
 
 
-def count_step(artifact: Path) -> dict:
-    engine = Engine.load(artifact, device="cpu", dtype="float32", backend="triton")
+def count_step(artifact: Path, dtype: str) -> dict:
+    engine = Engine.load(artifact, device="cpu", dtype=dtype, backend="triton")
     session = engine.session()
     session.prefill(PROMPT)
     state = session._live_state()
     token, position = torch.tensor([11]), torch.tensor([state.length])
     rows = torch.tensor([state.length + 1], dtype=torch.int32)
+    per_kind: dict[str, list[int]] = {}
     with torch.no_grad(), LaunchCounter() as counter:
-        captured_forward(engine, [Segment(state, 0, 0, 1)], token, position, rows)
-    layers = len(engine.text.layers)
+        layers, engine.text.layers = engine.text.layers, [MeasuredLayer(layer, counter, per_kind) for layer in engine.text.layers]
+        try:
+            captured_forward(engine, [Segment(state, 0, 0, 1)], token, position, rows)
+        finally:
+            engine.text.layers = layers
     triton_total, torch_total = sum(counter.kernels.values()), sum(counter.ops.values())
+    per_layer = {kind: min(counts) for kind, counts in per_kind.items()}  # the first layer also fills a per-shape cache
+    outside = counter.total - sum(sum(counts) for counts in per_kind.values())
+    full_kinds = ["attention" if kind == FULL_ATTENTION else "gdn" for kind in TEXT_CONFIG["layer_types"]]
     return {
-        "layers": layers,
-        "launches_per_step": triton_total + torch_total,
-        "launches_per_layer": round((triton_total + torch_total) / layers, 1),
+        "dtype": dtype,
+        "layers": len(layers),
+        "launches_per_step": counter.total,
+        "launches_per_layer_kind": per_layer,
+        "launches_outside_layers": outside,
+        "full_model_estimate": outside + sum(per_layer[kind] for kind in full_kinds),
         "triton_kernels": triton_total,
         "torch_ops": torch_total,
         "triton_by_kernel": dict(counter.kernels.most_common()),
@@ -102,11 +136,15 @@ def count_step(artifact: Path) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1:
-        print(json.dumps(count_step(Path(sys.argv[1])), indent=1))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", nargs="?", type=Path, help="a .ninfer artifact (default: the tiny test model)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activation dtype")
+    args = parser.parse_args()
+    if args.artifact is not None:
+        print(json.dumps(count_step(args.artifact, args.dtype), indent=1))
         return
     with tempfile.TemporaryDirectory() as directory:
-        print(json.dumps(count_step(tiny_artifact(Path(directory))), indent=1))
+        print(json.dumps(count_step(tiny_artifact(Path(directory)), args.dtype), indent=1))
 
 
 if __name__ == "__main__":
