@@ -83,7 +83,7 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(part_out, part_max, part_sum, out, NSPLIT, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
-    """One query head: its spans' partial softmaxes combined in a fixed order (empty spans weigh exp(-inf) = 0)."""
+    # One query head: its spans' partial softmaxes combined in a fixed order (empty spans weigh exp(-inf) = 0).
     h = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, D_PAD)
     dmask = dims < D
