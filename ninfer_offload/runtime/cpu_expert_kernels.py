@@ -71,25 +71,19 @@ def lane_permutation(group: int, k_pad: int) -> np.ndarray:
 
 # Each row-dot decodes one stored row group by group and dots it with x (permuted lane order) in
 # fp32. numba widens int32 arithmetic to int64, which stops LLVM from vectorising the unpacking,
-# so a lane's code is built by one 32-bit intrinsic.
+# so codes are built with 32-bit intrinsics (shifts, one bitwise select).
 _I32 = np.int32
 _F32 = np.float32
 
 
 @intrinsic
-def _code(typingctx, byte, nibble_shift, word, high_shift, high_mask, bits):
-    """Signed `bits`-bit code of one lane, in int32: the nibble (byte >> nibble_shift) & 15 with
-    the high bits (word >> high_shift) & high_mask above it, sign-extended."""
-    sig = types.int32(types.int32, types.int32, types.int32, types.int32, types.int32, types.int32)
+def _merge(typingctx, low, high, low_mask, high_mask):
+    """(low & low_mask) | (high & high_mask) in int32 (one bitwise select)."""
+    sig = types.int32(types.int32, types.int32, types.int32, types.int32)
 
     def codegen(context, builder, signature, args):
-        byte, nibble_shift, word, high_shift, high_mask, bits = args
-        i32 = byte.type
-        nibble = builder.and_(builder.lshr(byte, nibble_shift), i32(15))
-        high = builder.and_(builder.lshr(word, high_shift), high_mask)
-        value = builder.or_(nibble, builder.shl(high, i32(4)))
-        unused = builder.sub(i32(32), bits)
-        return builder.ashr(builder.shl(value, unused), unused)
+        low, high, low_mask, high_mask = args
+        return builder.or_(builder.and_(low, low_mask), builder.and_(high, high_mask))
 
     return sig, codegen
 
@@ -108,8 +102,13 @@ def _sar(typingctx, value, amount):
     return sig, lambda context, builder, signature, args: builder.ashr(args[0], args[1])
 
 
-# Q4 low nibble: float(byte << 28) is code * 2**28 exactly; this undoes it (a power of two: exact).
+# Codes are built at the top of an int32 (sign bit = the code's sign bit), so no sign extension is
+# needed: float(word) is code * 2**(32 - bits) exactly, undone by these powers of two (exact).
 _LOW_NIBBLE_SCALE = _F32(2.0**-28)
+_Q5_SCALE = _F32(2.0**-27)
+_Q6_SCALE = _F32(2.0**-26)
+_Q5_NIBBLE, _Q5_HIGH = _I32(0x78000000), _I32(-0x80000000)  # nibble at bits 27-30, high bit at 31
+_Q6_NIBBLE, _Q6_HIGH = _I32(0x3C000000), _I32(-0x40000000)  # nibble at bits 26-29, high bits at 30-31
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
@@ -141,7 +140,7 @@ def _rows_dot_q4(i8, u16, lut, base_a, base_b, scale_a, scale_b, gpr, x):
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
     acc = _F32(0.0)
-    zero, one, four, five = _I32(0), _I32(1), _I32(4), _I32(5)
+    low_top, high_top, one = _I32(27), _I32(23), _I32(1)
     for blk in range(gpr // 2):
         q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
         xe = x[128 * blk : 128 * blk + 64]
@@ -154,8 +153,10 @@ def _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
             b = _I32(q[j])
             s = s0 if j < 32 else s1
             w = w0 if j < 16 else (w1 if j < 32 else (w2 if j < 48 else w3))
-            sh = _I32((2 * j) & 31)
-            d += s * (_F32(_code(b, zero, w, sh, one, five)) * xe[j] + _F32(_code(b, four, w, _I32(sh + 1), one, five)) * xo[j])
+            to_top = _I32(31 - (2 * j) & 31)  # moves the lane's high bit to bit 31
+            lo = _merge(_shl(b, low_top), _shl(w, to_top), _Q5_NIBBLE, _Q5_HIGH)
+            hi = _merge(_shl(b, high_top), _shl(w, to_top - one), _Q5_NIBBLE, _Q5_HIGH)
+            d += s * (_F32(lo) * (xe[j] * _Q5_SCALE) + _F32(hi) * (xo[j] * _Q5_SCALE))
         acc += d
     return acc
 
@@ -163,7 +164,7 @@ def _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
     acc = _F32(0.0)
-    zero, three, four, six = _I32(0), _I32(3), _I32(4), _I32(6)
+    low_top, high_top, two = _I32(26), _I32(22), _I32(2)
     for blk in range(gpr // 2):
         q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
         xe = x[128 * blk : 128 * blk + 64]
@@ -177,27 +178,26 @@ def _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
             for j in range(32):
                 b = _I32(q[32 * half + j])
                 w = w0 if j < 8 else (w1 if j < 16 else (w2 if j < 24 else w3))
-                sh = _I32((4 * j) & 31)
-                lo = _F32(_code(b, zero, w, sh, three, six)) * xe[32 * half + j]
-                d += s * (lo + _F32(_code(b, four, w, _I32(sh + 2), three, six)) * xo[32 * half + j])
+                to_top = _I32(30 - (4 * j) & 31)  # moves the lane's two high bits to bits 30-31
+                lo = _merge(_shl(b, low_top), _shl(w, to_top), _Q6_NIBBLE, _Q6_HIGH)
+                hi = _merge(_shl(b, high_top), _shl(w, to_top - two), _Q6_NIBBLE, _Q6_HIGH)
+                d += s * (_F32(lo) * (xe[32 * half + j] * _Q6_SCALE) + _F32(hi) * (xo[32 * half + j] * _Q6_SCALE))
         acc += d
     return acc
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x):
+def _row_dot_q8(i8, u16, lut, base_at, scale_at, gpr, x):
     acc = _F32(0.0)
-    zero, four, eight, fifteen = _I32(0), _I32(4), _I32(8), _I32(15)
     for blk in range(gpr // 4):  # 128 lanes = 4 groups of 32 bytes
-        q = u8[base_at + 128 * blk : base_at + 128 * blk + 128]
+        q = i8[base_at + 128 * blk : base_at + 128 * blk + 128]  # the code is the signed byte
         xg = x[128 * blk : 128 * blk + 128]
         sc = u16[scale_at + 4 * blk : scale_at + 4 * blk + 4]
         s0, s1, s2, s3 = lut[sc[0]], lut[sc[1]], lut[sc[2]], lut[sc[3]]
         d = _F32(0.0)
         for j in range(128):
-            b = _I32(q[j])
             s = s0 if j < 32 else (s1 if j < 64 else (s2 if j < 96 else s3))
-            d += s * (_F32(_code(b, zero, b, four, fifteen, eight)) * xg[j])  # the whole byte, sign-extended
+            d += s * (_F32(q[j]) * xg[j])
         acc += d
     return acc
 
@@ -211,18 +211,18 @@ def _rows_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, row_b, x):
         at = record_at + geo[6]
         scale_at = (at + geo[5]) // 2
         return _rows_dot_q4(i8, u16, lut, at + row_a * gpr * geo[2], at + row_b * gpr * geo[2], scale_at + row_a * gpr, scale_at + row_b * gpr, gpr, x)
-    return _row_dot(u8, u32, u16, lut, geo, record_at, row_a, x), _row_dot(u8, u32, u16, lut, geo, record_at, row_b, x)
+    return _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, x), _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_b, x)
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _row_dot(u8, u32, u16, lut, geo, record_at, row, x):
+def _row_dot(u8, i8, u32, u16, lut, geo, record_at, row, x):
     """dot(row `row` of the Q5, Q6 or Q8 object described by geo inside the record at record_at, x)."""
     bits, gpr = geo[0], geo[1]
     at = record_at + geo[6]
     base_at = at + row * gpr * geo[2]
     scale_at = (at + geo[5]) // 2 + row * gpr
     if bits == 8:
-        return _row_dot_q8(u8, u16, lut, base_at, scale_at, gpr, x)
+        return _row_dot_q8(i8, u16, lut, base_at, scale_at, gpr, x)
     high_at = (at + geo[4] + row * gpr * geo[3]) // 4
     if bits == 5:
         return _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
