@@ -66,6 +66,17 @@ def test_kernel_matches_reference_for_1_to_8_tokens(tokens):
     assert_close(got, ck.reference_routed(layout, records, offsets, x, ids, weights))
 
 
+@pytest.mark.parametrize("down_fmt", ["q4_g64_fp16", "q5_g64_fp16"])
+def test_odd_hidden_size_pairs_the_last_down_row_with_itself(down_fmt):
+    """Q4 rows go two per pass; an odd number of down rows leaves the last one alone."""
+    hidden = 201
+    layout, records, offsets = make_records("q4_g64_fp16", down_fmt, hidden=hidden)
+    _, ids, weights = routing(tokens=2, k=2, seed=4)
+    x = np.random.default_rng(4).standard_normal((2, hidden)).astype(np.float32)
+    got = ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), records, offsets, x, ids, weights)
+    assert_close(got, ck.reference_routed(layout, records, offsets, x, ids, weights))
+
+
 def test_repeated_experts_and_shared_tokens():
     """Every token uses the same expert, and one token lists an expert twice: all contributions add."""
     layout, records, offsets = make_records("q6_g64_fp16", "q8_g32_fp16")
