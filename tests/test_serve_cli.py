@@ -96,3 +96,33 @@ def test_serve_bad_arguments_one_line_errors(tiny_artifact, args, message):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == message
     assert "Traceback" not in result.stderr
+
+
+def test_host_experts_with_the_cpu_miss_path_serve_the_resident_greedy_text(tiny_artifact_official):
+    from ninfer_offload import Engine, open_artifact
+    from ninfer_offload.frontend import Frontend
+    from ninfer_offload.runtime.sampling import SamplingParams
+
+    with open_artifact(tiny_artifact_official) as artifact:
+        frontend = Frontend.from_artifact(artifact)
+    engine = Engine.load(tiny_artifact_official)
+    generation = engine.generate(frontend.encode("Hello"), max_tokens=4, sampling=SamplingParams(greedy=True))
+    generation.run()
+    expected = frontend.decode(generation.result.token_ids)
+    engine.close()
+
+    server = ServeProcess(str(tiny_artifact_official), "--served-model-name", "tiny", "--experts", "host", "--miss-path", "cpu")
+    try:
+        assert server.wait_for(r"experts host \(misses cpu\)")
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["text"] == expected
+    finally:
+        server.stop()
+
+
+def test_bad_miss_path_is_a_one_line_error(tiny_artifact):
+    result = subprocess.run([*SERVE, str(tiny_artifact), "--miss-path", "gpu"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: --miss-path must be staged, cpu or auto, got 'gpu'"]

@@ -47,6 +47,7 @@ def serve(
     port: int = typer.Option(8080, min=0, max=65535, help="TCP port (0 picks a free one)."),
     device: str = typer.Option("cpu", help="Compute device: cpu or cuda[:N]."),
     experts: str = typer.Option("resident", help="Routed experts: resident (on the device) or host (staged per use)."),
+    miss_path: str = typer.Option("staged", "--miss-path", help="With --experts host: staged (copied to the device), cpu (computed on the host) or auto (both, split by measured rates)."),
     profile: str | None = typer.Option(None, help="Device profile (name, TOML file or auto) for the startup plan summary; default auto on CUDA."),
     max_concurrency: int = typer.Option(4, min=1, help="Sequences decoded together in one batched forward pass."),
     max_queue: int = typer.Option(64, min=0, help="Requests allowed to wait for a slot; beyond it: 429."),
@@ -78,7 +79,11 @@ def serve(
 
     _configure_logging(log_level)
     start = time.perf_counter()
-    engine = Engine.load(artifact, device=device, experts=experts, max_context=max_context)
+    if miss_path not in ("staged", "cpu", "auto"):
+        raise NinferError(f"--miss-path must be staged, cpu or auto, got {miss_path!r}")
+    engine = Engine.load(
+        artifact, device=device, experts=experts, max_context=max_context, miss_path=None if miss_path == "staged" else miss_path
+    )
     frontend = Frontend.from_artifact(engine.artifact, chat_template=template)
     if frontend.template is None:
         raise NinferError("the model has no chat template; pass one with --chat-template FILE")
@@ -86,7 +91,8 @@ def serve(
     log.info(
         "loaded %s in %.1fs: %d layers, %d experts (top-%d), vocab %d, %s %s, experts %s, context %d tokens",
         artifact, time.perf_counter() - start, config.num_layers, config.num_experts, config.top_k,
-        config.vocab_size, engine.device, str(engine.dtype).removeprefix("torch."), experts, engine.max_context,
+        config.vocab_size, engine.device, str(engine.dtype).removeprefix("torch."),
+        experts if experts == "resident" else f"{experts} (misses {miss_path})", engine.max_context,
     )
     if profile is not None or engine.device.type == "cuda":
         log.info(_plan_summary(engine, profile or "auto", max_concurrency, prefill_chunk))
