@@ -12,11 +12,13 @@ import importlib.util
 
 import pytest
 import tiny_hf
+import torch
 
 if any(importlib.util.find_spec(name) for name in ("fla", "causal_conv1d")):
     tiny_hf.oracle_module()
 
 TINY_SEED = 0
+GREEDY_PROMPT = [11, 42, 7, 300, 5, 99, 23]
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +55,22 @@ def tiny_artifact_official(tiny_checkpoint, tmp_path_factory):
 def tiny_artifact_q8(tiny_checkpoint, tmp_path_factory):
     """`tiny_checkpoint` converted with the `q8` recipe."""
     return _convert(tiny_checkpoint, tmp_path_factory, "q8")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_artifact):
+    """The bf16-recipe artifact loaded on the CPU (an Engine holds no per-sequence state: safe to share)."""
+    from ninfer_offload import Engine
+
+    engine = Engine.load(tiny_artifact)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def reprefill_greedy(tiny_engine):
+    """16 greedy tokens after GREEDY_PROMPT, each by a full re-prefill (no session state involved)."""
+    ids = list(GREEDY_PROMPT)
+    for _ in range(16):
+        ids.append(int(torch.argmax(tiny_engine.logits(ids)[-1])))
+    return ids[len(GREEDY_PROMPT) :]

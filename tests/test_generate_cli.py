@@ -7,14 +7,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import GREEDY_PROMPT
 import torch
 
 from ninfer_offload.frontend import Frontend
-from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.runtime.generate import generate
 from ninfer_offload.runtime.sampling import SamplingParams
 
-PROMPT = [11, 42, 7, 300, 5, 99, 23]
+PROMPT = GREEDY_PROMPT  # shared with the session greedy reference (conftest)
 TOOLS = [{"type": "function", "function": {"name": "now", "description": "Current time.", "parameters": {}}}]
 
 
@@ -36,17 +36,13 @@ def frontend(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_artifact):
-    return Engine.load(tiny_artifact)
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture(scope="module")
-def greedy_ids(engine):
-    """The engine's greedy continuation of PROMPT (16 tokens), by full prefill per token."""
-    ids = list(PROMPT)
-    for _ in range(16):
-        ids.append(int(torch.argmax(engine.logits(ids)[-1])))
-    return ids[len(PROMPT) :]
+def greedy_ids(reprefill_greedy):
+    return reprefill_greedy
 
 
 def test_json_greedy_output_equals_the_engine(tiny_artifact, frontend, greedy_ids):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import GREEDY_PROMPT
 import torch
 
 from ninfer_offload.errors import NinferError
@@ -10,22 +11,18 @@ from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.runtime.generate import generate
 from ninfer_offload.runtime.sampling import SamplingParams
 
-PROMPT = [11, 42, 7, 300, 5, 99, 23]
+PROMPT = GREEDY_PROMPT  # shared with the session greedy reference (conftest)
 GREEDY = SamplingParams(greedy=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_artifact):
-    return Engine.load(tiny_artifact)
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture(scope="module")
-def reference_greedy(engine):
-    """16 greedy tokens by full re-prefill each step (no session state involved)."""
-    ids = list(PROMPT)
-    for _ in range(16):
-        ids.append(int(torch.argmax(engine.logits(ids)[-1])))
-    return ids[len(PROMPT) :]
+def reference_greedy(reprefill_greedy):
+    return reprefill_greedy
 
 
 def test_greedy_equals_argmax_of_full_prefills(engine, reference_greedy):
