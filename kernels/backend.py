@@ -94,7 +94,9 @@ class TritonBackend(ReferenceBackend):
         return gdn.gdn_decode(q, k, v, g, beta, state)
 
     def gdn_prefill(self, q, k, v, g, beta, state) -> torch.Tensor:
-        if self.fla and q.is_cuda:
+        # fla computes its in-chunk products in TF32 for float32 inputs (1e-3 relative drift over a
+        # tiny model's prefill, measured on the H200); float32 engines keep the exact chunked path.
+        if self.fla and q.is_cuda and q.dtype != torch.float32:
             return gdn.gdn_prefill(q, k, v, g, beta, state)
         return super().gdn_prefill(q, k, v, g, beta, state)
 
