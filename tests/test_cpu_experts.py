@@ -158,8 +158,7 @@ def test_executor_rejects_device_or_malformed_records():
 
 def test_kernels_release_the_gil_and_run_in_parallel():
     """The worker thread can only overlap the GPU thread if the compiled code drops the GIL."""
-    assert ck._moe_kernel.targetoptions["nogil"] and ck._moe_kernel.targetoptions["parallel"]
-    assert ck._prepare.targetoptions["nogil"]
+    assert ck._routed_kernel.targetoptions["nogil"] and ck._routed_kernel.targetoptions["parallel"]
 
 
 def test_miss_splitter_balances_by_rates_and_keeps_stats():
@@ -202,7 +201,7 @@ from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 assert not parallel._is_initialized
 executor = ce.CpuExpertExecutor()
 assert parallel._is_initialized, "thread pool not started by the executor"
-compiled = len(ck._moe_kernel.signatures)
+compiled = len(ck._routed_kernel.signatures)
 for fmt in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"):
     layout = ExpertRecordLayout.create(fmt, "q5_g64_fp16", 128, 64)
     records = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
@@ -211,7 +210,7 @@ for fmt in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"):
         executor.submit(layout, records, torch.ones(t, 128), ids, torch.ones(t, 2)).result()
 ce.CpuExpertExecutor().close()
 executor.close()
-assert len(ck._moe_kernel.signatures) == compiled == 1, ck._moe_kernel.signatures
+assert len(ck._routed_kernel.signatures) == compiled == 1, ck._routed_kernel.signatures
 print("ok", compiled)
 """
 

@@ -51,6 +51,21 @@ def test_auto_path_splits_misses_and_matches_resident(tiny_artifact_official, re
     assert split["cpu_rate_gbs"] > 0 and split["pcie_rate_gbs"] > 0
 
 
+def test_auto_path_never_reads_a_slot_it_did_not_fill(tiny_artifact_official, resident):
+    """Assignments sent to the host must not reach the device kernel through a slot that holds no
+    record of theirs (the bank maps experts it lacks to slot 0). Slot 0 is kept out of use here and
+    filled with bytes whose FP16 scales are NaN: a zero weight does not cancel NaN."""
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, miss_path="auto")
+    engine.store.free.remove(0)
+    engine.store.num_slots -= 1
+    engine.store.pool[0].fill_(0xFF)
+    session, reference = engine.session(), resident.session()
+    assert_logits_close(session.prefill(PROMPT), reference.prefill(PROMPT))
+    for token in (3, 9, 27):
+        assert_logits_close(session.step(token), reference.step(token))
+    assert engine.store.stats.cpu_assignments > 0 and engine.store.stats.staged_bytes > 0
+
+
 def test_q8_records_through_the_cpu_path(tiny_artifact_q8):
     want = Engine.load(tiny_artifact_q8).logits(PROMPT)
     assert_logits_close(Engine.load(tiny_artifact_q8, experts="host", miss_path="cpu").logits(PROMPT), want)

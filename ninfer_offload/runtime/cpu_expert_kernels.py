@@ -4,9 +4,10 @@ A routed expert is `y = W_down (silu(W_gate x) * W_up x)` weighted by its router
 into the layer output. The kernels read the record bytes (`ExpertRecordLayout`: gate/up object
 [2I, H] then down object [H, I]) directly: nibbles, high bits and FP16 scales are unpacked in the
 inner loop and multiplied into fp32 accumulators; no dequantized copy of a matrix is ever made.
-One call computes every (token, expert, weight) assignment of a layer, multi-threaded with
-`prange` over (expert, block of consecutive rows) for each projection: reads are sequential and
-no two threads write the same element.
+One call (one numba dispatch) computes every (token, expert, weight) assignment of a layer; each
+projection is split into work items of consecutive rows of one expert, which the threads claim
+from an atomic counter in guided chunks (sequential reads, no two threads write one element, and
+a thread the host delays holds up only its chunk).
 
 Lane order: a Q4/Q5/Q6 base byte holds lanes 2j and 2j+1, so the activations are permuted once
 per call (per 128 lanes: even lanes, then odd lanes) and every inner loop reads them
@@ -24,6 +25,7 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import numba
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
@@ -103,10 +105,8 @@ def _sar(typingctx, value, amount):
 
 
 # Codes are built at the top of an int32 (sign bit = the code's sign bit), so no sign extension is
-# needed: float(word) is code * 2**(32 - bits) exactly, undone by these powers of two (exact).
-_LOW_NIBBLE_SCALE = _F32(2.0**-28)
-_Q5_SCALE = _F32(2.0**-27)
-_Q6_SCALE = _F32(2.0**-26)
+# needed: float(word) is code * 2**(32 - bits) exactly. The activations are prepared multiplied by
+# the inverse power of two (`lane_scales`: exact), so the inner loops pay no extra multiply.
 _Q5_NIBBLE, _Q5_HIGH = _I32(0x78000000), _I32(-0x80000000)  # nibble at bits 27-30, high bit at 31
 _Q6_NIBBLE, _Q6_HIGH = _I32(0x3C000000), _I32(-0x40000000)  # nibble at bits 26-29, high bits at 30-31
 
@@ -127,7 +127,7 @@ def _rows_dot_q4(i8, u16, lut, base_a, base_b, scale_a, scale_b, gpr, x):
         sb0, sb1 = lut[u16[scale_b + 2 * blk]], lut[u16[scale_b + 2 * blk + 1]]
         da, db = _F32(0.0), _F32(0.0)
         for j in range(64):
-            ba, bb, e, o = _I32(qa[j]), _I32(qb[j]), xe[j] * _LOW_NIBBLE_SCALE, xo[j]
+            ba, bb, e, o = _I32(qa[j]), _I32(qb[j]), xe[j], xo[j]
             sa = sa0 if j < 32 else sa1
             sb = sb0 if j < 32 else sb1
             da += sa * (_F32(_shl(ba, top)) * e + _F32(_sar(ba, four)) * o)
@@ -156,7 +156,7 @@ def _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
             to_top = _I32(31 - (2 * j) & 31)  # moves the lane's high bit to bit 31
             lo = _merge(_shl(b, low_top), _shl(w, to_top), _Q5_NIBBLE, _Q5_HIGH)
             hi = _merge(_shl(b, high_top), _shl(w, to_top - one), _Q5_NIBBLE, _Q5_HIGH)
-            d += s * (_F32(lo) * (xe[j] * _Q5_SCALE) + _F32(hi) * (xo[j] * _Q5_SCALE))
+            d += s * (_F32(lo) * xe[j] + _F32(hi) * xo[j])
         acc += d
     return acc
 
@@ -181,7 +181,7 @@ def _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
                 to_top = _I32(30 - (4 * j) & 31)  # moves the lane's two high bits to bits 30-31
                 lo = _merge(_shl(b, low_top), _shl(w, to_top), _Q6_NIBBLE, _Q6_HIGH)
                 hi = _merge(_shl(b, high_top), _shl(w, to_top - two), _Q6_NIBBLE, _Q6_HIGH)
-                d += s * (_F32(lo) * (xe[32 * half + j] * _Q6_SCALE) + _F32(hi) * (xo[32 * half + j] * _Q6_SCALE))
+                d += s * (_F32(lo) * xe[32 * half + j] + _F32(hi) * xo[32 * half + j])
         acc += d
     return acc
 
@@ -229,97 +229,56 @@ def _row_dot(u8, i8, u32, u16, lut, geo, record_at, row, x):
     return _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _moe_kernel(u8, i8, u32, u16, lut, gate_up, down, down_perm, record_at, starts, tokens, weights, x, hidden_act, act, partial, out):
-    """Compute every assignment, grouped by expert (CSR `starts` over `tokens`/`weights`), into out.
+@intrinsic
+def _claim(typingctx, counter, amount):
+    """Atomically counter[0] += amount; the value before (the first of the claimed work items)."""
+    sig = types.int64(counter, types.int64)
 
-    x: [T, H_pad] permuted for gate/up; hidden_act: [A, I] scratch (natural order); act: [A, I_pad]
-    zeroed, the same values in the down object's lane order; partial: [A, H] scratch (each
-    assignment's down output); out: [T, H]. Both projections run in parallel over (expert, block
-    of consecutive rows), so reads are sequential and every scratch element has one writer; the
-    lane permutation between them and the weighted sum into out are short serial loops.
-    """
-    slots = record_at.shape[0]
-    inter = gate_up[7] // 2
-    hidden = down[7]
-    items = (inter + ACT_ITEM - 1) // ACT_ITEM
-    for item in prange(slots * items):
-        s = item // items
-        r0 = (item % items) * ACT_ITEM
-        for i in range(r0, min(r0 + ACT_ITEM, inter)):
-            for a in range(starts[s], starts[s + 1]):
-                xt = x[tokens[a]]
-                gate, up = _rows_dot(u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xt)
-                hidden_act[a, i] = gate / (_F32(1.0) + np.exp(-gate)) * up
-    for a in range(act.shape[0]):
-        for i in range(inter):
-            act[a, down_perm[i]] = hidden_act[a, i]
-    blocks = (hidden + OUT_ITEM - 1) // OUT_ITEM
-    for item in prange(slots * blocks):
-        s = item // blocks
-        h0 = (item % blocks) * OUT_ITEM
-        for h in range(h0, min(h0 + OUT_ITEM, hidden), 2):  # row pairs (the last one alone when odd)
-            h1 = min(h + 1, hidden - 1)
-            for a in range(starts[s], starts[s + 1]):
-                partial[a, h], partial[a, h1] = _rows_dot(u8, i8, u32, u16, lut, down, record_at[s], h, h1, act[a])
-    for a in range(tokens.shape[0]):  # serial: a few thousand adds cost less than a third thread barrier
-        row = out[tokens[a]]
-        for h in range(hidden):
-            row[h] += weights[a] * partial[a, h]
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", array.data, args[1], "monotonic")
 
-
-# ----------------------------------------------------------------------------- host-side entry
-
-
-@dataclass(frozen=True)
-class RecordKernelPlan:
-    """Per-layout constants the kernel needs (built once per record layout)."""
-
-    layout: ExpertRecordLayout
-    gate_up: np.ndarray
-    down: np.ndarray
-    gate_up_perm: np.ndarray  # natural hidden lane -> permuted position
-    down_perm: np.ndarray  # natural intermediate lane -> permuted position
-
-    @classmethod
-    def create(cls, layout: ExpertRecordLayout) -> "RecordKernelPlan":
-        gu, dn = layout.gate_up, layout.down
-        if gu.n != 2 * dn.k or gu.k != dn.n:
-            raise NinferError(f"expert record shapes gate/up {[gu.n, gu.k]} and down {[dn.n, dn.k]} do not agree")
-        return cls(
-            layout,
-            geometry_vector(gu, layout.gate_up_offset),
-            geometry_vector(dn, layout.down_offset),
-            lane_permutation(gu.fmt.group, gu.k_pad),
-            lane_permutation(dn.fmt.group, dn.k_pad),
-        )
-
-
-def _buffer_views(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """uint8, int8, uint32 and uint16 views of a record buffer (whole 4-byte words only)."""
-    u8 = records.reshape(-1).view(np.uint8)
-    usable = u8[: u8.size - u8.size % 4]
-    return u8, u8.view(np.int8), usable.view(np.uint32), usable.view(np.uint16)
+    return sig, codegen
 
 
 @njit(nogil=True, cache=True)
-def _prepare(ids, weights, selected, record_offsets, record_bytes, buffer_bytes, x, perm, k_pad, inter, act_width):
-    """Group the selected assignments by expert (CSR, experts ascending, tokens in order) and lay
-    out the kernel's inputs. Returns (ok, record_at, starts, tokens, weights, x permuted, scratch:
-    (act in natural order, act in permuted order, down outputs));
-    ok is False when a selected expert has no record inside the buffer."""
+def _zeros_serial(n, dtype):
+    """np.zeros without a parallel region (inside a parallel function np.zeros is one)."""
+    out = np.empty(n, dtype=dtype)
+    for i in range(n):
+        out[i] = 0
+    return out
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _chunk(remaining, workers):
+    """Guided scheduling: a worker claims half its fair share of what is left (at least one item),
+    so the first chunks are long sequential streams and the last ones balance the finish."""
+    return max(1, remaining // (2 * workers))
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_perm, down_scale, record_offsets, record_bytes, ids, weights, selected, x, out, workers):
+    """out[t] += sum over selected (t, j) of weights[t, j] * expert_{ids[t, j]}(x[t]); False when a
+    selected expert has no record inside `records` (nothing is computed then). `workers`: the
+    number of numba threads (one counter-draining loop each).
+
+    Serial set-up: assignments grouped by expert (CSR, experts ascending), activations permuted
+    and pre-scaled into the gate/up object's lane order. Then both projections run over work items
+    of consecutive rows of one expert (every scratch element has one writer), which the worker
+    threads claim in guided chunks from an atomic counter: long sequential streams first, then
+    smaller chunks, so a thread that the host delays holds up one item, not a fixed share. The weighted sum into out is a short serial loop.
+    """
     t, k = ids.shape
     num = record_offsets.shape[0]
-    counts = np.zeros(num, dtype=np.int64)
-    ok = True
+    counts = _zeros_serial(num, np.int64)
     for i in range(t):
         for j in range(k):
             if selected[i, j]:
                 e = ids[i, j]
-                if e < 0 or e >= num or record_offsets[e] < 0 or record_offsets[e] + record_bytes > buffer_bytes:
-                    ok = False
-                else:
-                    counts[e] += 1
+                if e < 0 or e >= num or record_offsets[e] < 0 or record_offsets[e] + record_bytes > records.shape[0]:
+                    return False
+                counts[e] += 1
     slots = 0
     for e in range(num):
         slots += counts[e] > 0
@@ -338,20 +297,103 @@ def _prepare(ids, weights, selected, record_offsets, record_bytes, buffer_bytes,
     starts[slots] = pos
     tokens = np.empty(pos, dtype=np.int64)
     wts = np.empty(pos, dtype=np.float32)
-    if ok:
-        for i in range(t):
-            for j in range(k):
-                if selected[i, j]:
-                    e = ids[i, j]
-                    tokens[fill[e]] = i
-                    wts[fill[e]] = weights[i, j]
-                    fill[e] += 1
-    xp = np.zeros((t, k_pad), dtype=np.float32)
+    for i in range(t):
+        for j in range(k):
+            if selected[i, j]:
+                e = ids[i, j]
+                tokens[fill[e]] = i
+                wts[fill[e]] = weights[i, j]
+                fill[e] += 1
+    gate_up, down = geometry[0], geometry[1]
+    xp = _zeros_serial(t * gate_up_scale.shape[0], np.float32).reshape(t, gate_up_scale.shape[0])
     for i in range(t):
         for lane in range(x.shape[1]):
-            xp[i, perm[lane]] = x[i, lane]
-    scratch = np.empty((pos, inter), dtype=np.float32), np.zeros((pos, act_width), dtype=np.float32), np.empty((pos, x.shape[1]), dtype=np.float32)
-    return ok, record_at, starts, tokens, wts, xp, scratch
+            xp[i, gate_up_perm[lane]] = x[i, lane] * gate_up_scale[gate_up_perm[lane]]
+    inter, hidden = gate_up[7] // 2, down[7]
+    act = _zeros_serial(pos * down_scale.shape[0], np.float32).reshape(pos, down_scale.shape[0])
+    partial = np.empty((pos, hidden), dtype=np.float32)
+    n = records.shape[0]
+    u8, i8, u32, u16 = records, records.view(np.int8), records[: n - n % 4].view(np.uint32), records[: n - n % 2].view(np.uint16)
+
+    items = (inter + ACT_ITEM - 1) // ACT_ITEM
+    counter = _zeros_serial(1, np.int64)
+    total = slots * items
+    for _ in prange(workers):
+        size = _chunk(total, workers)
+        first = _claim(counter, size)
+        while first < total:
+            for item in range(first, min(first + size, total)):
+                s, r0 = item // items, (item % items) * ACT_ITEM
+                for i in range(r0, min(r0 + ACT_ITEM, inter)):
+                    for a in range(starts[s], starts[s + 1]):
+                        gate, up = _rows_dot(u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xp[tokens[a]])
+                        act[a, down_perm[i]] = gate / (_F32(1.0) + np.exp(-gate)) * up * down_scale[down_perm[i]]
+            size = _chunk(total - first - size, workers)
+            first = _claim(counter, size)
+
+    blocks = (hidden + OUT_ITEM - 1) // OUT_ITEM
+    counter[0] = 0
+    total = slots * blocks
+    for _ in prange(workers):
+        size = _chunk(total, workers)
+        first = _claim(counter, size)
+        while first < total:
+            for item in range(first, min(first + size, total)):
+                s, h0 = item // blocks, (item % blocks) * OUT_ITEM
+                for h in range(h0, min(h0 + OUT_ITEM, hidden), 2):  # row pairs (the last one alone when odd)
+                    h1 = min(h + 1, hidden - 1)
+                    for a in range(starts[s], starts[s + 1]):
+                        partial[a, h], partial[a, h1] = _rows_dot(u8, i8, u32, u16, lut, down, record_at[s], h, h1, act[a])
+            size = _chunk(total - first - size, workers)
+            first = _claim(counter, size)
+
+    for a in range(pos):  # serial: a few thousand adds cost less than another parallel region
+        row = out[tokens[a]]
+        for h in range(hidden):
+            row[h] += wts[a] * partial[a, h]
+    return True
+
+
+# ----------------------------------------------------------------------------- host-side entry
+
+
+def lane_scales(geo: RowSplitGeometry) -> np.ndarray:
+    """Per permuted lane, the exact power of two that turns the kernels' top-of-word codes back into
+    codes (Q4: low nibbles sit at bits 28-31, high nibbles are shifted down; Q5/Q6 codes at the top;
+    Q8 bytes are the codes)."""
+    lanes = np.ones(geo.k_pad, dtype=np.float32)
+    bits = geo.fmt.bits
+    if bits == 4:
+        lanes.reshape(-1, 128)[:, :64] = 2.0**-28
+    elif bits in (5, 6):
+        lanes[:] = 2.0 ** -(32 - bits)
+    return lanes
+
+
+@dataclass(frozen=True)
+class RecordKernelPlan:
+    """Per-layout constants the kernel needs (built once per record layout)."""
+
+    layout: ExpertRecordLayout
+    geometry: np.ndarray  # [2, 8]: gate/up, down (`geometry_vector`)
+    gate_up_perm: np.ndarray  # natural hidden lane -> permuted position
+    gate_up_scale: np.ndarray  # per permuted position (`lane_scales`)
+    down_perm: np.ndarray  # natural intermediate lane -> permuted position
+    down_scale: np.ndarray
+
+    @classmethod
+    def create(cls, layout: ExpertRecordLayout) -> "RecordKernelPlan":
+        gu, dn = layout.gate_up, layout.down
+        if gu.n != 2 * dn.k or gu.k != dn.n:
+            raise NinferError(f"expert record shapes gate/up {[gu.n, gu.k]} and down {[dn.n, dn.k]} do not agree")
+        return cls(
+            layout,
+            np.stack([geometry_vector(gu, layout.gate_up_offset), geometry_vector(dn, layout.down_offset)]),
+            lane_permutation(gu.fmt.group, gu.k_pad),
+            lane_scales(gu),
+            lane_permutation(dn.fmt.group, dn.k_pad),
+            lane_scales(dn),
+        )
 
 
 def routed_experts_cpu(
@@ -368,23 +410,19 @@ def routed_experts_cpu(
     records: uint8 buffer holding the records; record_offsets[e]: byte offset of expert e's record
     in it. selected: optional bool mask [T, k] of the assignments to compute (others skipped).
     """
-    gu, dn = plan.layout.gate_up, plan.layout.down
     x = np.ascontiguousarray(x, dtype=np.float32)
-    t, hidden = x.shape
-    if hidden != gu.k:
-        raise NinferError(f"activations have width {hidden}, the expert records expect {gu.k}")
+    if x.shape[1] != plan.layout.gate_up.k:
+        raise NinferError(f"activations have width {x.shape[1]}, the expert records expect {plan.layout.gate_up.k}")
     ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
     mask = np.ones(ids.shape, dtype=np.bool_) if selected is None else np.ascontiguousarray(selected, dtype=np.bool_)
-    u8, i8, u32, u16 = _buffer_views(records)
-    ok, record_at, starts, tokens, weights, xp, scratch = _prepare(
-        ids, np.ascontiguousarray(topk_weights, dtype=np.float32), mask, np.ascontiguousarray(record_offsets, dtype=np.int64),
-        plan.layout.nbytes, u8.size, x, plan.gate_up_perm, gu.k_pad, dn.k, dn.k_pad,
+    out = np.zeros(x.shape, dtype=np.float32)
+    ok = _routed_kernel(
+        np.ascontiguousarray(records).reshape(-1).view(np.uint8), F16_TO_F32, plan.geometry, plan.gate_up_perm, plan.gate_up_scale,
+        plan.down_perm, plan.down_scale, np.ascontiguousarray(record_offsets, dtype=np.int64), plan.layout.nbytes, ids,
+        np.ascontiguousarray(topk_weights, dtype=np.float32), mask, x, out, numba.get_num_threads(),
     )
     if not ok:
         raise NinferError("a routed expert selected for CPU compute has no host record")
-    out = np.zeros((t, hidden), dtype=np.float32)
-    if record_at.size:
-        _moe_kernel(u8, i8, u32, u16, F16_TO_F32, plan.gate_up, plan.down, plan.down_perm, record_at, starts, tokens, weights, xp, *scratch, out)
     return out
 
 

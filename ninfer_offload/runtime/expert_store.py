@@ -121,8 +121,11 @@ class ExpertStore:
             mark, staged = self.cpu_path.staging_started(self.device), self.stats.staged_bytes
             bank = self._stage(layer, sorted(set(ids[on_device].tolist())))
             self.cpu_path.staging_finished(mark, self.stats.staged_bytes - staged)
+            # Host assignments become zero-weight uses of an expert in the bank: the bank has no
+            # record of theirs, and whatever a slot holds could decode to inf (inf * 0 = NaN).
+            device_ids = torch.where(on_device, ids, ids[on_device][0]).to(x.device, non_blocking=True)
             weights = topk_weights * on_device.to(device=x.device, dtype=topk_weights.dtype)
-            out = self.backend.routed_experts(x, topk_ids, weights, bank)
+            out = self.backend.routed_experts(x, device_ids, weights, bank)
         partial = host.result().to(device=x.device, dtype=x.dtype)
         self.stats.miss_path = self.cpu_path.stats()
         return partial if out is None else out + partial
