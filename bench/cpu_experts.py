@@ -143,11 +143,9 @@ def main() -> None:
     parser.add_argument("--label", default=platform.node() or "host", help="result file suffix")
     parser.add_argument("--seconds", type=float, default=1.0, help="measurement time per point")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1, 2, 4, 8 and all)")
-    parser.add_argument("--chunksize", type=int, default=0, help="numba parallel chunk size (0: static split over threads)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    numba.set_parallel_chunksize(args.chunksize)
     rng = np.random.default_rng(0)
     ce.warm_up()
     layout, records, offsets = make_layer(rng)
@@ -185,7 +183,6 @@ def main() -> None:
             "platform": platform.platform(),
             "numba": numba.__version__,
             "threading_layer": numba.threading_layer(),
-            "parallel_chunksize": args.chunksize,
             "lscpu": cpu_topology(),
             "load_average_1min": os.getloadavg()[0],
         },
