@@ -6,6 +6,8 @@ valid codes. For each thread count it measures, in the same run:
   * host bandwidth: a numba parallel streaming read of the record buffer (GB/s);
   * single expert: one token through one expert per call, cycling through the layer (cold records);
   * layer: one token through 8 distinct experts per call (a decode step's routed work of a layer);
+  * independent processes: one single-threaded process per core timing the layer call at the
+    same moment, summed (the cores' decode ceiling without any parallel-region cost);
 and reports GB/s of expert records consumed (median call) and its fraction of the measured host
 bandwidth (best streaming read).
 
@@ -92,6 +94,38 @@ def expert_throughput(plan, records, offsets, experts_per_call: int, seconds: fl
     return experts_per_call * plan.layout.nbytes / median / 1e9, 1e3 * median
 
 
+def independent_processes(cores: int, seconds: float) -> float:
+    """Summed GB/s of `cores` single-threaded benchmark processes (one pinned to each core) timing
+    the layer call at the same moment: what the cores can decode with no parallel-region cost,
+    i.e. the compute ceiling of the all-thread point."""
+    env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
+    command = [sys.executable, __file__, "--seconds", str(seconds), "--worker"]
+    workers = [
+        subprocess.Popen([*command, str(cpu)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        for cpu in sorted(os.sched_getaffinity(0))[:cores]
+    ]
+    for worker in workers:  # each has built its layer and compiled: start them together
+        if worker.stdout.readline().strip() != "ready":
+            raise SystemExit("an independent benchmark process failed to start")
+    for worker in workers:
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+    return sum(float(worker.communicate()[0]) for worker in workers)
+
+
+def worker_process(cpu: int, seconds: float) -> None:
+    """One of `independent_processes`: pinned to `cpu`, one numba thread, its own layer."""
+    os.sched_setaffinity(0, {cpu})
+    rng = np.random.default_rng(cpu)
+    ce.warm_up()
+    layout, records, offsets = make_layer(rng)
+    plan = ce.RecordKernelPlan.create(layout)
+    expert_throughput(plan, records, offsets, TOP_K, 0.1, rng)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(expert_throughput(plan, records, offsets, TOP_K, seconds, rng)[0], flush=True)
+
+
 def small_call_us(rng) -> float:
     """Median wall time of a call on a tiny expert: the fixed cost of one kernel call."""
     layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", 128, 64)
@@ -144,7 +178,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.0, help="measurement time per point")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1, 2, 4, 8 and all)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # see independent_processes
     args = parser.parse_args()
+    if args.worker is not None:
+        worker_process(args.worker, args.seconds)
+        return
 
     rng = np.random.default_rng(0)
     ce.warm_up()
@@ -171,6 +209,19 @@ def main() -> None:
             )
             print(f"threads {threads:3d}  {kind:16s} {gbs:7.2f} GB/s  {ms:8.3f} ms/call  host {bandwidth:7.2f} GB/s  fraction {gbs / bandwidth:.2f}")
     numba.set_num_threads(cores)
+    gbs = independent_processes(cores, args.seconds)
+    bandwidth = next((p["host_bandwidth_gbs"] for p in points if p["threads"] == cores), host_bandwidth(records, args.seconds) / 1e9)
+    points.append(
+        {
+            "threads": cores,
+            "kind": "independent_processes",
+            "experts_per_call": TOP_K,
+            "weights_gbs": round(gbs, 3),
+            "host_bandwidth_gbs": round(bandwidth, 3),
+            "host_bandwidth_fraction": round(gbs / bandwidth, 4),
+        }
+    )
+    print(f"{cores} single-thread processes  layer_8_experts {gbs:7.2f} GB/s together  fraction {gbs / bandwidth:.2f}")
     result = {
         "benchmark": "cpu_experts",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
