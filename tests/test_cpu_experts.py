@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +222,32 @@ def test_compilation_and_thread_pool_start_up_are_paid_once():
     result = subprocess.run([sys.executable, "-c", _STARTUP_PROBE], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["ok", "1"]
+
+
+_PORTABLE_PROBE = """
+import numpy as np
+from test_cpu_experts import make_records, routing, assert_close
+from ninfer_offload.runtime import cpu_expert_kernels as ck, simd
+assert not simd.target_has_vnni()
+for gate_up_fmt, down_fmt in (("q4_g64_fp16", "q5_g64_fp16"), ("q5_g64_fp16", "q4_g64_fp16")):
+    layout, records, offsets = make_records(gate_up_fmt, down_fmt)
+    x, ids, weights = routing(tokens=3, k=2, seed=5)
+    got = ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), records, offsets, x, ids, weights)
+    assert_close(got, ck.reference_routed(layout, records, offsets, x, ids, weights))
+print("ok")
+"""
+
+
+def test_integer_path_without_vnni(tmp_path):
+    """On a CPU without AVX-512 VNNI (compiled here for an AVX2 Haswell) the integer dots use
+    generic vector code and give the same result."""
+    env = {
+        **os.environ,
+        "NUMBA_CPU_NAME": "haswell",
+        "NUMBA_CPU_FEATURES": "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3",
+        "NUMBA_CACHE_DIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run([sys.executable, "-c", _PORTABLE_PROBE], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["ok"]

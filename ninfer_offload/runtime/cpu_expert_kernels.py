@@ -32,6 +32,7 @@ from numba.extending import intrinsic
 from ninfer_offload.artifact.codecs import decode_row_split_values
 from ninfer_offload.artifact.formats import RowSplitGeometry
 from ninfer_offload.errors import NinferError
+from ninfer_offload.runtime import simd
 from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
 # float32 value of every binary16 word (exact, subnormals included).
@@ -106,59 +107,8 @@ def _sar(typingctx, value, amount):
 
 # Codes are built at the top of an int32 (sign bit = the code's sign bit), so no sign extension is
 # needed: float(word) is code * 2**(32 - bits) exactly. The activations are prepared multiplied by
-# the inverse power of two (`lane_scales`: exact), so the inner loops pay no extra multiply.
-_Q5_NIBBLE, _Q5_HIGH = _I32(0x78000000), _I32(-0x80000000)  # nibble at bits 27-30, high bit at 31
+# the inverse power of two (`lane_order`: exact), so the inner loops pay no extra multiply.
 _Q6_NIBBLE, _Q6_HIGH = _I32(0x3C000000), _I32(-0x40000000)  # nibble at bits 26-29, high bits at 30-31
-
-
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _rows_dot_q4(i8, u16, lut, base_a, base_b, scale_a, scale_b, gpr, x):
-    """Two rows in one pass over x (every activation load feeds both). The base bytes are read
-    signed: the high nibble's code is byte >> 4 (arithmetic) and the low nibble's is the byte
-    shifted to the top of the word, so each code costs one shift before its conversion."""
-    acc_a, acc_b = _F32(0.0), _F32(0.0)
-    four, top = _I32(4), _I32(28)
-    for blk in range(gpr // 2):  # 128 lanes = 2 groups = 64 base bytes
-        qa = i8[base_a + 64 * blk : base_a + 64 * blk + 64]
-        qb = i8[base_b + 64 * blk : base_b + 64 * blk + 64]
-        xe = x[128 * blk : 128 * blk + 64]
-        xo = x[128 * blk + 64 : 128 * blk + 128]
-        sa0, sa1 = lut[u16[scale_a + 2 * blk]], lut[u16[scale_a + 2 * blk + 1]]
-        sb0, sb1 = lut[u16[scale_b + 2 * blk]], lut[u16[scale_b + 2 * blk + 1]]
-        da, db = _F32(0.0), _F32(0.0)
-        for j in range(64):
-            ba, bb, e, o = _I32(qa[j]), _I32(qb[j]), xe[j], xo[j]
-            sa = sa0 if j < 32 else sa1
-            sb = sb0 if j < 32 else sb1
-            da += sa * (_F32(_shl(ba, top)) * e + _F32(_sar(ba, four)) * o)
-            db += sb * (_F32(_shl(bb, top)) * e + _F32(_sar(bb, four)) * o)
-        acc_a += da
-        acc_b += db
-    return acc_a, acc_b
-
-
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
-    acc = _F32(0.0)
-    low_top, high_top, one = _I32(27), _I32(23), _I32(1)
-    for blk in range(gpr // 2):
-        q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
-        xe = x[128 * blk : 128 * blk + 64]
-        xo = x[128 * blk + 64 : 128 * blk + 128]
-        s0, s1 = lut[u16[scale_at + 2 * blk]], lut[u16[scale_at + 2 * blk + 1]]
-        h = u32[high_at + 4 * blk : high_at + 4 * blk + 4]  # bit 4 of 32 lanes per word
-        w0, w1, w2, w3 = _I32(h[0]), _I32(h[1]), _I32(h[2]), _I32(h[3])
-        d = _F32(0.0)
-        for j in range(64):
-            b = _I32(q[j])
-            s = s0 if j < 32 else s1
-            w = w0 if j < 16 else (w1 if j < 32 else (w2 if j < 48 else w3))
-            to_top = _I32(31 - (2 * j) & 31)  # moves the lane's high bit to bit 31
-            lo = _merge(_shl(b, low_top), _shl(w, to_top), _Q5_NIBBLE, _Q5_HIGH)
-            hi = _merge(_shl(b, high_top), _shl(w, to_top - one), _Q5_NIBBLE, _Q5_HIGH)
-            d += s * (_F32(lo) * xe[j] + _F32(hi) * xo[j])
-        acc += d
-    return acc
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
@@ -203,40 +153,110 @@ def _row_dot_q8(i8, u16, lut, base_at, scale_at, gpr, x):
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _rows_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, row_b, x):
-    """(dot(row row_a, x), dot(row row_b, x)) of the object described by geo inside the record at
-    record_at; Q4 reads both rows in one pass, the other formats one row after the other."""
-    if geo[0] == 4:
-        gpr = geo[1]
-        at = record_at + geo[6]
-        scale_at = (at + geo[5]) // 2
-        return _rows_dot_q4(i8, u16, lut, at + row_a * gpr * geo[2], at + row_b * gpr * geo[2], scale_at + row_a * gpr, scale_at + row_b * gpr, gpr, x)
-    return _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, x), _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_b, x)
-
-
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _row_dot(u8, i8, u32, u16, lut, geo, record_at, row, x):
-    """dot(row `row` of the Q5, Q6 or Q8 object described by geo inside the record at record_at, x)."""
-    bits, gpr = geo[0], geo[1]
+    """dot(row `row` of the Q6 or Q8 object described by geo inside the record at record_at, x)."""
+    gpr = geo[1]
     at = record_at + geo[6]
     base_at = at + row * gpr * geo[2]
     scale_at = (at + geo[5]) // 2 + row * gpr
-    if bits == 8:
+    if geo[0] == 8:
         return _row_dot_q8(i8, u16, lut, base_at, scale_at, gpr, x)
-    high_at = (at + geo[4] + row * gpr * geo[3]) // 4
-    if bits == 5:
-        return _row_dot_q5(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
-    return _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x)
+    return _row_dot_q6(u8, u32, u16, lut, base_at, (at + geo[4] + row * gpr * geo[3]) // 4, scale_at, gpr, x)
+
+
+# ----------------------------------------------------------------------------- Q4/Q5: integer dots
+
+# Q4 and Q5 groups take an integer path. The activations are split, per 64-lane group, into
+# three signed-byte parts, x = unit * (p0 * 2**14 + p1 * 2**7 + p2) with |error| <= max|x| * 2**-22
+# (below float32 rounding of the sums), and each group's codes, as unsigned bytes code + zero
+# point, are dotted with the parts in int32 (`simd.dot_u8s8`: AVX-512 VNNI where present), exactly;
+# the zero point comes off through the group's represented sum. Lanes are in group order
+# (`group_permutation`), so a group's 32 base bytes unpack to [even lanes | odd lanes].
+INTEGER_PATH_BITS = (4, 5)
+_PART_STEPS = 128.0  # 2**7 between parts
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _split_group(values, parts, units, sums, g):
+    """Split lanes [64g, 64g + 64) of `values` (float32) into parts[0..2] (int8); units[g]: the
+    value of one step of the combined integer; sums[g]: the group's represented sum (float64)."""
+    top = 0.0
+    for lane in range(64 * g, 64 * g + 64):
+        top = max(top, abs(np.float64(values[lane])))
+    if top == 0.0 or not np.isfinite(top):
+        for lane in range(64 * g, 64 * g + 64):
+            parts[0, lane], parts[1, lane], parts[2, lane] = 0, 0, 0
+        units[g] = 0.0 if top == 0.0 else np.nan
+        sums[g] = 0.0 if top == 0.0 else np.nan
+        return
+    step = top / 127.0
+    combined = 0
+    for lane in range(64 * g, 64 * g + 64):
+        r = np.float64(values[lane]) / step
+        p0 = np.rint(r)
+        r = (r - p0) * _PART_STEPS
+        p1 = np.rint(r)
+        p2 = np.rint((r - p1) * _PART_STEPS)
+        parts[0, lane], parts[1, lane], parts[2, lane] = p0, p1, p2
+        combined += (np.int64(p0) * 128 + np.int64(p1)) * 128 + np.int64(p2)
+    units[g] = step / (_PART_STEPS * _PART_STEPS)
+    sums[g] = combined * np.float64(units[g])
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _group_dot(codes, parts, g, scale, acc):
+    """acc + scale * (codes . combined parts) over group g, per lane of the int32 dot."""
+    at = 64 * g
+    d = simd.dot_u8s8(simd.int_zeros(), codes, simd.load_bytes(parts[0], at))
+    d = simd.dot_u8s8(simd.shift_left(d, 7), codes, simd.load_bytes(parts[1], at))
+    d = simd.dot_u8s8(simd.shift_left(d, 7), codes, simd.load_bytes(parts[2], at))
+    return simd.add_scaled(acc, d, scale)
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _rows_dot_integer(u8, u32, u16, lut, geo, record_at, row_a, row_b, parts, units, sums):
+    """(dot(row row_a, x), dot(row row_b, x)) of a Q4 or Q5 object, x given as parts (one pass
+    over the groups: the activation parts are loaded once for both rows)."""
+    bits, gpr = geo[0], geo[1]
+    at = record_at + geo[6]
+    base_a, base_b = at + row_a * gpr * geo[2], at + row_b * gpr * geo[2]
+    scale_at = (at + geo[5]) // 2
+    high_a, high_b = (at + geo[4] + row_a * gpr * geo[3]) // 4, (at + geo[4] + row_b * gpr * geo[3]) // 4
+    acc_a, acc_b = simd.float_zeros(), simd.float_zeros()
+    corr_a, corr_b = 0.0, 0.0
+    for g in range(gpr):
+        if bits == 4:
+            codes_a, codes_b = simd.q4_codes(u8, base_a + 32 * g), simd.q4_codes(u8, base_b + 32 * g)
+        else:  # fifth bits: one uint64 per group, lane i at bit i
+            high_a_bits = np.uint64(u32[high_a + 2 * g]) | (np.uint64(u32[high_a + 2 * g + 1]) << np.uint64(32))
+            high_b_bits = np.uint64(u32[high_b + 2 * g]) | (np.uint64(u32[high_b + 2 * g + 1]) << np.uint64(32))
+            codes_a, codes_b = simd.q5_codes(u8, base_a + 32 * g, high_a_bits), simd.q5_codes(u8, base_b + 32 * g, high_b_bits)
+        sa, sb = lut[u16[scale_at + row_a * gpr + g]], lut[u16[scale_at + row_b * gpr + g]]
+        acc_a = _group_dot(codes_a, parts, g, sa * _F32(units[g]), acc_a)
+        acc_b = _group_dot(codes_b, parts, g, sb * _F32(units[g]), acc_b)
+        corr_a += sa * sums[g]
+        corr_b += sb * sums[g]
+    zero_point = 8.0 if bits == 4 else 16.0
+    return simd.total(acc_a) - _F32(zero_point * corr_a), simd.total(acc_b) - _F32(zero_point * corr_b)
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _rows_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, row_b, x, parts, units, sums):
+    """(dot(row row_a, x), dot(row row_b, x)): Q4/Q5 through the integer path (x as parts), Q6/Q8
+    through the float path (x permuted and pre-scaled)."""
+    if geo[0] == 4 or geo[0] == 5:
+        return _rows_dot_integer(u8, u32, u16, lut, geo, record_at, row_a, row_b, parts, units, sums)
+    return _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, x), _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_b, x)
 
 
 @intrinsic
-def _claim(typingctx, counter, amount):
-    """Atomically counter[0] += amount; the value before (the first of the claimed work items)."""
-    sig = types.int64(counter, types.int64)
+def _fetch_add(typingctx, counters, index, amount):
+    """Atomically counters[index] += amount (acquire-release); the value before."""
+    sig = types.int64(counters, types.intp, types.int64)
 
     def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", array.data, args[1], "monotonic")
+        return builder.atomic_rmw("add", builder.gep(array.data, [args[1]]), args[2], "acq_rel")
 
     return sig, codegen
 
@@ -265,9 +285,12 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
 
     Serial set-up: assignments grouped by expert (CSR, experts ascending), activations permuted
     and pre-scaled into the gate/up object's lane order. Then both projections run over work items
-    of consecutive rows of one expert (every scratch element has one writer), which the worker
-    threads claim in guided chunks from an atomic counter: long sequential streams first, then
-    smaller chunks, so a thread that the host delays holds up one item, not a fixed share. The weighted sum into out is a short serial loop.
+    of consecutive rows of one expert (every scratch element has one writer): all gate/up items,
+    then all down items, which the worker threads claim in guided chunks from an atomic counter
+    (long sequential streams first, then smaller chunks, so a thread that the host delays holds up
+    one item, not a fixed share). One parallel region: a down item waits only until its expert's
+    gate/up items are done (a per-expert atomic count), not for the whole layer. The weighted sum
+    into out is a short serial loop.
     """
     t, k = ids.shape
     num = record_offsets.shape[0]
@@ -305,47 +328,62 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
                 wts[fill[e]] = weights[i, j]
                 fill[e] += 1
     gate_up, down = geometry[0], geometry[1]
-    xp = _zeros_serial(t * gate_up_scale.shape[0], np.float32).reshape(t, gate_up_scale.shape[0])
+    inter, hidden = gate_up[7] // 2, down[7]
+    gu_width, dn_width = gate_up_scale.shape[0], down_scale.shape[0]
+    xp = _zeros_serial(t * gu_width, np.float32).reshape(t, gu_width)
     for i in range(t):
         for lane in range(x.shape[1]):
             xp[i, gate_up_perm[lane]] = x[i, lane] * gate_up_scale[gate_up_perm[lane]]
-    inter, hidden = gate_up[7] // 2, down[7]
-    act = _zeros_serial(pos * down_scale.shape[0], np.float32).reshape(pos, down_scale.shape[0])
+    gu_integer, dn_integer = gate_up[0] == 4 or gate_up[0] == 5, down[0] == 4 or down[0] == 5
+    gu_groups, dn_groups = gu_width // 64 if gu_integer else 0, dn_width // 64 if dn_integer else 0
+    x_parts = _zeros_serial(t * 3 * gu_groups * 64, np.int8).reshape(t, 3, gu_groups * 64)
+    x_units, x_sums = np.empty((t, gu_groups), dtype=np.float32), np.empty((t, gu_groups), dtype=np.float64)
+    for i in range(t):
+        for g in range(gu_groups):
+            _split_group(xp[i], x_parts[i], x_units[i], x_sums[i], g)
+    act = _zeros_serial(pos * dn_width, np.float32).reshape(pos, dn_width)
+    act_parts = _zeros_serial(pos * 3 * dn_groups * 64, np.int8).reshape(pos, 3, dn_groups * 64)
+    act_units, act_sums = np.empty((pos, dn_groups), dtype=np.float32), np.empty((pos, dn_groups), dtype=np.float64)
     partial = np.empty((pos, hidden), dtype=np.float32)
     n = records.shape[0]
     u8, i8, u32, u16 = records, records.view(np.int8), records[: n - n % 4].view(np.uint32), records[: n - n % 2].view(np.uint16)
 
     items = (inter + ACT_ITEM - 1) // ACT_ITEM
-    counter = _zeros_serial(1, np.int64)
-    total = slots * items
-    for _ in prange(workers):
-        size = _chunk(total, workers)
-        first = _claim(counter, size)
-        while first < total:
-            for item in range(first, min(first + size, total)):
-                s, r0 = item // items, (item % items) * ACT_ITEM
-                for i in range(r0, min(r0 + ACT_ITEM, inter)):
-                    for a in range(starts[s], starts[s + 1]):
-                        gate, up = _rows_dot(u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xp[tokens[a]])
-                        act[a, down_perm[i]] = gate / (_F32(1.0) + np.exp(-gate)) * up * down_scale[down_perm[i]]
-            size = _chunk(total - first - size, workers)
-            first = _claim(counter, size)
-
     blocks = (hidden + OUT_ITEM - 1) // OUT_ITEM
-    counter[0] = 0
-    total = slots * blocks
+    first_down = slots * items
+    total = first_down + slots * blocks
+    # [0]: next work item; [1 + s]: gate/up items of slot s done; [1 + slots + s * dn_groups + g]:
+    # items done of slot s's intermediate group g (its last item splits the group into parts)
+    sync = _zeros_serial(1 + slots + slots * dn_groups, np.int64)
     for _ in prange(workers):
         size = _chunk(total, workers)
-        first = _claim(counter, size)
+        first = _fetch_add(sync, 0, size)
         while first < total:
             for item in range(first, min(first + size, total)):
-                s, h0 = item // blocks, (item % blocks) * OUT_ITEM
-                for h in range(h0, min(h0 + OUT_ITEM, hidden), 2):  # row pairs (the last one alone when odd)
-                    h1 = min(h + 1, hidden - 1)
-                    for a in range(starts[s], starts[s + 1]):
-                        partial[a, h], partial[a, h1] = _rows_dot(u8, i8, u32, u16, lut, down, record_at[s], h, h1, act[a])
+                if item < first_down:
+                    s, r0 = item // items, (item % items) * ACT_ITEM
+                    for i in range(r0, min(r0 + ACT_ITEM, inter)):
+                        for a in range(starts[s], starts[s + 1]):
+                            tok = tokens[a]
+                            gate, up = _rows_dot(u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xp[tok], x_parts[tok], x_units[tok], x_sums[tok])
+                            act[a, down_perm[i]] = gate / (_F32(1.0) + np.exp(-gate)) * up * down_scale[down_perm[i]]
+                    if dn_integer:
+                        g = r0 // 64
+                        group_items = (min(64 * g + 64, inter) - 64 * g + ACT_ITEM - 1) // ACT_ITEM
+                        if _fetch_add(sync, 1 + slots + s * dn_groups + g, 1) == group_items - 1:
+                            for a in range(starts[s], starts[s + 1]):
+                                _split_group(act[a], act_parts[a], act_units[a], act_sums[a], g)
+                    _fetch_add(sync, 1 + s, 1)
+                else:
+                    s, h0 = (item - first_down) // blocks, ((item - first_down) % blocks) * OUT_ITEM
+                    while _fetch_add(sync, 1 + s, 0) < items:  # wait for this expert's activations
+                        pass
+                    for h in range(h0, min(h0 + OUT_ITEM, hidden), 2):  # row pairs (the last one alone when odd)
+                        h1 = min(h + 1, hidden - 1)
+                        for a in range(starts[s], starts[s + 1]):
+                            partial[a, h], partial[a, h1] = _rows_dot(u8, i8, u32, u16, lut, down, record_at[s], h, h1, act[a], act_parts[a], act_units[a], act_sums[a])
             size = _chunk(total - first - size, workers)
-            first = _claim(counter, size)
+            first = _fetch_add(sync, 0, size)
 
     for a in range(pos):  # serial: a few thousand adds cost less than another parallel region
         row = out[tokens[a]]
@@ -357,17 +395,23 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
 # ----------------------------------------------------------------------------- host-side entry
 
 
-def lane_scales(geo: RowSplitGeometry) -> np.ndarray:
-    """Per permuted lane, the exact power of two that turns the kernels' top-of-word codes back into
-    codes (Q4: low nibbles sit at bits 28-31, high nibbles are shifted down; Q5/Q6 codes at the top;
-    Q8 bytes are the codes)."""
-    lanes = np.ones(geo.k_pad, dtype=np.float32)
+def group_permutation(k_pad: int) -> np.ndarray:
+    """Index array p with permuted[p[i]] = natural[i] for the integer path: per 64-lane group, even
+    lanes then odd lanes (base byte j holds lanes 2j and 2j + 1)."""
+    i = np.arange(k_pad, dtype=np.int64)
+    within = i % 64
+    return i - within + 32 * (within % 2) + within // 2
+
+
+def lane_order(geo: RowSplitGeometry) -> tuple[np.ndarray, np.ndarray]:
+    """(permutation, per-permuted-lane scale) of the activations an object's rows are dotted with:
+    group order and no scale on the integer path (Q4/Q5); on the float path the 128-lane order
+    with the exact power of two that turns the kernels' top-of-word codes back into codes (Q6 codes
+    sit at the top of the word, Q8 bytes are the codes)."""
     bits = geo.fmt.bits
-    if bits == 4:
-        lanes.reshape(-1, 128)[:, :64] = 2.0**-28
-    elif bits in (5, 6):
-        lanes[:] = 2.0 ** -(32 - bits)
-    return lanes
+    if bits in INTEGER_PATH_BITS:
+        return group_permutation(geo.k_pad), np.ones(geo.k_pad, dtype=np.float32)
+    return lane_permutation(geo.fmt.group, geo.k_pad), np.full(geo.k_pad, 2.0 ** -(32 - bits) if bits == 6 else 1.0, dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -377,7 +421,7 @@ class RecordKernelPlan:
     layout: ExpertRecordLayout
     geometry: np.ndarray  # [2, 8]: gate/up, down (`geometry_vector`)
     gate_up_perm: np.ndarray  # natural hidden lane -> permuted position
-    gate_up_scale: np.ndarray  # per permuted position (`lane_scales`)
+    gate_up_scale: np.ndarray  # per permuted position (`lane_order`)
     down_perm: np.ndarray  # natural intermediate lane -> permuted position
     down_scale: np.ndarray
 
@@ -389,10 +433,8 @@ class RecordKernelPlan:
         return cls(
             layout,
             np.stack([geometry_vector(gu, layout.gate_up_offset), geometry_vector(dn, layout.down_offset)]),
-            lane_permutation(gu.fmt.group, gu.k_pad),
-            lane_scales(gu),
-            lane_permutation(dn.fmt.group, dn.k_pad),
-            lane_scales(dn),
+            *lane_order(gu),
+            *lane_order(dn),
         )
 
 
