@@ -2,18 +2,19 @@
 
 A routed expert is `y = W_down (silu(W_gate x) * W_up x)` weighted by its router weight and added
 into the layer output. The kernels read the record bytes (`ExpertRecordLayout`: gate/up object
-[2I, H] then down object [H, I]) directly: nibbles, high bits and FP16 scales are unpacked in the
-inner loop and multiplied into fp32 accumulators; no dequantized copy of a matrix is ever made.
+[2I, H] then down object [H, I]) directly, group by group; no dequantized copy of a matrix is ever
+made. Q4 and Q5 (the official expert formats) take an exact integer path (activations split into
+signed-byte parts, int32 dots, see "Q4/Q5: integer dots" below); Q6 and Q8 a float path (codes
+unpacked in the inner loop into fp32 accumulators). Rows go two per pass (gate row i with up row
+i, down rows h and h + 1) so each activation load feeds both.
+
 One call (one numba dispatch) computes every (token, expert, weight) assignment of a layer; each
 projection is split into work items of consecutive rows of one expert, which the threads claim
 from an atomic counter in guided chunks (sequential reads, no two threads write one element, and
 a thread the host delays holds up only its chunk).
 
-Lane order: a Q4/Q5/Q6 base byte holds lanes 2j and 2j+1, so the activations are permuted once
-per call (per 128 lanes: even lanes, then odd lanes) and every inner loop reads them
-contiguously; a 128-lane block is one loop with per-lane scale selection, so the horizontal sum
-is paid once per 128 weights. Both make LLVM vectorise the unpacking. Q4 rows go two per pass
-(gate row i with up row i, down rows h and h + 1) so each activation load feeds both.
+Lane order: a base byte holds two lanes, so the activations are permuted once per call and every
+inner loop reads them contiguously (`lane_order`).
 
 `routed_experts_cpu` is the entry point; `reference_routed` is the oracle it must match (codecs
 decode + numpy).
@@ -39,7 +40,8 @@ from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 # Rows per parallel work item: consecutive rows (sequential reads), small enough that one
-# expert splits into many items and 15-16 threads stay balanced.
+# expert splits into many items and 15-16 threads stay balanced. ACT_ITEM divides 64, so each
+# gate/up item lies inside one 64-lane group of the down projection's input.
 ACT_ITEM = 8
 OUT_ITEM = 32
 
@@ -56,11 +58,11 @@ def geometry_vector(geo: RowSplitGeometry, object_offset: int) -> np.ndarray:
 
 
 def lane_permutation(group: int, k_pad: int) -> np.ndarray:
-    """Index array p with permuted[p[i]] = natural[i], per 128-lane block.
+    """Index array p with permuted[p[i]] = natural[i] for the float path, per 128-lane block.
 
-    Q4/Q5/Q6 (two 64-lane groups per block): [even lanes of group 0 | even lanes of group 1 |
-    odd lanes of group 0 | odd lanes of group 1], so base byte j of the block feeds positions j
-    and 64 + j. Q8 (one byte per lane): natural order.
+    Q6 (two 64-lane groups per block): [even lanes of group 0 | even lanes of group 1 | odd lanes
+    of group 0 | odd lanes of group 1], so base byte j of the block feeds positions j and 64 + j.
+    Q8 (one byte per lane): natural order.
     """
     i = np.arange(k_pad, dtype=np.int64)
     if group == 32:
@@ -177,6 +179,12 @@ _PART_STEPS = 128.0  # 2**7 between parts
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _integer_path(geo):
+    """Whether the object described by geo takes the integer path."""
+    return geo[0] in INTEGER_PATH_BITS
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _split_group(values, parts, units, sums, g):
     """Split lanes [64g, 64g + 64) of `values` (float32) into parts[0..2] (int8); units[g]: the
     value of one step of the combined integer; sums[g]: the group's represented sum (float64)."""
@@ -244,7 +252,7 @@ def _rows_dot_integer(u8, u32, u16, lut, geo, record_at, row_a, row_b, parts, un
 def _rows_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, row_b, x, parts, units, sums):
     """(dot(row row_a, x), dot(row row_b, x)): Q4/Q5 through the integer path (x as parts), Q6/Q8
     through the float path (x permuted and pre-scaled)."""
-    if geo[0] == 4 or geo[0] == 5:
+    if _integer_path(geo):
         return _rows_dot_integer(u8, u32, u16, lut, geo, record_at, row_a, row_b, parts, units, sums)
     return _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, x), _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_b, x)
 
@@ -334,7 +342,7 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
     for i in range(t):
         for lane in range(x.shape[1]):
             xp[i, gate_up_perm[lane]] = x[i, lane] * gate_up_scale[gate_up_perm[lane]]
-    gu_integer, dn_integer = gate_up[0] == 4 or gate_up[0] == 5, down[0] == 4 or down[0] == 5
+    gu_integer, dn_integer = _integer_path(gate_up), _integer_path(down)
     gu_groups, dn_groups = gu_width // 64 if gu_integer else 0, dn_width // 64 if dn_integer else 0
     x_parts = _zeros_serial(t * 3 * gu_groups * 64, np.int8).reshape(t, 3, gu_groups * 64)
     x_units, x_sums = np.empty((t, gu_groups), dtype=np.float32), np.empty((t, gu_groups), dtype=np.float64)

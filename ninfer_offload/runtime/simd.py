@@ -73,6 +73,12 @@ def _bytes_at(context, builder, array_type, array, offset, count: int):
     return builder.load(pointer, align=1)
 
 
+def _nibbles(builder, packed):
+    """32 bytes -> 64: [their low nibbles | their high nibbles]."""
+    low, high = builder.and_(packed, _splat(0x0F, packed.type)), builder.lshr(packed, _splat(4, packed.type))
+    return builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
+
+
 @intrinsic
 def load_bytes(typingctx, array, offset):
     """The 64 bytes of `array` (uint8 or int8) from element `offset` on."""
@@ -87,10 +93,8 @@ def q4_codes(typingctx, array, offset):
     sig = bytes64(array, types.intp)
 
     def codegen(context, builder, signature, args):
-        half = ir.VectorType(ir.IntType(8), 32)
-        packed = builder.xor(_bytes_at(context, builder, signature.args[0], args[0], args[1], 32), _splat(0x88, half))
-        low, high = builder.and_(packed, _splat(0x0F, half)), builder.lshr(packed, _splat(4, half))
-        return builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
+        packed = _bytes_at(context, builder, signature.args[0], args[0], args[1], 32)
+        return _nibbles(builder, builder.xor(packed, _splat(0x88, packed.type)))
 
     return sig, codegen
 
@@ -102,10 +106,7 @@ def q5_codes(typingctx, array, offset, high_bits):
     sig = bytes64(array, types.intp, types.uint64)
 
     def codegen(context, builder, signature, args):
-        half = ir.VectorType(ir.IntType(8), 32)
-        packed = _bytes_at(context, builder, signature.args[0], args[0], args[1], 32)
-        low, high = builder.and_(packed, _splat(0x0F, half)), builder.lshr(packed, _splat(4, half))
-        nibbles = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
+        nibbles = _nibbles(builder, _bytes_at(context, builder, signature.args[0], args[0], args[1], 32))
         lanes = builder.select(builder.bitcast(args[2], ir.VectorType(ir.IntType(1), 64)), _splat(0, _BYTES), _splat(16, _BYTES))
         even_odd = ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(0, 64, 2)) + list(range(1, 64, 2)))
         return builder.or_(nibbles, builder.shuffle_vector(lanes, lanes, even_odd))
