@@ -35,33 +35,23 @@ def frontend(tiny_checkpoint):
     return Frontend.from_directory(tiny_checkpoint)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_engine):
-    return tiny_engine
-
-
-@pytest.fixture(scope="module")
-def greedy_ids(reprefill_greedy):
-    return reprefill_greedy
-
-
-def test_json_greedy_output_equals_the_engine(tiny_artifact, frontend, greedy_ids):
+def test_json_greedy_output_equals_the_engine(tiny_artifact, frontend, reprefill_greedy):
     run = ninfer(tiny_artifact, "--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 16, "--json")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["prompt_ids"] == PROMPT
-    assert out["ids"] == greedy_ids
-    assert out["text"] == frontend.decode(greedy_ids)
+    assert out["ids"] == reprefill_greedy
+    assert out["text"] == frontend.decode(reprefill_greedy)
     assert out["finish_reason"] == "length" and out["stop_id"] is None
     assert out["prompt_tokens"] == len(PROMPT) and out["decode_steps"] == 15
     assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
 
 
-def test_streamed_text_is_the_generated_text(tiny_artifact, engine, frontend):
+def test_streamed_text_is_the_generated_text(tiny_artifact, tiny_engine, frontend):
     run = ninfer(tiny_artifact, "--prompt", "Hello, how are you?", "--greedy", "--max-tokens", 12, "--no-thinking")
     assert run.returncode == 0, run.stderr
     prompt = frontend.encode(frontend.render([{"role": "user", "content": "Hello, how are you?"}], enable_thinking=False))
-    ids = generate(engine, prompt, 12, SamplingParams(greedy=True), frontend.stop_ids).run().token_ids
+    ids = generate(tiny_engine, prompt, 12, SamplingParams(greedy=True), frontend.stop_ids).run().token_ids
     assert run.stdout == frontend.decode(ids) + "\n"
     assert "prefill: " in run.stderr and "decode: " in run.stderr and "tok/s" in run.stderr
 
@@ -78,12 +68,12 @@ def test_messages_file_tools_and_template_override(tmp_path, tiny_artifact, fron
     assert json.loads(run.stdout)["prompt_ids"] == frontend.encode("abc")
 
 
-def test_seeded_sampling_reproduces_across_processes(tiny_artifact, engine, frontend):
+def test_seeded_sampling_reproduces_across_processes(tiny_artifact, tiny_engine, frontend):
     args = ("--temperature", 1.3, "--top-k", 20, "--top-p", 0.9, "--min-p", 0, "--repetition-penalty", 1)
     run = ninfer(tiny_artifact, "--prompt-ids", "1,2,3", *args, "--seed", 77, "--max-tokens", 8, "--json")
     assert run.returncode == 0, run.stderr
     params = SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=77)
-    assert json.loads(run.stdout)["ids"] == generate(engine, [1, 2, 3], 8, params, frontend.stop_ids).run().token_ids
+    assert json.loads(run.stdout)["ids"] == generate(tiny_engine, [1, 2, 3], 8, params, frontend.stop_ids).run().token_ids
 
 
 def test_prompt_beyond_the_context_limit(tiny_artifact):
