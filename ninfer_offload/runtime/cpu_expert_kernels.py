@@ -344,13 +344,13 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
             xp[i, gate_up_perm[lane]] = x[i, lane] * gate_up_scale[gate_up_perm[lane]]
     gu_integer, dn_integer = _integer_path(gate_up), _integer_path(down)
     gu_groups, dn_groups = gu_width // 64 if gu_integer else 0, dn_width // 64 if dn_integer else 0
-    x_parts = _zeros_serial(t * 3 * gu_groups * 64, np.int8).reshape(t, 3, gu_groups * 64)
+    x_parts = np.empty((t, 3, gu_groups * 64), dtype=np.int8)  # every group is split below
     x_units, x_sums = np.empty((t, gu_groups), dtype=np.float32), np.empty((t, gu_groups), dtype=np.float64)
     for i in range(t):
         for g in range(gu_groups):
             _split_group(xp[i], x_parts[i], x_units[i], x_sums[i], g)
     act = _zeros_serial(pos * dn_width, np.float32).reshape(pos, dn_width)
-    act_parts = _zeros_serial(pos * 3 * dn_groups * 64, np.int8).reshape(pos, 3, dn_groups * 64)
+    act_parts = np.empty((pos, 3, dn_groups * 64), dtype=np.int8)  # each group split once its items are done
     act_units, act_sums = np.empty((pos, dn_groups), dtype=np.float32), np.empty((pos, dn_groups), dtype=np.float64)
     partial = np.empty((pos, hidden), dtype=np.float32)
     n = records.shape[0]
