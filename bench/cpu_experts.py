@@ -8,8 +8,9 @@ valid codes. For each thread count it measures, in the same run:
   * layer: one token through 8 distinct experts per call (a decode step's routed work of a layer);
   * independent processes: one single-threaded process per core timing the layer call at the
     same moment, summed (the cores' decode ceiling without any parallel-region cost);
-and reports GB/s of expert records consumed (median call) and its fraction of the measured host
-bandwidth (best streaming read).
+each with the activations split into 3 parts (float32 engines) and 2 parts (bf16 engines, the
+GPU case), and reports GB/s of expert records consumed (median call) and its fraction of the
+measured host bandwidth (best streaming read).
 
     python bench/cpu_experts.py --label dev        # writes bench/results/cpu_experts_dev.json
 """
@@ -76,30 +77,30 @@ def host_bandwidth(records: np.ndarray, seconds: float) -> float:
     return best
 
 
-def expert_throughput(plan, records, offsets, experts_per_call: int, seconds: float, rng) -> tuple[float, float]:
+def expert_throughput(plan, records, offsets, experts_per_call: int, parts: int, seconds: float, rng) -> tuple[float, float]:
     """(GB/s of records consumed, ms per call) for one token through `experts_per_call` experts,
     from the median call (robust to other processes on a shared machine)."""
     x = rng.standard_normal((1, HIDDEN)).astype(np.float32)
     weights = np.full((1, experts_per_call), 1.0 / experts_per_call, dtype=np.float32)
     order = rng.permutation(EXPERTS)
-    ce.routed_experts_cpu(plan, records, offsets, x, order[None, :experts_per_call], weights)
+    ce.routed_experts_cpu(plan, records, offsets, x, order[None, :experts_per_call], weights, activation_parts=parts)
     times = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         first = (len(times) * experts_per_call) % (EXPERTS - experts_per_call)
         start = time.perf_counter()
-        ce.routed_experts_cpu(plan, records, offsets, x, order[None, first : first + experts_per_call], weights)
+        ce.routed_experts_cpu(plan, records, offsets, x, order[None, first : first + experts_per_call], weights, activation_parts=parts)
         times.append(time.perf_counter() - start)
     median = float(np.median(times))
     return experts_per_call * plan.layout.nbytes / median / 1e9, 1e3 * median
 
 
-def independent_processes(cores: int, seconds: float) -> float:
+def independent_processes(cores: int, parts: int, seconds: float) -> float:
     """Summed GB/s of `cores` single-threaded benchmark processes (one pinned to each core) timing
     the layer call at the same moment: what the cores can decode with no parallel-region cost,
     i.e. the compute ceiling of the all-thread point."""
     env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
-    command = [sys.executable, __file__, "--seconds", str(seconds), "--worker"]
+    command = [sys.executable, __file__, "--seconds", str(seconds), "--parts", str(parts), "--worker"]
     workers = [
         subprocess.Popen([*command, str(cpu)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         for cpu in sorted(os.sched_getaffinity(0))[:cores]
@@ -113,17 +114,17 @@ def independent_processes(cores: int, seconds: float) -> float:
     return sum(float(worker.communicate()[0]) for worker in workers)
 
 
-def worker_process(cpu: int, seconds: float) -> None:
+def worker_process(cpu: int, parts: int, seconds: float) -> None:
     """One of `independent_processes`: pinned to `cpu`, one numba thread, its own layer."""
     os.sched_setaffinity(0, {cpu})
     rng = np.random.default_rng(cpu)
     ce.warm_up()
     layout, records, offsets = make_layer(rng)
     plan = ce.RecordKernelPlan.create(layout)
-    expert_throughput(plan, records, offsets, TOP_K, 0.1, rng)
+    expert_throughput(plan, records, offsets, TOP_K, parts, 0.1, rng)
     print("ready", flush=True)
     sys.stdin.readline()
-    print(expert_throughput(plan, records, offsets, TOP_K, seconds, rng)[0], flush=True)
+    print(expert_throughput(plan, records, offsets, TOP_K, parts, seconds, rng)[0], flush=True)
 
 
 def small_call_us(rng) -> float:
@@ -139,6 +140,15 @@ def small_call_us(rng) -> float:
         ce.routed_experts_cpu(plan, records, np.zeros(1, np.int64), x, ids, w)
         times.append(time.perf_counter() - start)
     return 1e6 * float(np.median(times))
+
+
+def point(threads: int, kind: str, per_call: int, parts: int, gbs: float, bandwidth: float, ms: float | None = None) -> dict:
+    """One result row (printed as it is made)."""
+    print(f"threads {threads:3d}  parts {parts}  {kind:22s} {gbs:7.2f} GB/s  host {bandwidth:7.2f} GB/s  fraction {gbs / bandwidth:.2f}", flush=True)
+    row = {"threads": threads, "kind": kind, "experts_per_call": per_call, "activation_parts": parts, "weights_gbs": round(gbs, 3)}
+    if ms is not None:
+        row["ms_per_call"] = round(ms, 4)
+    return {**row, "host_bandwidth_gbs": round(bandwidth, 3), "host_bandwidth_fraction": round(gbs / bandwidth, 4)}
 
 
 def cpu_name() -> str:
@@ -177,11 +187,12 @@ def main() -> None:
     parser.add_argument("--label", default=platform.node() or "host", help="result file suffix")
     parser.add_argument("--seconds", type=float, default=1.0, help="measurement time per point")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1, 2, 4, 8 and all)")
+    parser.add_argument("--parts", type=int, nargs="+", default=[ce.EXACT_PARTS, ce.SIXTEEN_BIT_PARTS], help="activation parts to measure (3: float32 engines, 2: bf16 engines)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # see independent_processes
     args = parser.parse_args()
     if args.worker is not None:
-        worker_process(args.worker, args.seconds)
+        worker_process(args.worker, args.parts[0], args.seconds)
         return
 
     rng = np.random.default_rng(0)
@@ -194,34 +205,14 @@ def main() -> None:
     for threads in counts:
         numba.set_num_threads(threads)
         bandwidth = host_bandwidth(records, args.seconds) / 1e9
-        for kind, per_call in (("single_expert", 1), ("layer_8_experts", TOP_K)):
-            gbs, ms = expert_throughput(plan, records, offsets, per_call, args.seconds, rng)
-            points.append(
-                {
-                    "threads": threads,
-                    "kind": kind,
-                    "experts_per_call": per_call,
-                    "weights_gbs": round(gbs, 3),
-                    "ms_per_call": round(ms, 4),
-                    "host_bandwidth_gbs": round(bandwidth, 3),
-                    "host_bandwidth_fraction": round(gbs / bandwidth, 4),
-                }
-            )
-            print(f"threads {threads:3d}  {kind:16s} {gbs:7.2f} GB/s  {ms:8.3f} ms/call  host {bandwidth:7.2f} GB/s  fraction {gbs / bandwidth:.2f}")
+        for parts in args.parts:
+            for kind, per_call in (("single_expert", 1), ("layer_8_experts", TOP_K)):
+                gbs, ms = expert_throughput(plan, records, offsets, per_call, parts, args.seconds, rng)
+                points.append(point(threads, kind, per_call, parts, gbs, bandwidth, ms))
     numba.set_num_threads(cores)
-    gbs = independent_processes(cores, args.seconds)
     bandwidth = next((p["host_bandwidth_gbs"] for p in points if p["threads"] == cores), host_bandwidth(records, args.seconds) / 1e9)
-    points.append(
-        {
-            "threads": cores,
-            "kind": "independent_processes",
-            "experts_per_call": TOP_K,
-            "weights_gbs": round(gbs, 3),
-            "host_bandwidth_gbs": round(bandwidth, 3),
-            "host_bandwidth_fraction": round(gbs / bandwidth, 4),
-        }
-    )
-    print(f"{cores} single-thread processes  layer_8_experts {gbs:7.2f} GB/s together  fraction {gbs / bandwidth:.2f}")
+    for parts in args.parts:
+        points.append(point(cores, "independent_processes", TOP_K, parts, independent_processes(cores, parts, args.seconds), bandwidth))
     result = {
         "benchmark": "cpu_experts",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

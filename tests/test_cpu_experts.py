@@ -79,6 +79,28 @@ def test_odd_hidden_size_pairs_the_last_down_row_with_itself(down_fmt):
     assert_close(got, ck.reference_routed(layout, records, offsets, x, ids, weights))
 
 
+@pytest.mark.parametrize("gate_up_fmt, down_fmt", [("q4_g64_fp16", "q5_g64_fp16"), ("q5_g64_fp16", "q4_g64_fp16")])
+def test_sixteen_bit_split_is_closer_than_bfloat16_inputs(gate_up_fmt, down_fmt):
+    """With two activation parts (16-bit engines) the result stays well inside the error that
+    rounding the same inputs to bfloat16 already causes."""
+    layout, records, offsets = make_records(gate_up_fmt, down_fmt)
+    x, ids, weights = routing(tokens=4, k=3, seed=13)
+    x[:, ::7] *= 1e-3  # small lanes next to large ones in every group
+    plan = ck.RecordKernelPlan.create(layout)
+    want = ck.reference_routed(layout, records, offsets, x, ids, weights)
+    got = ck.routed_experts_cpu(plan, records, offsets, x, ids, weights, activation_parts=ck.SIXTEEN_BIT_PARTS)
+    x_bf16 = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    bf16_error = np.abs(ck.reference_routed(layout, records, offsets, x_bf16, ids, weights) - want).max()
+    assert 0 < np.abs(got - want).max() < bf16_error / 8
+
+
+def test_activation_parts_must_be_two_or_three():
+    layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
+    x, ids, weights = routing(tokens=1, k=2, seed=5)
+    with pytest.raises(NinferError, match="activation_parts"):
+        ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), records, offsets, x, ids, weights, activation_parts=1)
+
+
 def test_repeated_experts_and_shared_tokens():
     """Every token uses the same expert, and one token lists an expert twice: all contributions add."""
     layout, records, offsets = make_records("q6_g64_fp16", "q8_g32_fp16")
@@ -145,6 +167,22 @@ def test_executor_runs_torch_inputs_in_a_worker_and_feeds_the_splitter():
     assert_close(got.numpy(), ck.reference_routed(layout, records, offsets, x, ids, masked))
     assert executor.calls == 1 and executor.stats()["gbs"] > 0
     assert splitter.cpu_rate < 1e15  # the measured call pulled the optimistic start down
+
+
+def test_executor_splits_activations_by_their_dtype():
+    """float32 activations take the exact split, bfloat16 ones the 16-bit split."""
+    layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
+    table = torch.stack([torch.from_numpy(records[o : o + layout.nbytes]) for o in offsets])
+    x, ids, weights = routing(tokens=3, k=2, seed=8)
+    executor = ce.CpuExpertExecutor(threads=1)
+    try:
+        for dtype, parts in ((torch.float32, ck.EXACT_PARTS), (torch.bfloat16, ck.SIXTEEN_BIT_PARTS)):
+            xt = torch.from_numpy(x).to(dtype)
+            got = executor.run(layout, table, xt, torch.from_numpy(ids), torch.from_numpy(weights))
+            want = ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), table.numpy(), np.arange(EXPERTS) * layout.nbytes, xt.float().numpy(), ids, weights, activation_parts=parts)
+            np.testing.assert_array_equal(got.numpy(), want)
+    finally:
+        executor.close()
 
 
 def test_executor_rejects_device_or_malformed_records():

@@ -58,11 +58,11 @@ def geometry_vector(geo: RowSplitGeometry, object_offset: int) -> np.ndarray:
 
 
 def lane_permutation(group: int, k_pad: int) -> np.ndarray:
-    """Index array p with permuted[p[i]] = natural[i] for the float path, per 128-lane block.
+    """Index array p with permuted[p[i]] = natural[i], per 128-lane block.
 
-    Q6 (two 64-lane groups per block): [even lanes of group 0 | even lanes of group 1 | odd lanes
-    of group 0 | odd lanes of group 1], so base byte j of the block feeds positions j and 64 + j.
-    Q8 (one byte per lane): natural order.
+    Q4/Q5/Q6 (two 64-lane groups per block): [even lanes of group 0 | even lanes of group 1 | odd
+    lanes of group 0 | odd lanes of group 1], so base byte j of the block (low nibble, high
+    nibble) feeds positions j and 64 + j. Q8 (one byte per lane): natural order.
     """
     i = np.arange(k_pad, dtype=np.int64)
     if group == 32:
@@ -114,13 +114,11 @@ _Q6_NIBBLE, _Q6_HIGH = _I32(0x3C000000), _I32(-0x40000000)  # nibble at bits 26-
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
+def _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x, tok):
     acc = _F32(0.0)
     low_top, high_top, two = _I32(26), _I32(22), _I32(2)
     for blk in range(gpr // 2):
         q = u8[base_at + 64 * blk : base_at + 64 * blk + 64]
-        xe = x[128 * blk : 128 * blk + 64]
-        xo = x[128 * blk + 64 : 128 * blk + 128]
         s0, s1 = lut[u16[scale_at + 2 * blk]], lut[u16[scale_at + 2 * blk + 1]]
         h = u32[high_at + 8 * blk : high_at + 8 * blk + 8]  # bits 4-5 of 16 lanes per word
         d = _F32(0.0)
@@ -133,49 +131,52 @@ def _row_dot_q6(u8, u32, u16, lut, base_at, high_at, scale_at, gpr, x):
                 to_top = _I32(30 - (4 * j) & 31)  # moves the lane's two high bits to bits 30-31
                 lo = _merge(_shl(b, low_top), _shl(w, to_top), _Q6_NIBBLE, _Q6_HIGH)
                 hi = _merge(_shl(b, high_top), _shl(w, to_top - two), _Q6_NIBBLE, _Q6_HIGH)
-                d += s * (_F32(lo) * xe[32 * half + j] + _F32(hi) * xo[32 * half + j])
+                d += s * (_F32(lo) * x[tok, 128 * blk + 32 * half + j] + _F32(hi) * x[tok, 128 * blk + 64 + 32 * half + j])
         acc += d
     return acc
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _row_dot_q8(i8, u16, lut, base_at, scale_at, gpr, x):
+def _row_dot_q8(i8, u16, lut, base_at, scale_at, gpr, x, tok):
     acc = _F32(0.0)
     for blk in range(gpr // 4):  # 128 lanes = 4 groups of 32 bytes
         q = i8[base_at + 128 * blk : base_at + 128 * blk + 128]  # the code is the signed byte
-        xg = x[128 * blk : 128 * blk + 128]
         sc = u16[scale_at + 4 * blk : scale_at + 4 * blk + 4]
         s0, s1, s2, s3 = lut[sc[0]], lut[sc[1]], lut[sc[2]], lut[sc[3]]
         d = _F32(0.0)
         for j in range(128):
             s = s0 if j < 32 else (s1 if j < 64 else (s2 if j < 96 else s3))
-            d += s * (_F32(q[j]) * xg[j])
+            d += s * (_F32(q[j]) * x[tok, 128 * blk + j])
         acc += d
     return acc
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _row_dot(u8, i8, u32, u16, lut, geo, record_at, row, x):
-    """dot(row `row` of the Q6 or Q8 object described by geo inside the record at record_at, x)."""
+def _row_dot(u8, i8, u32, u16, lut, geo, record_at, row, x, tok):
+    """dot(row `row` of the Q6 or Q8 object described by geo inside the record at record_at, x[tok])."""
     gpr = geo[1]
     at = record_at + geo[6]
     base_at = at + row * gpr * geo[2]
     scale_at = (at + geo[5]) // 2 + row * gpr
     if geo[0] == 8:
-        return _row_dot_q8(i8, u16, lut, base_at, scale_at, gpr, x)
-    return _row_dot_q6(u8, u32, u16, lut, base_at, (at + geo[4] + row * gpr * geo[3]) // 4, scale_at, gpr, x)
+        return _row_dot_q8(i8, u16, lut, base_at, scale_at, gpr, x, tok)
+    return _row_dot_q6(u8, u32, u16, lut, base_at, (at + geo[4] + row * gpr * geo[3]) // 4, scale_at, gpr, x, tok)
 
 
 # ----------------------------------------------------------------------------- Q4/Q5: integer dots
 
 # Q4 and Q5 groups take an integer path. The activations are split, per 64-lane group, into
-# three signed-byte parts, x = unit * (p0 * 2**14 + p1 * 2**7 + p2) with |error| <= max|x| * 2**-22
-# (below float32 rounding of the sums), and each group's codes, as unsigned bytes code + zero
-# point, are dotted with the parts in int32 (`simd.dot_u8s8`: AVX-512 VNNI where present), exactly;
-# the zero point comes off through the group's represented sum. Lanes are in group order
-# (`group_permutation`), so a group's 32 base bytes unpack to [even lanes | odd lanes].
+# signed-byte parts, x = unit * (p0 * 2**7 + p1) (two parts, |error| <= max|x| * 2**-15) or
+# x = unit * (p0 * 2**14 + p1 * 2**7 + p2) (three parts, <= max|x| * 2**-22, below float32
+# rounding of the sums). A block of two groups (128 lanes, 64 base bytes) is dotted in int32 with
+# the codes as unsigned bytes code + zero point (`simd.dot_u8s8`: AVX-512 VNNI where present),
+# exactly; per int32 lane the zero point comes off through the precomputed zero point times the
+# represented sum of the lane's activations (`zero_sums`), then each group's lanes are scaled by
+# its code scale times its activation unit. Lanes are in the 128-lane block order of
+# `lane_permutation`, so the low nibbles of a block's base bytes are its even lanes.
 INTEGER_PATH_BITS = (4, 5)
 _PART_STEPS = 128.0  # 2**7 between parts
+EXACT_PARTS, SIXTEEN_BIT_PARTS = 3, 2  # for float32 activations, for bf16/fp16 ones
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -185,76 +186,127 @@ def _integer_path(geo):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _split_group(values, parts, units, sums, g):
-    """Split lanes [64g, 64g + 64) of `values` (float32) into parts[0..2] (int8); units[g]: the
-    value of one step of the combined integer; sums[g]: the group's represented sum (float64)."""
+def _zero_point(geo):
+    return 8 if geo[0] == 4 else 16
+
+
+@njit(nogil=True, cache=True)
+def _split_group(values, parts, units, zero_sums, row, g, zero_point):
+    """Split group g of values[row] (float32, block order) into parts[row, 0..P) (int8). Per int32
+    lane of the group's half of its block: units[row] (the value of one step of the combined
+    integer) and zero_sums[row] (zero_point times the combined integers of the lane's 8
+    activations). Arguments are whole arrays and a row (no views: see `_routed_kernel`)."""
+    nparts = parts.shape[1]
+    at = 128 * (g // 2) + 32 * (g % 2)  # even lanes at at + j, odd lanes at at + 64 + j (j < 32)
+    lanes = 16 * (g // 2) + 8 * (g % 2)
     top = 0.0
-    for lane in range(64 * g, 64 * g + 64):
-        top = max(top, abs(np.float64(values[lane])))
+    for j in range(32):
+        top = max(top, abs(np.float64(values[row, at + j])), abs(np.float64(values[row, at + 64 + j])))
     if top == 0.0 or not np.isfinite(top):
-        for lane in range(64 * g, 64 * g + 64):
-            parts[0, lane], parts[1, lane], parts[2, lane] = 0, 0, 0
-        units[g] = 0.0 if top == 0.0 else np.nan
-        sums[g] = 0.0 if top == 0.0 else np.nan
+        for j in range(32):
+            for p in range(nparts):
+                parts[row, p, at + j], parts[row, p, at + 64 + j] = 0, 0
+        for i in range(8):
+            units[row, lanes + i] = 0.0 if top == 0.0 else np.nan
+            zero_sums[row, lanes + i] = 0
         return
     step = top / 127.0
-    combined = 0
-    for lane in range(64 * g, 64 * g + 64):
-        r = np.float64(values[lane]) / step
-        p0 = np.rint(r)
-        r = (r - p0) * _PART_STEPS
-        p1 = np.rint(r)
-        p2 = np.rint((r - p1) * _PART_STEPS)
-        parts[0, lane], parts[1, lane], parts[2, lane] = p0, p1, p2
-        combined += (np.int64(p0) * 128 + np.int64(p1)) * 128 + np.int64(p2)
-    units[g] = step / (_PART_STEPS * _PART_STEPS)
-    sums[g] = combined * np.float64(units[g])
+    inverse = 127.0 / top
+    for i in range(8):
+        combined = 0
+        for j in range(8):
+            pos = at + 4 * i + j if j < 4 else at + 64 + 4 * i + j - 4
+            r = np.float64(values[row, pos]) * inverse
+            value = 0
+            for p in range(nparts):
+                q = np.rint(r)
+                parts[row, p, pos] = q
+                value = value * 128 + np.int64(q)
+                r = (r - q) * _PART_STEPS
+            combined += value
+        zero_sums[row, lanes + i] = zero_point * combined
+        units[row, lanes + i] = step / _PART_STEPS ** (nparts - 1)
+
+
+# `_rows_dot_integer` is built once per (format, parts) combination, so each compiles to its own
+# straight loop. Parts are read at flat element offsets of the [rows, parts, width] array.
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _group_dot(codes, parts, g, scale, acc):
-    """acc + scale * (codes . combined parts) over group g, per lane of the int32 dot."""
-    at = 64 * g
-    d = simd.dot_u8s8(simd.int_zeros(), codes, simd.load_bytes(parts[0], at))
-    d = simd.dot_u8s8(simd.shift_left(d, 7), codes, simd.load_bytes(parts[1], at))
-    d = simd.dot_u8s8(simd.shift_left(d, 7), codes, simd.load_bytes(parts[2], at))
-    return simd.add_scaled(acc, d, scale)
+def _q4_block(u8, base_at, high_at):
+    return simd.q4_block(u8, base_at)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _q5_block(u8, base_at, high_at):
+    return simd.q5_block(u8, base_at, high_at)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _two_part_ints(low, high, parts, at, stride):
+    """Combined int32 dot of a block's codes (low, high) with two activation parts (part p of the
+    block at flat offset at + p * stride)."""
+    d = simd.dot_u8s8(simd.dot_u8s8(simd.int_zeros(), low, simd.load_bytes(parts, at)), high, simd.load_bytes(parts, at + 64))
+    at += stride
+    return simd.dot_u8s8(simd.dot_u8s8(simd.shift_left(d, 7), low, simd.load_bytes(parts, at)), high, simd.load_bytes(parts, at + 64))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _three_part_ints(low, high, parts, at, stride):
+    """`_two_part_ints` with a third part."""
+    d = _two_part_ints(low, high, parts, at, stride)
+    at += 2 * stride
+    return simd.dot_u8s8(simd.dot_u8s8(simd.shift_left(d, 7), low, simd.load_bytes(parts, at)), high, simd.load_bytes(parts, at + 64))
+
+
+def _rows_dot_integer(block_codes, block_ints):
+    """The row-pair dot of a Q4 or Q5 object (`block_codes`) with x given as parts (`block_ints`)."""
+
+    @njit(nogil=True, cache=True, fastmath=True, inline="always")
+    def rows_dot(u8, u16, lut, geo, record_at, row_a, row_b, parts, units, zero_sums, tok):
+        """(dot(row row_a, x[tok]), dot(row row_b, x[tok])): one pass over the blocks, the
+        activation parts loaded once for both rows."""
+        gpr = geo[1]
+        at = record_at + geo[6]
+        base_a, base_b = at + row_a * gpr * geo[2], at + row_b * gpr * geo[2]
+        scale_a, scale_b = (at + geo[5]) // 2 + row_a * gpr, (at + geo[5]) // 2 + row_b * gpr
+        high_a, high_b = at + geo[4] + row_a * gpr * geo[3], at + geo[4] + row_b * gpr * geo[3]
+        width = parts.shape[2]
+        parts_at, lanes_at = tok * parts.shape[1] * width, tok * units.shape[1]
+        acc_a, acc_b = simd.float_zeros(), simd.float_zeros()
+        for blk in range(gpr // 2):
+            low_a, odd_a = block_codes(u8, base_a + 64 * blk, high_a + 16 * blk)
+            low_b, odd_b = block_codes(u8, base_b + 64 * blk, high_b + 16 * blk)
+            zero = simd.load_ints(zero_sums, lanes_at + 16 * blk)
+            unit = simd.load_floats(units, lanes_at + 16 * blk)
+            d_a = simd.sub_ints(block_ints(low_a, odd_a, parts, parts_at + 128 * blk, width), zero)
+            d_b = simd.sub_ints(block_ints(low_b, odd_b, parts, parts_at + 128 * blk, width), zero)
+            sa, sb = np.uintp(scale_a + 2 * blk), np.uintp(scale_b + 2 * blk)  # unsigned: no wraparound checks
+            acc_a = simd.add_block_scaled(acc_a, d_a, lut[u16[sa]], lut[u16[sa + np.uintp(1)]], unit)
+            acc_b = simd.add_block_scaled(acc_b, d_b, lut[u16[sb]], lut[u16[sb + np.uintp(1)]], unit)
+        return simd.total(acc_a), simd.total(acc_b)
+
+    return rows_dot
+
+
+_q4_two, _q4_three = _rows_dot_integer(_q4_block, _two_part_ints), _rows_dot_integer(_q4_block, _three_part_ints)
+_q5_two, _q5_three = _rows_dot_integer(_q5_block, _two_part_ints), _rows_dot_integer(_q5_block, _three_part_ints)
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _rows_dot_integer(u8, u32, u16, lut, geo, record_at, row_a, row_b, parts, units, sums):
-    """(dot(row row_a, x), dot(row row_b, x)) of a Q4 or Q5 object, x given as parts (one pass
-    over the groups: the activation parts are loaded once for both rows)."""
-    bits, gpr = geo[0], geo[1]
-    at = record_at + geo[6]
-    base_a, base_b = at + row_a * gpr * geo[2], at + row_b * gpr * geo[2]
-    scale_at = (at + geo[5]) // 2
-    high_a, high_b = (at + geo[4] + row_a * gpr * geo[3]) // 4, (at + geo[4] + row_b * gpr * geo[3]) // 4
-    acc_a, acc_b = simd.float_zeros(), simd.float_zeros()
-    corr_a, corr_b = 0.0, 0.0
-    for g in range(gpr):
-        if bits == 4:
-            codes_a, codes_b = simd.q4_codes(u8, base_a + 32 * g), simd.q4_codes(u8, base_b + 32 * g)
-        else:  # fifth bits: one uint64 per group, lane i at bit i
-            high_a_bits = np.uint64(u32[high_a + 2 * g]) | (np.uint64(u32[high_a + 2 * g + 1]) << np.uint64(32))
-            high_b_bits = np.uint64(u32[high_b + 2 * g]) | (np.uint64(u32[high_b + 2 * g + 1]) << np.uint64(32))
-            codes_a, codes_b = simd.q5_codes(u8, base_a + 32 * g, high_a_bits), simd.q5_codes(u8, base_b + 32 * g, high_b_bits)
-        sa, sb = lut[u16[scale_at + row_a * gpr + g]], lut[u16[scale_at + row_b * gpr + g]]
-        acc_a = _group_dot(codes_a, parts, g, sa * _F32(units[g]), acc_a)
-        acc_b = _group_dot(codes_b, parts, g, sb * _F32(units[g]), acc_b)
-        corr_a += sa * sums[g]
-        corr_b += sb * sums[g]
-    zero_point = 8.0 if bits == 4 else 16.0
-    return simd.total(acc_a) - _F32(zero_point * corr_a), simd.total(acc_b) - _F32(zero_point * corr_b)
-
-
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _rows_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, row_b, x, parts, units, sums):
-    """(dot(row row_a, x), dot(row row_b, x)): Q4/Q5 through the integer path (x as parts), Q6/Q8
-    through the float path (x permuted and pre-scaled)."""
-    if _integer_path(geo):
-        return _rows_dot_integer(u8, u32, u16, lut, geo, record_at, row_a, row_b, parts, units, sums)
-    return _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, x), _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_b, x)
+def _rows_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, row_b, x, parts, units, zero_sums, tok):
+    """(dot(row row_a, x[tok]), dot(row row_b, x[tok])): Q4/Q5 through the integer path (x as
+    parts, the variant for the format and the number of parts), Q6/Q8 through the float path (x
+    permuted and pre-scaled)."""
+    if geo[0] == 4:
+        if parts.shape[1] == 2:
+            return _q4_two(u8, u16, lut, geo, record_at, row_a, row_b, parts, units, zero_sums, tok)
+        return _q4_three(u8, u16, lut, geo, record_at, row_a, row_b, parts, units, zero_sums, tok)
+    if geo[0] == 5:
+        if parts.shape[1] == 2:
+            return _q5_two(u8, u16, lut, geo, record_at, row_a, row_b, parts, units, zero_sums, tok)
+        return _q5_three(u8, u16, lut, geo, record_at, row_a, row_b, parts, units, zero_sums, tok)
+    return _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, x, tok), _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_b, x, tok)
 
 
 @intrinsic
@@ -286,7 +338,7 @@ def _chunk(remaining, workers):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_perm, down_scale, record_offsets, record_bytes, ids, weights, selected, x, out, workers):
+def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_perm, down_scale, record_offsets, record_bytes, ids, weights, selected, x, out, nparts, workers):
     """out[t] += sum over selected (t, j) of weights[t, j] * expert_{ids[t, j]}(x[t]); False when a
     selected expert has no record inside `records` (nothing is computed then). `workers`: the
     number of numba threads (one counter-draining loop each).
@@ -344,14 +396,14 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
             xp[i, gate_up_perm[lane]] = x[i, lane] * gate_up_scale[gate_up_perm[lane]]
     gu_integer, dn_integer = _integer_path(gate_up), _integer_path(down)
     gu_groups, dn_groups = gu_width // 64 if gu_integer else 0, dn_width // 64 if dn_integer else 0
-    x_parts = np.empty((t, 3, gu_groups * 64), dtype=np.int8)  # every group is split below
-    x_units, x_sums = np.empty((t, gu_groups), dtype=np.float32), np.empty((t, gu_groups), dtype=np.float64)
+    x_parts = np.empty((t, nparts, gu_groups * 64), dtype=np.int8)  # every group is split below
+    x_units, x_sums = np.empty((t, gu_groups * 8), dtype=np.float32), np.empty((t, gu_groups * 8), dtype=np.int32)
     for i in range(t):
         for g in range(gu_groups):
-            _split_group(xp[i], x_parts[i], x_units[i], x_sums[i], g)
+            _split_group(xp, x_parts, x_units, x_sums, i, g, _zero_point(gate_up))
     act = _zeros_serial(pos * dn_width, np.float32).reshape(pos, dn_width)
-    act_parts = np.empty((pos, 3, dn_groups * 64), dtype=np.int8)  # each group split once its items are done
-    act_units, act_sums = np.empty((pos, dn_groups), dtype=np.float32), np.empty((pos, dn_groups), dtype=np.float64)
+    act_parts = np.empty((pos, nparts, dn_groups * 64), dtype=np.int8)  # each group split once its items are done
+    act_units, act_sums = np.empty((pos, dn_groups * 8), dtype=np.float32), np.empty((pos, dn_groups * 8), dtype=np.int32)
     partial = np.empty((pos, hidden), dtype=np.float32)
     n = records.shape[0]
     u8, i8, u32, u16 = records, records.view(np.int8), records[: n - n % 4].view(np.uint32), records[: n - n % 2].view(np.uint16)
@@ -373,14 +425,14 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
                     for i in range(r0, min(r0 + ACT_ITEM, inter)):
                         for a in range(starts[s], starts[s + 1]):
                             tok = tokens[a]
-                            gate, up = _rows_dot(u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xp[tok], x_parts[tok], x_units[tok], x_sums[tok])
+                            gate, up = _rows_dot(u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xp, x_parts, x_units, x_sums, tok)
                             act[a, down_perm[i]] = gate / (_F32(1.0) + np.exp(-gate)) * up * down_scale[down_perm[i]]
                     if dn_integer:
                         g = r0 // 64
                         group_items = (min(64 * g + 64, inter) - 64 * g + ACT_ITEM - 1) // ACT_ITEM
                         if _fetch_add(sync, 1 + slots + s * dn_groups + g, 1) == group_items - 1:
                             for a in range(starts[s], starts[s + 1]):
-                                _split_group(act[a], act_parts[a], act_units[a], act_sums[a], g)
+                                _split_group(act, act_parts, act_units, act_sums, a, g, _zero_point(down))
                     _fetch_add(sync, 1 + s, 1)
                 else:
                     s, h0 = (item - first_down) // blocks, ((item - first_down) % blocks) * OUT_ITEM
@@ -389,7 +441,7 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
                     for h in range(h0, min(h0 + OUT_ITEM, hidden), 2):  # row pairs (the last one alone when odd)
                         h1 = min(h + 1, hidden - 1)
                         for a in range(starts[s], starts[s + 1]):
-                            partial[a, h], partial[a, h1] = _rows_dot(u8, i8, u32, u16, lut, down, record_at[s], h, h1, act[a], act_parts[a], act_units[a], act_sums[a])
+                            partial[a, h], partial[a, h1] = _rows_dot(u8, i8, u32, u16, lut, down, record_at[s], h, h1, act, act_parts, act_units, act_sums, a)
             size = _chunk(total - first - size, workers)
             first = _fetch_add(sync, 0, size)
 
@@ -403,23 +455,14 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
 # ----------------------------------------------------------------------------- host-side entry
 
 
-def group_permutation(k_pad: int) -> np.ndarray:
-    """Index array p with permuted[p[i]] = natural[i] for the integer path: per 64-lane group, even
-    lanes then odd lanes (base byte j holds lanes 2j and 2j + 1)."""
-    i = np.arange(k_pad, dtype=np.int64)
-    within = i % 64
-    return i - within + 32 * (within % 2) + within // 2
-
-
 def lane_order(geo: RowSplitGeometry) -> tuple[np.ndarray, np.ndarray]:
     """(permutation, per-permuted-lane scale) of the activations an object's rows are dotted with:
-    group order and no scale on the integer path (Q4/Q5); on the float path the 128-lane order
-    with the exact power of two that turns the kernels' top-of-word codes back into codes (Q6 codes
-    sit at the top of the word, Q8 bytes are the codes)."""
+    the 128-lane block order (`lane_permutation`); no scale on the integer path (Q4/Q5), on the
+    float path the exact power of two that turns the kernels' top-of-word codes back into codes
+    (Q6 codes sit at the top of the word, Q8 bytes are the codes)."""
     bits = geo.fmt.bits
-    if bits in INTEGER_PATH_BITS:
-        return group_permutation(geo.k_pad), np.ones(geo.k_pad, dtype=np.float32)
-    return lane_permutation(geo.fmt.group, geo.k_pad), np.full(geo.k_pad, 2.0 ** -(32 - bits) if bits == 6 else 1.0, dtype=np.float32)
+    scale = 2.0 ** -(32 - bits) if bits == 6 else 1.0
+    return lane_permutation(geo.fmt.group, geo.k_pad), np.full(geo.k_pad, scale, dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -454,12 +497,19 @@ def routed_experts_cpu(
     topk_ids: np.ndarray,
     topk_weights: np.ndarray,
     selected: np.ndarray | None = None,
+    activation_parts: int = EXACT_PARTS,
 ) -> np.ndarray:
     """Sum over assignments of weight * expert(x[token]) -> [T, H] float32 (numba kernels).
 
     records: uint8 buffer holding the records; record_offsets[e]: byte offset of expert e's record
     in it. selected: optional bool mask [T, k] of the assignments to compute (others skipped).
+    activation_parts: signed-byte parts per activation on the Q4/Q5 integer path: EXACT_PARTS
+    (float32 activations: error below float32 rounding) or SIXTEEN_BIT_PARTS (activations that
+    come from a bf16/fp16 engine: error <= 2**-15 of the group's largest activation, below the
+    rounding those activations already carry).
     """
+    if activation_parts not in (SIXTEEN_BIT_PARTS, EXACT_PARTS):
+        raise NinferError(f"activation_parts must be {SIXTEEN_BIT_PARTS} or {EXACT_PARTS}, not {activation_parts}")
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.shape[1] != plan.layout.gate_up.k:
         raise NinferError(f"activations have width {x.shape[1]}, the expert records expect {plan.layout.gate_up.k}")
@@ -469,7 +519,7 @@ def routed_experts_cpu(
     ok = _routed_kernel(
         np.ascontiguousarray(records).reshape(-1).view(np.uint8), F16_TO_F32, plan.geometry, plan.gate_up_perm, plan.gate_up_scale,
         plan.down_perm, plan.down_scale, np.ascontiguousarray(record_offsets, dtype=np.int64), plan.layout.nbytes, ids,
-        np.ascontiguousarray(topk_weights, dtype=np.float32), mask, x, out, numba.get_num_threads(),
+        np.ascontiguousarray(topk_weights, dtype=np.float32), mask, x, out, activation_parts, numba.get_num_threads(),
     )
     if not ok:
         raise NinferError("a routed expert selected for CPU compute has no host record")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.runtime.cpu_expert_kernels import RecordKernelPlan, routed_experts_cpu, warm_up
+from ninfer_offload.runtime.cpu_expert_kernels import EXACT_PARTS, SIXTEEN_BIT_PARTS, RecordKernelPlan, routed_experts_cpu, warm_up
 from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
 
@@ -98,7 +98,8 @@ class CpuExpertExecutor:
     with device work and adds it later (numba releases the GIL); `run` is the synchronous form.
     Quantized records run through the numba kernels; lossless bf16/fp32 records (a test recipe)
     through the torch reference op. One call at a time uses the thread pool (`threads` numba
-    threads, default all); measured rates feed the optional `MissSplitter`.
+    threads, default all); measured rates feed the optional `MissSplitter`. float32 activations
+    are computed exactly, bf16/fp16 ones with the kernels' 16-bit activation split.
     """
 
     def __init__(self, threads: int | None = None, splitter: MissSplitter | None = None):
@@ -114,13 +115,13 @@ class CpuExpertExecutor:
 
     def run(self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor | None = None) -> torch.Tensor:
         """sum over the (selected) assignments of w * expert(x[token]) -> CPU float32 [T, H]."""
-        return self._compute(layout, records, *_host_inputs(x, topk_ids, topk_weights, selected))
+        return self._compute(layout, records, *_host_inputs(x, topk_ids, topk_weights, selected), _parts_for(x))
 
     def submit(self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor | None = None) -> Future:
         """`run` in the worker thread; inputs are brought to the host first, in the caller's stream order."""
-        return self._worker.submit(self._compute, layout, records, *_host_inputs(x, topk_ids, topk_weights, selected))
+        return self._worker.submit(self._compute, layout, records, *_host_inputs(x, topk_ids, topk_weights, selected), _parts_for(x))
 
-    def _compute(self, layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None) -> torch.Tensor:
+    def _compute(self, layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None, parts: int) -> torch.Tensor:
         if records.device.type != "cpu" or records.dtype != torch.uint8 or records.dim() != 2 or records.stride(1) != 1:
             raise NinferError("CPU expert compute needs host records as a CPU uint8 tensor [experts, bytes]")
         used = np.unique(ids if selected is None else ids[selected])
@@ -131,7 +132,7 @@ class CpuExpertExecutor:
             if isinstance(layout, ExpertRecordLayout):
                 flat = records.as_strided(((records.shape[0] - 1) * records.stride(0) + records.shape[1],), (1,)).numpy()
                 offsets = np.arange(records.shape[0], dtype=np.int64) * records.stride(0)
-                out = torch.from_numpy(routed_experts_cpu(self._plan(layout), flat, offsets, x, ids, weights, selected))
+                out = torch.from_numpy(routed_experts_cpu(self._plan(layout), flat, offsets, x, ids, weights, selected, parts))
             else:
                 out = _reference_dense(layout, records, x, ids, weights, selected)
             elapsed = time.perf_counter() - start
@@ -163,6 +164,11 @@ def _host_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         topk_weights.detach().to("cpu", torch.float32, copy=True).numpy(),
         None if selected is None else selected.detach().to("cpu", torch.bool, copy=True).numpy(),
     )
+
+
+def _parts_for(x: torch.Tensor) -> int:
+    """Activation parts of the integer path for activations of x's dtype."""
+    return EXACT_PARTS if x.dtype == torch.float32 else SIXTEEN_BIT_PARTS
 
 
 def _reference_dense(layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None) -> torch.Tensor:

@@ -73,10 +73,12 @@ def _bytes_at(context, builder, array_type, array, offset, count: int):
     return builder.load(pointer, align=1)
 
 
-def _nibbles(builder, packed):
-    """32 bytes -> 64: [their low nibbles | their high nibbles]."""
-    low, high = builder.and_(packed, _splat(0x0F, packed.type)), builder.lshr(packed, _splat(4, packed.type))
-    return builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
+_EVEN_ODD = list(range(0, 128, 2)), list(range(1, 128, 2))
+
+
+def _nibble_halves(builder, packed):
+    """64 bytes -> (their low nibbles, their high nibbles)."""
+    return builder.and_(packed, _splat(0x0F, _BYTES)), builder.and_(builder.lshr(packed, _splat(4, _BYTES)), _splat(0x0F, _BYTES))
 
 
 @intrinsic
@@ -87,29 +89,79 @@ def load_bytes(typingctx, array, offset):
 
 
 @intrinsic
-def q4_codes(typingctx, array, offset):
-    """Unsigned codes (code + 8) of one Q4 group: its 32 base bytes at `offset` hold lanes 2j (low
-    nibble) and 2j + 1 (high nibble); the result is [even lanes | odd lanes]."""
-    sig = bytes64(array, types.intp)
+def q4_block(typingctx, array, offset):
+    """Unsigned codes (code + 8) of two consecutive Q4 groups (a 128-lane block) from their 64 base
+    bytes at `offset`: (low nibbles, high nibbles), i.e. (even lanes, odd lanes) of the block, each
+    [group 0 | group 1]."""
+    sig = types.UniTuple(bytes64, 2)(array, types.intp)
 
     def codegen(context, builder, signature, args):
-        packed = _bytes_at(context, builder, signature.args[0], args[0], args[1], 32)
-        return _nibbles(builder, builder.xor(packed, _splat(0x88, packed.type)))
+        packed = builder.xor(_bytes_at(context, builder, signature.args[0], args[0], args[1], 64), _splat(0x88, _BYTES))
+        return context.make_tuple(builder, signature.return_type, _nibble_halves(builder, packed))
 
     return sig, codegen
 
 
 @intrinsic
-def q5_codes(typingctx, array, offset, high_bits):
-    """Unsigned codes (code + 16) of one Q5 group: base bytes as in `q4_codes`, `high_bits` the
-    group's fifth bits (bit i = lane i); the result is in [even lanes | odd lanes] order."""
-    sig = bytes64(array, types.intp, types.uint64)
+def q5_block(typingctx, array, offset, high_offset):
+    """Unsigned codes (code + 16) of two consecutive Q5 groups: base bytes at `offset` as in
+    `q4_block`, their 16 fifth-bit bytes (bit i = lane i of the block) at `high_offset`."""
+    sig = types.UniTuple(bytes64, 2)(array, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        nibbles = _nibbles(builder, _bytes_at(context, builder, signature.args[0], args[0], args[1], 32))
-        lanes = builder.select(builder.bitcast(args[2], ir.VectorType(ir.IntType(1), 64)), _splat(0, _BYTES), _splat(16, _BYTES))
-        even_odd = ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(0, 64, 2)) + list(range(1, 64, 2)))
-        return builder.or_(nibbles, builder.shuffle_vector(lanes, lanes, even_odd))
+        low, high = _nibble_halves(builder, _bytes_at(context, builder, signature.args[0], args[0], args[1], 64))
+        bits = builder.bitcast(_bytes_at(context, builder, signature.args[0], args[0], args[2], 16), ir.IntType(128))
+        wide = ir.VectorType(ir.IntType(8), 128)
+        fifth = builder.select(builder.bitcast(bits, ir.VectorType(ir.IntType(1), 128)), _splat(0, wide), _splat(16, wide))
+        lanes = [builder.shuffle_vector(fifth, fifth, ir.Constant(ir.VectorType(ir.IntType(32), 64), order)) for order in _EVEN_ODD]
+        return context.make_tuple(builder, signature.return_type, [builder.or_(low, lanes[0]), builder.or_(high, lanes[1])])
+
+    return sig, codegen
+
+
+@intrinsic
+def load_ints(typingctx, array, offset):
+    """The 16 int32 of `array` from element `offset` on."""
+    sig = int32x16(array, types.intp)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.load(builder.bitcast(builder.gep(data, [args[1]]), _INTS.as_pointer()), align=4)
+
+    return sig, codegen
+
+
+@intrinsic
+def load_floats(typingctx, array, offset):
+    """The 16 float32 of `array` from element `offset` on."""
+    sig = float32x16(array, types.intp)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.load(builder.bitcast(builder.gep(data, [args[1]]), _FLOATS.as_pointer()), align=4)
+
+    return sig, codegen
+
+
+@intrinsic
+def sub_ints(typingctx, a, b):
+    sig = int32x16(int32x16, int32x16)
+    return sig, lambda context, builder, signature, args: builder.sub(args[0], args[1])
+
+
+@intrinsic
+def add_block_scaled(typingctx, acc, ints, first, second, units):
+    """acc + float(ints) * scale * units per lane, scale = `first` in lanes 0-7 and `second` in
+    lanes 8-15 (the two groups of a block)."""
+    sig = float32x16(float32x16, int32x16, types.float32, types.float32, float32x16)
+
+    def codegen(context, builder, signature, args):
+        acc, ints, first, second, units = args
+        pair = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), 2), ir.Undefined), first, ir.Constant(ir.IntType(32), 0))
+        pair = builder.insert_element(pair, second, ir.Constant(ir.IntType(32), 1))
+        scales = builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 8 + [1] * 8))
+        product = builder.fmul(builder.sitofp(ints, _FLOATS), builder.fmul(scales, units, flags=("contract",)), flags=("contract",))
+        return builder.fadd(acc, product, flags=("contract",))
 
     return sig, codegen
 
@@ -152,21 +204,6 @@ def shift_left(typingctx, acc, bits):
     sig = int32x16(int32x16, bits)
     amount = bits.literal_value
     return sig, lambda context, builder, signature, args: builder.shl(args[0], _splat(amount, _INTS))
-
-
-@intrinsic
-def add_scaled(typingctx, acc, ints, scale):
-    """acc + float(ints) * scale per lane."""
-    sig = float32x16(float32x16, int32x16, types.float32)
-
-    def codegen(context, builder, signature, args):
-        acc, ints, scale = args
-        scales = builder.insert_element(ir.Constant(_FLOATS, ir.Undefined), scale, ir.Constant(ir.IntType(32), 0))
-        scales = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
-        product = builder.fmul(builder.sitofp(ints, _FLOATS), scales, flags=("contract",))
-        return builder.fadd(acc, product, flags=("contract",))
-
-    return sig, codegen
 
 
 @intrinsic
