@@ -207,6 +207,23 @@ def shift_left(typingctx, acc, bits):
 
 
 @intrinsic
+def prefetch(typingctx, array, offset):
+    """Hint that the cache line holding element `offset` of `array` will be read soon (it may lie
+    past the array's end: a prefetch never faults)."""
+    sig = types.void(array, types.intp)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        pointer = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [pointer.type], fnty=ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]))
+        builder.call(fn, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def total(typingctx, values):
     """Sum of the 16 lanes (float32)."""
     sig = types.float32(float32x16)
