@@ -44,6 +44,9 @@ F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float3
 # gate/up item lies inside one 64-lane group of the down projection's input.
 ACT_ITEM = 8
 OUT_ITEM = 32
+# Counters that threads update concurrently sit this many int64 apart (128 bytes: their own cache
+# line and its prefetch pair), so updating one never takes another's line from a thread.
+COUNTER_STRIDE = 16
 
 
 def geometry_vector(geo: RowSplitGeometry, object_offset: int) -> np.ndarray:
@@ -328,6 +331,18 @@ def _fetch_add(typingctx, counters, index, amount):
     return sig, codegen
 
 
+@intrinsic
+def _load_acquire(typingctx, counters, index):
+    """counters[index], read atomically with acquire ordering (polling without taking the line)."""
+    sig = types.int64(counters, types.intp)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.load_atomic(builder.gep(array.data, [args[1]]), "acquire", 8)
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True)
 def _zeros_serial(n, dtype):
     """np.zeros without a parallel region (inside a parallel function np.zeros is one)."""
@@ -423,9 +438,10 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
     blocks = (hidden + OUT_ITEM - 1) // OUT_ITEM
     first_down = slots * items
     total = first_down + slots * blocks
-    # [0]: next work item; [1 + s]: gate/up items of slot s done; [1 + slots + s * dn_groups + g]:
-    # items done of slot s's intermediate group g (its last item splits the group into parts)
-    sync = _zeros_serial(1 + slots + slots * dn_groups, np.int64)
+    # counter 0: next work item; 1 + s: gate/up items of slot s done; 1 + slots + s * dn_groups + g:
+    # items done of slot s's intermediate group g (its last item splits the group into parts);
+    # counter c lives at sync[c * COUNTER_STRIDE]
+    sync = _zeros_serial((1 + slots + slots * dn_groups) * COUNTER_STRIDE, np.int64)
     for _ in prange(workers):
         size = _chunk(total, workers)
         first = _fetch_add(sync, 0, size)
@@ -441,13 +457,13 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
                     if dn_integer:
                         g = r0 // 64
                         group_items = (min(64 * g + 64, inter) - 64 * g + ACT_ITEM - 1) // ACT_ITEM
-                        if _fetch_add(sync, 1 + slots + s * dn_groups + g, 1) == group_items - 1:
+                        if _fetch_add(sync, (1 + slots + s * dn_groups + g) * COUNTER_STRIDE, 1) == group_items - 1:
                             for a in range(starts[s], starts[s + 1]):
                                 _split_group(act, act_parts, act_units, act_sums, a, g, _zero_point(down))
-                    _fetch_add(sync, 1 + s, 1)
+                    _fetch_add(sync, (1 + s) * COUNTER_STRIDE, 1)
                 else:
                     s, h0 = (item - first_down) // blocks, ((item - first_down) % blocks) * OUT_ITEM
-                    while _fetch_add(sync, 1 + s, 0) < items:  # wait for this expert's activations
+                    while _load_acquire(sync, (1 + s) * COUNTER_STRIDE) < items:  # wait for this expert's activations
                         pass
                     for h in range(h0, min(h0 + OUT_ITEM, hidden), 2):  # row pairs (the last one alone when odd)
                         h1 = min(h + 1, hidden - 1)
