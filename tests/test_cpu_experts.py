@@ -101,6 +101,19 @@ def test_activation_parts_must_be_two_or_three():
         ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), records, offsets, x, ids, weights, activation_parts=1)
 
 
+def test_padding_groups_of_the_intermediate_never_poison_the_result():
+    """An intermediate size of 40 pads the down input to 128 lanes: the second 64-lane group has
+    no rows at all. Memory freed full of NaN just before each call must not leak into the sums."""
+    layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16", inter=40)
+    plan = ck.RecordKernelPlan.create(layout)
+    x, ids, weights = routing(tokens=3, k=2, seed=2)
+    want = ck.reference_routed(layout, records, offsets, x, ids, weights)
+    for _ in range(10):
+        junk = [np.full(n, np.nan, np.float32) for n in (64, 128, 256, 512, 1024)]
+        del junk
+        assert_close(ck.routed_experts_cpu(plan, records, offsets, x, ids, weights), want)
+
+
 def test_repeated_experts_and_shared_tokens():
     """Every token uses the same expert, and one token lists an expert twice: all contributions add."""
     layout, records, offsets = make_records("q6_g64_fp16", "q8_g32_fp16")

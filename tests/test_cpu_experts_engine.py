@@ -51,6 +51,18 @@ def test_auto_path_splits_misses_and_matches_resident(tiny_artifact_official, re
     assert split["cpu_rate_gbs"] > 0 and split["pcie_rate_gbs"] > 0
 
 
+@pytest.mark.parametrize("slots", [4, 6])
+@pytest.mark.parametrize("cpu_to_pcie", [0.05, 0.3, 1.0, 20.0])
+def test_auto_path_matches_resident_for_any_split(tiny_artifact_official, resident, slots, cpu_to_pcie):
+    """Whatever share of the misses the rates send to the host, the logits stay the resident ones."""
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=slots, miss_path="auto")
+    engine.store.cpu_path.splitter.cpu_rate, engine.store.cpu_path.splitter.smoothing = cpu_to_pcie * engine.store.cpu_path.splitter.pcie_rate, 0.0
+    session, reference = engine.session(), resident.session()
+    assert_logits_close(session.prefill(PROMPT * 2), reference.prefill(PROMPT * 2))
+    for token in (3, 9, 27, 81):
+        assert_logits_close(session.step(token), reference.step(token))
+
+
 def test_auto_path_never_reads_a_slot_it_did_not_fill(tiny_artifact_official, resident):
     """Assignments sent to the host must not reach the device kernel through a slot that holds no
     record of theirs (the bank maps experts it lacks to slot 0). Slot 0 is kept out of use here and

@@ -428,8 +428,13 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
         for g in range(gu_groups):
             _split_group(xp, x_parts, x_units, x_sums, i, g, _zero_point(gate_up))
     act = _zeros_serial(pos * dn_width, np.float32).reshape(pos, dn_width)
-    act_parts = np.empty((pos, nparts, dn_groups * 64), dtype=np.int8)  # each group split once its items are done
+    # each group with rows is split once its items are done; groups wholly past the intermediate
+    # size (padding, zero scales) have no items and are split here (to zeros: 0 * garbage is NaN)
+    act_parts = np.empty((pos, nparts, dn_groups * 64), dtype=np.int8)
     act_units, act_sums = np.empty((pos, dn_groups * 8), dtype=np.float32), np.empty((pos, dn_groups * 8), dtype=np.int32)
+    for a in range(pos):
+        for g in range((inter + 63) // 64, dn_groups):
+            _split_group(act, act_parts, act_units, act_sums, a, g, _zero_point(down))
     partial = np.empty((pos, hidden), dtype=np.float32)
     n = records.shape[0]
     u8, i8, u32, u16 = records, records.view(np.int8), records[: n - n % 4].view(np.uint32), records[: n - n % 2].view(np.uint16)
