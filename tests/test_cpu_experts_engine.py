@@ -56,7 +56,8 @@ def test_auto_path_splits_misses_and_matches_resident(tiny_artifact_official, re
 def test_auto_path_matches_resident_for_any_split(tiny_artifact_official, resident, slots, cpu_to_pcie):
     """Whatever share of the misses the rates send to the host, the logits stay the resident ones."""
     engine = Engine.load(tiny_artifact_official, experts="host", num_slots=slots, miss_path="auto")
-    engine.store.cpu_path.splitter.cpu_rate, engine.store.cpu_path.splitter.smoothing = cpu_to_pcie * engine.store.cpu_path.splitter.pcie_rate, 0.0
+    splitter = engine.store.cpu_path.splitter
+    splitter.cpu_rate, splitter.smoothing = cpu_to_pcie * splitter.pcie_rate, 0.0  # a fixed split
     session, reference = engine.session(), resident.session()
     assert_logits_close(session.prefill(PROMPT * 2), reference.prefill(PROMPT * 2))
     for token in (3, 9, 27, 81):
