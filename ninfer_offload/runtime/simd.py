@@ -2,7 +2,8 @@
 
 Values of the types below live in vector registers inside jitted code; they never reach Python.
 `dot_u8s8` is AVX-512 VNNI's `vpdpbusd` where the compile target has it and the same arithmetic in
-generic LLVM vector IR elsewhere (LLVM lowers it to what the target offers).
+generic LLVM vector IR elsewhere (LLVM lowers it to what the target offers); `prefetch` is LLVM's
+cache hint.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def _bytes_at(context, builder, array_type, array, offset, count: int):
     return builder.load(pointer, align=1)
 
 
+# Lanes of a 128-lane block whose codes are the low nibbles (even lanes) and the high ones (odd).
 _EVEN_ODD = list(range(0, 128, 2)), list(range(1, 128, 2))
 
 
