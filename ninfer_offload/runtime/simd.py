@@ -67,11 +67,20 @@ def _splat(value: int, vector: ir.VectorType) -> ir.Constant:
     return ir.Constant(vector, [ir.Constant(vector.element, value)] * vector.count)
 
 
+def _element_pointer(context, builder, array_type, array, offset, pointee: ir.Type):
+    """Pointer to element `offset` of an array, typed as a pointer to `pointee`."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [offset]), pointee.as_pointer())
+
+
 def _bytes_at(context, builder, array_type, array, offset, count: int):
     """Load `count` bytes of a uint8/int8 array starting at element `offset` (no alignment assumed)."""
-    data = context.make_array(array_type)(context, builder, array).data
-    pointer = builder.bitcast(builder.gep(data, [offset]), ir.VectorType(ir.IntType(8), count).as_pointer())
-    return builder.load(pointer, align=1)
+    return builder.load(_element_pointer(context, builder, array_type, array, offset, ir.VectorType(ir.IntType(8), count)), align=1)
+
+
+def _lanes_at(vector: ir.VectorType):
+    """Codegen of a load of the 16 int32/float32 lanes of an array from element `offset` on."""
+    return lambda context, builder, signature, args: builder.load(_element_pointer(context, builder, signature.args[0], args[0], args[1], vector), align=4)
 
 
 # Lanes of a 128-lane block whose codes are the low nibbles (even lanes) and the high ones (odd).
@@ -124,25 +133,13 @@ def q5_block(typingctx, array, offset, high_offset):
 @intrinsic
 def load_ints(typingctx, array, offset):
     """The 16 int32 of `array` from element `offset` on."""
-    sig = int32x16(array, types.intp)
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.load(builder.bitcast(builder.gep(data, [args[1]]), _INTS.as_pointer()), align=4)
-
-    return sig, codegen
+    return int32x16(array, types.intp), _lanes_at(_INTS)
 
 
 @intrinsic
 def load_floats(typingctx, array, offset):
     """The 16 float32 of `array` from element `offset` on."""
-    sig = float32x16(array, types.intp)
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.load(builder.bitcast(builder.gep(data, [args[1]]), _FLOATS.as_pointer()), align=4)
-
-    return sig, codegen
+    return float32x16(array, types.intp), _lanes_at(_FLOATS)
 
 
 @intrinsic
@@ -215,8 +212,7 @@ def prefetch(typingctx, array, offset):
     sig = types.void(array, types.intp)
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        pointer = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        pointer = _element_pointer(context, builder, signature.args[0], args[0], args[1], ir.IntType(8))
         i32 = ir.IntType(32)
         fn = builder.module.declare_intrinsic("llvm.prefetch", [pointer.type], fnty=ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]))
         builder.call(fn, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
