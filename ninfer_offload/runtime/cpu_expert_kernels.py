@@ -218,7 +218,7 @@ def _split_group(values, parts, units, zero_sums, row, g, zero_point):
             units[row, lanes + i] = 0.0 if top == 0.0 else np.nan
             zero_sums[row, lanes + i] = 0
         return
-    step = top / 127.0
+    unit = top / 127.0 / _PART_STEPS ** (nparts - 1)
     inverse = 127.0 / top
     for i in range(8):
         combined = 0
@@ -233,7 +233,7 @@ def _split_group(values, parts, units, zero_sums, row, g, zero_point):
                 r = (r - q) * _PART_STEPS
             combined += value
         zero_sums[row, lanes + i] = zero_point * combined
-        units[row, lanes + i] = step / _PART_STEPS ** (nparts - 1)
+        units[row, lanes + i] = unit
 
 
 # `_rows_dot_integer` is built once per (format, parts) combination, so each compiles to its own
