@@ -28,6 +28,11 @@ MODES = ("resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
 
 
+def slot_count(top_k: int, num_experts: int, num_slots: int | None) -> int:
+    """Device slots of host mode: `num_slots` (default a quarter of a layer's experts), at least top_k."""
+    return max(top_k, num_slots if num_slots is not None else num_experts // 4)
+
+
 @dataclass
 class StoreStats:
     hits: int = 0
@@ -75,7 +80,7 @@ class ExpertStore:
             from ninfer_offload.runtime.cpu_experts import CpuMissPath
 
             self.cpu_path = CpuMissPath(miss_path, device)
-        self.num_slots = max(top_k, num_slots if num_slots is not None else self.num_experts // 4)
+        self.num_slots = slot_count(top_k, self.num_experts, num_slots)
         width = max(layout.nbytes for layout in layouts)
         self.pool = torch.zeros(self.num_slots, width, dtype=torch.uint8, device=device)
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first

@@ -13,6 +13,7 @@ import torch
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.runtime.expert_store import slot_count
 
 _GIB = 1024**3
 _ROUTED = ("routed_gate_up", "routed_down")
@@ -34,8 +35,7 @@ def load_footprint(
     if experts == "resident":
         expert_bytes = sum(bank.bank_bytes for bank in banks)
     else:
-        slots = max(config.top_k, num_slots if num_slots is not None else config.num_experts // 4)
-        expert_bytes = slots * max((bank.expert_bytes for bank in banks), default=0)
+        expert_bytes = slot_count(config.top_k, config.num_experts, num_slots) * max((bank.expert_bytes for bank in banks), default=0)
     attention_layers = len(config.attention_layers) + (1 if mtp else 0)
     gdn_layers = len(config.gdn_layers)
     return {
