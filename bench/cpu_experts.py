@@ -31,8 +31,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ninfer_offload.runtime import cpu_expert_kernels as ce
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+from ninfer_offload.artifact.records import ExpertRecordLayout
+from ninfer_offload.kernels.cpu import experts as ce
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
 

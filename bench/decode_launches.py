@@ -2,7 +2,7 @@
 
 Usage: python bench/decode_launches.py [--dtype bfloat16] [ARTIFACT]
 
-Runs the step a `DecodeGraph` records (`cuda_graph.captured_forward`) on the Triton backend under
+Runs the step a captured decode graph records (`Engine.forward_logits` on device-held inputs) on the Triton backend under
 the Triton interpreter, after a short prefill, and counts what it would launch on a GPU: each
 Triton kernel call, and each torch op that computes (views and uninitialised allocations launch
 nothing and are left out). Without ARTIFACT it converts the tiny test model (tests/tiny_hf.py) to
@@ -29,10 +29,9 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from ninfer_offload.model.attention import GatedAttention  # noqa: E402
 from ninfer_offload.model.config import FULL_ATTENTION  # noqa: E402
-from ninfer_offload.model.contract import TEXT_CONFIG  # noqa: E402
-from ninfer_offload.runtime.cuda_graph import captured_forward  # noqa: E402
+from ninfer_offload.artifact.contract import TEXT_CONFIG  # noqa: E402
 from ninfer_offload.runtime.engine import Engine  # noqa: E402
-from ninfer_offload.runtime.state import Segment  # noqa: E402
+from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs  # noqa: E402
 
 PROMPT = [5, 17, 300, 42, 7]
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh"}
@@ -107,14 +106,13 @@ def count_step(artifact: Path, dtype: str) -> dict:
     engine = Engine.load(artifact, device="cpu", dtype=dtype, backend="triton")
     session = engine.session()
     session.prefill(PROMPT)
-    state = session._live_state()
-    token, position = torch.tensor([11]), torch.tensor([state.length])
-    rows = torch.tensor([state.length + 1], dtype=torch.int32)
+    packed = pack_inputs([11], [session.slot], [session.length], 1, engine.max_context)
+    token, ctx = unpack_inputs(packed, 1, 1, prefill=False, keep_states=False, host=None)
     per_kind: dict[str, list[int]] = {}
     with torch.no_grad(), LaunchCounter() as counter:
         layers, engine.text.layers = engine.text.layers, [MeasuredLayer(layer, counter, per_kind) for layer in engine.text.layers]
         try:
-            captured_forward(engine, [Segment(state, 0, 0, 1)], token, position, rows)
+            engine.forward_logits(token, ctx)
         finally:
             engine.text.layers = layers
     triton_total, torch_total = sum(counter.kernels.values()), sum(counter.ops.values())

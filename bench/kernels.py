@@ -23,8 +23,8 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from ninfer_offload.artifact.formats import RowSplitGeometry, grouped_format
+from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels import attention, gdn, moe, quant_linear
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
 
@@ -87,8 +87,9 @@ def bench_attention(context: int, kv_dtype: torch.dtype, bandwidth: float) -> di
     kc = torch.randn(context, 2, 256, device="cuda").to(kv_dtype)
     vc = torch.randn(context, 2, 256, device="cuda").to(kv_dtype)
     q = torch.randn(1, 16, 256, device="cuda", dtype=torch.bfloat16)
-    length = torch.tensor([context], dtype=torch.int32, device="cuda")
-    ms = median_ms(lambda: attention.attention_decode(q, kc, vc, length), graph=True)
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    length = torch.tensor([context], dtype=torch.int64, device="cuda")
+    ms = median_ms(lambda: attention.attention_decode(q, kc, vc, slots, length, 1, context), graph=True)
     moved = 2 * kc.numel() * kc.element_size()
     return {"op": "attention_decode", "kv_dtype": str(kv_dtype), "context": context, "ms": ms, "bytes": moved,
             "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
@@ -100,8 +101,9 @@ def bench_gdn(bandwidth: float) -> dict:
     v = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
     g = -torch.rand(1, 32, device="cuda")
     beta = torch.rand(1, 32, device="cuda", dtype=torch.bfloat16)
-    state = torch.randn(32, 128, 128, device="cuda")
-    ms = median_ms(lambda: gdn.gdn_decode(q, k, v, g, beta, state), graph=True)
+    state = torch.randn(1, 32, 128, 128, device="cuda")
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    ms = median_ms(lambda: gdn.gdn_decode(q, k, v, g, beta, state, slots, 1, None), graph=True)
     moved = 2 * state.numel() * 4
     return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 

@@ -3,7 +3,7 @@
     python bench/make_synthetic.py /tmp/qwen36-synthetic.ninfer [--seed 0]
 
 The directory (components, 940 objects, bindings, uses, formats) is
-`ninfer_offload.model.contract.official_directory()`, so sizes, formats and the placement the
+`ninfer_offload.artifact.contract.official_directory()`, so sizes, formats and the placement the
 planner computes are those of the official artifact. Weights are random but valid:
 
 * row-split objects (q4/q5/q6/q8): random code planes (q8 never uses the illegal byte 0x80) and
@@ -34,7 +34,7 @@ import numpy as np
 
 from ninfer_offload.artifact.formats import CONTIGUOUS, RowSplitGeometry, grouped_format
 from ninfer_offload.artifact.writer import write_directory
-from ninfer_offload.model.contract import HIDDEN, official_directory
+from ninfer_offload.artifact.contract import HIDDEN, official_directory
 
 POOL_BYTES = 1 << 29
 PUBLIC_VOCAB = 248077

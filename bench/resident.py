@@ -34,7 +34,6 @@ from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.planner import PlanOptions, plan
 from ninfer_offload.profiles import load_profile
-from ninfer_offload.runtime.cuda_graph import DecodeGraph
 from ninfer_offload.runtime.engine import Engine
 
 STAGES = (  # kernel-name fragment -> stage of the per-step breakdown (first match wins)
@@ -113,13 +112,13 @@ def random_ids(count: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def stage_breakdown(graph: DecodeGraph, steps: int = 5) -> dict:
+def stage_breakdown(session, steps: int = 5) -> dict:
     """Per-stage GPU microseconds of one captured decode step (torch profiler kernel records)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            graph.step(1)
+            session.step(1)
         torch.cuda.synchronize()
     stages: dict[str, float] = {}
     for event in prof.key_averages():
@@ -153,52 +152,47 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
         for c0 in range(0, len(ids), 8192):
             session.prefill(ids[c0 : c0 + 8192])
         done = context
-        eager = timed(lambda: session.step(1), 5)
+        eager = timed(lambda: session.forward([1]), 5)  # a one-token prefill: the same kernels, eager
         steps = 50
-        try:
-            graph = DecodeGraph(engine, session)
-            if context == contexts[0]:
-                report["graph_vs_eager_max_rel_diff"] = graph_vs_eager(engine, graph, ids)
-            graph.step(1)
-            seconds = timed(lambda: [graph.step(1) for _ in range(steps)], 3) / steps
-        except Exception as err:  # report the eager step rather than nothing
-            report.setdefault("errors", []).append(f"graph capture at {context}: {err!r}")
-            graph, seconds = None, eager
+        if context == contexts[0]:
+            report["graph_vs_eager_max_rel_diff"] = graph_vs_eager(engine, session, ids)
+        session.step(1)  # captures the step's graph on first use
+        seconds = timed(lambda: [session.step(1) for _ in range(steps)], 3) / steps
         moved = decode_bytes(engine, session.length)
         roofline = bandwidth / moved["total"]
         point = {"context": context, "tok_s": 1 / seconds, "ms_per_token": seconds * 1e3, "eager_tok_s": 1 / eager,
-                 "cuda_graph": graph is not None,
+                 "cuda_graph": engine.graphs is not None,
                  "bytes_per_token": moved, "roofline_tok_s": roofline, "roofline_fraction": (1 / seconds) / roofline,
                  "achieved_GBps": moved["total"] / seconds / 1e9}
-        if context == contexts[0] and graph is not None:
+        if context == contexts[0] and engine.graphs is not None:
             try:
-                report["decode_stage_us"] = stage_breakdown(graph)
+                report["decode_stage_us"] = stage_breakdown(session)
             except Exception as err:
                 report.setdefault("errors", []).append(f"profiler: {err!r}")
         report["decode"].append(point)
         done = session.length
-        del graph
         save()
     session.close()
 
 
-def graph_vs_eager(engine: Engine, graph: DecodeGraph, prompt: list[int]) -> float:
-    """Largest relative logits difference between captured steps and eager steps of a twin session."""
+def graph_vs_eager(engine: Engine, session, prompt: list[int]) -> float:
+    """Largest relative logits difference between the session's steps (captured where graphs apply)
+    and eager one-token forwards of a twin session."""
     twin = engine.session()
     for c0 in range(0, len(prompt), 8192):
         twin.prefill(prompt[c0 : c0 + 8192])
-    for _ in range(graph.session.length - twin.length):
+    for _ in range(session.length - twin.length):
         twin.forward([1])
     worst = 0.0
     for token in (7, 300, 4242):
-        a, b = graph.step(token), twin.forward([token])[0][0].float()
+        a, b = session.step(token), twin.forward([token])[0][0].float()
         worst = max(worst, float((a - b).norm() / b.norm()))
     twin.close()
     return worst
 
 
 def planner_prediction(engine: Engine, max_context: int) -> dict:
-    options = PlanOptions(max_context=max_context, kv_dtype="bf16", speculative="none", proposal_head=False)
+    options = PlanOptions(max_context=max_context, concurrency=engine.state.sequences, kv_dtype="bf16", speculative="none", proposal_head=False)
     placement = plan(Inventory.from_artifact(engine.artifact), load_profile("h200"), options)
     return {"vram_used_bytes": placement.vram_used_bytes, "runtime": placement.runtime, "feasible": placement.feasible,
             "options": options.to_json(), "predicted_decode_tok_s": placement.predicted.decode_tok_s if placement.predicted else None}
@@ -280,7 +274,7 @@ def main() -> None:
     report["device_bandwidth_GBps"] = bandwidth / 1e9
     max_context = max(args.contexts) + 512
     began = time.perf_counter()
-    engine = Engine.load(args.artifact, device="cuda", max_context=max_context)
+    engine = Engine.load(args.artifact, device="cuda", max_context=max_context, max_sequences=2)
     report["load_seconds"] = time.perf_counter() - began
     report["vram_after_load_bytes"] = torch.cuda.memory_allocated()
     report["planner"] = planner_prediction(engine, max_context)

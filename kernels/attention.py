@@ -1,11 +1,14 @@
 """Attention over the KV cache: split-sequence decode kernel (bf16 or fp8 cache) and SDPA prefill.
 
 Reference ops: `ReferenceBackend.attention_decode` / `attention_prefill` (causal GQA, scale
-D^-1/2, fp32 softmax). Decode splits the cached positions across programs (one program per KV
-head and span, all of the head's query heads at once with `tl.dot`), each writing a partial
-softmax (max, sum, weighted values) that a fixed-order merge kernel combines. The number of valid rows
-can be a device tensor, so a captured decode step keeps working as the sequence grows; spans
-past the end exit at once. An fp8 (e4m3) cache is widened in registers.
+D^-1/2, fp32 softmax). Decode takes B sequences of T new tokens each in one launch: each
+sequence's rows of the flat KV pools start at its slot (a device tensor) times the capacity, and
+token t of a sequence sees its first lengths[b] - (T-1-t) rows. The kernel splits those rows across
+programs (one program per KV head, span and token row, all of the head's query heads at once with
+`tl.dot`), each writing a partial softmax (max, sum, weighted values) that a fixed-order merge
+kernel combines. Every span of the capacity is launched and spans past a token's length exit at
+once, so the launch shape is fixed (graph capture) while the sequences grow. An fp8 (e4m3) cache
+is widened in registers.
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ MERGE_BLOCK = 16
 @triton.jit
 def _decode_partial_kernel(
     q,
-    k_cache,
-    v_cache,
-    length_ptr,
+    k_pool,
+    v_pool,
+    slots,
+    lengths,
     part_out,
     part_max,
     part_sum,
     scale,
-    stride_kc,
+    stride_kv,
+    capacity,
+    T,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
@@ -43,14 +49,20 @@ def _decode_partial_kernel(
 ):
     hkv = tl.program_id(0)
     split = tl.program_id(1)
+    row = tl.program_id(2)
     nsplit = tl.num_programs(1)
     group: tl.constexpr = HQ // HKV
-    length = tl.load(length_ptr)
+    seq = row // T
+    length = (tl.load(lengths + seq) - (T - 1 - row % T)).to(tl.int32)  # rows this token sees (itself included)
+    first = tl.load(slots + seq).to(tl.int64) * capacity * stride_kv  # offset of the sequence's first pool row
+    k_rows = k_pool + first
+    v_rows = v_pool + first
     heads = tl.arange(0, GROUP_PAD)
     head_mask = heads < group
     dims = tl.arange(0, D_PAD)
     dmask = dims < D
-    qt = tl.load(q + (hkv * group + heads)[:, None] * D + dims[None, :], mask=head_mask[:, None] & dmask[None, :], other=0.0)
+    qrows = row * HQ + hkv * group + heads
+    qt = tl.load(q + qrows[:, None] * D + dims[None, :], mask=head_mask[:, None] & dmask[None, :], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
@@ -58,9 +70,9 @@ def _decode_partial_kernel(
     for s0 in range(start, tl.minimum(start + SPAN_SIZE, length), BLOCK_S):
         pos = s0 + tl.arange(0, BLOCK_S)
         pmask = pos < length
-        off = pos[:, None].to(tl.int64) * stride_kc + hkv * D + dims[None, :]
-        kt = tl.load(k_cache + off, mask=pmask[:, None] & dmask[None, :], other=0.0).to(qt.dtype)
-        vt = tl.load(v_cache + off, mask=pmask[:, None] & dmask[None, :], other=0.0).to(qt.dtype)
+        off = pos[:, None].to(tl.int64) * stride_kv + hkv * D + dims[None, :]
+        kt = tl.load(k_rows + off, mask=pmask[:, None] & dmask[None, :], other=0.0).to(qt.dtype)
+        vt = tl.load(v_rows + off, mask=pmask[:, None] & dmask[None, :], other=0.0).to(qt.dtype)
         if IEEE:
             scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale
         else:
@@ -75,7 +87,7 @@ def _decode_partial_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt).to(tl.float32)
         m = m_new
-    base = (hkv * group + heads) * nsplit + split
+    base = qrows.to(tl.int64) * nsplit + split
     tl.store(part_max + base, m, mask=head_mask)
     tl.store(part_sum + base, l, mask=head_mask)
     tl.store(part_out + base[:, None] * D + dims[None, :], acc, mask=head_mask[:, None] & dmask[None, :])
@@ -83,7 +95,7 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(part_out, part_max, part_sum, out, NSPLIT, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
-    # One query head: its spans' partial softmaxes combined in a fixed order (empty spans weigh exp(-inf) = 0).
+    # One (token row, query head): its spans' partial softmaxes combined in a fixed order (empty spans weigh exp(-inf) = 0).
     h = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, D_PAD)
     dmask = dims < D
@@ -105,29 +117,26 @@ def _decode_merge_kernel(part_out, part_max, part_sum, out, NSPLIT, D: tl.conste
     tl.store(out + h * D + dims, result.to(out.dtype.element_ty), mask=dmask)
 
 
-def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int | torch.Tensor) -> torch.Tensor:
-    """One token q [1, Hq, D] over the first `length` rows of k_cache/v_cache [capacity, Hkv, D] -> [1, Hq, D].
-
-    `length` is an int or a one-element int32 device tensor. Every span of the capacity is
-    launched and spans past the end do nothing: the launch shape is fixed (graph capture) and an
-    int length gives bit-identical results to the same length as a tensor.
-    """
-    _, hq, d = q.shape
-    capacity, hkv, _ = k_cache.shape
-    if not isinstance(length, torch.Tensor):
-        length = torch.tensor([length], dtype=torch.int32, device=q.device)
+def attention_decode(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+    tokens_per_sequence: int, capacity: int,
+) -> torch.Tensor:
+    """The B = len(slots) sequences of T new tokens q [N, Hq, D] over their slots' rows of the flat pools
+    k_pool/v_pool [rows, Hkv, D] (slot s owns rows [s * capacity, (s + 1) * capacity)); token t of
+    sequence b sees its first lengths[b] - (T-1-t) rows. Returns [N, Hq, D]."""
+    n, hq, d = q.shape
+    hkv = k_pool.shape[1]
     nsplit = max(1, triton.cdiv(capacity, SPAN))
-    group = hq // hkv
-    part_out = torch.empty(hq, nsplit, d, dtype=torch.float32, device=q.device)
-    part_max = torch.empty(hq, nsplit, dtype=torch.float32, device=q.device)
-    part_sum = torch.empty(hq, nsplit, dtype=torch.float32, device=q.device)
-    _decode_partial_kernel[(hkv, nsplit)](
-        q.contiguous(), k_cache, v_cache, length, part_out, part_max, part_sum, d**-0.5, k_cache.stride(0),
-        HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d), GROUP_PAD=max(16, triton.next_power_of_2(group)), SPAN_SIZE=SPAN, BLOCK_S=64,
-        IEEE=q.dtype == torch.float32,
+    part_out = torch.empty(n, hq, nsplit, d, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(n, hq, nsplit, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty(n, hq, nsplit, dtype=torch.float32, device=q.device)
+    _decode_partial_kernel[(hkv, nsplit, n)](
+        q.contiguous(), k_pool, v_pool, slots, lengths, part_out, part_max, part_sum, d**-0.5, k_pool.stride(0), capacity,
+        tokens_per_sequence, HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d),
+        GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=SPAN, BLOCK_S=64, IEEE=q.dtype == torch.float32,
     )
-    out = torch.empty(1, hq, d, dtype=q.dtype, device=q.device)
-    _decode_merge_kernel[(hq,)](part_out, part_max, part_sum, out, nsplit, D=d, D_PAD=triton.next_power_of_2(d), BLOCK_SPLIT=MERGE_BLOCK)
+    out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    _decode_merge_kernel[(n * hq,)](part_out, part_max, part_sum, out, nsplit, D=d, D_PAD=triton.next_power_of_2(d), BLOCK_SPLIT=MERGE_BLOCK)
     return out
 
 

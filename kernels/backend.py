@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, rotary, router, shared_expert
 from ninfer_offload.kernels.quant_linear import rowsplit_linear
 from ninfer_offload.model.backend import ReferenceBackend, Weight
+from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank
 from ninfer_offload.model.quant import QuantizedMatrix
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
 
 # bf16 tensor-core products (tl.dot on bf16) need Ampere (sm_80) or newer; sm_90 and sm_120 are the targets.
@@ -30,6 +31,7 @@ class TritonBackend(ReferenceBackend):
     """GPU fast path (also runs under TRITON_INTERPRET=1 on CPU tensors, for tests)."""
 
     name = "triton"
+    capturable = True  # its decode ops read the step context from device tensors only
 
     def __init__(self) -> None:
         if torch.cuda.is_available():
@@ -82,16 +84,21 @@ class TritonBackend(ReferenceBackend):
         table = moe.record_table(experts.slots, records.shape[1])
         return moe.routed_experts(x, topk_ids, topk_weights, records, table, experts.layout)
 
-    def conv_update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return gdn.conv_update(x, conv_state, weight)
+    def conv_update(
+        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None
+    ) -> torch.Tensor:
+        return gdn.conv_update(x, conv_states, weight, ctx.slots, ctx.tokens_per_sequence, kept if ctx.keep_states else None)
 
     def gdn_gating(
         self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return gdn.gdn_gating(a, b, a_log, dt_bias)
 
-    def gdn_decode(self, q, k, v, g, beta, state) -> torch.Tensor:
-        return gdn.gdn_decode(q, k, v, g, beta, state)
+    def gdn_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return gdn.gdn_decode(q, k, v, g, beta, states, ctx.slots, ctx.tokens_per_sequence, kept if ctx.keep_states else None)
 
     def gdn_prefill(self, q, k, v, g, beta, state) -> torch.Tensor:
         # fla computes its in-chunk products in TF32 for float32 inputs (1e-3 relative drift over a
@@ -103,5 +110,7 @@ class TritonBackend(ReferenceBackend):
     def attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
         return attention.attention_prefill(q, k_cache, v_cache, start)
 
-    def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length) -> torch.Tensor:
-        return attention.attention_decode(q, k_cache, v_cache, length)
+    def attention_decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: StepContext, capacity: int
+    ) -> torch.Tensor:
+        return attention.attention_decode(q, k_pool, v_pool, ctx.slots, ctx.lengths, ctx.tokens_per_sequence, capacity)

@@ -1,8 +1,11 @@
 """Gated DeltaNet decode kernels: the gating (g, beta), the recurrent delta-rule step and the causal conv state update.
 
-Reference ops: `ReferenceBackend.gdn_gating`, `gdn_decode` and `conv_update`. The recurrent
-kernel keeps one value-column block of a head's fp32 state in registers while it walks the tokens
-(T = 1 in decode, a few when verifying drafts), so the state is read and written once per call.
+Reference ops: `ReferenceBackend.gdn_gating`, `gdn_decode` and `conv_update`. The decode kernels
+take B sequences of T tokens each (rows grouped per sequence) in one launch and find each
+sequence's state through its slot, a device tensor, so a captured step keeps its launch shape.
+The recurrent kernel keeps one value-column block of a head's fp32 state in registers while it
+walks the sequence's tokens (T = 1 in decode, a few when verifying drafts), so the state is read
+and written once per call.
 """
 
 from __future__ import annotations
@@ -19,81 +22,164 @@ def _gdn_recurrent_kernel(
     v,
     g,
     beta,
-    state,
+    slots,
+    states,
+    kept,
     out,
     T,
+    KEPT_TOKENS,
+    stride_q,
+    stride_k,
+    stride_v,
     HK: tl.constexpr,
     HV: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     DK_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     h = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    seq = tl.program_id(2)
+    slot = tl.load(slots + seq).to(tl.int64)
     hk = h // (HV // HK)
     dk = tl.arange(0, DK_PAD)
     kmask = dk < DK
     vmask = cols < DV
     smask = kmask[:, None] & vmask[None, :]
-    sptr = state + h * DK * DV + dk[:, None] * DV + cols[None, :]
+    block = h * DK * DV + dk[:, None] * DV + cols[None, :]
+    sptr = states + slot * HV * DK * DV + block
     s = tl.load(sptr, mask=smask, other=0.0)
     for t in range(T):
-        qt = tl.load(q + (t * HK + hk) * DK + dk, mask=kmask, other=0.0).to(tl.float32)
-        kt = tl.load(k + (t * HK + hk) * DK + dk, mask=kmask, other=0.0).to(tl.float32)
+        row = seq * T + t
+        qt = tl.load(q + row * stride_q + hk * DK + dk, mask=kmask, other=0.0).to(tl.float32)
+        kt = tl.load(k + row * stride_k + hk * DK + dk, mask=kmask, other=0.0).to(tl.float32)
         qt = qt * tl.rsqrt(tl.sum(qt * qt) + 1e-6) * (1.0 / tl.sqrt(float(DK)))
         kt = kt * tl.rsqrt(tl.sum(kt * kt) + 1e-6)
-        vt = tl.load(v + (t * HV + h) * DV + cols, mask=vmask, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g + t * HV + h).to(tl.float32))
-        b = tl.load(beta + t * HV + h).to(tl.float32)
+        vt = tl.load(v + row * stride_v + h * DV + cols, mask=vmask, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g + row * HV + h).to(tl.float32))
+        b = tl.load(beta + row * HV + h).to(tl.float32)
         s = s * decay
         update = b * (vt - tl.sum(kt[:, None] * s, axis=0))
         s = s + kt[:, None] * update[None, :]
         o = tl.sum(qt[:, None] * s, axis=0)
-        tl.store(out + (t * HV + h) * DV + cols, o.to(out.dtype.element_ty), mask=vmask)
+        tl.store(out + (row * HV + h) * DV + cols, o.to(out.dtype.element_ty), mask=vmask)
+        if KEEP:
+            if t < T - 1:
+                tl.store(kept + (slot * KEPT_TOKENS + t) * HV * DK * DV + block, s, mask=smask)
     tl.store(sptr, s, mask=smask)
 
 
-def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """Delta rule token by token; q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], state [Hv, Dk, Dv] fp32 (in place)."""
-    t, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError("the GDN state must be a contiguous float32 tensor")
-    out = torch.empty_like(v)
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] with contiguous heads and dims (rows may be strided, e.g. a split of a wider tensor)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def _check_kept(kept: torch.Tensor, live: torch.Tensor, tokens_per_sequence: int) -> None:
+    """`kept` must be [slots, K >= T-1, ...] like the live states `live` [slots, ...]."""
+    if kept.dtype != live.dtype or kept.shape[0] != live.shape[0] or kept.shape[2:] != live.shape[1:] or not kept.is_contiguous():
+        raise ValueError(f"kept states must be one contiguous {live.dtype} [slots, K, {', '.join(map(str, live.shape[1:]))}] tensor")
+    if kept.shape[1] < tokens_per_sequence - 1:
+        raise ValueError(f"kept states hold {kept.shape[1]} tokens, fewer than the {tokens_per_sequence - 1} a step keeps")
+
+
+def gdn_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, tokens_per_sequence: int, kept: torch.Tensor | None,
+) -> torch.Tensor:
+    """Delta rule token by token for the B = len(slots) sequences of T tokens in q, k [N, Hk, Dk], v [N, Hv, Dv],
+    g, beta [N, Hv], sequence b on states[slots[b]] of states [slots, Hv, Dk, Dv] fp32 (in place). A `kept`
+    [slots, K, Hv, Dk, Dv] receives the state after each token but the last. Returns [N, Hv, Dv]."""
+    _, hk, dk = q.shape
+    _, hv, dv = v.shape
+    if states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError("the GDN states must be a contiguous float32 tensor")
+    if kept is not None:
+        _check_kept(kept, states, tokens_per_sequence)
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v = min(32, triton.next_power_of_2(dv))
-    _gdn_recurrent_kernel[(hv, triton.cdiv(dv, block_v))](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, out, t,
-        HK=hk, HV=hv, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v,
+    _gdn_recurrent_kernel[(hv, triton.cdiv(dv, block_v), slots.shape[0])](
+        q, k, v, g.contiguous(), beta.contiguous(), slots, states, states if kept is None else kept, out,
+        tokens_per_sequence, 0 if kept is None else kept.shape[1], q.stride(0), k.stride(0), v.stride(0),
+        HK=hk, HV=hv, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v, KEEP=kept is not None,
     )
     return out
 
 
 @triton.jit
-def _conv_update_kernel(x, conv_state, weight, out, T, C, TAPS: tl.constexpr, BLOCK_C: tl.constexpr):
+def _window(x, state, first_row, w, wmask, cols, cmask, C, PREV: tl.constexpr):
+    """Rows w [R] of a sequence's conv window in fp32: its previous inputs (state rows 0..PREV-1), then its
+    inputs (x from row `first_row`); the result is [R, BLOCK_C]."""
+    starts = tl.where(w < PREV, state + w * C, x + (first_row + w - PREV) * C)
+    return tl.load(starts[:, None] + cols[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_update_kernel(
+    x,
+    slots,
+    states,
+    weight,
+    kept,
+    out,
+    T,
+    C,
+    KEPT_TOKENS,
+    TAPS: tl.constexpr,
+    PREV_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    KEEP: tl.constexpr,
+):
+    # Window row w of sequence `seq` is state row w for w < TAPS-1, then input row seq*T + w - (TAPS-1);
+    # token t reads window rows t..t+TAPS-1, and the window after it is rows t+1..t+TAPS-1.
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = cols < C
-    for t in range(T):
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for i in tl.static_range(TAPS - 1):
-            acc += tl.load(weight + i * C + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(conv_state + i * C + cols, mask=mask, other=0.0).to(tl.float32)
-        xt = tl.load(x + t * C + cols, mask=mask, other=0.0)
-        acc += tl.load(weight + (TAPS - 1) * C + cols, mask=mask, other=0.0).to(tl.float32) * xt.to(tl.float32)
-        for i in tl.static_range(TAPS - 2):
-            tl.store(conv_state + i * C + cols, tl.load(conv_state + (i + 1) * C + cols, mask=mask), mask=mask)
-        tl.store(conv_state + (TAPS - 2) * C + cols, xt.to(conv_state.dtype.element_ty), mask=mask)
-        tl.store(out + t * C + cols, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=mask)
+    seq = tl.program_id(1)
+    cmask = cols < C
+    slot = tl.load(slots + seq).to(tl.int64)
+    state = states + slot * (TAPS - 1) * C
+    rows = tl.arange(0, PREV_PAD)
+    # the window after the last token, read first so that its loads overlap the others
+    final = _window(x, state, seq * T, T + rows, rows < TAPS - 1, cols, cmask, C, TAPS - 1)
+    for t0 in range(0, T, BLOCK_T):
+        tokens = t0 + tl.arange(0, BLOCK_T)
+        tmask = tokens < T
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for i in tl.static_range(TAPS):
+            win = _window(x, state, seq * T, tokens + i, tmask, cols, cmask, C, TAPS - 1)
+            acc += tl.load(weight + i * C + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] * win
+            if KEEP and i > 0:
+                dst = kept + ((slot * KEPT_TOKENS + tokens[:, None]) * (TAPS - 1) + i - 1) * C + cols[None, :]
+                tl.store(dst, win.to(kept.dtype.element_ty), mask=(tokens < T - 1)[:, None] & cmask[None, :])
+        dst = out + (seq * T + tokens[:, None]) * C + cols[None, :]
+        tl.store(dst, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+    tl.debug_barrier()  # every thread of the program has read the old window before it is overwritten
+    tl.store(state + rows[:, None] * C + cols[None, :], final.to(states.dtype.element_ty), mask=(rows < TAPS - 1)[:, None] & cmask[None, :])
 
 
-def conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(causal depthwise conv) of x [T, C] with taps weight [W, C]; conv_state [W-1, C] advanced in place."""
-    t, c = x.shape
+def conv_update(
+    x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, tokens_per_sequence: int,
+    kept: torch.Tensor | None,
+) -> torch.Tensor:
+    """silu(causal depthwise conv) of the B = len(slots) sequences of T tokens in x [N, C] with taps weight [W, C],
+    sequence b continuing the window conv_states[slots[b]] of conv_states [slots, W-1, C] (advanced in place). A
+    `kept` [slots, K, W-1, C] receives the window after each token but the last. Returns [N, C]."""
+    c = x.shape[1]
     taps = weight.shape[0]
-    if conv_state.shape != (taps - 1, c) or not conv_state.is_contiguous():
-        raise ValueError(f"conv state must be a contiguous [{taps - 1}, {c}] tensor")
-    out = torch.empty_like(x)
+    if conv_states.shape[1:] != (taps - 1, c) or conv_states.dtype != x.dtype or not conv_states.is_contiguous():
+        raise ValueError(f"conv states must be one contiguous {x.dtype} [slots, {taps - 1}, {c}] tensor")
+    if kept is not None:
+        _check_kept(kept, conv_states, tokens_per_sequence)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_c = 256
-    _conv_update_kernel[(triton.cdiv(c, block_c),)](x.contiguous(), conv_state, weight.contiguous(), out, t, c, TAPS=taps, BLOCK_C=block_c)
+    _conv_update_kernel[(triton.cdiv(c, block_c), slots.shape[0])](
+        x.contiguous(), slots, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
+        tokens_per_sequence, c, 0 if kept is None else kept.shape[1],
+        TAPS=taps, PREV_PAD=triton.next_power_of_2(taps - 1), BLOCK_T=min(16, triton.next_power_of_2(tokens_per_sequence)),
+        BLOCK_C=block_c, KEEP=kept is not None,
+    )
     return out
 
 

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import TileGeometry, block_k_for, load_weight_tile
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
 
 @dataclass(frozen=True)

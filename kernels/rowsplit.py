@@ -1,7 +1,7 @@
 """Triton building block: decode a tile of a `row_split_k128_v1` object in registers.
 
 Every quantized kernel (dense linear, routed MoE) reads weights through `load_weight_tile`, which
-takes the object's base address and its plane offsets (FORMAT.md §6.2) and returns the
+takes the object's base address and its plane offsets (docs/format.md §6.2) and returns the
 dequantized values `fp32(scale) * code` of rows `rows`, columns `[k0, k0 + BLOCK_K)`. Nothing is
 dequantized in memory. `BLOCK_K` is a multiple of 128, so a tile never crosses a row's padded end
 and padding lanes (code 0, scale 0) need no mask.

@@ -1,7 +1,7 @@
 """Memory planner and cost model: `plan(inventory, profile, options, routing_stats=None) -> Placement`.
 
 Pure Python (no torch, no GPU): `ninfer plan` runs on a laptop from an artifact's directory or,
-with no artifact, from the official inventory the model contract generates.
+with no artifact, from the official inventory the model contract (`artifact.contract`) generates.
 """
 
 from ninfer_offload.planner.options import PlanOptions, parse_size

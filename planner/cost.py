@@ -75,7 +75,7 @@ def predict(
     pcie_rate = profile.h2d_bandwidth_gbs * 1e9
     miss_rate, pcie_share = miss_rates(profile, options.miss_path)
     context = min(options.at_context, options.max_context)
-    kv_layer = kv_layer_bytes_per_token(shape, options) * context
+    kv_layer = kv_layer_bytes_per_token(shape, options.kv_dtype) * context
 
     def step(tokens: int) -> tuple[float, float, float]:
         """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions."""

@@ -1,18 +1,24 @@
-"""VRAM that is not weights: KV cache, GDN state, prefill workspace, expert staging slots.
+"""The one memory accounting: weights as loaded, KV cache, GDN state, prefill workspace, expert
+staging slots.
 
-All sizes follow from the text config (MODEL.md) and the plan options; the formulas are the
-accounting the runtime allocates against.
+All sizes follow from the text config and the plan or load options. The planner plans with these
+functions, `Engine.load` checks free VRAM with `load_footprint` before it allocates, and the
+runtime's buffers are sized by the same rules (tests compare them byte for byte).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ninfer_offload.artifact.formats import ROW_SPLIT, elements
+from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.options import PlanOptions
 
 FP32, BF16 = 4, 2
+KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1}
 INT8_SCALE_BYTES = 2  # int8 KV keeps one fp16 scale per (token, KV head) for K and for V
+ROUTED_ROLES = ("routed_gate_up", "routed_down")
 
 
 @dataclass(frozen=True)
@@ -66,30 +72,36 @@ class ModelShape:
         return 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
 
 
-def kv_layer_bytes_per_token(shape: ModelShape, options: PlanOptions) -> int:
+def kv_layer_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
     """K and V bytes of one token in one full-attention layer."""
-    per_layer = 2 * shape.kv_heads * shape.head_dim * options.kv_bytes_per_element
-    if options.kv_dtype == "int8":
+    per_layer = 2 * shape.kv_heads * shape.head_dim * KV_ELEMENT_BYTES[kv_dtype]
+    if kv_dtype == "int8":
         per_layer += 2 * shape.kv_heads * INT8_SCALE_BYTES
     return per_layer
 
 
-def kv_bytes_per_token(shape: ModelShape, options: PlanOptions) -> int:
-    """KV bytes of one token of one sequence: every full-attention layer, plus MTP's own layer."""
-    layers = shape.attention_layers + (1 if options.speculating else 0)
-    return layers * kv_layer_bytes_per_token(shape, options)
-
-
-def gdn_state_bytes(shape: ModelShape) -> int:
-    """Recurrent state (fp32 [V heads, V dim, K dim]) plus conv window (bf16) of one sequence."""
+def gdn_state_bytes(shape: ModelShape, element_bytes: int = BF16) -> int:
+    """One sequence's GDN state: FP32 recurrent state [V heads, K dim, V dim] and the conv window of
+    the previous W-1 inputs (in the compute dtype) of every linear-attention layer."""
     recurrent = shape.gdn_value_heads * shape.gdn_value_dim * shape.gdn_key_dim * FP32
-    conv = shape.conv_kernel * shape.conv_channels * BF16
+    conv = (shape.conv_kernel - 1) * shape.conv_channels * element_bytes
     return shape.linear_layers * (recurrent + conv)
 
 
-def gdn_state_copies(options: PlanOptions) -> int:
-    """States kept per sequence: the live one plus a snapshot per drafted position."""
-    return 1 + options.draft_count
+def state_pool_bytes(
+    shape: ModelShape, sequences: int, capacity: int, draft_tokens: int, mtp_layer: bool, kv_dtype: str, element_bytes: int = BF16
+) -> dict[str, int]:
+    """KV cache and GDN state of the runtime's state pool (`model.state_pool.StatePool`).
+
+    KV: per attention layer (and the MTP layer), `capacity` rows per sequence plus the scratch
+    slot's 1 + draft_tokens rows. GDN: one live state per sequence and for the scratch slot, each
+    with one kept state per draft token (rollback of a verified step).
+    """
+    kv_rows = sequences * capacity + 1 + draft_tokens
+    return {
+        "kv_cache": (shape.attention_layers + mtp_layer) * kv_rows * kv_layer_bytes_per_token(shape, kv_dtype),
+        "gdn_state": (sequences + 1) * (1 + draft_tokens) * gdn_state_bytes(shape, element_bytes),
+    }
 
 
 def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
@@ -107,8 +119,58 @@ def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
     return options.prefill_chunk * per_token + logits
 
 
-def staging_slots(shape: ModelShape, options: PlanOptions) -> int:
-    """Device slots for streamed experts: two layers in flight (current + prefetch), each with every
-    expert that one step's tokens can pick."""
-    tokens_per_step = options.concurrency * (1 + options.draft_count)
-    return 2 * min(shape.num_experts, shape.top_k * tokens_per_step)
+def staging_slots(num_experts: int, top_k: int, tokens_per_step: int, requested: int | None = None) -> int:
+    """Device slots for streamed experts: `requested` (at least top_k: one token's experts must fit),
+    else two layers in flight (current + prefetch), each with every expert one step's tokens can pick."""
+    if requested is not None:
+        return max(top_k, requested)
+    return 2 * min(num_experts, top_k * tokens_per_step)
+
+
+def loaded_weight_bytes(inventory: Inventory, components: tuple[str, ...], element_bytes: int) -> int:
+    """Device bytes of the non-routed weights of `components` as the loader keeps them: row-split
+    objects in their stored bytes, FP32 objects (the GDN decay parameters) in FP32, every other
+    contiguous object in the compute dtype."""
+    total = 0
+    for t in inventory.tensors:
+        if t.component not in components or t.role in ROUTED_ROLES:
+            continue
+        if t.layout == ROW_SPLIT:
+            total += t.bytes
+        else:
+            total += elements(t.shape) * (FP32 if t.format == "fp32" else element_bytes)
+    return total
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What `Engine.load` puts on the device, in the planner's terms."""
+
+    experts: str  # "resident" or "host"
+    sequences: int
+    capacity: int
+    draft_tokens: int
+    mtp: bool
+    element_bytes: int  # compute dtype
+    kv_dtype: str  # a KV_ELEMENT_BYTES key
+    staging_slots: int | None  # requested slots of host mode
+
+
+def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]:
+    """Device bytes of a load, by item (weights, experts, kv_cache, gdn_state): the accounting the
+    loader allocates against and the load-time VRAM check refuses by."""
+    shape = ModelShape.from_config(inventory.text_config)
+    components = ("text", "mtp") if options.mtp else ("text",)
+    banks = [bank for c in components for bank in inventory.banks_of(c)]
+    if options.experts == "resident":
+        experts = sum(bank.expert_bytes * bank.num_experts for bank in banks)
+    else:
+        slots = staging_slots(shape.num_experts, shape.top_k, options.sequences * (1 + options.draft_tokens), options.staging_slots)
+        experts = slots * max((bank.expert_bytes for bank in banks), default=0)
+    return {
+        "weights": loaded_weight_bytes(inventory, components, options.element_bytes),
+        "experts": experts,
+        **state_pool_bytes(
+            shape, options.sequences, options.capacity, options.draft_tokens, options.mtp, options.kv_dtype, options.element_bytes
+        ),
+    }

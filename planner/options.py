@@ -74,9 +74,5 @@ class PlanOptions:
         """Drafted tokens per step (0 without speculation)."""
         return self.drafts if self.speculating else 0
 
-    @property
-    def kv_bytes_per_element(self) -> int:
-        return 2 if self.kv_dtype == "bf16" else 1
-
     def to_json(self) -> dict:
         return asdict(self)

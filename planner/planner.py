@@ -17,14 +17,7 @@ from ninfer_offload.artifact.formats import elements
 from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cost import WeightTraffic, predict
-from ninfer_offload.planner.memory import (
-    ModelShape,
-    gdn_state_bytes,
-    gdn_state_copies,
-    kv_bytes_per_token,
-    staging_slots,
-    workspace_bytes,
-)
+from ninfer_offload.planner.memory import ModelShape, staging_slots, state_pool_bytes, workspace_bytes
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.placement import ComponentPlacement, Placement
 from ninfer_offload.planner.routing import RoutingStats, default_routing_stats
@@ -71,11 +64,12 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
     budget = min(card, options.vram_budget) if options.vram_budget is not None else card
     host_budget = options.host_budget if options.host_budget is not None else int(profile.ram_bytes * HOST_PINNED_SHARE)
     reserve = options.vram_reserve if options.vram_reserve is not None else profile.reserve_bytes
-    kv = kv_bytes_per_token(shape, options) * options.max_context * options.concurrency
+    pool = state_pool_bytes(
+        shape, options.concurrency, options.max_context, options.draft_count, options.speculating, options.kv_dtype
+    )
     runtime = {
         "reserve": reserve,
-        "kv_cache": kv,
-        "gdn_state": gdn_state_bytes(shape) * gdn_state_copies(options) * options.concurrency,
+        **pool,
         "workspace": workspace_bytes(shape, options),
         "staging": 0,
     }
@@ -90,7 +84,7 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
         embedding_on_device = fixed + all_experts + embedding <= budget
     else:
         embedding_on_device = False
-        slots = staging_slots(shape, options)
+        slots = staging_slots(shape.num_experts, shape.top_k, options.concurrency * (1 + options.draft_count))
         runtime["staging"] = slots * max(b.expert_bytes for b in banks)
         room = budget - fixed - runtime["staging"]
         chosen = 0

@@ -1,8 +1,9 @@
 """Routing statistics: how often each routed expert of each text layer is picked.
 
 Per layer the planner needs `hits[e]`, the expected number of times expert `e` is among a token's
-top-k (so `sum(hits) == top_k`). The model's shipped counts (planner/data, see
-/work/shared/data/README.md) are used for Qwen3.6-35B-A3B only; other models get uniform routing
+top-k (so `sum(hits) == top_k`). The model's shipped counts
+(`planner/data/qwen3_6_35b_a3b_routing_counts.txt`: one line per text layer, one pick count per
+routed expert) are used for Qwen3.6-35B-A3B only; other models get uniform routing
 unless `--routing-stats FILE` is given. The shipped counts come from ~2.5k tokens of six prompts,
 so hit rates computed from them are in-sample and optimistic.
 """

@@ -62,7 +62,7 @@ def tiny_engine(tiny_artifact):
     """The bf16-recipe artifact loaded on the CPU (an Engine holds no per-sequence state: safe to share)."""
     from ninfer_offload import Engine
 
-    engine = Engine.load(tiny_artifact)
+    engine = Engine.load(tiny_artifact, max_sequences=8)
     yield engine
     engine.close()
 

@@ -11,10 +11,10 @@ import pytest
 import ninfer_offload
 from ninfer_offload.artifact.codecs import encode_codes, encode_contiguous, encode_row_split
 from ninfer_offload.artifact.formats import encoded_size
+from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.artifact.verify import verify_artifact
 from ninfer_offload.artifact.writer import ArtifactWriter
 from ninfer_offload.commands.inspect import summarize
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
 ROWS = "row_split_k128_v1"
 CONTIG = "contiguous_le_v1"

@@ -1,4 +1,4 @@
-"""The official Qwen3.6-35B-A3B directory written as a full-size sparse file: sizes, reader and `inspect` agree with FORMAT.md."""
+"""The official Qwen3.6-35B-A3B directory written as a full-size sparse file: sizes, reader and `inspect` agree with docs/format.md."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 
 import ninfer_offload
 from ninfer_offload.artifact.writer import write_directory
-from ninfer_offload.model.contract import official_directory
+from ninfer_offload.artifact.contract import official_directory
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +20,9 @@ def official(tmp_path_factory):
 
 def test_full_size_file_matches_the_model_card(official):
     path, root = official
-    assert path.stat().st_size == 22_790_484_480  # the official v3 file size (FORMAT.md §10.3)
+    assert path.stat().st_size == 22_790_484_480  # the official v3 file size (docs/format.md §10.3)
     with open(path, "rb") as f:
-        assert int.from_bytes(f.read(16)[8:], "little") == 7_389_152  # json_bytes predicted by FORMAT.md §10.3
+        assert int.from_bytes(f.read(16)[8:], "little") == 7_389_152  # json_bytes predicted by docs/format.md §10.3
     with ninfer_offload.open_artifact(path) as art:
         assert art.directory == root
         assert (len(art.objects), len(art.bindings), len(art.uses)) == (940, 32_713, 32_184)

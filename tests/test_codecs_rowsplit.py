@@ -1,4 +1,4 @@
-"""Row-split and contiguous codecs: worked byte examples of FORMAT.md §6.2, round trips, row views, encoder rules."""
+"""Row-split and contiguous codecs: worked byte examples of docs/format.md §6.2, round trips, row views, encoder rules."""
 
 import numpy as np
 import pytest

@@ -16,7 +16,7 @@ from ninfer_offload.convert.hf_config import read_model_config
 from ninfer_offload.convert.layout import plan_layout
 from ninfer_offload.convert.recipes import RECIPES, q6_down_layers, role_format
 from ninfer_offload.errors import NinferError
-from ninfer_offload.model.contract import TEXT_CONFIG, VISION_CONFIG, official_directory
+from ninfer_offload.artifact.contract import TEXT_CONFIG, VISION_CONFIG, official_directory
 
 FULL_HF_CONFIG = {
     "architectures": ["Qwen3_5MoeForConditionalGeneration"],

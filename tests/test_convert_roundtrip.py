@@ -1,4 +1,4 @@
-"""Converted tiny checkpoints hold exactly the Hugging Face weights after the FORMAT.md §9 transforms.
+"""Converted tiny checkpoints hold exactly the Hugging Face weights after the docs/format.md §9 transforms.
 
 Expected values are computed here straight from the HF tensors (independently of the converter's
 layout code): bf16 is bit-exact, quantized recipes equal the canonical encoder's codes and scales.

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ninfer_offload.artifact.codecs import encode_row_split
+from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
-from ninfer_offload.runtime import cpu_expert_kernels as ck
+from ninfer_offload.kernels.cpu import experts as ck
 from ninfer_offload.runtime import cpu_experts as ce
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 
 FORMATS = ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"]
 HIDDEN, INTER, EXPERTS = 200, 70, 6  # neither K is a multiple of 64 or 128
@@ -248,9 +248,9 @@ def test_miss_splitter_starts_from_the_profile():
 _STARTUP_PROBE = """
 import torch
 import numba.np.ufunc.parallel as parallel
-from ninfer_offload.runtime import cpu_expert_kernels as ck
+from ninfer_offload.artifact.records import ExpertRecordLayout
+from ninfer_offload.kernels.cpu import experts as ck
 from ninfer_offload.runtime import cpu_experts as ce
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 assert not parallel._is_initialized
 executor = ce.CpuExpertExecutor()
 assert parallel._is_initialized, "thread pool not started by the executor"
@@ -278,7 +278,7 @@ def test_compilation_and_thread_pool_start_up_are_paid_once():
 _PORTABLE_PROBE = """
 import numpy as np
 from test_cpu_experts import make_records, routing, assert_close
-from ninfer_offload.runtime import cpu_expert_kernels as ck, simd
+from ninfer_offload.kernels.cpu import experts as ck, simd
 assert not simd.target_has_vnni()
 for gate_up_fmt, down_fmt in (("q4_g64_fp16", "q5_g64_fp16"), ("q5_g64_fp16", "q4_g64_fp16")):
     layout, records, offsets = make_records(gate_up_fmt, down_fmt)

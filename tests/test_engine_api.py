@@ -15,7 +15,7 @@ PROMPT = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)
 
 @pytest.fixture(scope="module")
 def engine(tiny_artifact):
-    eng = Engine.load(tiny_artifact, mtp=True)
+    eng = Engine.load(tiny_artifact, mtp=True, max_sequences=8)
     yield eng
     eng.close()
 
@@ -23,8 +23,8 @@ def engine(tiny_artifact):
 @pytest.mark.parametrize("recipe", ["bf16", "official"])
 def test_host_staged_experts_give_exactly_the_resident_logits(recipe, request):
     path = request.getfixturevalue("tiny_artifact" if recipe == "bf16" else "tiny_artifact_official")
-    resident = Engine.load(path)
-    host = Engine.load(path, experts="host", num_slots=3)  # fewer slots than a prompt's distinct experts
+    resident = Engine.load(path, max_sequences=2)
+    host = Engine.load(path, experts="host", num_slots=3, max_sequences=2)  # fewer slots than a prompt's distinct experts
     expected = resident.logits(PROMPT)
     assert torch.equal(host.logits(PROMPT), expected)
     sessions = [host.session(), resident.session()]
@@ -89,7 +89,7 @@ def test_mtp_one_shot_equals_step_by_step(engine):
     # a further draft feeds the drafted token and the MTP hidden state back
     draft = int(logits[-1].argmax())
     more, _ = one_shot.mtp(mtp_hidden[-1:], [draft])
-    assert more.shape == (1, engine.config.vocab_size) and one_shot.mtp_state.length == len(PROMPT)
+    assert more.shape == (1, engine.config.vocab_size) and one_shot.mtp_length == len(PROMPT)
     assert target.length == len(PROMPT)
 
 

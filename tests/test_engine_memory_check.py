@@ -1,40 +1,99 @@
-"""The device-memory check that runs before a CUDA load: its footprint equals what a load and a
-session really allocate, and a load that cannot fit is refused in one line."""
+"""One memory model: the planner's accounting (`planner.memory`) equals what a load really
+allocates, byte for byte on the CPU and against the CUDA allocator on a GPU, and the check that
+runs before a CUDA load refuses what cannot fit in one line."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from ninfer_offload import Engine, NinferError, open_artifact
 from ninfer_offload.artifact.inventory import Inventory
-from ninfer_offload.model.config import ModelConfig
-from ninfer_offload.runtime.memory_check import check_fits, load_footprint
+from ninfer_offload.model.quant import QuantizedMatrix
+from ninfer_offload.planner import PlanOptions, plan
+from ninfer_offload.planner.memory import LoadOptions, load_footprint
+from ninfer_offload.profiles import load_profile
+from ninfer_offload.runtime.memory_check import check_fits
 
 CAPACITY = 96
 
 
-def footprint(path, experts: str, num_slots=None) -> dict[str, int]:
+def footprint(path, **options) -> dict[str, int]:
     with open_artifact(path) as artifact:
-        config = ModelConfig.from_component(artifact.components["text"].config)
-        return load_footprint(Inventory.from_artifact(artifact), config, experts, CAPACITY, torch.float32, False, num_slots)
+        return load_footprint(Inventory.from_artifact(artifact), LoadOptions(**options))
 
 
-def test_footprint_matches_what_a_load_and_a_session_allocate(tiny_artifact_official):
-    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, max_context=CAPACITY)
+def weight_tensors(module, seen: dict[int, int]) -> dict[int, int]:
+    """data_ptr -> bytes of every weight reachable from a model dataclass (not its expert store or rotary table)."""
+    if isinstance(module, torch.Tensor):
+        seen[module.data_ptr()] = module.nbytes
+    elif isinstance(module, QuantizedMatrix):
+        seen[module.data.data_ptr()] = module.data.nbytes
+    elif isinstance(module, list):
+        for item in module:
+            weight_tensors(item, seen)
+    elif dataclasses.is_dataclass(module):
+        for field in dataclasses.fields(module):
+            if field.name not in ("experts", "rotary", "config"):
+                weight_tensors(getattr(module, field.name), seen)
+    return seen
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "official"])
+@pytest.mark.parametrize("experts", ["resident", "host"])
+def test_footprint_equals_what_a_load_allocates(recipe, experts, request):
+    path = request.getfixturevalue("tiny_artifact" if recipe == "bf16" else "tiny_artifact_official")
+    engine = Engine.load(path, experts=experts, max_context=CAPACITY, max_sequences=3, draft_tokens=2, mtp=True)
     try:
-        host = footprint(tiny_artifact_official, "host", num_slots=5)
-        assert host["experts"] == engine.store.pool.numel()  # slots x record bytes
-        state = engine.session().state
-        assert host["kv_cache"] == sum(k.nbytes + v.nbytes for k, v in state.kv.values())
-        assert host["gdn_state"] == sum(t.nbytes for t in [*state.conv.values(), *state.recurrent.values()])
+        planned = footprint(
+            path, experts=experts, sequences=3, capacity=CAPACITY, draft_tokens=2, mtp=True, element_bytes=4,
+            kv_dtype="fp32", staging_slots=None,
+        )
+        weights = weight_tensors(engine.mtp, weight_tensors(engine.text, {}))
+        assert planned["weights"] == sum(weights.values())
+        store = engine.store
+        records = store.pool.nbytes if experts == "host" else sum(bank.records.nbytes for bank in store.banks)
+        assert planned["experts"] == records
+        state = engine.state
+        assert planned["kv_cache"] == sum(k.nbytes + v.nbytes for k, v in state.kv.values())
+        assert planned["gdn_state"] == state.nbytes - planned["kv_cache"]
     finally:
         engine.close()
-    resident = footprint(tiny_artifact_official, "resident")
-    with open_artifact(tiny_artifact_official) as artifact:
-        text_bytes = sum(t.bytes for t in Inventory.from_artifact(artifact).tensors if t.component == "text")
-    assert resident["weights"] + resident["experts"] == text_bytes
-    assert resident["experts"] > host["experts"] and resident["weights"] == host["weights"]
+
+
+def test_plan_runtime_items_are_the_state_pool_of_a_load(tiny_artifact):
+    """`ninfer plan`'s KV and GDN lines for a context and concurrency are what the engine allocates for them."""
+    engine = Engine.load(tiny_artifact, max_context=CAPACITY, max_sequences=2, dtype="bfloat16", mtp=True, draft_tokens=3)
+    try:
+        options = PlanOptions(max_context=CAPACITY, concurrency=2, kv_dtype="bf16", speculative="mtp", drafts=3, proposal_head=False)
+        placement = plan(Inventory.from_artifact(engine.artifact), load_profile("rtx5090"), options)
+        kv = sum(k.nbytes + v.nbytes for k, v in engine.state.kv.values())
+        assert placement.runtime["kv_cache"] == kv
+        assert placement.runtime["gdn_state"] == engine.state.nbytes - kv
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("experts", ["resident", "host"])
+def test_footprint_matches_the_cuda_allocator(tiny_artifact_official, experts):
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    engine = Engine.load(tiny_artifact_official, device="cuda", experts=experts, max_context=4096, max_sequences=4, mtp=True)
+    try:
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated() - before
+        planned = sum(footprint(
+            tiny_artifact_official, experts=experts, sequences=4, capacity=4096, draft_tokens=0, mtp=True, element_bytes=2,
+            kv_dtype="bf16", staging_slots=None,
+        ).values())
+        # the allocator rounds each tensor up to 512 bytes; small index tables (rotary, slot maps) are not planned
+        assert planned <= allocated <= planned * 1.02 + 512 * 1024
+    finally:
+        engine.close()
 
 
 def test_a_load_that_cannot_fit_is_one_line_naming_the_remedy():

@@ -1,4 +1,4 @@
-"""The generated official inventory matches FORMAT.md §8.4-8.6 exactly, and every byte is counted once."""
+"""The generated official inventory matches docs/format.md §8.4-8.6 exactly, and every byte is counted once."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from ninfer_offload.artifact.formats import align_up, encoded_size
 from ninfer_offload.artifact.inventory import Inventory, classify
-from ninfer_offload.model.contract import official_directory
+from ninfer_offload.artifact.contract import official_directory
 
 
 @pytest.fixture(scope="module")

@@ -37,16 +37,14 @@ def test_triton_backend_engine_matches_reference(tiny_artifact_official):
 @needs_cuda
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_graph_replay_equals_eager(tiny_artifact_official, dtype, tolerance):
-    from ninfer_offload.runtime.cuda_graph import DecodeGraph
-
-    engine = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype)
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype, max_sequences=2)
+    assert engine.graphs is not None
     eager, captured = engine.session(), engine.session()
     eager.prefill(PROMPT)
     captured.prefill(PROMPT)
-    graph = DecodeGraph(engine, captured)
     for token in STEPS * 3:
         expected = eager.forward([token])[0][0].float()  # the eager layers, not a graph
-        got = graph.step(token)
+        got = captured.step(token)
         assert _relative(got.cpu(), expected.cpu()) < tolerance
     assert captured.length == eager.length == len(PROMPT) + 3 * len(STEPS)
 
@@ -67,52 +65,99 @@ def test_bf16_greedy_is_stable(tiny_artifact_official):
     assert greedy() == greedy()
 
 
-def test_graph_needs_cuda_and_decode_step_falls_back(tiny_artifact_official):
-    from ninfer_offload.runtime.cuda_graph import DecodeGraph, decode_step
-
-    engine = Engine.load(tiny_artifact_official, device="cpu")
-    with pytest.raises(NinferError, match="CUDA"):
-        DecodeGraph(engine, engine.session())
+def test_cpu_engine_steps_eagerly(tiny_artifact_official):
+    engine = Engine.load(tiny_artifact_official, device="cpu", max_sequences=2)
+    assert engine.graphs is None
     a, b = engine.session(), engine.session()
     a.prefill(PROMPT)
     b.prefill(PROMPT)
-    assert torch.equal(decode_step(a, 11), b.forward([11])[0][0]) and a.length == b.length
+    assert torch.equal(a.step(11), b.forward([11])[0][0]) and a.length == b.length
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_decode_step_keeps_one_graph_per_session(tiny_artifact_official):
-    from ninfer_offload.runtime import cuda_graph
-
-    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32")
-    a, b = engine.session(), engine.session()
-    a.prefill(PROMPT)
-    b.prefill(PROMPT)
+def test_graphs_are_captured_once_per_engine_and_bucket(tiny_artifact_official):
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", max_sequences=3)
+    sessions = [engine.session() for _ in range(3)]
+    for session in sessions:
+        session.prefill(PROMPT)
     for token in STEPS:
-        assert _relative(cuda_graph.decode_step(a, token).cpu(), b.forward([token])[0][0].float().cpu()) < 1e-5
-    assert cuda_graph._GRAPHS[a].session is a
+        for session in sessions[:2]:
+            session.step(token)
+        engine.step_batch(sessions, [token] * 3)
+    captured = dict(engine.graphs.graphs)
+    assert set(captured) == {(1, 1), (3, 1)}  # buckets 1, 2, 3: three sequences use bucket 3
+    sessions[0].close()
+    again = engine.session()
+    again.prefill(PROMPT)
+    again.step(5)
+    assert engine.graphs.graphs == captured  # a new session reuses the engine's graphs
 
 
 @needs_triton_device
 def test_captured_step_ops_equal_eager_step(tiny_artifact_official):
-    """The ops a graph records (device-held position and KV length) give the eager step's logits and KV rows bit for bit."""
-    from ninfer_offload.runtime.cuda_graph import captured_forward
-    from ninfer_offload.runtime.state import Segment
+    """The ops a graph records, reading only device-held context (no host copies), give the eager
+    step's logits and KV rows bit for bit."""
+    from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
 
     device = "cuda" if HAS_CUDA else "cpu"
-    engine = Engine.load(tiny_artifact_official, device=device, dtype="float32", backend="triton")
+    engine = Engine.load(tiny_artifact_official, device=device, dtype="float32", backend="triton", max_sequences=2)
     eager, captured = engine.session(), engine.session()
     eager.prefill(PROMPT)
     captured.prefill(PROMPT)
-    state = captured._live_state()
     for token in STEPS:
         expected = eager.forward([token])[0][0]
-        position = torch.tensor([state.length], device=device)
-        rows = torch.tensor([state.length + 1], dtype=torch.int32, device=device)
+        packed = pack_inputs([token], [captured.slot], [captured.length], 1, engine.max_context).to(device)
+        tokens, ctx = unpack_inputs(packed, 1, 1, prefill=False, keep_states=False, host=None)
         with torch.no_grad():
-            got = captured_forward(engine, [Segment(state, 0, 0, 1)], torch.tensor([token], device=device), position, rows)[0]
-        state.length += 1
+            got = engine.forward_logits(tokens, ctx)[0]
+        captured.pending = 1
+        captured.commit(1)
         assert torch.equal(got, expected)
-    for key, (k_cache, v_cache) in state.kv.items():
-        eager_k, eager_v = eager._live_state().kv[key]
-        assert torch.equal(k_cache[: state.length], eager_k[: state.length]) and torch.equal(v_cache[: state.length], eager_v[: state.length])
+    length = captured.length
+    for key in engine.state.kv:
+        mine, theirs = engine.state.kv_of(key, captured.slot), engine.state.kv_of(key, eager.slot)
+        assert all(torch.equal(a[:length], b[:length]) for a, b in zip(mine, theirs))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_batched_steps_equal_single_sequence_steps_on_the_gpu(tiny_artifact_official, cuda_graphs):
+    """Batches of 1..8 sequences of mixed lengths, eager and captured, against each sequence stepped alone."""
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="bfloat16", max_sequences=16, cuda_graphs=cuda_graphs)
+    assert (engine.graphs is not None) == cuda_graphs
+    for batch in range(1, 9):
+        batched, single = [engine.session() for _ in range(batch)], [engine.session() for _ in range(batch)]
+        for i, (b, s) in enumerate(zip(batched, single)):
+            b.prefill(PROMPT[: 1 + i % len(PROMPT)] + STEPS[: i % 3])
+            s.prefill(PROMPT[: 1 + i % len(PROMPT)] + STEPS[: i % 3])
+        tokens = [(17 * i + 5) % 500 for i in range(batch)]
+        for _ in range(3):
+            out = engine.step_batch(batched, tokens)
+            expected = torch.stack([s.step(t) for s, t in zip(single, tokens)])
+            assert _relative(out.float().cpu(), expected.float().cpu()) < 2e-2
+            tokens = expected.argmax(-1).tolist()
+        for session in batched + single:
+            session.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_rollback_on_the_gpu_equals_never_seeing_the_tokens(tiny_artifact_official):
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", max_sequences=3, draft_tokens=3)
+    a, b, plain = engine.session(), engine.session(), engine.session()
+    for session in (a, b, plain):
+        session.prefill(PROMPT)
+    engine.step([a, b], [[11, 250, 3, 9], [11, 250, 7, 8]])  # one captured verify step, two sequences
+    a.rollback(2)
+    b.commit(2)
+    plain.step(11)
+    plain.step(250)
+    state = engine.state
+    for group in (state.conv, state.recurrent):
+        for tensor in group.values():
+            assert torch.allclose(tensor[a.slot], tensor[b.slot], atol=1e-6)
+            assert torch.allclose(tensor[a.slot], tensor[plain.slot], rtol=1e-4, atol=1e-5)
+    expected = plain.step(42)
+    assert _relative(a.step(42).cpu(), expected.cpu()) < 1e-4 and _relative(b.step(42).cpu(), expected.cpu()) < 1e-4

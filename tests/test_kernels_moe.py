@@ -8,7 +8,7 @@ import torch
 
 from kernels_support import DEVICE, needs_triton_device
 from ninfer_offload.artifact.codecs import decode_row_split_values, encode_row_split
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+from ninfer_offload.artifact.records import ExpertRecordLayout
 
 pytestmark = needs_triton_device
 

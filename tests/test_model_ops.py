@@ -11,10 +11,11 @@ import torch.nn.functional as F
 
 from ninfer_offload.artifact.codecs import decode_row_split_values, encode_row_split
 from ninfer_offload.artifact.formats import GROUPED_FORMATS, grouped_format
+from ninfer_offload.artifact.records import DenseRecordLayout, ExpertRecordLayout
 from ninfer_offload.model.backend import ReferenceBackend
-from ninfer_offload.model.experts import DenseRecordLayout, ExpertBank, record_weights
+from ninfer_offload.model.experts import ExpertBank, record_weights
 from ninfer_offload.model.quant import QuantizedMatrix, dequantize_objects
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+from ninfer_offload.runtime.step_inputs import step_inputs
 
 backend = ReferenceBackend()
 rng = np.random.default_rng(0)
@@ -102,9 +103,11 @@ def test_delta_rule_chunked_equals_recurrent_and_transformers():
         q[None], k[None], v[None], g[None], beta[None],
         initial_state=s0[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
-    chunked_state, recurrent_state = s0.clone(), s0.clone()
+    chunked_state, recurrent_states = s0.clone(), s0.clone()[None]  # one slot
     chunked = backend.gdn_prefill(q, k, v, g, beta, chunked_state)
-    recurrent = backend.gdn_decode(q, k, v, g, beta, recurrent_state)
+    _, ctx = step_inputs([0] * len(q), [0], [0], len(q), len(q), torch.device("cpu"))
+    recurrent = backend.gdn_decode(q, k, v, g, beta, recurrent_states, ctx, None)
+    recurrent_state = recurrent_states[0]
     for out, state in ((chunked, chunked_state), (recurrent, recurrent_state)):
         assert torch.allclose(out, ref_out[0], atol=2e-5)
         assert torch.allclose(state, ref_state[0], atol=2e-5)
@@ -120,10 +123,15 @@ def test_conv_window_equals_causal_conv1d():
     weight = torch.randn(taps, channels)
     x = torch.randn(9, channels)
     expected = F.silu(F.conv1d(x.T[None], weight.T.unsqueeze(1), padding=taps - 1, groups=channels)[0, :, :9].T)
-    state = torch.zeros(taps - 1, channels)
-    pieces = [backend.conv_update(x[:5], state, weight)] + [backend.conv_update(x[i : i + 1], state, weight) for i in range(5, 9)]
+    states = torch.zeros(2, taps - 1, channels)  # slot 1 holds the sequence, slot 0 stays untouched
+
+    def update(rows: torch.Tensor, start: int) -> torch.Tensor:
+        _, ctx = step_inputs([0] * len(rows), [1], [start], len(rows), 16, torch.device("cpu"))
+        return backend.conv_update(rows, states, weight, ctx, None)
+
+    pieces = [update(x[:5], 0)] + [update(x[i : i + 1], i) for i in range(5, 9)]
     assert torch.allclose(torch.cat(pieces), expected, atol=1e-6)
-    assert torch.equal(state, x[-3:])
+    assert torch.equal(states[1], x[-3:]) and not states[0].any()
 
 
 def test_attention_prefill_and_decode_use_the_cache_causally():
@@ -136,4 +144,5 @@ def test_attention_prefill_and_decode_use_the_cache_causally():
     ).transpose(0, 1)
     assert torch.allclose(backend.attention_prefill(q, k_cache, v_cache, 0), expected, atol=1e-5)
     assert torch.allclose(backend.attention_prefill(q[2:], k_cache, v_cache, 2), expected[2:], atol=1e-5)
-    assert torch.allclose(backend.attention_decode(q[-1:], k_cache, v_cache, t), expected[-1:], atol=1e-5)
+    _, ctx = step_inputs([0], [0], [t - 1], 1, 16, torch.device("cpu"))
+    assert torch.allclose(backend.attention_decode(q[-1:], k_cache, v_cache, ctx, 16), expected[-1:], atol=1e-5)

@@ -1,6 +1,6 @@
 """Quantized recipes (`official`: Q4/Q5/Q6/Q8, `q8`) against transformers run on the weights the
 artifact stores, decoded by the artifact reader's codecs and mapped back to Hugging Face names
-(the inverse of FORMAT.md §9). This checks the torch decoder, the quantized linear/embedding/expert
+(the inverse of docs/format.md §9). This checks the torch decoder, the quantized linear/embedding/expert
 paths and the converter's bindings end to end. CPU, float32."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.reader import open_artifact
 from ninfer_offload.artifact.writer import write_directory
-from ninfer_offload.model.contract import official_directory
+from ninfer_offload.artifact.contract import official_directory
 from ninfer_offload.planner import PlanOptions, plan
 from ninfer_offload.profiles import load_profile
 
@@ -30,7 +30,7 @@ def file_inventory(official_file) -> Inventory:
 
 def test_sparse_file_is_the_official_size(official_file):
     # The model card's size of the official v3 file. The placeholder resource sizes were chosen so the
-    # payload ends where FORMAT.md §10.3 infers; the match also checks the directory's JSON size
+    # payload ends where docs/format.md §10.3 infers; the match also checks the directory's JSON size
     # (~7.39 MB, same 4 KiB page as §10.3's estimate).
     assert official_file.stat().st_size == 22_790_484_480
 

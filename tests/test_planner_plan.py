@@ -8,7 +8,7 @@ import pytest
 
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
-from ninfer_offload.model.contract import official_directory
+from ninfer_offload.artifact.contract import official_directory
 from ninfer_offload.planner import PLAN_SCHEMA, PlanOptions, RoutingStats, load_routing_stats, parse_size, plan
 from ninfer_offload.planner.cost import CPU_EXPERT_SHARE_OF_DRAM
 from ninfer_offload.planner.routing import shipped_routing_stats
@@ -34,8 +34,9 @@ def test_default_rtx5090_is_all_resident(inventory):
         "mtp": "vram", "proposal": "vram", "vision": "unused", "dflash": "unused",
     }
     assert p.kv_capacity_tokens == 262144
-    # fp8 KV: 10 full-attention layers + the MTP layer, K and V, 2 heads x 256, 1 byte each.
-    assert p.runtime["kv_cache"] == 11 * 2 * 2 * 256 * 262144
+    # fp8 KV: 10 full-attention layers + the MTP layer, K and V, 2 heads x 256, 1 byte each, for the
+    # context plus the scratch slot's 1 + 3 rows (padding of captured batches, see StatePool).
+    assert p.runtime["kv_cache"] == 11 * 2 * 2 * 256 * (262144 + 4)
     assert p.vram_used_bytes <= p.vram_budget_bytes
     assert p.predicted.decode_tok_s > 0 and p.predicted.decode_tok_s_mtp > 0 and p.predicted.prefill_tok_s > 0
 
@@ -115,11 +116,13 @@ def test_host_budget_is_checked(inventory):
 
 def test_kv_dtype_and_context_scale_kv(inventory):
     profile = load_profile("rtxpro6000")
+    row = 11 * 2 * 2 * 256  # fp8 K and V of one token in the 10 attention layers and the MTP layer
     base = plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000)).runtime["kv_cache"]
+    assert base == row * (1000 + 4)  # the context and the scratch slot's 1 + 3 drafts rows
     assert plan(inventory, profile, PlanOptions(kv_dtype="bf16", max_context=1000)).runtime["kv_cache"] == 2 * base
-    assert plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000, concurrency=3)).runtime["kv_cache"] == 3 * base
+    assert plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000, concurrency=3)).runtime["kv_cache"] == row * (3000 + 4)
     no_mtp = plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000, speculative="none"))
-    assert no_mtp.runtime["kv_cache"] * 11 == base * 10
+    assert no_mtp.runtime["kv_cache"] == row // 11 * 10 * (1000 + 1)
     assert no_mtp.components["mtp"].placement == "unused" and no_mtp.predicted.decode_tok_s_mtp is None
 
 

@@ -139,7 +139,7 @@ def frontend(tiny_artifact) -> Frontend:
 @pytest.fixture(scope="module")
 def oracle(tiny_artifact, frontend):
     """Greedy generation by a separate Engine, one sequence at a time: (token ids, completion tokens)."""
-    engine = Engine.load(tiny_artifact, device="cpu")
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=8)
 
     def run(prompt_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
         generation = generate(engine, prompt_ids, max_tokens, SamplingParams(greedy=True), frontend.stop_ids)
@@ -151,14 +151,14 @@ def oracle(tiny_artifact, frontend):
 
 @pytest.fixture(scope="module")
 def server(tiny_artifact, frontend):
-    engine = Engine.load(tiny_artifact, device="cpu")
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=8)
     with LiveServer(create_app(engine, frontend, MODEL, CONTEXT, max_concurrency=8, max_queue=16)) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
 def scripted(tiny_artifact, frontend):
-    engine = ScriptedEngine(Engine.load(tiny_artifact, device="cpu"))
+    engine = ScriptedEngine(Engine.load(tiny_artifact, device="cpu", max_sequences=8))
     with LiveServer(create_app(engine, frontend, MODEL, 4096, max_concurrency=1, max_queue=1)) as live:
         live.engine = engine
         yield live
@@ -166,7 +166,7 @@ def scripted(tiny_artifact, frontend):
 
 @pytest.fixture(scope="module")
 def guarded(tiny_artifact, frontend):
-    engine = Engine.load(tiny_artifact, device="cpu")
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=8)
     with LiveServer(create_app(engine, frontend, MODEL, CONTEXT, api_key="sekret", max_body_bytes=2048)) as live:
         yield live
 

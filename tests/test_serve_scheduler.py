@@ -49,7 +49,7 @@ class RecordingEngine:
 
 @pytest.fixture(scope="module")
 def engine(tiny_artifact):
-    return Engine.load(tiny_artifact, device="cpu")
+    return Engine.load(tiny_artifact, device="cpu", max_sequences=8)
 
 
 async def collect(handle) -> list[int]:

@@ -154,7 +154,7 @@ def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _init_nondegenerate(module: torch.nn.Module, generator: torch.Generator) -> None:
-    """Weights under which one wrong convention moves logits by O(1) (MODEL.md, test-model init).
+    """Weights under which one wrong convention moves logits by O(1) (docs/model.md §10, test-model weights).
 
     Matrices ~ N(0, 1/fan_in); embeddings ~ N(0, 1); offset-norm weights ~ N(0, 0.2) (they act as
     1 + w); plain norms (GDN output norm, vision LayerNorms) ~ 1 + N(0, 0.2); biases ~ N(0, 0.1);

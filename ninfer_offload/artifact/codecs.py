@@ -1,6 +1,6 @@
 """Numeric codecs: decode stored words to codes/scales/float32, and the canonical encoder.
 
-Row-split objects (FORMAT.md §6.2) decode to int8 codes [N, K] and float16 scales
+Row-split objects (docs/format.md §6.2) decode to int8 codes [N, K] and float16 scales
 [N, ceil(K/G)]; the canonical encoder MAXABS_F16_RECIP_RNE_V1 (§7) is bit-exact. Everything is
 vectorised numpy and works in row chunks so memory stays bounded for full-size banks.
 """
@@ -272,7 +272,7 @@ E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3
 
 
 def decode_nvfp4(buf, n: int, k: int, divisors: int = 1) -> np.ndarray:
-    """Decode a `block_scale_k16_m128x4_v1` nvfp4 object to float32 [n, k] (FORMAT.md §6.3)."""
+    """Decode a `block_scale_k16_m128x4_v1` nvfp4 object to float32 [n, k] (docs/format.md §6.3)."""
     data = _as_bytes(buf)
     codes_bytes, groups = n * k // 2, n * k // 16
     scale_offset = -(-codes_bytes // 256) * 256
@@ -293,7 +293,7 @@ def decode_nvfp4(buf, n: int, k: int, divisors: int = 1) -> np.ndarray:
 
 
 def decode_fp8_rows(buf, n: int, k: int) -> np.ndarray:
-    """Decode a `row_scale_v1` fp8_e4m3fn_row_bf16 object to float32 [n, k] (FORMAT.md §6.4)."""
+    """Decode a `row_scale_v1` fp8_e4m3fn_row_bf16 object to float32 [n, k] (docs/format.md §6.4)."""
     data = _as_bytes(buf)
     scale_offset = -(-(n * k) // 256) * 256
     if data.size != scale_offset + 2 * n:

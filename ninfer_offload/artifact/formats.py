@@ -1,4 +1,4 @@
-"""Registered numeric formats and layouts, and the exact byte geometry of each (FORMAT.md §5-6)."""
+"""Registered numeric formats and layouts, and the exact byte geometry of each (docs/format.md §5-6)."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def grouped_format(name: str) -> GroupedFormat:
 
 
 def encoded_size(layout: str, fmt: str, shape: tuple[int, ...] | list[int], divisors: int = 1) -> int:
-    """Exact byte length of a tensor object (FORMAT.md §6); ArtifactError for unsupported pairs.
+    """Exact byte length of a tensor object (docs/format.md §6); ArtifactError for unsupported pairs.
 
     `divisors` is the number of FP32 weight divisors of an nvfp4 object (fork extension, default 1).
     """

@@ -1,4 +1,4 @@
-"""Binary framing of `.ninfer` files: headers, strict JSON text, part names and sharding (FORMAT.md §2-3)."""
+"""Binary framing of `.ninfer` files: headers, strict JSON text, part names and sharding (docs/format.md §2-3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What an artifact holds, by component, role, layer and format: the planner's and `inspect`'s view.
 
-Roles come from the binding names (FORMAT.md §8.4), never from object IDs, so the official
+Roles come from the binding names (docs/format.md §8.4), never from object IDs, so the official
 directory, directories written by our converter and v1 files (through the reader's synthesised
 bindings) classify alike. Every tensor object is counted exactly once: an object's component,
 role and layer are those of the first binding that references it with a known role (a v1 parent
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ninfer_offload.artifact.errors import ArtifactError
-from ninfer_offload.artifact.formats import GROUPED_FORMATS, ROW_SPLIT, align_up
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+from ninfer_offload.artifact.formats import CONTIGUOUS, GROUPED_FORMATS, ROW_SPLIT, align_up
+from ninfer_offload.artifact.records import DenseRecordLayout, ExpertRecordLayout
 
 COMPONENTS = ("text", "mtp", "proposal", "vision", "dflash")
 UNBOUND = "unbound"
@@ -40,7 +40,7 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
-class ExpertBank:
+class ExpertBankInfo:
     """The routed experts of one layer: their parent objects and the size of one expert record."""
 
     component: str
@@ -108,7 +108,7 @@ def _binding_objects(binding: Any) -> list[str]:
 class Inventory:
     """Tensors, resources and routed-expert banks of one artifact directory."""
 
-    def __init__(self, tensors: list[TensorInfo], resources: list[ResourceInfo], banks: list[ExpertBank], configs: dict[str, dict]):
+    def __init__(self, tensors: list[TensorInfo], resources: list[ResourceInfo], banks: list[ExpertBankInfo], configs: dict[str, dict]):
         self.tensors = tensors
         self.resources = resources
         self.banks = banks
@@ -162,7 +162,7 @@ class Inventory:
         return cls(tensors, resources, banks, configs)
 
     @staticmethod
-    def _bank(component: str, layer: int, data: dict[str, Any], by_id: dict[str, TensorInfo]) -> ExpertBank:
+    def _bank(component: str, layer: int, data: dict[str, Any], by_id: dict[str, TensorInfo]) -> ExpertBankInfo:
         try:
             parents = [by_id[i] for i in data["ids"]]
         except KeyError as err:
@@ -172,9 +172,10 @@ class Inventory:
         gate_up, down = by_id.get(data["names"].get("gate", "")), by_id.get(data["names"].get("down", ""))
         expert_bytes = align_up(-(-bank_bytes // count), 256)
         if gate_up and down and _record_ready(gate_up, down, count):
-            record = ExpertRecordLayout.create(gate_up.format, down.format, gate_up.shape[1], down.shape[1])
-            expert_bytes = record.nbytes
-        return ExpertBank(component, layer, count, tuple(data["ids"]), bank_bytes, expert_bytes)
+            expert_bytes = ExpertRecordLayout.create(gate_up.format, down.format, gate_up.shape[1], down.shape[1]).nbytes
+        elif gate_up and down and _dense_record_ready(gate_up, down):
+            expert_bytes = DenseRecordLayout(gate_up.format, gate_up.shape[1], down.shape[1]).nbytes
+        return ExpertBankInfo(component, layer, count, tuple(data["ids"]), bank_bytes, expert_bytes)
 
     # -- queries -------------------------------------------------------------------------------
     def tensor(self, object_id: str) -> TensorInfo:
@@ -214,7 +215,7 @@ class Inventory:
         wanted = set(roles) if roles is not None else None
         return [t for t in self.tensors if (component is None or t.component == component) and (wanted is None or t.role in wanted)]
 
-    def banks_of(self, component: str) -> list[ExpertBank]:
+    def banks_of(self, component: str) -> list[ExpertBankInfo]:
         return [b for b in self.banks if b.component == component]
 
     @property
@@ -228,6 +229,11 @@ def _record_ready(gate_up: TensorInfo, down: TensorInfo, count: int) -> bool:
     """True when both banks are grouped row-split parents that cut into ExpertRecordLayout records."""
     grouped = all(t.layout == ROW_SPLIT and t.format in GROUPED_FORMATS and len(t.shape) == 2 for t in (gate_up, down))
     return grouped and gate_up.shape[0] % count == 0 and down.shape[0] == count * gate_up.shape[1] and gate_up.shape[0] == count * 2 * down.shape[1]
+
+
+def _dense_record_ready(gate_up: TensorInfo, down: TensorInfo) -> bool:
+    """True when both banks are contiguous words of one format that cut into DenseRecordLayout records."""
+    return all(t.layout == CONTIGUOUS and t.format in ("bf16", "fp32") and len(t.shape) == 2 for t in (gate_up, down)) and gate_up.format == down.format
 
 
 def _sum_by(tensors: list[TensorInfo], key) -> dict[str, int]:

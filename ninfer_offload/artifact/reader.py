@@ -1,7 +1,7 @@
 """Open `.ninfer` artifacts (container v3 and v1) and read their objects as numpy bytes or torch tensors.
 
 `open_artifact(path)` reads only the header and JSON directory and validates every structural rule
-(FORMAT.md §4.8); payload is memory-mapped on first use, continuation parts are opened (and their
+(docs/format.md §4.8); payload is memory-mapped on first use, continuation parts are opened (and their
 headers checked) only when a read touches them.
 """
 

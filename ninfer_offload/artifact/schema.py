@@ -1,4 +1,4 @@
-"""The v3 JSON directory: closed schema, typed records and every structural rule of FORMAT.md §4.8.
+"""The v3 JSON directory: closed schema, typed records and every structural rule of docs/format.md §4.8.
 
 `parse_directory(root, entry_name)` turns the decoded JSON root into a `Directory` or raises an
 `ArtifactError` naming the member at fault and the rule it breaks. All integer arithmetic is exact

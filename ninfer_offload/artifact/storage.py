@@ -1,4 +1,4 @@
-"""The logical payload of a file set: memory-mapped, lazily opened, split across entry and parts (§2.2)."""
+"""The logical payload of a file set: memory-mapped, lazily opened, split across entry and parts (docs/format.md §2.2)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ninfer_offload.artifact.framing import PART_HEADER, PART_MAGIC, PART_PAYLOA
 
 
 @dataclass
-class Segment:
+class PayloadSegment:
     """Logical bytes [begin, begin+size) stored in `path` from file offset `start`."""
 
     path: Path
@@ -77,7 +77,7 @@ class Segment:
 class PayloadStorage:
     """Reads logical-payload ranges; a range inside one file comes back as a zero-copy view."""
 
-    def __init__(self, segments: list[Segment]):
+    def __init__(self, segments: list[PayloadSegment]):
         self.segments = segments
         self.payload_bytes = sum(s.size for s in segments)
 
@@ -87,7 +87,7 @@ class PayloadStorage:
         for i, rec in enumerate(files):
             path = entry if i == 0 else entry.with_name(rec.path)
             start = entry_start if i == 0 else PART_PAYLOAD_START
-            segments.append(Segment(path, i, begin, rec.payload_bytes, start, None if i == 0 else artifact_id))
+            segments.append(PayloadSegment(path, i, begin, rec.payload_bytes, start, None if i == 0 else artifact_id))
             begin += rec.payload_bytes
         return cls(segments)
 

@@ -2,7 +2,7 @@
 
 v1 objects carry semantic names (e.g. `text/layers/3/moe/routed_gate_up`). Every object is bound
 under its own name, and the 35B fused parents are also bound under the v3 logical names with the
-element ranges of FORMAT.md §8.5, so code written against v3 binding names reads v1 files too.
+element ranges of docs/format.md §8.5, so code written against v3 binding names reads v1 files too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ninfer_offload.artifact.schema import (
     shape_of,
     u64,
 )
-from ninfer_offload.model import contract
+from ninfer_offload.artifact import contract
 
 VISION_RESOURCES = ("preprocessor_config.json", "video_preprocessor_config.json")
 OFFICIAL_MODEL_ID = "qwen3.6-35b-a3b"
@@ -93,7 +93,7 @@ def parse_v1_directory(root, payload_bytes: int) -> tuple[str, Directory]:
 
 
 def _components(model_id: str, objects: list[ObjectInfo]) -> dict[str, Component]:
-    """v1 keeps configs in the binder, keyed by model_id: the 35B gets the official configs of FORMAT.md §8.2.
+    """v1 keeps configs in the binder, keyed by model_id: the 35B gets the official configs of docs/format.md §8.2.
 
     Other model ids get empty configs. Resources `frontend/<file>` become roles of text (or vision).
     """

@@ -1,6 +1,6 @@
 """Payload validity checks (`ninfer inspect --verify`): decode every tensor and check its codes and scales.
 
-Rules (FORMAT.md §5.1, §6): grouped scales are +0 or finite positive FP16, a zero scale needs
+Rules (docs/format.md §5.1, §6): grouped scales are +0 or finite positive FP16, a zero scale needs
 all-zero codes, W8 never stores code -128, padding lanes and padding groups are zero; float words
 are finite; NVFP4 block scales are sign-0 non-NaN E4M3FN and divisors finite > 0; FP8 row codes
 are never 0x7F/0xFF and row scales are finite non-negative BF16. Work is done in row chunks so

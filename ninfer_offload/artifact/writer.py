@@ -1,4 +1,4 @@
-"""Write v3 `.ninfer` artifacts (FORMAT.md §4.9): one entry file, optionally continuation parts.
+"""Write v3 `.ninfer` artifacts (docs/format.md §4.9): one entry file, optionally continuation parts.
 
 Payload is streamed object by object (each tensor's bytes come from a callable, called once, in
 object order), so memory stays bounded by the largest object. Files are written under temporary

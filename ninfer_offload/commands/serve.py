@@ -82,7 +82,8 @@ def serve(
     if miss_path not in ("staged", "cpu", "auto"):
         raise NinferError(f"--miss-path must be staged, cpu or auto, got {miss_path!r}")
     engine = Engine.load(
-        artifact, device=device, experts=experts, max_context=max_context, miss_path=None if miss_path == "staged" else miss_path
+        artifact, device=device, experts=experts, max_context=max_context, max_sequences=max_concurrency,
+        miss_path=None if miss_path == "staged" else miss_path,
     )
     frontend = Frontend.from_artifact(engine.artifact, chat_template=template)
     if frontend.template is None:

@@ -10,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from ninfer_offload.errors import NinferError
 
-# Text resources (role -> file) every artifact carries (FORMAT.md §8.3); the chat template may
+# Text resources (role -> file) every artifact carries (docs/format.md §8.3); the chat template may
 # instead live inside tokenizer_config.json.
 TEXT_RESOURCES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 VISION_RESOURCES = ("preprocessor_config.json", "video_preprocessor_config.json")

@@ -25,7 +25,7 @@ from ninfer_offload.convert.hf_config import ModelSpec, read_model_config
 from ninfer_offload.convert.layout import Layout, Parent, plan_layout
 from ninfer_offload.convert.recipes import check_recipe
 from ninfer_offload.errors import NinferError
-from ninfer_offload.model.contract import MTP_CONFIG
+from ninfer_offload.artifact.contract import MTP_CONFIG
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 VISION_PREFIX = "model.visual."

@@ -1,4 +1,4 @@
-"""Encode one parent object from its checkpoint sources: §9 transforms, then its storage format.
+"""Encode one parent object from its checkpoint sources: docs/format.md §9 transforms, then its storage format.
 
 Sources are read in slices of about CHUNK_ELEMENTS elements along their first axis (whole only
 for the small transformed ones: attention q_proj halves, conv taps, vectors) and each slice is

@@ -3,7 +3,7 @@
 Only the MoE family is supported: `Qwen3_5MoeForCausalLM` (flat config, weights under `model.`)
 and `Qwen3_5MoeForConditionalGeneration` (nested `text_config` / `vision_config`, weights under
 `model.language_model.` and `model.visual.`). The component configs follow the binder member
-sets of FORMAT.md §8.2 exactly; floats are rounded to binary32 as the reference writer does.
+sets of docs/format.md §8.2 exactly; floats are rounded to binary32 as the reference writer does.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A `Parent` is one physical object. Its rows (elements for rank 1) are the concatenation of its
 `sources` (checkpoint tensors after a §9 transform) and are cut into `members`, each the logical
-parameter of one binding with its Use inputs (FORMAT.md §8.4-8.5). The plan is a pure function of
+parameter of one binding with its Use inputs (docs/format.md §8.4-8.5). The plan is a pure function of
 the model dims, the recipe and which tensor names exist (fused or per-expert experts, prefixes),
 so it can be built, and checked against the official directory, without reading any weight.
 Parents come in converter order (§8.6): every multi-member group first, then every single.
@@ -17,7 +17,7 @@ from math import prod
 from ninfer_offload.convert.hf_config import ModelSpec, TextDims, VisionDims
 from ninfer_offload.convert.recipes import BF16, FP32, role_format
 
-# Source transforms (FORMAT.md §9).
+# Source transforms (docs/format.md §9).
 NONE = "none"
 QUERY_HALF = "query_half"  # per-head rows [0, d) of q_proj's [query | gate] head blocks
 GATE_HALF = "gate_half"  # per-head rows [d, 2d)

@@ -1,4 +1,4 @@
-"""Conversion recipes: the storage format of every role (FORMAT.md §8.5).
+"""Conversion recipes: the storage format of every role (docs/format.md §8.5).
 
 `official` is the published Qwen3.6-35B-A3B assignment: routed gate/up Q4, routed down Q5 with
 Q6 on a set of late layers, Q8 projections, shared experts and embedding, Q6 output head, all MTP

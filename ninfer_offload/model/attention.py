@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer_offload.model.backend import Backend
 from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.model.context import StepContext
+from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.model.weights import Weight, WeightReader
-from ninfer_offload.runtime.state import Segment
 
 
 class Rotary:
@@ -61,29 +63,20 @@ class GatedAttention:
             key_norm=reader.dense(f"{prefix}/attention/key_norm", (d,)),
         )
 
-    def __call__(self, backend, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        q, k, v, gate = self._project(backend, x, positions)
-        out = torch.empty_like(q)
-        for seg in segments:
-            k_cache, v_cache = seg.state.kv[self.key]
-            k_cache[seg.start : seg.start + seg.count] = k[seg.rows]
-            v_cache[seg.start : seg.start + seg.count] = v[seg.rows]
-            if seg.count == 1:
-                out[seg.rows] = backend.attention_decode(q[seg.rows], k_cache, v_cache, seg.start + 1)
-            else:
-                out[seg.rows] = backend.attention_prefill(q[seg.rows], k_cache, v_cache, seg.start)
+    def __call__(self, backend: Backend, x: torch.Tensor, ctx: StepContext, state: StatePool) -> torch.Tensor:
+        """Write the tokens' keys and values to their KV rows, attend, gate and project."""
+        q, k, v, gate = self._project(backend, x, ctx.positions)
+        k_pool, v_pool = state.kv[self.key]
+        k_pool.index_copy_(0, ctx.kv_rows, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, ctx.kv_rows, v.to(v_pool.dtype))
+        if ctx.chunked:
+            (slot,), (start,) = ctx.host_view()
+            out = backend.attention_prefill(q, *state.kv_of(self.key, slot), start)
+        else:
+            out = backend.attention_decode(q, k_pool, v_pool, ctx, state.capacity)
         return self._gated_output(backend, out, gate)
 
-    def decode(self, backend, x: torch.Tensor, position: torch.Tensor, length: torch.Tensor, state) -> torch.Tensor:
-        """One token x [1, H] whose position [1] and valid KV rows after its write (`length` [1] int32) are
-        device values, as in a captured decode step: its KV row of `state` is written by index."""
-        q, k, v, gate = self._project(backend, x, position)
-        k_cache, v_cache = state.kv[self.key]
-        k_cache.index_copy_(0, position, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, position, v.to(v_cache.dtype))
-        return self._gated_output(backend, backend.attention_decode(q, k_cache, v_cache, length), gate)
-
-    def _project(self, backend, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _project(self, backend: Backend, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q [T, Hq, D] and k [T, Hkv, D] normed and rotated, v [T, Hkv, D], gate [T, Hq*D]."""
         c = self.config
         t = x.shape[0]
@@ -95,5 +88,5 @@ class GatedAttention:
         k = backend.qk_norm_rotary(k, self.key_norm, c.rms_norm_eps, self.rotary, positions)
         return q, k, v, gate
 
-    def _gated_output(self, backend, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def _gated_output(self, backend: Backend, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return backend.linear(out.reshape(out.shape[0], -1) * torch.sigmoid(gate), self.output)

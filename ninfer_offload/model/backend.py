@@ -1,15 +1,19 @@
-"""The ops the layers call, in plain PyTorch: the reference every faster backend is tested against.
+"""The ops the layers call: the `Backend` protocol, and `ReferenceBackend`, its plain PyTorch
+implementation that every faster backend is tested against.
 
-A backend is any object with these methods (the Triton backend in `ninfer_offload.kernels`
-implements the same signatures). Shapes: T tokens of one sequence, H hidden size. Stateful ops
-update their state tensors in place, so preallocated state buffers never move.
+The Triton backend in `ninfer_offload.kernels` implements the same protocol. Shapes: N token rows
+of a step, H hidden size. Stateful ops update their state tensors in place, so preallocated state
+buffers never move; the decode ops read the step context (`model.context.StepContext`).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
+from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank, record_weights
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.model.weights import Weight
@@ -18,6 +22,44 @@ from ninfer_offload.model.weights import Weight
 _ASSIGNMENT_CHUNK = 16
 # Tokens per chunk of the chunked delta rule.
 _GDN_CHUNK = 64
+
+
+class Backend(Protocol):
+    """What the layers need from a compute backend; `ReferenceBackend` documents each op's math."""
+
+    capturable: bool  # whether its decode ops read only device tensors (a CUDA graph can record them)
+
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor: ...
+    def embedding(self, ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor: ...
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor: ...
+    def gated_rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor: ...
+    def add_rmsnorm(
+        self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, offset: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def qk_norm_rotary(self, x: torch.Tensor, w: torch.Tensor, eps: float, rotary, positions: torch.Tensor) -> torch.Tensor: ...
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+    def add_gated(self, routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -> torch.Tensor: ...
+    def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def routed_experts(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank
+    ) -> torch.Tensor: ...
+    def conv_update(
+        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None
+    ) -> torch.Tensor: ...
+    def gdn_gating(
+        self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def gdn_prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    ) -> torch.Tensor: ...
+    def gdn_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+    def attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor: ...
+    def attention_decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: StepContext, capacity: int
+    ) -> torch.Tensor: ...
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -29,6 +71,7 @@ class ReferenceBackend:
     """PyTorch reference ops (CPU float32 or CUDA bfloat16)."""
 
     name = "reference"
+    capturable = False  # its attention and GDN decode ops slice by host-side lengths
 
     # ------------------------------------------------------------------ dense
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -103,15 +146,24 @@ class ReferenceBackend:
         return (out.view(t, k, -1) * topk_weights.unsqueeze(-1)).sum(1)
 
     # ------------------------------------------------------------------ Gated DeltaNet
-    def conv_update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """silu(causal depthwise conv) of x [T, C] with taps weight [W, C]; conv_state [W-1, C] holds the
-        previous W-1 inputs and is advanced in place."""
-        taps = weight.shape[0]
-        window = torch.cat([conv_state, x], dim=0)  # [W-1+T, C]
-        t = x.shape[0]
-        out = sum(weight[i].float() * window[i : i + t].float() for i in range(taps))
-        conv_state.copy_(window[t:])
-        return F.silu(out).to(x.dtype)
+    def conv_update(
+        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None
+    ) -> torch.Tensor:
+        """silu(causal depthwise conv) of x [N, C] with taps weight [W, C], per sequence of `ctx`.
+
+        conv_states [slots, W-1, C] holds each slot's previous W-1 inputs and is advanced in place;
+        with `ctx.keep_states`, the window after each token but the last goes to kept [slots, K, W-1, C].
+        """
+        taps, t = weight.shape[0], ctx.tokens_per_sequence
+        out = []
+        for b, slot in enumerate(ctx.host_view()[0]):
+            window = torch.cat([conv_states[slot], x[b * t : (b + 1) * t]], dim=0)  # [W-1+T, C]
+            out.append(F.silu(sum(weight[i].float() * window[i : i + t].float() for i in range(taps))).to(x.dtype))
+            if ctx.keep_states:
+                for i in range(t - 1):
+                    kept[slot, i].copy_(window[i + 1 : i + taps])
+            conv_states[slot].copy_(window[t:])
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def gdn_gating(
         self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
@@ -159,19 +211,27 @@ class ReferenceBackend:
         return torch.cat(outputs, dim=1).transpose(0, 1).to(v.dtype)
 
     def gdn_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The same rule in recurrent form, token by token (decode: T = 1). Same shapes as `gdn_prefill`."""
-        q, k, vf, g, beta = self._gdn_inputs(q, k, v, g, beta)
-        s = state.float()
+        """The same rule in recurrent form, token by token, for every sequence of `ctx` (rows grouped per
+        sequence, T each) on its slot of states [slots, Hv, Dk, Dv] (fp32, in place). With
+        `ctx.keep_states`, the state after each token but the last goes to kept [slots, K, Hv, Dk, Dv]."""
+        t = ctx.tokens_per_sequence
         outputs = []
-        for i in range(vf.shape[1]):
-            s = s * g[:, i].exp()[:, None, None]
-            recalled = torch.einsum("hk,hkv->hv", k[:, i], s)
-            update = beta[:, i, None] * (vf[:, i] - recalled)
-            s = s + k[:, i, :, None] * update[:, None, :]
-            outputs.append(torch.einsum("hk,hkv->hv", q[:, i], s))
-        state.copy_(s)
+        for b, slot in enumerate(ctx.host_view()[0]):
+            rows = slice(b * t, (b + 1) * t)
+            qs, ks, vf, gs, bs = self._gdn_inputs(q[rows], k[rows], v[rows], g[rows], beta[rows])
+            s = states[slot].float()
+            for i in range(t):
+                s = s * gs[:, i].exp()[:, None, None]
+                recalled = torch.einsum("hk,hkv->hv", ks[:, i], s)
+                update = bs[:, i, None] * (vf[:, i] - recalled)
+                s = s + ks[:, i, :, None] * update[:, None, :]
+                outputs.append(torch.einsum("hk,hkv->hv", qs[:, i], s))
+                if ctx.keep_states and i < t - 1:
+                    kept[slot, i].copy_(s)
+            states[slot].copy_(s)
         return torch.stack(outputs, dim=1).transpose(0, 1).to(v.dtype)
 
     # ------------------------------------------------------------------ attention
@@ -181,7 +241,7 @@ class ReferenceBackend:
         """Causal GQA of q [T, Hq, D] (positions start..start+T-1) over cache rows [0, start+T) of
         k_cache/v_cache [capacity, Hkv, D]; scale D^-1/2, fp32 softmax. Returns [T, Hq, D]."""
         t, heads, dim = q.shape
-        keys, values = k_cache[: start + t], v_cache[: start + t]
+        keys, values = k_cache[: start + t].to(q.dtype), v_cache[: start + t].to(q.dtype)
         group = heads // keys.shape[1]
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
         values = values.repeat_interleave(group, dim=1).transpose(0, 1)
@@ -192,6 +252,15 @@ class ReferenceBackend:
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         return (probs @ values).transpose(0, 1)
 
-    def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int) -> torch.Tensor:
-        """Attention of one new token q [1, Hq, D] over the first `length` cache rows (its own included)."""
-        return self.attention_prefill(q, k_cache, v_cache, length - 1)
+    def attention_decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: StepContext, capacity: int
+    ) -> torch.Tensor:
+        """Attention of each sequence's T new tokens q [N, Hq, D] (their K/V already written) over its
+        slot's rows of the flat pools [slots * capacity + ..., Hkv, D]: token t of a sequence sees the
+        rows before it and itself. Returns [N, Hq, D]."""
+        t = ctx.tokens_per_sequence
+        out = []
+        for b, (slot, start) in enumerate(zip(*ctx.host_view())):
+            rows = slice(slot * capacity, (slot + 1) * capacity)
+            out.append(self.attention_prefill(q[b * t : (b + 1) * t], k_pool[rows], v_pool[rows], start))
+        return out[0] if len(out) == 1 else torch.cat(out)

@@ -1,4 +1,4 @@
-"""The text model's dimensions, read from an artifact's `components.text.config` (FORMAT.md §8.2)."""
+"""The text model's dimensions, read from an artifact's `components.text.config` (docs/format.md §8.2)."""
 
 from __future__ import annotations
 

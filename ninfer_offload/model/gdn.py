@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer_offload.model.backend import Backend
 from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.model.context import StepContext
+from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.model.weights import Weight, WeightReader
-from ninfer_offload.runtime.state import Segment
 
 
 @dataclass
@@ -50,7 +52,7 @@ class GatedDeltaNet:
             output=reader.matrix(f"{p}/output", (h, v)),
         )
 
-    def __call__(self, backend, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def __call__(self, backend: Backend, x: torch.Tensor, ctx: StepContext, state: StatePool) -> torch.Tensor:
         c = self.config
         t = x.shape[0]
         nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
@@ -58,15 +60,15 @@ class GatedDeltaNet:
         mixed = torch.cat([backend.linear(x, w) for w in (self.query, self.key_proj, self.value)], dim=-1)
         z = backend.linear(x, self.z).view(t, nv, dv)
         g, beta = backend.gdn_gating(backend.linear(x, self.a), backend.linear(x, self.b), self.a_log, self.dt_bias)
-        parts = []  # per segment, in row order
-        for seg in segments:
-            conv = backend.conv_update(mixed[seg.rows], seg.state.conv[self.key], self.convolution)
-            q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
-            rule = backend.gdn_decode if seg.count == 1 else backend.gdn_prefill
-            parts.append(rule(
-                q.reshape(-1, nk, dk), k.reshape(-1, nk, dk), v.reshape(-1, nv, dv),
-                g[seg.rows], beta[seg.rows], seg.state.recurrent[self.key],
-            ))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # one segment (a decode step): no copy
+        conv = backend.conv_update(mixed, state.conv[self.key], self.convolution, ctx, state.conv_snapshots.get(self.key))
+        q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
+        q, k, v = q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv)
+        if ctx.chunked:
+            (slot,), _ = ctx.host_view()
+            out = backend.gdn_prefill(q, k, v, g, beta, state.recurrent[self.key][slot])
+        else:
+            out = backend.gdn_decode(
+                q, k, v, g, beta, state.recurrent[self.key], ctx, state.recurrent_snapshots.get(self.key)
+            )
         gated = backend.gated_rmsnorm(out, self.norm, c.rms_norm_eps, z)
         return backend.linear(gated.reshape(t, -1), self.output)

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from ninfer_offload.model.backend import Backend
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.weights import Weight, WeightReader
 
@@ -15,7 +16,7 @@ from ninfer_offload.model.weights import Weight, WeightReader
 class RoutedExperts(Protocol):
     """What the MoE block needs from the expert store."""
 
-    def routed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor: ...
+    def routed(self, backend: Backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -44,8 +45,8 @@ class SparseMoe:
             experts=experts,
         )
 
-    def __call__(self, backend, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, backend: Backend, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = backend.router(x, self.router, self.top_k)
-        routed = self.experts.routed(self.layer, x, topk_ids, topk_weights)
+        routed = self.experts.routed(backend, self.layer, x, topk_ids, topk_weights)
         shared = backend.linear(backend.swiglu(backend.linear(x, self.shared_gate), backend.linear(x, self.shared_up)), self.shared_down)
         return backend.add_gated(routed, backend.linear(x, self.shared_score), shared)

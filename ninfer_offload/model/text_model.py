@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from ninfer_offload.model.attention import GatedAttention, Rotary
+from ninfer_offload.model.backend import Backend
 from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
+from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.gdn import GatedDeltaNet
 from ninfer_offload.model.moe import RoutedExperts, SparseMoe
+from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.model.weights import Weight, WeightReader
-from ninfer_offload.runtime.state import Segment, positions_of
 
 MTP_PREFIX = "mtp/layers/0"
 
@@ -49,17 +51,11 @@ class DecoderLayer:
         )
 
     def __call__(
-        self, backend, x: torch.Tensor, delta: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-        kv_rows: torch.Tensor | None = None,
+        self, backend, x: torch.Tensor, delta: torch.Tensor, ctx: StepContext, state: StatePool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, this layer's output delta). `kv_rows` [1] (device): the captured one-token step, whose
-        attention reads its position and valid KV rows from device buffers (`GatedAttention.decode`)."""
+        """(x + delta, this layer's output delta)."""
         x, h = backend.add_rmsnorm(x, delta, self.input_norm, self.eps, offset=True)
-        if kv_rows is not None and isinstance(self.mixer, GatedAttention):
-            mixed = self.mixer.decode(backend, h, positions, kv_rows, segments[0].state)
-        else:
-            mixed = self.mixer(backend, h, positions, segments)
-        x, h = backend.add_rmsnorm(x, mixed, self.post_attention_norm, self.eps, offset=True)
+        x, h = backend.add_rmsnorm(x, self.mixer(backend, h, ctx, state), self.post_attention_norm, self.eps, offset=True)
         return x, self.moe(backend, h)
 
 
@@ -72,26 +68,18 @@ class TextModel:
     head: Weight
     dtype: torch.dtype
 
-    def embed(self, backend, token_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, backend: Backend, token_ids: torch.Tensor) -> torch.Tensor:
         return backend.embedding(token_ids, self.embedding, self.dtype)
 
-    def hidden(
-        self, backend, token_ids: torch.Tensor, segments: list[Segment],
-        positions: torch.Tensor | None = None, kv_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Final-normed hidden states [T, H] of the batch rows; advances every segment's state.
-
-        A captured decode step passes its device-held `positions` [1] and `kv_rows` [1] (see `DecoderLayer`).
-        """
+    def hidden(self, backend: Backend, token_ids: torch.Tensor, ctx: StepContext, state: StatePool) -> torch.Tensor:
+        """Final-normed hidden states [T, H] of the step's rows; advances the state of its sequences."""
         x = self.embed(backend, token_ids)
-        if positions is None:
-            positions = positions_of(segments, x.device)
         delta = torch.zeros_like(x)
         for layer in self.layers:
-            x, delta = layer(backend, x, delta, positions, segments, kv_rows)
+            x, delta = layer(backend, x, delta, ctx, state)
         return backend.add_rmsnorm(x, delta, self.final_norm, self.config.rms_norm_eps, offset=True)[1]
 
-    def logits(self, backend, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, backend: Backend, hidden: torch.Tensor) -> torch.Tensor:
         """Output-head logits [T, vocab] in float32."""
         return backend.linear(hidden, self.head).float()
 
@@ -124,11 +112,11 @@ class MtpModule:
         )
 
     def __call__(
-        self, backend, text: TextModel, hidden: torch.Tensor, next_ids: torch.Tensor, segments: list[Segment]
+        self, backend, text: TextModel, hidden: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext, state: StatePool
     ) -> torch.Tensor:
         """MTP hidden states [T, H] for target hidden `hidden` [T, H] and next tokens `next_ids` [T]."""
         embedded = backend.rmsnorm(text.embed(backend, next_ids), self.embedding_norm, self.eps, offset=True)
         stem = torch.cat([embedded, backend.rmsnorm(hidden, self.hidden_norm, self.eps, offset=True)], dim=-1)
         x = backend.linear(stem, self.input_projection)
-        x, delta = self.layer(backend, x, torch.zeros_like(x), positions_of(segments, hidden.device), segments)
+        x, delta = self.layer(backend, x, torch.zeros_like(x), ctx, state)
         return backend.add_rmsnorm(x, delta, self.final_norm, self.eps, offset=True)[1]

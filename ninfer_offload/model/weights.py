@@ -1,4 +1,4 @@
-"""Weights by logical binding name (FORMAT.md §8.4), placed on the compute device.
+"""Weights by logical binding name (docs/format.md §8.4), placed on the compute device.
 
 Row-split quantized bindings stay in their stored bytes (`QuantizedMatrix`, decoded per call);
 contiguous bf16/fp32 bindings become torch tensors in the compute dtype (fp32 where the model

@@ -1,8 +1,8 @@
 """Routed experts on the host at run time: the worker-thread executor and the store's CPU miss path.
 
-`CpuExpertExecutor` runs the numba kernels of `cpu_expert_kernels` in a worker thread so CPU work
-overlaps the GPU; `MissSplitter` splits missing experts between CPU compute and PCIe transfer by
-measured rates; `CpuMissPath` is the seam the expert store calls.
+`CpuExpertExecutor` runs the numba kernels of `ninfer_offload.kernels.cpu.experts` in a worker
+thread so CPU work overlaps the GPU; `MissSplitter` splits missing experts between CPU compute and
+PCIe transfer by measured rates; `CpuMissPath` is the seam the expert store calls.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import numba
 import numpy as np
 import torch
 
+from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
-from ninfer_offload.runtime.cpu_expert_kernels import EXACT_PARTS, SIXTEEN_BIT_PARTS, RecordKernelPlan, routed_experts_cpu, warm_up
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+from ninfer_offload.kernels.cpu.experts import EXACT_PARTS, SIXTEEN_BIT_PARTS, RecordKernelPlan, routed_experts_cpu, warm_up
 
 
 @dataclass

@@ -2,8 +2,11 @@
 
     engine = Engine.load("model.ninfer", device="cpu")
     logits = engine.logits([1, 2, 3])                 # [T, vocab], fresh sequence
-    s = engine.session(); s.prefill(ids); s.step(tok)  # incremental, per-sequence state
-    engine.step_batch([s1, s2], [t1, t2])              # one decode forward over several sequences
+    s = engine.session(); s.prefill(ids); s.step(tok)  # incremental, state in one slot of the pool
+    engine.step_batch([s1, s2], [t1, t2])              # one decode step over several sequences
+
+Every forward builds one step context (`runtime.step_inputs`) that all layers read; decode steps on
+CUDA with a capturable backend and store replay CUDA graphs (`runtime.graphs`).
 """
 
 from __future__ import annotations
@@ -18,12 +21,18 @@ from ninfer_offload.model.backend import ReferenceBackend
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
+from ninfer_offload.model.context import StepContext
+from ninfer_offload.model.state_pool import StatePool
+from ninfer_offload.planner.memory import LoadOptions, load_footprint, staging_slots
 from ninfer_offload.runtime.expert_store import MODES
 from ninfer_offload.runtime.loader import load_model
-from ninfer_offload.runtime.memory_check import check_fits, load_footprint
-from ninfer_offload.runtime.state import Segment, SequenceState
+from ninfer_offload.runtime.memory_check import check_fits
+from ninfer_offload.runtime.graphs import StepGraphs
+from ninfer_offload.runtime.session import Session
+from ninfer_offload.runtime.step_inputs import step_inputs
 
 DEFAULT_MAX_CONTEXT = 32768
+MAX_DRAFT_TOKENS = 5  # most drafts a multi-token step verifies (and may roll back)
 PREFILL_CHUNK = 1024  # tokens per forward of a long prefill (bounds attention scores and expert temporaries)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -54,6 +63,21 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tor
     return dtype
 
 
+_KV_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def _resolve_kv_dtype(kv_dtype: str | None, dtype: torch.dtype) -> torch.dtype:
+    if kv_dtype is None:
+        return dtype
+    if kv_dtype != "fp8":
+        raise NinferError(f"unsupported KV dtype {kv_dtype!r}: use fp8, or leave it out for the compute dtype")
+    return torch.float8_e4m3fn
+
+
 def _backend_for(device: torch.device, name: str):
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return ReferenceBackend()
@@ -64,93 +88,12 @@ def _backend_for(device: torch.device, name: str):
     raise NinferError(f"unknown backend {name!r}: use auto, reference or triton")
 
 
-class Session:
-    """One sequence: its KV/GDN state and length. Use `prefill` then `step`; `close` frees the state."""
-
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
-        config = engine.config
-        self.state: SequenceState | None = SequenceState(
-            config, dict(enumerate(config.layer_types)), engine.max_context, engine.device, engine.dtype
-        )
-        self.mtp_state: SequenceState | None = None
-
-    @property
-    def length(self) -> int:
-        """Tokens in the sequence."""
-        return self._live_state().length
-
-    def _live_state(self) -> SequenceState:
-        if self.state is None:
-            raise NinferError("this session is closed")
-        return self.state
-
-    def forward(self, token_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `token_ids`: (logits [T, vocab] float32, final-normed hidden states [T, H])."""
-        hidden = self._advance(token_ids)
-        with torch.no_grad():
-            return self.engine.text.logits(self.engine.backend, hidden), hidden
-
-    def prefill(self, token_ids: Iterable[int]) -> torch.Tensor:
-        """Append `token_ids` (may be called repeatedly: chunked prefill); logits [vocab] of the last one."""
-        hidden = self._advance(token_ids)
-        with torch.no_grad():
-            return self.engine.text.logits(self.engine.backend, hidden[-1:])[0]
-
-    def step(self, token_id: int) -> torch.Tensor:
-        """Append one token; its logits [vocab]. On CUDA with the triton backend and resident experts the
-        step is this session's captured CUDA graph (`runtime.cuda_graph`), else a one-token prefill."""
-        from ninfer_offload.runtime.cuda_graph import decode_step
-
-        return decode_step(self, token_id)
-
-    def _advance(self, token_ids: Iterable[int]) -> torch.Tensor:
-        """Run `token_ids` through the layers in chunks of at most PREFILL_CHUNK; hidden states [T, H]."""
-        ids = self.engine._token_tensor(token_ids)
-        state = self._live_state()
-        if state.length + len(ids) > state.capacity:
-            raise NinferError(
-                f"{state.length + len(ids)} tokens exceed the context limit of {state.capacity} "
-                f"(sequence holds {state.length}, {len(ids)} new); raise --max-context "
-                f"(the model allows up to {self.engine.config.max_position_embeddings})"
-            )
-        hidden = []
-        for chunk in ids.split(PREFILL_CHUNK):
-            hidden.append(self.engine._hidden(chunk, [Segment(state, state.length, 0, len(chunk))]))
-            state.length += len(chunk)
-        return torch.cat(hidden)
-
-    def mtp(self, hidden: torch.Tensor, next_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the MTP module on target hidden states `hidden` [T, H] (positions continuing this
-        session's MTP state) and the tokens that follow them: (draft logits [T, vocab], MTP hidden [T, H])."""
-        engine = self.engine
-        if engine.mtp is None:
-            raise NinferError("the engine was loaded without the MTP module (Engine.load(..., mtp=True))")
-        if self.mtp_state is None:
-            self.mtp_state = SequenceState(
-                engine.config, {engine.config.num_layers: FULL_ATTENTION}, engine.max_context, engine.device, engine.dtype
-            )
-        ids = engine._token_tensor(next_ids)
-        state = self.mtp_state
-        if len(ids) != hidden.shape[0] or state.length + len(ids) > state.capacity:
-            raise NinferError(f"MTP needs one next token per hidden state within the context limit {state.capacity}")
-        with torch.no_grad():
-            segments = [Segment(state, state.length, 0, len(ids))]
-            out = engine.mtp(engine.backend, engine.text, hidden.to(engine.dtype), ids, segments)
-            logits = engine.text.logits(engine.backend, out)
-        state.length += len(ids)
-        return logits, out
-
-    def close(self) -> None:
-        """Free the state (the session cannot be used afterwards)."""
-        self.state = None
-        self.mtp_state = None
-
-
 class Engine:
-    """A loaded model on one device, ready to run sequences."""
+    """A loaded model on one device, ready to run up to `state.sequences` sequences at once."""
 
-    def __init__(self, artifact, loaded, backend, device: torch.device, dtype: torch.dtype, max_context: int):
+    def __init__(
+        self, artifact, loaded, backend, device: torch.device, dtype: torch.dtype, state: StatePool, cuda_graphs: bool = True
+    ):
         self.artifact = artifact
         self.config = loaded.config
         self.text = loaded.text
@@ -159,7 +102,11 @@ class Engine:
         self.backend = backend
         self.device = device
         self.dtype = dtype
-        self.max_context = max_context
+        self.state = state
+        self.max_context = state.capacity
+        self._free_slots = list(range(state.sequences - 1, -1, -1))
+        capturable = cuda_graphs and device.type == "cuda" and backend.capturable and self.store.capturable
+        self.graphs = StepGraphs(self) if capturable else None
 
     @classmethod
     def load(
@@ -170,10 +117,14 @@ class Engine:
         experts: str = "resident",
         max_context: int | None = None,
         *,
+        max_sequences: int = 1,
+        draft_tokens: int = 0,
+        kv_dtype: str | None = None,
         num_slots: int | None = None,
         miss_path: str | None = None,
         mtp: bool = False,
         backend: str = "auto",
+        cuda_graphs: bool = True,
         progress: bool = False,
     ) -> "Engine":
         """Open `path` and load it onto `device` (bf16 on CUDA, fp32 on CPU unless `dtype` says).
@@ -181,13 +132,20 @@ class Engine:
         experts: "resident" (all routed experts on the device) or "host" (host memory, staged
         through `num_slots` device slots; `miss_path="cpu"` computes misses on the host instead,
         `miss_path="auto"` splits them between host compute and staging by measured rates).
-        max_context: per-sequence capacity (default min(model maximum, 32768)). mtp: also load the
-        MTP draft module. backend: "auto" (Triton on CUDA, reference on CPU), "reference", "triton".
+        max_context: per-sequence capacity (default min(model maximum, 32768)). max_sequences:
+        sequences open at once (state slots). draft_tokens: most tokens a multi-token step may roll
+        back (per-token GDN states are kept for them). kv_dtype: "fp8" for an e4m3 KV cache (default:
+        the compute dtype). mtp: also load the MTP draft module. backend: "auto" (Triton on CUDA,
+        reference on CPU), "reference", "triton". cuda_graphs: replay decode steps as CUDA graphs where
+        the backend and the expert store allow it (False: every step runs eagerly).
         """
         resolved = _resolve_device(device)
         resolved_dtype = _resolve_dtype(dtype, resolved)
+        cache_dtype = _resolve_kv_dtype(kv_dtype, resolved_dtype)
         if experts not in MODES:
             raise NinferError(f"experts must be one of {', '.join(MODES)}, got {experts!r}")
+        if max_sequences < 1 or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise NinferError(f"max_sequences must be >= 1 and draft_tokens in 0..{MAX_DRAFT_TOKENS}")
         ops = _backend_for(resolved, backend)
         artifact = open_artifact(path)
         try:
@@ -198,23 +156,38 @@ class Engine:
             capacity = min(limit, DEFAULT_MAX_CONTEXT) if max_context is None else int(max_context)
             if not 0 < capacity <= limit:
                 raise NinferError(f"max context {capacity} must be between 1 and the model's {limit} positions")
+            slots = staging_slots(config.num_experts, config.top_k, max_sequences * (1 + draft_tokens), num_slots)
             if resolved.type == "cuda":
-                footprint = load_footprint(
-                    Inventory.from_artifact(artifact), config, experts, capacity, resolved_dtype, mtp, num_slots
+                options = LoadOptions(
+                    experts, max_sequences, capacity, draft_tokens, mtp, _element_bytes(resolved_dtype),
+                    _KV_NAMES[cache_dtype], slots,
                 )
-                check_fits(footprint, torch.cuda.mem_get_info(resolved)[0], resolved)
-            loaded = load_model(
-                artifact, config, resolved, resolved_dtype, ops, experts, num_slots, miss_path, with_mtp=mtp, progress=progress
-            )
+                check_fits(load_footprint(Inventory.from_artifact(artifact), options), torch.cuda.mem_get_info(resolved)[0], resolved)
+            loaded = load_model(artifact, config, resolved, resolved_dtype, experts, slots, miss_path, with_mtp=mtp, progress=progress)
+            kinds = dict(enumerate(config.layer_types)) | ({config.num_layers: FULL_ATTENTION} if mtp else {})
+            state = StatePool(config, kinds, max_sequences, capacity, draft_tokens, resolved, resolved_dtype, cache_dtype)
         except BaseException:
             artifact.close()
             raise
-        return cls(artifact, loaded, ops, resolved, resolved_dtype, capacity)
+        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs)
+
+    # ------------------------------------------------------------------ sequences
+    def session(self) -> Session:
+        """A new empty sequence in a free state slot."""
+        if not self._free_slots:
+            raise NinferError(
+                f"all {self.state.sequences} sequence slots are in use: close a session or load with a larger "
+                "max_sequences (--max-concurrency)"
+            )
+        slot = self._free_slots.pop()
+        self.state.reset(slot)
+        return Session(self, slot)
+
+    def release_slot(self, slot: int) -> None:
+        """Give a closed session's slot back."""
+        self._free_slots.append(slot)
 
     # ------------------------------------------------------------------ running
-    def session(self) -> Session:
-        return Session(self)
-
     def logits(self, token_ids: Iterable[int]) -> torch.Tensor:
         """Logits [T, vocab] (float32) of a fresh sequence `token_ids` (one full prefill)."""
         session = self.session()
@@ -223,22 +196,80 @@ class Engine:
         finally:
             session.close()
 
+    def prefill(self, session: Session, token_ids: Iterable[int]) -> torch.Tensor:
+        """Append `token_ids` to `session` in chunks of at most PREFILL_CHUNK; hidden states [T, H]."""
+        ids = self._token_list(token_ids)
+        slot = session.live_slot()
+        self._check_room(session.length, len(ids))
+        hidden = []
+        for c0 in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[c0 : c0 + PREFILL_CHUNK]
+            tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
+            with torch.no_grad():
+                hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
+            session.pending = len(chunk)
+            session.commit(len(chunk))
+        return torch.cat(hidden)
+
+    def step(self, sessions: list[Session], tokens: list[list[int]]) -> torch.Tensor:
+        """One decode step adding tokens[i] (T tokens, the same T for every session) to sessions[i]:
+        logits [B, T, vocab]. A one-token step is committed at once; a step of T > 1 tokens stays
+        pending until each session's `commit`/`rollback` (it may keep 1..T of its tokens)."""
+        if len(sessions) != len(tokens) or not sessions:
+            raise NinferError("a step needs one token list per session and at least one session")
+        t = len(tokens[0])
+        if any(len(row) != t for row in tokens) or not 1 <= t <= self.state.step_tokens:
+            raise NinferError(
+                f"a step adds the same number of tokens to every sequence, 1..{self.state.step_tokens} "
+                f"(load with draft_tokens >= T - 1 for multi-token steps)"
+            )
+        slots = [s.live_slot() for s in sessions]
+        if len(set(slots)) != len(slots):
+            raise NinferError("a step got the same session twice")
+        for session in sessions:
+            self._check_room(session.length, t)
+        flat = self._token_list([token for row in tokens for token in row])
+        starts = [s.length for s in sessions]
+        with torch.no_grad():
+            if self.graphs is not None:
+                logits = self.graphs.run(flat, slots, starts, t)
+            else:
+                ids, ctx = step_inputs(flat, slots, starts, t, self.max_context, self.device, keep_states=t > 1)
+                logits = self.forward_logits(ids, ctx)
+        for session in sessions:
+            session.pending = t
+            if t == 1:
+                session.commit(1)
+        return logits.view(len(sessions), t, -1)
+
     def step_batch(self, sessions: list[Session], token_ids: list[int]) -> torch.Tensor:
-        """One decode forward appending token_ids[i] to sessions[i] (sequences of any lengths): logits [B, vocab]."""
-        if len(sessions) != len(token_ids) or not sessions:
-            raise NinferError("step_batch needs one token per session and at least one session")
-        states = [s._live_state() for s in sessions]
-        if len({id(s) for s in states}) != len(states):
-            raise NinferError("step_batch got the same session twice")
-        for state in states:
-            if state.length + 1 > state.capacity:
-                raise NinferError(f"a sequence reached the context limit of {state.capacity} tokens; raise --max-context")
-        ids = self._token_tensor(token_ids)
-        hidden = self._hidden(ids, [Segment(state, state.length, i, 1) for i, state in enumerate(states)])
-        for state in states:
-            state.length += 1
+        """One decode step appending token_ids[i] to sessions[i] (sequences of any lengths): logits [B, vocab]."""
+        if len(sessions) != len(token_ids):
+            raise NinferError("step_batch needs one token per session")
+        return self.step(sessions, [[token] for token in token_ids])[:, 0]
+
+    def forward_logits(self, token_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Logits [N, vocab] of one forward described by `ctx` (what a captured step records)."""
+        return self.logits_of(self.text.hidden(self.backend, token_ids, ctx, self.state))
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output-head logits [T, vocab] (float32) of final-normed hidden states."""
         with torch.no_grad():
             return self.text.logits(self.backend, hidden)
+
+    def mtp_forward(self, session: Session, hidden: torch.Tensor, next_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP module over `hidden` [T, H] and the tokens after them (see `Session.mtp`)."""
+        if self.mtp is None:
+            raise NinferError("the engine was loaded without the MTP module (Engine.load(..., mtp=True))")
+        ids = self._token_list(next_ids)
+        slot = session.live_slot()
+        if len(ids) != hidden.shape[0] or session.mtp_length + len(ids) > self.max_context:
+            raise NinferError(f"MTP needs one next token per hidden state within the context limit {self.max_context}")
+        tokens, ctx = step_inputs(ids, [slot], [session.mtp_length], len(ids), self.max_context, self.device, prefill=True)
+        with torch.no_grad():
+            out = self.mtp(self.backend, self.text, hidden.to(self.dtype), tokens, ctx, self.state)
+        session.mtp_length += len(ids)
+        return self.logits_of(out), out
 
     def generate(self, prompt_ids: Iterable[int], max_tokens: int = 256, sampling=None, stop_ids=None):
         """Generate after `prompt_ids` (see `ninfer_offload.runtime.generate.generate`)."""
@@ -250,15 +281,19 @@ class Engine:
         self.artifact.close()
 
     # ------------------------------------------------------------------ internals
-    def _token_tensor(self, token_ids: Iterable[int]) -> torch.Tensor:
+    def _token_list(self, token_ids: Iterable[int]) -> list[int]:
         ids = [int(t) for t in token_ids]
         if not ids:
             raise NinferError("no tokens given")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise NinferError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        return ids
 
-    def _hidden(self, ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        with torch.no_grad():
-            return self.text.hidden(self.backend, ids, segments)
+    def _check_room(self, length: int, new: int) -> None:
+        if length + new > self.max_context:
+            raise NinferError(
+                f"{length + new} tokens exceed the context limit of {self.max_context} "
+                f"(sequence holds {length}, {new} new); raise --max-context "
+                f"(the model allows up to {self.config.max_position_embeddings})"
+            )

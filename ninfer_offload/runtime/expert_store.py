@@ -21,16 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ninfer_offload.artifact.records import RecordLayout
 from ninfer_offload.errors import NinferError
-from ninfer_offload.model.experts import ExpertBank, RecordLayout
+from ninfer_offload.model.experts import ExpertBank
 
 MODES = ("resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
-
-
-def slot_count(top_k: int, num_experts: int, num_slots: int | None) -> int:
-    """Device slots of host mode: `num_slots` (default a quarter of a layer's experts), at least top_k."""
-    return max(top_k, num_slots if num_slots is not None else num_experts // 4)
 
 
 @dataclass
@@ -49,10 +45,9 @@ class ExpertStore:
         self,
         layouts: list[RecordLayout],
         records: list[torch.Tensor],
-        backend,
         device: torch.device,
         mode: str = "resident",
-        num_slots: int | None = None,
+        num_slots: int = 0,
         miss_path: str | None = None,
         top_k: int = 1,
     ):
@@ -63,7 +58,6 @@ class ExpertStore:
         if miss_path is not None and mode != "host":
             raise NinferError("a miss path needs host-resident experts (experts='host')")
         self.layouts = layouts
-        self.backend = backend
         self.device = device
         self.mode = mode
         self.miss_path = miss_path
@@ -80,11 +74,18 @@ class ExpertStore:
             from ninfer_offload.runtime.cpu_experts import CpuMissPath
 
             self.cpu_path = CpuMissPath(miss_path, device)
-        self.num_slots = slot_count(top_k, self.num_experts, num_slots)
+        if num_slots < top_k:
+            raise NinferError(f"host mode needs at least {top_k} staging slots (one token's experts), got {num_slots}")
+        self.num_slots = num_slots
         width = max(layout.nbytes for layout in layouts)
         self.pool = torch.zeros(self.num_slots, width, dtype=torch.uint8, device=device)
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
         self.free = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a step can be captured as a CUDA graph: host mode syncs on the routing."""
+        return self.mode == "resident"
 
     @property
     def nbytes(self) -> int:
@@ -92,24 +93,24 @@ class ExpertStore:
         return sum(layout.nbytes for layout in self.layouts) * self.num_experts
 
     # ------------------------------------------------------------------ compute
-    def routed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def routed(self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for layer `layer` -> [T, H]."""
         if self.mode == "resident":
-            return self.backend.routed_experts(x, topk_ids, topk_weights, self.banks[layer])
+            return backend.routed_experts(x, topk_ids, topk_weights, self.banks[layer])
         if self.miss_path is not None:
-            return self._routed_cpu_misses(layer, x, topk_ids, topk_weights)
+            return self._routed_cpu_misses(backend, layer, x, topk_ids, topk_weights)
         experts = torch.unique(topk_ids).tolist()  # sorted; one host sync
         if len(experts) <= self.num_slots:
-            return self.backend.routed_experts(x, topk_ids, topk_weights, self._stage(layer, experts))
+            return backend.routed_experts(x, topk_ids, topk_weights, self._stage(layer, experts))
         chunk = max(1, self.num_slots // self.top_k)
         outputs = []
         for t0 in range(0, x.shape[0], chunk):
             ids = topk_ids[t0 : t0 + chunk]
             bank = self._stage(layer, torch.unique(ids).tolist())
-            outputs.append(self.backend.routed_experts(x[t0 : t0 + chunk], ids, topk_weights[t0 : t0 + chunk], bank))
+            outputs.append(backend.routed_experts(x[t0 : t0 + chunk], ids, topk_weights[t0 : t0 + chunk], bank))
         return torch.cat(outputs)
 
-    def _routed_cpu_misses(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def _routed_cpu_misses(self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Experts in a slot run on the device; the host computes the missing ones ("cpu") or its
         measured share of them ("auto": the rest are staged), while the device works."""
         ids = topk_ids.cpu()
@@ -130,7 +131,7 @@ class ExpertStore:
             # record of theirs, and whatever a slot holds could decode to inf (inf * 0 = NaN).
             device_ids = torch.where(on_device, ids, ids[on_device][0]).to(x.device, non_blocking=True)
             weights = topk_weights * on_device.to(device=x.device, dtype=topk_weights.dtype)
-            out = self.backend.routed_experts(x, device_ids, weights, bank)
+            out = backend.routed_experts(x, device_ids, weights, bank)
         partial = host.result().to(device=x.device, dtype=x.dtype)
         self.stats.miss_path = self.cpu_path.stats()
         return partial if out is None else out + partial

@@ -13,12 +13,11 @@ import torch
 
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.formats import CONTIGUOUS, ROW_SPLIT
+from ninfer_offload.artifact.records import DenseRecordLayout, ExpertRecordLayout, RecordLayout
 from ninfer_offload.model.attention import Rotary
 from ninfer_offload.model.config import ModelConfig
-from ninfer_offload.model.experts import DenseRecordLayout, RecordLayout
 from ninfer_offload.model.text_model import MTP_PREFIX, DecoderLayer, MtpModule, TextModel
 from ninfer_offload.model.weights import WeightReader
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
 from ninfer_offload.runtime.expert_store import ExpertStore
 
 
@@ -33,7 +32,7 @@ class LoadedModel:
 def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLayout, str, str]:
     """The record layout of the routed experts under `prefix`, and the ids of their two bank objects.
 
-    Requires the fused bank arrangement of FORMAT.md §8.5: expert e's gate rows [2Ie, 2Ie+I) and up
+    Requires the fused bank arrangement of docs/format.md §8.5: expert e's gate rows [2Ie, 2Ie+I) and up
     rows [2Ie+I, 2I(e+1)) of one gate/up bank, its down rows [He, H(e+1)) of one down bank.
     """
     e_count, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
@@ -79,9 +78,8 @@ def load_model(
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
-    backend,
     experts: str = "resident",
-    num_slots: int | None = None,
+    num_slots: int = 0,
     miss_path: str | None = None,
     with_mtp: bool = False,
     progress: bool = False,
@@ -104,7 +102,6 @@ def load_model(
     store = ExpertStore(
         [layout for layout, _ in packed],
         [records for _, records in packed],
-        backend,
         device,
         mode=experts,
         num_slots=num_slots,

@@ -32,9 +32,9 @@ from numba.extending import intrinsic
 
 from ninfer_offload.artifact.codecs import decode_row_split_values
 from ninfer_offload.artifact.formats import RowSplitGeometry
+from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
-from ninfer_offload.runtime import simd
-from ninfer_offload.runtime.expert_record import ExpertRecordLayout
+from ninfer_offload.kernels.cpu import simd
 
 # float32 value of every binary16 word (exact, subnormals included).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)

@@ -1,13 +1,13 @@
-"""The official Qwen3.6-35B-A3B v3 directory, generated from the model contract (FORMAT.md §8).
+"""The official Qwen3.6-35B-A3B v3 directory, generated from the model contract (docs/format.md §8).
 
 `official_directory()` builds the JSON root of the official artifact without any weights:
 components, the 6 resources and 934 tensor objects with the converter's ID scheme and order
 (§8.6), their formats, byte sizes and offsets (§8.5), all 32,713 bindings and 32,184 uses (§8.4).
 The planner uses it so that `ninfer plan` works with no artifact at hand.
 
-Placeholders (the official file was never inspected, FORMAT.md §11.1): the resource byte lengths
+Placeholders (the official file was never inspected, docs/format.md §11.1): the resource byte lengths
 (RESOURCE_BYTES), `metadata` and `provenance`. The resource lengths are chosen so that the
-payload ends at 22,783,095,296 bytes, the value inferred in FORMAT.md §10.3; only the offsets of
+payload ends at 22,783,095,296 bytes, the value inferred in docs/format.md §10.3; only the offsets of
 the tensors depend on them, never their sizes.
 """
 
@@ -29,7 +29,7 @@ DFLASH_MLP = 6144
 Q6_DOWN_LAYERS = frozenset({34, 38, 39})
 
 # Placeholder resource lengths (bytes), in the converter's order. Their sum, 12,834,304, makes
-# the payload end where FORMAT.md §10.3 infers it; the real lengths are unknown.
+# the payload end where docs/format.md §10.3 infers it; the real lengths are unknown.
 RESOURCE_BYTES: dict[tuple[str, str], int] = {
     ("text", "tokenizer.json"): 12_807_168,
     ("text", "tokenizer_config.json"): 16_384,
@@ -280,7 +280,7 @@ def _parent_shape(group: list[Param]) -> tuple[int, ...]:
 
 
 def official_directory() -> dict:
-    """The official Qwen3.6-35B-A3B v3 JSON root (FORMAT.md §8), with placeholder resource sizes."""
+    """The official Qwen3.6-35B-A3B v3 JSON root (docs/format.md §8), with placeholder resource sizes."""
     objects: list[dict] = []
     offset = 0
     resources: dict[str, dict[str, str]] = {"text": {}, "vision": {}}

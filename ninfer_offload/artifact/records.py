@@ -1,0 +1,99 @@
+"""Record layouts of routed experts: the byte layout of one expert's record, the unit the expert store moves.
+
+Quantized banks use `ExpertRecordLayout`: a record is two standalone `row_split_k128_v1` objects
+back to back: the expert's gate/up rows ([2I, H]: I gate rows then I up rows, cut from the layer's
+gate/up bank) and its down rows ([H, I], cut from the down bank), the second starting at the next
+256-byte boundary. Each part is a valid object on its own (docs/format.md §6.2 row views), so the
+reference decoder, the Triton MoE kernel and the numba CPU kernels all read records with the same
+geometry.
+
+Lossless banks (bf16/fp32, the `bf16` recipe) use `DenseRecordLayout`: the expert's gate/up words
+[2I, H] then, at the next 256-byte boundary, its down words [H, I].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ninfer_offload.artifact.codecs import materialize_rows
+from ninfer_offload.artifact.formats import DIRECT_FORMATS, RowSplitGeometry, align_up, grouped_format
+
+
+@dataclass(frozen=True)
+class ExpertRecordLayout:
+    """Geometry of every record of one layer (all experts of a layer share it)."""
+
+    gate_up: RowSplitGeometry  # [2 * intermediate, hidden]
+    down: RowSplitGeometry  # [hidden, intermediate]
+
+    @classmethod
+    def create(cls, gate_up_format: str, down_format: str, hidden: int, intermediate: int) -> "ExpertRecordLayout":
+        return cls(
+            RowSplitGeometry(grouped_format(gate_up_format), 2 * intermediate, hidden),
+            RowSplitGeometry(grouped_format(down_format), hidden, intermediate),
+        )
+
+    @property
+    def gate_up_offset(self) -> int:
+        return 0
+
+    @property
+    def down_offset(self) -> int:
+        return align_up(self.gate_up.encoded_size, 256)
+
+    @property
+    def nbytes(self) -> int:
+        """Record size, padded to 256 bytes so records can be packed back to back."""
+        return align_up(self.down_offset + self.down.encoded_size, 256)
+
+    def pack(self, gate_up_bank, down_bank, num_experts: int, expert: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Cut expert `expert` out of a layer's fused banks (raw row-split bytes) into one record."""
+        gu, dn = self.gate_up, self.down
+        record = np.zeros(self.nbytes, dtype=np.uint8) if out is None else out
+        record[: gu.encoded_size] = materialize_rows(gate_up_bank, gu.fmt.name, gu.n * num_experts, gu.k, expert * gu.n, gu.n)
+        record[self.down_offset : self.down_offset + dn.encoded_size] = materialize_rows(
+            down_bank, dn.fmt.name, dn.n * num_experts, dn.k, expert * dn.n, dn.n
+        )
+        return record
+
+
+@dataclass(frozen=True)
+class DenseRecordLayout:
+    """Record geometry of an expert whose banks are stored as contiguous bf16/fp32 words."""
+
+    fmt: str
+    hidden: int
+    intermediate: int
+
+    @property
+    def word(self) -> int:
+        return DIRECT_FORMATS[self.fmt]
+
+    @property
+    def gate_up_bytes(self) -> int:
+        return 2 * self.intermediate * self.hidden * self.word
+
+    @property
+    def down_offset(self) -> int:
+        return align_up(self.gate_up_bytes, 256)
+
+    @property
+    def down_bytes(self) -> int:
+        return self.hidden * self.intermediate * self.word
+
+    @property
+    def nbytes(self) -> int:
+        return align_up(self.down_offset + self.down_bytes, 256)
+
+    def pack(self, gate_up_bank, down_bank, num_experts: int, expert: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Cut expert `expert` out of a layer's banks (raw contiguous bytes) into one record."""
+        record = np.zeros(self.nbytes, dtype=np.uint8) if out is None else out
+        gu, dn = self.gate_up_bytes, self.down_bytes
+        record[:gu] = np.asarray(gate_up_bank)[expert * gu : (expert + 1) * gu]
+        record[self.down_offset : self.down_offset + dn] = np.asarray(down_bank)[expert * dn : (expert + 1) * dn]
+        return record
+
+
+RecordLayout = ExpertRecordLayout | DenseRecordLayout

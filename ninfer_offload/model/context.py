@@ -1,0 +1,44 @@
+"""The step context: what one forward knows about its tokens, built once by the runtime and read by
+every layer (positions, state slots, lengths, KV write rows as device tensors).
+
+Rows are grouped by sequence. A decode step holds B sequences of T tokens each (sequence b owns
+rows [b*T, (b+1)*T)); a prefill chunk holds one sequence of any number of tokens. Layers choose
+their kernels from that shape alone: chunked prefill kernels for a prefill chunk of more than one
+token, the batched decode kernels (indexed by slot) for everything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepContext:
+    positions: torch.Tensor  # [N] int64: absolute position of each token row
+    slots: torch.Tensor  # [B] int64: state slot of each sequence
+    lengths: torch.Tensor  # [B] int64: tokens of each sequence after this step (its valid KV rows)
+    kv_rows: torch.Tensor  # [N] int64: row of the flat KV pool each token's keys and values go to
+    tokens_per_sequence: int  # T (a prefill chunk: all of its rows)
+    prefill: bool  # one sequence whose T tokens take the chunked prefill kernels
+    keep_states: bool  # write each token's GDN state but the last (rollback of a multi-token step)
+    # Host copies of `slots` and of the lengths before this step, for ops that slice on the host
+    # (the reference backend, prefill). None in a captured step, whose device values change per replay.
+    host_slots: tuple[int, ...] | None
+    host_starts: tuple[int, ...] | None
+
+    @property
+    def batch(self) -> int:
+        return self.slots.shape[0]
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the mixers take their chunked prefill kernels."""
+        return self.prefill and self.tokens_per_sequence > 1
+
+    def host_view(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(slots, starts) on the host; an error in a captured step (whose values live on the device)."""
+        if self.host_slots is None or self.host_starts is None:
+            raise RuntimeError("this op reads host-side lengths and cannot run inside a captured step")
+        return self.host_slots, self.host_starts

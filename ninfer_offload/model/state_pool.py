@@ -1,0 +1,88 @@
+"""Pooled sequence state: per layer one tensor over every sequence slot, allocated once at load.
+
+Attention layers keep K and V as flat row pools `[slots * capacity + step_tokens, Hkv, D]`: slot s
+owns rows [s * capacity, (s + 1) * capacity). Gated DeltaNet layers keep their conv window
+`[slots + 1, W - 1, C]` and FP32 recurrent state `[slots + 1, Hv, Dk, Dv]`, plus, when the engine
+can roll back multi-token steps, the state after each token but the last
+(`[slots + 1, draft_tokens, ...]`). Slot `slots` is a scratch slot: padded rows of a captured
+batch write there (its KV rows are the last `step_tokens` rows of the pool), so padding never
+touches a live sequence. Buffers never move, so captured steps stay valid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
+
+
+class StatePool:
+    """State of `sequences` slots (plus the scratch slot) for the layers `layer_kinds` (key -> kind)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_kinds: dict[int, str],
+        sequences: int,
+        capacity: int,
+        draft_tokens: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+    ):
+        self.sequences = sequences
+        self.capacity = capacity
+        self.draft_tokens = draft_tokens
+        self.scratch_slot = sequences
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        self.conv_snapshots: dict[int, torch.Tensor] = {}
+        self.recurrent_snapshots: dict[int, torch.Tensor] = {}
+        slots = sequences + 1
+        conv_shape = (config.linear_conv_kernel - 1, config.conv_channels)
+        recurrent_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        for key, kind in layer_kinds.items():
+            if kind == FULL_ATTENTION:
+                rows = (sequences * capacity + self.step_tokens, config.num_kv_heads, config.head_dim)
+                self.kv[key] = (torch.zeros(rows, device=device, dtype=kv_dtype), torch.zeros(rows, device=device, dtype=kv_dtype))
+                continue
+            self.conv[key] = torch.zeros(slots, *conv_shape, device=device, dtype=dtype)
+            self.recurrent[key] = torch.zeros(slots, *recurrent_shape, device=device, dtype=torch.float32)
+            if draft_tokens:
+                self.conv_snapshots[key] = torch.zeros(slots, draft_tokens, *conv_shape, device=device, dtype=dtype)
+                self.recurrent_snapshots[key] = torch.zeros(
+                    slots, draft_tokens, *recurrent_shape, device=device, dtype=torch.float32
+                )
+
+    @property
+    def step_tokens(self) -> int:
+        """Most tokens one sequence may add in one step (1 + the drafts a step can verify)."""
+        return 1 + self.draft_tokens
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer of the pool."""
+        groups = (self.conv, self.recurrent, self.conv_snapshots, self.recurrent_snapshots)
+        return [t for pair in self.kv.values() for t in pair] + [t for group in groups for t in group.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def kv_of(self, key: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [capacity, Hkv, D] of one slot's K and V rows."""
+        k, v = self.kv[key]
+        rows = slice(slot * self.capacity, (slot + 1) * self.capacity)
+        return k[rows], v[rows]
+
+    def reset(self, slot: int) -> None:
+        """Zero the GDN state of `slot` (a new sequence starts from zero state; its KV rows need no reset)."""
+        for group in (self.conv, self.recurrent):
+            for tensor in group.values():
+                tensor[slot].zero_()
+
+    def restore(self, slot: int, token: int) -> None:
+        """Make the GDN state of `slot` the state kept after token `token` of the last multi-token step."""
+        for live, kept in ((self.conv, self.conv_snapshots), (self.recurrent, self.recurrent_snapshots)):
+            for key, tensor in live.items():
+                tensor[slot].copy_(kept[key][slot, token])

@@ -1,0 +1,67 @@
+"""Step inputs on the device: token ids and the step context, packed into one int64 buffer so that
+a step costs one host-to-device copy (eager steps copy into a fresh buffer, captured steps into
+their graph's static one).
+
+Layout of the buffer for B sequences of T tokens: tokens [B*T] | positions [B*T] | KV rows [B*T] |
+slots [B] | lengths [B].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer_offload.model.context import StepContext
+
+
+def pack_inputs(
+    tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int, capacity: int
+) -> torch.Tensor:
+    """Host int64 buffer of one step: `tokens` (T per sequence, sequence-major) added to the
+    sequences in `slots` that hold `starts` tokens."""
+    t = tokens_per_sequence
+    positions = [start + i for start in starts for i in range(t)]
+    rows = [slot * capacity + start + i for slot, start in zip(slots, starts) for i in range(t)]
+    lengths = [start + t for start in starts]
+    return torch.tensor(tokens + positions + rows + list(slots) + lengths, dtype=torch.int64)
+
+
+def unpack_inputs(
+    packed: torch.Tensor,
+    batch: int,
+    tokens_per_sequence: int,
+    prefill: bool,
+    keep_states: bool,
+    host: tuple[tuple[int, ...], tuple[int, ...]] | None,
+) -> tuple[torch.Tensor, StepContext]:
+    """(token ids [B*T], context) as views of a packed device buffer; `host` = (slots, starts) on the
+    host, or None for a captured step."""
+    n = batch * tokens_per_sequence
+    tokens, positions, rows = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n]
+    slots, lengths = packed[3 * n : 3 * n + batch], packed[3 * n + batch : 3 * n + 2 * batch]
+    ctx = StepContext(
+        positions=positions,
+        slots=slots,
+        lengths=lengths,
+        kv_rows=rows,
+        tokens_per_sequence=tokens_per_sequence,
+        prefill=prefill,
+        keep_states=keep_states,
+        host_slots=None if host is None else host[0],
+        host_starts=None if host is None else host[1],
+    )
+    return tokens, ctx
+
+
+def step_inputs(
+    tokens: list[int],
+    slots: list[int],
+    starts: list[int],
+    tokens_per_sequence: int,
+    capacity: int,
+    device: torch.device,
+    prefill: bool = False,
+    keep_states: bool = False,
+) -> tuple[torch.Tensor, StepContext]:
+    """Token ids and context of an eager step, on `device` with one copy."""
+    packed = pack_inputs(tokens, slots, starts, tokens_per_sequence, capacity).to(device, non_blocking=True)
+    return unpack_inputs(packed, len(slots), tokens_per_sequence, prefill, keep_states, (tuple(slots), tuple(starts)))
