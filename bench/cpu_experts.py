@@ -144,7 +144,11 @@ def small_call_us(rng) -> float:
 
 def point(threads: int, kind: str, per_call: int, parts: int, gbs: float, bandwidth: float, ms: float | None = None) -> dict:
     """One result row (printed as it is made)."""
-    print(f"threads {threads:3d}  parts {parts}  {kind:22s} {gbs:7.2f} GB/s  host {bandwidth:7.2f} GB/s  fraction {gbs / bandwidth:.2f}", flush=True)
+    print(
+        f"threads {threads:3d}  parts {parts}  {kind:22s} {gbs:7.2f} GB/s  host {bandwidth:7.2f} GB/s  "
+        f"fraction {gbs / bandwidth:.2f}",
+        flush=True,
+    )
     row = {"threads": threads, "kind": kind, "experts_per_call": per_call, "activation_parts": parts, "weights_gbs": round(gbs, 3)}
     if ms is not None:
         row["ms_per_call"] = round(ms, 4)
@@ -187,7 +191,10 @@ def main() -> None:
     parser.add_argument("--label", default=platform.node() or "host", help="result file suffix")
     parser.add_argument("--seconds", type=float, default=1.0, help="measurement time per point")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1, 2, 4, 8 and all)")
-    parser.add_argument("--parts", type=int, nargs="+", default=[ce.EXACT_PARTS, ce.SIXTEEN_BIT_PARTS], help="activation parts to measure (3: float32 engines, 2: bf16 engines)")
+    parser.add_argument(
+        "--parts", type=int, nargs="+", default=[ce.EXACT_PARTS, ce.SIXTEEN_BIT_PARTS],
+        help="activation parts to measure (3: float32 engines, 2: bf16 engines)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # see independent_processes
     args = parser.parse_args()

@@ -117,7 +117,8 @@ def main() -> None:
     bandwidth = device_bandwidth()
     results = []
     shapes = [("gdn_qkvz", "q8_g32_fp16", 12288, 2048), ("attn_qkgv", "q8_g32_fp16", 9216, 2048), ("mixer_out", "q8_g32_fp16", 2048, 4096),
-              ("shared_gate_up", "q8_g32_fp16", 1024, 2048), ("shared_down", "q8_g32_fp16", 2048, 512), ("output_head", "q6_g64_fp16", 248320, 2048)]
+              ("shared_gate_up", "q8_g32_fp16", 1024, 2048), ("shared_down", "q8_g32_fp16", 2048, 512),
+              ("output_head", "q6_g64_fp16", 248320, 2048)]
     for name, fmt, n, k in shapes:
         for tokens in (1, 8):
             results.append(bench_linear(name, fmt, n, k, tokens, bandwidth))
@@ -153,7 +154,10 @@ def main() -> None:
     print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     for r in results:
         label = " ".join(str(r[k]) for k in ("op", "format", "down_format", "kv_dtype", "shape", "context", "tokens", "tile") if k in r)
-        print(f"{label:60s} {r['ms'] * 1e3:9.1f} us {r['GBps']:8.0f} GB/s ({100 * r['bandwidth_fraction']:5.1f}%)" + (f" {r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else ""))
+        print(
+            f"{label:60s} {r['ms'] * 1e3:9.1f} us {r['GBps']:8.0f} GB/s ({100 * r['bandwidth_fraction']:5.1f}%)"
+            + (f" {r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else "")
+        )
 
 
 if __name__ == "__main__":

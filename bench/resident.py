@@ -192,7 +192,9 @@ def graph_vs_eager(engine: Engine, session, prompt: list[int]) -> float:
 
 
 def planner_prediction(engine: Engine, max_context: int) -> dict:
-    options = PlanOptions(max_context=max_context, concurrency=engine.state.sequences, kv_dtype="bf16", speculative="none", proposal_head=False)
+    options = PlanOptions(
+        max_context=max_context, concurrency=engine.state.sequences, kv_dtype="bf16", speculative="none", proposal_head=False
+    )
     placement = plan(Inventory.from_artifact(engine.artifact), load_profile("h200"), options)
     return {"vram_used_bytes": placement.vram_used_bytes, "runtime": placement.runtime, "feasible": placement.feasible,
             "options": options.to_json(), "predicted_decode_tok_s": placement.predicted.decode_tok_s if placement.predicted else None}
@@ -232,7 +234,7 @@ def bench_transformers(config: dict, layers: tuple[int, int], contexts: list[int
                 del out, cache
                 torch.cuda.empty_cache()
         measured[depth] = result
-        del model
+        model = None  # frees the model; rebound rather than deleted, since the closures above refer to the name
         torch.cuda.empty_cache()
         report["transformers_measured"] = {str(d): r for d, r in measured.items()}
         save()
@@ -263,8 +265,8 @@ def main() -> None:
     args = parser.parse_args()
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     report: dict = {"command": "python bench/resident.py " + " ".join(map(str, [args.artifact, "--out", args.out])),
-                    "commit": commit or None, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "torch": torch.__version__}
+                    "commit": commit or None, "gpu": torch.cuda.get_device_name(),
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__}
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -298,9 +300,11 @@ def main() -> None:
         save()
     for point in report["decode"]:
         print(f"decode @{point['context']:6d}: {point['tok_s']:7.1f} tok/s (eager {point['eager_tok_s']:.1f}), roofline "
-              f"{point['roofline_tok_s']:.0f} -> {100 * point['roofline_fraction']:.1f}%, x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
+              f"{point['roofline_tok_s']:.0f} -> {100 * point['roofline_fraction']:.1f}%, "
+              f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
     for point in report["prefill"]:
-        print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
+        print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, "
+              f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
     print("stages (us/step):", json.dumps(report.get("decode_stage_us", {})))
     print(f"peak VRAM {report['peak_vram_bytes'] / 2**30:.2f} GiB, planner {report['planner']['vram_used_bytes'] / 2**30:.2f} GiB")
 

@@ -136,7 +136,9 @@ def attention_decode(
         GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=SPAN, BLOCK_S=64, IEEE=q.dtype == torch.float32,
     )
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
-    _decode_merge_kernel[(n * hq,)](part_out, part_max, part_sum, out, nsplit, D=d, D_PAD=triton.next_power_of_2(d), BLOCK_SPLIT=MERGE_BLOCK)
+    _decode_merge_kernel[(n * hq,)](
+        part_out, part_max, part_sum, out, nsplit, D=d, D_PAD=triton.next_power_of_2(d), BLOCK_SPLIT=MERGE_BLOCK
+    )
     return out
 
 
@@ -146,9 +148,13 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     keys = k_cache[: start + t].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
     values = v_cache[: start + t].to(q.dtype).transpose(0, 1)
     if start == 0:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=True
+        )
     else:
         positions = torch.arange(start, start + t, device=q.device)
         visible = torch.arange(start + t, device=q.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=visible, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=visible, enable_gqa=True
+        )
     return out.squeeze(0).transpose(0, 1)

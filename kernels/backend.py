@@ -30,7 +30,6 @@ MIN_CAPABILITY = (8, 0)
 class TritonBackend(ReferenceBackend):
     """GPU fast path (also runs under TRITON_INTERPRET=1 on CPU tensors, for tests)."""
 
-    name = "triton"
     capturable = True  # its decode ops read the step context from device tensors only
 
     def __init__(self) -> None:
@@ -39,7 +38,8 @@ class TritonBackend(ReferenceBackend):
             if major < MIN_CAPABILITY[0]:
                 raise NinferError(
                     f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) is not supported by the triton "
-                    f"backend, which needs {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (bf16 tensor cores); use --device cpu or backend='reference'"
+                    f"backend, which needs {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (bf16 tensor cores); "
+                    "use --device cpu or backend='reference'"
                 )
         self.fla = gdn.fla_available()
 

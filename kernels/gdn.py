@@ -192,7 +192,9 @@ def fla_available() -> bool:
     return True
 
 
-def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def gdn_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
     """Chunked delta rule through flash-linear-attention (CUDA); the contract of `ReferenceBackend.gdn_prefill`."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

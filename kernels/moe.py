@@ -202,7 +202,9 @@ def routed_experts(
     gu, dn = TileGeometry.of(layout.gate_up), TileGeometry.of(layout.down)
     inter = layout.down.k
     if layout.gate_up.k != hidden or layout.gate_up.n != 2 * inter or layout.down.n != hidden:
-        raise ValueError(f"expert records [{layout.gate_up.n}, {layout.gate_up.k}] / [{layout.down.n}, {inter}] do not fit hidden size {hidden}")
+        raise ValueError(
+            f"expert records [{layout.gate_up.n}, {layout.gate_up.k}] / [{layout.down.n}, {inter}] do not fit hidden size {hidden}"
+        )
     x = x.contiguous()
     pairs = t * top_k
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES

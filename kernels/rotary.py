@@ -14,7 +14,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _qk_norm_rotary_kernel(x, w, positions, inv_freq, out, eps, HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr):
+def _qk_norm_rotary_kernel(
+    x, w, positions, inv_freq, out, eps, HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = row * D
     cols = tl.arange(0, D_PAD)
@@ -45,6 +47,7 @@ def qk_norm_rotary(x: torch.Tensor, w: torch.Tensor, eps: float, inv_freq: torch
     out = torch.empty_like(xc)
     if xc.numel():
         _qk_norm_rotary_kernel[(t * heads,)](
-            xc, w.contiguous(), positions.contiguous(), inv_freq.contiguous(), out, eps, HEADS=heads, D=d, ROT=dim, D_PAD=triton.next_power_of_2(d)
+            xc, w.contiguous(), positions.contiguous(), inv_freq.contiguous(), out, eps,
+            HEADS=heads, D=d, ROT=dim, D_PAD=triton.next_power_of_2(d),
         )
     return out

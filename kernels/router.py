@@ -41,5 +41,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(t, top_k, dtype=dtype, device=logits.device)
     if t:
-        _softmax_topk_kernel[(t,)](logits.contiguous(), ids, weights, e, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e))
+        _softmax_topk_kernel[(t,)](
+            logits.contiguous(), ids, weights, e, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e)
+        )
     return ids, weights

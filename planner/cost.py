@@ -156,7 +156,8 @@ def general_assumptions(options: PlanOptions, routing_source: str) -> tuple[str,
     context = min(options.at_context, options.max_context)
     draft_head = "proposal head" if options.proposal_head else "output head"
     speculation = (
-        f"MTP: {options.draft_count} drafts per step, per-draft acceptance {options.mtp_acceptance:g} (assumed), drafting with the {draft_head}"
+        f"MTP: {options.draft_count} drafts per step, per-draft acceptance {options.mtp_acceptance:g} (assumed), "
+        f"drafting with the {draft_head}"
         if options.speculating
         else "no speculation"
     )

@@ -114,7 +114,9 @@ def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
     """
     gdn_width = 2 * shape.gdn_key_heads * shape.gdn_key_dim + 2 * shape.gdn_value_heads * shape.gdn_value_dim
     attention_width = 2 * shape.query_heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
-    per_token = BF16 * (4 * shape.hidden + max(gdn_width, attention_width) + 2 * shape.top_k * 2 * shape.expert_width + 2 * shape.expert_width)
+    per_token = BF16 * (
+        4 * shape.hidden + max(gdn_width, attention_width) + 2 * shape.top_k * 2 * shape.expert_width + 2 * shape.expert_width
+    )
     logits = FP32 * shape.vocab * options.concurrency * (1 + options.draft_count)
     return options.prefill_chunk * per_token + logits
 

@@ -46,7 +46,12 @@ class PlanOptions:
     miss_path: str = "staged"  # how decode serves host-resident experts (MISS_PATHS)
 
     def __post_init__(self) -> None:
-        positive = {"max_context": self.max_context, "concurrency": self.concurrency, "prefill_chunk": self.prefill_chunk, "at_context": self.at_context}
+        positive = {
+            "max_context": self.max_context,
+            "concurrency": self.concurrency,
+            "prefill_chunk": self.prefill_chunk,
+            "at_context": self.at_context,
+        }
         for name, value in positive.items():
             if value < 1:
                 raise NinferError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

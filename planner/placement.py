@@ -180,7 +180,9 @@ PLAN_SCHEMA: dict = {
         "predicted": {
             "type": ["object", "null"],
             "additionalProperties": False,
-            "required": ["decode_tok_s", "decode_tok_s_mtp", "prefill_tok_s", "vram_bytes_per_token", "pcie_bytes_per_token", "assumptions"],
+            "required": [
+                "decode_tok_s", "decode_tok_s_mtp", "prefill_tok_s", "vram_bytes_per_token", "pcie_bytes_per_token", "assumptions"
+            ],
             "properties": {
                 "decode_tok_s": _NUMBER, "decode_tok_s_mtp": {"type": ["number", "null"], "minimum": 0},
                 "prefill_tok_s": _NUMBER, "vram_bytes_per_token": _INT, "pcie_bytes_per_token": _NUMBER,

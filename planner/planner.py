@@ -32,7 +32,9 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | None = None, routing_stats: RoutingStats | None = None) -> Placement:
+def plan(
+    inventory: Inventory, profile: DeviceProfile, options: PlanOptions | None = None, routing_stats: RoutingStats | None = None
+) -> Placement:
     """Place every weight of `inventory` for `profile`; `feasible` is False (with `reason`) when it cannot fit."""
     options = options or PlanOptions()
     shape = ModelShape.from_config(inventory.text_config)
@@ -73,7 +75,10 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
         "workspace": workspace_bytes(shape, options),
         "staging": 0,
     }
-    fixed_weights = _bytes(dense_text) + head + (mtp if options.speculating else 0) + (proposal if use_proposal else 0) + (vision if options.vision else 0)
+    fixed_weights = (
+        _bytes(dense_text) + head + (mtp if options.speculating else 0) + (proposal if use_proposal else 0)
+        + (vision if options.vision else 0)
+    )
     fixed = fixed_weights + sum(runtime.values())
 
     order = _expert_order(stats, [b.expert_bytes for b in banks])
@@ -106,7 +111,9 @@ def plan(inventory: Inventory, profile: DeviceProfile, options: PlanOptions | No
         "text_dense": on_device(_bytes(dense_text)),
         "output_head": on_device(head),
         "token_embedding": on_device(embedding) if embedding_on_device else ComponentPlacement(embedding, "host", 0, embedding),
-        "routed_experts": ComponentPlacement(routed_stored, "vram" if not host_experts else ("host" if not resident_bytes else "split"), resident_bytes, host_experts),
+        "routed_experts": ComponentPlacement(
+            routed_stored, "vram" if not host_experts else ("host" if not resident_bytes else "split"), resident_bytes, host_experts
+        ),
         "mtp": on_device(mtp) if options.speculating else unused(mtp),
         "proposal": on_device(proposal) if use_proposal else unused(proposal),
         "vision": on_device(vision) if options.vision else unused(vision),
@@ -197,7 +204,10 @@ def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptio
             hints.append("a smaller --prefill-chunk")
         if options.vram_budget is not None and options.vram_budget < profile.vram_bytes:
             hints.append("a larger --vram-budget")
-        what = f"weights that must stay resident {_gib(fixed_weights)}, KV cache {_gib(kv)} for {p.kv_capacity_tokens} tokens, other runtime buffers {_gib(fixed - fixed_weights - kv)}"
+        what = (
+            f"weights that must stay resident {_gib(fixed_weights)}, KV cache {_gib(kv)} for {p.kv_capacity_tokens} tokens, "
+            f"other runtime buffers {_gib(fixed - fixed_weights - kv)}"
+        )
         if p.runtime["staging"]:
             what += f", {p.staging_slots} expert staging slots {_gib(p.runtime['staging'])}"
         remedy = "; try " + ", ".join(hints) if hints else "; this card is too small for this model"

@@ -14,7 +14,9 @@ from ninfer_offload.profiles import DeviceProfile
 GiB = 2**30
 
 
-def speed_curve(inventory: Inventory, profile: DeviceProfile, options: PlanOptions, routing_stats: RoutingStats | None, points: int = 48) -> list[tuple[float, float, float | None]]:
+def speed_curve(
+    inventory: Inventory, profile: DeviceProfile, options: PlanOptions, routing_stats: RoutingStats | None, points: int = 48
+) -> list[tuple[float, float, float | None]]:
     """(budget GiB, decode tok/s, decode tok/s with MTP) for feasible budgets up to the card's VRAM."""
     curve = []
     for i in range(1, points + 1):

@@ -34,7 +34,11 @@ def render_plan(p: Placement, source: str) -> Group:
     head = Table.grid(padding=(0, 2))
     head.add_row("profile", p.profile)
     head.add_row("model", source)
-    head.add_row("options", f"context {o.max_context}, concurrency {o.concurrency}, KV {o.kv_dtype}, speculation {spec}, vision {'on' if o.vision else 'off'}, prefill chunk {o.prefill_chunk}")
+    head.add_row(
+        "options",
+        f"context {o.max_context}, concurrency {o.concurrency}, KV {o.kv_dtype}, speculation {spec}, "
+        f"vision {'on' if o.vision else 'off'}, prefill chunk {o.prefill_chunk}",
+    )
     head.add_row("status", "[green]feasible[/]" if p.feasible else f"[red]does not fit[/]: {p.reason}")
 
     components = Table(title="Weights by component", title_justify="left")
@@ -112,7 +116,8 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile]) -> 
             table.caption = (table.caption + "\n" if table.caption else "") + f"{p.profile}: {p.reason}"
     options = plans[0].options
     lines = [
-        f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of each memory bandwidth; prefill GEMMs {PREFILL_EFFICIENCY:.0%} of each tensor throughput",
+        f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of each memory bandwidth; "
+        f"prefill GEMMs {PREFILL_EFFICIENCY:.0%} of each tensor throughput",
         *general_assumptions(options, plans[0].routing_stats),
     ]
     return Group(table, _assumption_table(lines))

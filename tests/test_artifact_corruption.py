@@ -182,7 +182,11 @@ PART_CASES = [
     ("part-wrong-id", lambda part: _patch(part, 16, b"\x00" * 16), r"part file files\[1\]: artifact_id 0{32} does not match"),
     ("part-wrong-index", lambda part: _patch(part, 8, struct.pack("<Q", 2)), r"part file files\[1\]: header says part index 2"),
     ("part-wrong-magic", lambda part: _patch(part, 0, b"NINFER\x00\x03"), r"part file files\[1\]: wrong magic"),
-    ("part-wrong-size", lambda part: part.write_bytes(part.read_bytes()[:-1]), r"part file files\[1\]: file has \d+ bytes, the files table requires"),
+    (
+        "part-wrong-size",
+        lambda part: part.write_bytes(part.read_bytes()[:-1]),
+        r"part file files\[1\]: file has \d+ bytes, the files table requires",
+    ),
 ]
 
 
@@ -225,7 +229,9 @@ def test_nonempty_zero_gap_is_accepted(tmp_path):
 def _cli_runs(jobs):
     """Run `ninfer inspect` for every (args) concurrently; returns [(returncode, stdout, stderr)]."""
     procs = [
-        subprocess.Popen([sys.executable, "-m", "ninfer_offload", "inspect", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "ninfer_offload", "inspect", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for args in jobs
     ]
     results = []

@@ -114,11 +114,17 @@ def _bad_objects():
         ("w8", "q8_g32_fp16", ROWS, [2, 32], encode_codes(q8, np.ones((2, 1), np.float16), "q8_g32_fp16"), ["1 W8 codes equal to -128"]),
         ("neg", "q4_g64_fp16", ROWS, [1, 64], encode_codes(q4, -np.ones((1, 1), np.float16), "q4_g64_fp16"), ["1 negative scales"]),
         ("nan", "q4_g64_fp16", ROWS, [1, 64], encode_codes(q4, np.full((1, 1), np.nan, np.float16), "q4_g64_fp16"), ["1 NaN/Inf scales"]),
-        ("zero", "q4_g64_fp16", ROWS, [1, 64], encode_codes(q4, np.zeros((1, 1), np.float16), "q4_g64_fp16"), ["1 zero scales with non-zero codes"]),
+        (
+            "zero", "q4_g64_fp16", ROWS, [1, 64], encode_codes(q4, np.zeros((1, 1), np.float16), "q4_g64_fp16"),
+            ["1 zero scales with non-zero codes"],
+        ),
         ("pad", "q5_g64_fp16", ROWS, [1, 100], pad, ["2 non-zero padding lanes"]),
         ("padgroup", "q6_g64_fp16", ROWS, [1, 64], pad_group, ["1 non-zero padding-group scales"]),
         ("floats", "bf16", CONTIG, [4], bf16, ["2 NaN/Inf values"]),
-        ("nvfp4", "nvfp4", "block_scale_k16_m128x4_v1", [128, 64], nvfp4, ["1 negative block scales", "1 divisors that are not finite and > 0"]),
+        (
+            "nvfp4", "nvfp4", "block_scale_k16_m128x4_v1", [128, 64], nvfp4,
+            ["1 negative block scales", "1 divisors that are not finite and > 0"],
+        ),
         ("fp8", "fp8_e4m3fn_row_bf16", "row_scale_v1", [2, 4], fp8, ["1 FP8 NaN codes (0x7F/0xFF)", "1 negative row scales"]),
     ]
 

@@ -36,7 +36,9 @@ def test_full_size_file_matches_the_model_card(official):
 
 def test_inspect_reports_official_totals(official):
     path, _ = official
-    proc = subprocess.run([sys.executable, "-m", "ninfer_offload", "inspect", str(path), "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ninfer_offload", "inspect", str(path), "--json"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     counts = {f: row["objects"] for f, row in report["bytes_by_format"].items()}

@@ -56,7 +56,10 @@ def _assert_nothing_written(out_dir):
             dict(tensors=_replaced("model.layers.2.self_attn.q_proj.weight", torch.zeros(128, 64, dtype=torch.bfloat16))),
             r"tensor 'model.layers.2.self_attn.q_proj.weight' has shape \[128, 64\], expected \[256, 64\]",
         ),
-        (dict(tensors=_replaced("model.layers.0.self_attn.q_proj.bias", torch.zeros(4))), "'model.layers.0.self_attn.q_proj.bias' is not part"),
+        (
+            dict(tensors=_replaced("model.layers.0.self_attn.q_proj.bias", torch.zeros(4))),
+            "'model.layers.0.self_attn.q_proj.bias' is not part",
+        ),
         (dict(tensors=_replaced("model.norm.weight", torch.zeros(64, dtype=torch.int32))), "dtype I32"),
         (dict(drop_files=("tokenizer.json",)), "missing tokenizer.json"),
         (dict(drop_files=("chat_template.jinja",)), "missing chat_template.jinja"),

@@ -129,4 +129,6 @@ def test_config_errors_are_one_line():
     with pytest.raises(NinferError, match="missing 'num_experts'"):
         read_model_config(broken)
     with pytest.raises(NinferError, match="mrope_section"):
-        read_model_config({**TEXT_CONFIG, "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 1]}})
+        read_model_config(
+            {**TEXT_CONFIG, "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 1]}}
+        )

@@ -192,7 +192,10 @@ def test_executor_splits_activations_by_their_dtype():
         for dtype, parts in ((torch.float32, ck.EXACT_PARTS), (torch.bfloat16, ck.SIXTEEN_BIT_PARTS)):
             xt = torch.from_numpy(x).to(dtype)
             got = executor.run(layout, table, xt, torch.from_numpy(ids), torch.from_numpy(weights))
-            want = ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), table.numpy(), np.arange(EXPERTS) * layout.nbytes, xt.float().numpy(), ids, weights, activation_parts=parts)
+            want = ck.routed_experts_cpu(
+                ck.RecordKernelPlan.create(layout), table.numpy(), np.arange(EXPERTS) * layout.nbytes, xt.float().numpy(), ids, weights,
+                activation_parts=parts,
+            )
             np.testing.assert_array_equal(got.numpy(), want)
     finally:
         executor.close()
@@ -295,7 +298,9 @@ def test_integer_path_without_vnni(tmp_path):
     env = {
         **os.environ,
         "NUMBA_CPU_NAME": "haswell",
-        "NUMBA_CPU_FEATURES": "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3",
+        "NUMBA_CPU_FEATURES": (
+            "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3"
+        ),
         "NUMBA_CACHE_DIR": str(tmp_path),
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     }

@@ -120,7 +120,10 @@ def _generate(artifact, *flags: str):
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "ninfer_offload", "generate", str(artifact), "--prompt-ids", "5,17,42,99", "--greedy", "--max-tokens", "4", "--json", *flags]
+    command = [
+        sys.executable, "-m", "ninfer_offload", "generate", str(artifact), "--prompt-ids", "5,17,42,99", "--greedy", "--max-tokens", "4",
+        "--json", *flags,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 

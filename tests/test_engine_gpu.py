@@ -52,7 +52,7 @@ def test_cuda_pinned_host_experts_equal_resident(tiny_artifact_official, backend
 
 
 def test_cuda_step_batch_equals_single_steps(tiny_artifact_official):
-    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend="reference")
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend="reference", max_sequences=4)
     batched, single = [engine.session() for _ in range(2)], [engine.session() for _ in range(2)]
     for sessions in (batched, single):
         sessions[0].prefill(PROMPT[:9])

@@ -48,7 +48,10 @@ def test_batched_decode_equals_single_sequence_steps(engine, batch):
             tokens = out.argmax(-1).tolist()
         for b, s in zip(batched, single):
             assert b.length == s.length
-            for x, y in zip(_gdn_state(engine, b.slot) + _kv_rows(engine, b.slot, b.length), _gdn_state(engine, s.slot) + _kv_rows(engine, s.slot, s.length)):
+            for x, y in zip(
+                _gdn_state(engine, b.slot) + _kv_rows(engine, b.slot, b.length),
+                _gdn_state(engine, s.slot) + _kv_rows(engine, s.slot, s.length),
+            ):
                 assert torch.allclose(x, y, rtol=1e-4, atol=1e-5)
     finally:
         for session in batched + single:
@@ -147,3 +150,12 @@ def test_a_dropped_session_frees_its_slot(tiny_artifact_official):
     for _ in range(3):
         engine.session().prefill([1, 2, 3])  # never closed: garbage collection gives the slot back
     assert engine.logits([4, 5]).shape[0] == 2
+
+
+def test_fp8_kv_cache_stays_close_to_the_full_precision_cache(tiny_artifact_official, engine):
+    fp8 = Engine.load(tiny_artifact_official, max_context=CONTEXT, kv_dtype="fp8")
+    assert all(k.dtype == v.dtype == torch.float8_e4m3fn for k, v in fp8.state.kv.values())
+    got, expected = fp8.logits(PROMPT[:24]), engine.logits(PROMPT[:24])
+    assert float((got - expected).norm() / expected.norm()) < 0.1  # e4m3 keeps 3 mantissa bits
+    with pytest.raises(NinferError, match="unsupported KV dtype"):
+        Engine.load(tiny_artifact_official, kv_dtype="int4")

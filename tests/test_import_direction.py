@@ -166,7 +166,9 @@ def test_every_folder_with_python_files_is_a_listed_package():
     listed = {folder.resolve() for folder in package_dirs().values()}
     for root in ("ninfer_offload", "kernels", "planner", "profiles"):
         for path in (REPO / root).rglob("*.py"):
-            assert path.parent.resolve() in listed, f"{path.parent.relative_to(REPO)} is not listed in pyproject.toml [tool.setuptools] packages"
+            assert path.parent.resolve() in listed, (
+                f"{path.parent.relative_to(REPO)} is not listed in pyproject.toml [tool.setuptools] packages"
+            )
 
 
 def test_every_module_belongs_to_a_layer():

@@ -21,7 +21,12 @@ def write_v1(path, tensors: list[tuple[str, str, list[int]]]) -> None:
         layout = "contiguous_le_v1" if fmt in ("bf16", "fp32", "int32") else "row_split_k128_v1"
         size = encoded_size(layout, fmt, shape)
         offset = align_up(end, 256)
-        objects.append({"name": name, "kind": "tensor", "shape": shape, "format": V1_FORMATS[fmt], "layout": V1_LAYOUTS[layout], "offset": offset, "bytes": size})
+        objects.append(
+            {
+                "name": name, "kind": "tensor", "shape": shape, "format": V1_FORMATS[fmt], "layout": V1_LAYOUTS[layout],
+                "offset": offset, "bytes": size,
+            }
+        )
         end = offset + size
     text = json.dumps({"model_id": "qwen3.6-35b-a3b", "objects": objects}).encode()
     start = align_up(16 + len(text), 4096)

@@ -38,7 +38,9 @@ def test_linear_quantized_and_dense():
     rng = np.random.default_rng(0)
     x = torch.randn(2, 3, 300, generator=_gen(0))
     for fmt in GROUPED_FORMATS:
-        w = QuantizedMatrix(GROUPED_FORMATS[fmt], 24, 300, torch.from_numpy(encode_row_split(rng.standard_normal((24, 300)).astype(np.float32), fmt)))
+        w = QuantizedMatrix(
+            GROUPED_FORMATS[fmt], 24, 300, torch.from_numpy(encode_row_split(rng.standard_normal((24, 300)).astype(np.float32), fmt))
+        )
         out = _backend().linear(x.to(DEVICE), w.to(DEVICE))
         assert out.shape == (2, 3, 24) and _close(out, REF.linear(x, w))
     dense = torch.randn(24, 300, generator=_gen(1))
@@ -78,7 +80,7 @@ def test_router_softmax_topk():
 
 
 def test_routed_experts_through_bank_slots():
-    hidden, inter, experts = 136, 40, 5
+    hidden, inter = 136, 40
     layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", hidden, inter)
     rng = np.random.default_rng(6)
     records = np.zeros((3, layout.nbytes), dtype=np.uint8)  # 3 slots hold experts 4, 1, 2
@@ -192,7 +194,9 @@ def _check_attention_decode(batch, tokens, starts, capacity, q_dtype, kv_dtype, 
     out = backend.attention_decode(q.to(DEVICE), k_dev, v_dev, ctx, capacity)
     assert out.dtype == q_dtype and _close(out, ref, tol)
     if batch > 1:  # a sequence's result does not depend on the others in its step
-        one = backend.attention_decode(q[tokens : 2 * tokens].to(DEVICE), k_dev, v_dev, _step(slots[1:2], starts[1:2], tokens, capacity), capacity)
+        one = backend.attention_decode(
+            q[tokens : 2 * tokens].to(DEVICE), k_dev, v_dev, _step(slots[1:2], starts[1:2], tokens, capacity), capacity
+        )
         assert torch.equal(one, out[tokens : 2 * tokens])
 
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kernels_support import HAS_CUDA, needs_cuda, needs_triton_device
-from ninfer_offload.errors import NinferError
 from ninfer_offload.runtime.engine import Engine
 
 PROMPT = [5, 17, 300, 42, 7, 99, 123]

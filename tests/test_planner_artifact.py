@@ -64,6 +64,10 @@ def test_converted_tiny_artifact_classifies_and_plans(tiny_artifact_official):
     assert all(b.num_experts == experts for b in inventory.banks)
     roles = inventory.bytes_by_role()
     assert roles["token_embedding"] > 0 and roles["output_head"] > 0 and roles["routed_gate_up"] > 0
-    placement = plan(inventory, load_profile("rtx5090"), PlanOptions(speculative="none" if not inventory.select("mtp") else "mtp", proposal_head=bool(inventory.select("proposal"))))
+    placement = plan(
+        inventory,
+        load_profile("rtx5090"),
+        PlanOptions(speculative="none" if not inventory.select("mtp") else "mtp", proposal_head=bool(inventory.select("proposal"))),
+    )
     assert placement.feasible and placement.routing_stats == "uniform"
     assert placement.experts_resident == layers * experts

@@ -173,14 +173,20 @@ def test_schema_checker_rejects_bad_documents(inventory):
     assert any("text_dense.bytes" in e for e in errors) and any("'gpu' not in" in e for e in errors)
 
 
-@pytest.mark.parametrize("text, expected", [("2GiB", 2 * GiB), ("24GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("1.5G", 1_500_000_000), ("4096", 4096), ("7 gib", 7 * GiB)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [("2GiB", 2 * GiB), ("24GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("1.5G", 1_500_000_000), ("4096", 4096), ("7 gib", 7 * GiB)],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"kv_dtype": "fp4"}, "--kv-dtype"), ({"drafts": 6}, "--drafts"), ({"max_context": 0}, "--max-context"), ({"speculative": "eagle"}, "--spec")],
+    [
+        ({"kv_dtype": "fp4"}, "--kv-dtype"), ({"drafts": 6}, "--drafts"), ({"max_context": 0}, "--max-context"),
+        ({"speculative": "eagle"}, "--spec"),
+    ],
 )
 def test_bad_options(kwargs, message):
     with pytest.raises(NinferError, match=message):

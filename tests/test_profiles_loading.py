@@ -16,13 +16,17 @@ GiB = 2**30
 def test_shipped_profiles_match_the_issue():
     assert shipped_names() == ["h200", "rtx5060ti", "rtx5090", "rtxpro6000"]
     p = load_profile("rtx5090")
-    assert (p.vram_bytes, p.memory_bandwidth_gbs, p.pcie_generation, p.pcie_width, p.sm_count, p.compute_capability, p.fp4) == (32 * GiB, 1792.0, 5, 16, 170, "12.0", True)
+    assert (p.vram_bytes, p.memory_bandwidth_gbs, p.pcie_generation, p.pcie_width, p.sm_count, p.compute_capability, p.fp4) == (
+        32 * GiB, 1792.0, 5, 16, 170, "12.0", True
+    )
     p = load_profile("rtx5060ti")
     assert (p.vram_bytes, p.memory_bandwidth_gbs, p.pcie_width, p.sm_count) == (16 * GiB, 448.0, 8, 36)
     p = load_profile("rtxpro6000")
     assert (p.vram_bytes, p.memory_bandwidth_gbs, p.sm_count) == (96 * GiB, 1792.0, 188)
     p = load_profile("h200")
-    assert (p.vram_bytes, p.memory_bandwidth_gbs, p.h2d_bandwidth_gbs, p.sm_count, p.compute_capability, p.fp4) == (141 * 10**9, 4800.0, 55.0, 132, "9.0", False)
+    assert (p.vram_bytes, p.memory_bandwidth_gbs, p.h2d_bandwidth_gbs, p.sm_count, p.compute_capability, p.fp4) == (
+        141 * 10**9, 4800.0, 55.0, 132, "9.0", False
+    )
 
 
 @pytest.mark.parametrize("name", ["h200", "rtx5060ti", "rtx5090", "rtxpro6000"])

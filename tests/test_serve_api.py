@@ -298,7 +298,10 @@ def test_reasoning_content_stream_and_non_stream(scripted, frontend):
 
 
 def test_tool_call_round_trip(scripted, frontend):
-    call_text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    call_text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    )
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     client = scripted.client()
     scripted.engine.scripts.append(script(frontend, "I should call the tool.\n</think>\n\n" + call_text))
@@ -312,9 +315,13 @@ def test_tool_call_round_trip(scripted, frontend):
     assert response.usage.prompt_tokens == len(chat_prompt(frontend, messages, tools=[WEATHER_TOOL]))
 
     scripted.engine.scripts.append(script(frontend, "I should call the tool.\n</think>\n\n" + call_text))
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=80, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=80, temperature=0, stream=True)
+    )
     streamed = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in streamed] == [(0, "get_weather", {"city": "Paris", "days": 2})]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in streamed] == [
+        (0, "get_weather", {"city": "Paris", "days": 2})
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     follow_up = messages + [
@@ -396,7 +403,12 @@ GOOD = {"model": MODEL, "messages": USER, "max_tokens": 2}
         ("/v1/chat/completions", {**GOOD, "max_tokens": CONTEXT}, 400, "max_tokens"),
         ("/v1/chat/completions", {**GOOD, "n": 2}, 400, "n"),
         ("/v1/chat/completions", {**GOOD, "tool_choice": "required", "tools": [WEATHER_TOOL]}, 400, "tool_choice"),
-        ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            400,
+            "messages.0.content",
+        ),
         ("/v1/chat/completions", {**GOOD, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
         ("/v1/completions", {"model": MODEL, "prompt": "lighthouse " * 600}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [5, 100000]}, 400, "prompt"),

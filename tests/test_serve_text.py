@@ -16,7 +16,9 @@ WEATHER_TOOL = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}, "days": {"type": "integer"}}},
+        "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}, "days": {"type": "integer"}}
+        },
     },
 }
 

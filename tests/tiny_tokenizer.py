@@ -119,7 +119,8 @@ CHAT_TEMPLATE = """\
 {%- for tool in tools %}
 {{- '\\n' + (tool | tojson) -}}
 {%- endfor %}
-{{- '\\n</tools>\\n\\nTo call a function, reply with:\\n<tool_call>\\n<function=NAME>\\n<parameter=ARGUMENT>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' -}}
+{{- '\\n</tools>\\n\\nTo call a function, reply with:\\n<tool_call>\\n<function=NAME>\\n<parameter=ARGUMENT>\\n'
+    + 'VALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' -}}
 {%- elif has_system %}
 {{- '<|im_start|>system\\n' + render_content(messages[0].content) + '<|im_end|>\\n' -}}
 {%- endif %}

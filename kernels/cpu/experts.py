@@ -360,7 +360,10 @@ def _chunk(remaining, workers):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_perm, down_scale, record_offsets, record_bytes, ids, weights, selected, x, out, nparts, workers):
+def _routed_kernel(
+    records, lut, geometry, gate_up_perm, gate_up_scale, down_perm, down_scale, record_offsets, record_bytes, ids, weights, selected, x,
+    out, nparts, workers,
+):
     """out[t] += sum over selected (t, j) of weights[t, j] * expert_{ids[t, j]}(x[t]); False when a
     selected expert has no record inside `records` (nothing is computed then). `workers`: the
     number of numba threads (one counter-draining loop each).
@@ -457,7 +460,9 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
                     for i in range(r0, min(r0 + ACT_ITEM, inter)):
                         for a in range(starts[s], starts[s + 1]):
                             tok = tokens[a]
-                            gate, up = _rows_dot(u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xp, x_parts, x_units, x_sums, tok)
+                            gate, up = _rows_dot(
+                                u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xp, x_parts, x_units, x_sums, tok
+                            )
                             act[a, down_perm[i]] = gate / (_F32(1.0) + np.exp(-gate)) * up * down_scale[down_perm[i]]
                     if dn_integer:
                         g = r0 // 64
@@ -473,7 +478,9 @@ def _routed_kernel(records, lut, geometry, gate_up_perm, gate_up_scale, down_per
                     for h in range(h0, min(h0 + OUT_ITEM, hidden), 2):  # row pairs (the last one alone when odd)
                         h1 = min(h + 1, hidden - 1)
                         for a in range(starts[s], starts[s + 1]):
-                            partial[a, h], partial[a, h1] = _rows_dot(u8, i8, u32, u16, lut, down, record_at[s], h, h1, act, act_parts, act_units, act_sums, a)
+                            partial[a, h], partial[a, h1] = _rows_dot(
+                                u8, i8, u32, u16, lut, down, record_at[s], h, h1, act, act_parts, act_units, act_sums, a
+                            )
             size = _chunk(total - first - size, workers)
             first = _fetch_add(sync, 0, size)
 
@@ -571,7 +578,8 @@ def warm_up() -> None:
         layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", 128, 64)
         ones = np.ones((1, 1), dtype=np.float32)
         routed_experts_cpu(
-            RecordKernelPlan.create(layout), np.zeros(layout.nbytes, np.uint8), np.zeros(1, np.int64), np.ones((1, 128), np.float32), np.zeros((1, 1), np.int64), ones
+            RecordKernelPlan.create(layout), np.zeros(layout.nbytes, np.uint8), np.zeros(1, np.int64), np.ones((1, 128), np.float32),
+            np.zeros((1, 1), np.int64), ones,
         )
         _warm = True
 
@@ -590,7 +598,8 @@ def reference_expert(layout: ExpertRecordLayout, record: np.ndarray, x: np.ndarr
 
 
 def reference_routed(
-    layout: ExpertRecordLayout, records: np.ndarray, record_offsets: np.ndarray, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray
+    layout: ExpertRecordLayout, records: np.ndarray, record_offsets: np.ndarray, x: np.ndarray,
+    topk_ids: np.ndarray, topk_weights: np.ndarray,
 ) -> np.ndarray:
     """The oracle of `routed_experts_cpu`: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])."""
     x = np.asarray(x, dtype=np.float32)

@@ -80,7 +80,9 @@ def _bytes_at(context, builder, array_type, array, offset, count: int):
 
 def _lanes_at(vector: ir.VectorType):
     """Codegen of a load of the 16 int32/float32 lanes of an array from element `offset` on."""
-    return lambda context, builder, signature, args: builder.load(_element_pointer(context, builder, signature.args[0], args[0], args[1], vector), align=4)
+    return lambda context, builder, signature, args: builder.load(
+        _element_pointer(context, builder, signature.args[0], args[0], args[1], vector), align=4
+    )
 
 
 # Lanes of a 128-lane block whose codes are the low nibbles (even lanes) and the high ones (odd).
@@ -189,7 +191,10 @@ def dot_u8s8(typingctx, acc, unsigned, signed):
             return builder.call(fn, [acc, builder.bitcast(unsigned, _INTS), builder.bitcast(signed, _INTS)])
         wide = ir.VectorType(ir.IntType(32), 64)
         products = builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide))
-        picks = [builder.shuffle_vector(products, products, ir.Constant(ir.VectorType(ir.IntType(32), 16), [4 * i + j for i in range(16)])) for j in range(4)]
+        picks = [
+            builder.shuffle_vector(products, products, ir.Constant(ir.VectorType(ir.IntType(32), 16), [4 * i + j for i in range(16)]))
+            for j in range(4)
+        ]
         return builder.add(acc, builder.add(builder.add(picks[0], picks[1]), builder.add(picks[2], picks[3])))
 
     return sig, codegen
@@ -214,7 +219,9 @@ def prefetch(typingctx, array, offset):
     def codegen(context, builder, signature, args):
         pointer = _element_pointer(context, builder, signature.args[0], args[0], args[1], ir.IntType(8))
         i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [pointer.type], fnty=ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]))
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch", [pointer.type], fnty=ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32])
+        )
         builder.call(fn, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
@@ -229,7 +236,9 @@ def total(typingctx, values):
     def codegen(context, builder, signature, args):
         value = args[0]
         for width in (8, 4, 2, 1):
-            upper = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), 16), [(i + width) % 16 for i in range(16)]))
+            upper = builder.shuffle_vector(
+                value, value, ir.Constant(ir.VectorType(ir.IntType(32), 16), [(i + width) % 16 for i in range(16)])
+            )
             value = builder.fadd(value, upper)
         return builder.extract_element(value, ir.Constant(ir.IntType(32), 0))
 

@@ -298,7 +298,9 @@ def official_directory() -> dict:
         layout = CONTIGUOUS if fmt in (BF16, FP32, INT32) else ROW_SPLIT
         size = encoded_size(layout, fmt, shape)
         offset = align_up(offset, 256)
-        objects.append({"id": oid, "shape": list(shape), "format": fmt, "layout": layout, "offset": offset, "bytes": size, "kind": "tensor"})
+        objects.append(
+            {"id": oid, "shape": list(shape), "format": fmt, "layout": layout, "offset": offset, "bytes": size, "kind": "tensor"}
+        )
         offset += size
         begin = 0
         for name, pshape, _, inputs in group:

@@ -228,12 +228,20 @@ class Inventory:
 def _record_ready(gate_up: TensorInfo, down: TensorInfo, count: int) -> bool:
     """True when both banks are grouped row-split parents that cut into ExpertRecordLayout records."""
     grouped = all(t.layout == ROW_SPLIT and t.format in GROUPED_FORMATS and len(t.shape) == 2 for t in (gate_up, down))
-    return grouped and gate_up.shape[0] % count == 0 and down.shape[0] == count * gate_up.shape[1] and gate_up.shape[0] == count * 2 * down.shape[1]
+    return (
+        grouped
+        and gate_up.shape[0] % count == 0
+        and down.shape[0] == count * gate_up.shape[1]
+        and gate_up.shape[0] == count * 2 * down.shape[1]
+    )
 
 
 def _dense_record_ready(gate_up: TensorInfo, down: TensorInfo) -> bool:
     """True when both banks are contiguous words of one format that cut into DenseRecordLayout records."""
-    return all(t.layout == CONTIGUOUS and t.format in ("bf16", "fp32") and len(t.shape) == 2 for t in (gate_up, down)) and gate_up.format == down.format
+    return (
+        all(t.layout == CONTIGUOUS and t.format in ("bf16", "fp32") and len(t.shape) == 2 for t in (gate_up, down))
+        and gate_up.format == down.format
+    )
 
 
 def _sum_by(tensors: list[TensorInfo], key) -> dict[str, int]:

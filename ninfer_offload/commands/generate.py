@@ -77,7 +77,10 @@ def generate(
     chat_template: Path | None = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
     experts: str = typer.Option("resident", "--experts", help="resident (on the device) or host (staged per use)."),
-    miss_path: str = typer.Option("staged", "--miss-path", help="With --experts host: staged (copied to the device), cpu (computed on the host) or auto (both, split by measured rates)."),
+    miss_path: str = typer.Option(
+        "staged", "--miss-path",
+        help="With --experts host: staged (copied to the device), cpu (computed on the host) or auto (both, split by measured rates).",
+    ),
     max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -126,7 +129,8 @@ def generate(
         repetition_penalty=repetition_penalty,
     )
     engine = Engine.load(
-        artifact, device=device, experts=experts, max_context=max_context, miss_path=None if miss_path == "staged" else miss_path, progress=not json_out
+        artifact, device=device, experts=experts, max_context=max_context, miss_path=None if miss_path == "staged" else miss_path,
+        progress=not json_out,
     )
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
 

@@ -53,7 +53,10 @@ def summarize(artifact: Artifact) -> dict:
         "routed_expert_bytes": routed,
         "other_tensor_bytes": inventory.total_bytes - routed,
         "expert_banks": [
-            {"component": b.component, "layer": b.layer, "experts": b.num_experts, "bank_bytes": b.bank_bytes, "record_bytes": b.expert_bytes}
+            {
+                "component": b.component, "layer": b.layer, "experts": b.num_experts, "bank_bytes": b.bank_bytes,
+                "record_bytes": b.expert_bytes,
+            }
             for b in inventory.banks
         ],
         "bindings": len(artifact.bindings),

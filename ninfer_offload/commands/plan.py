@@ -39,7 +39,9 @@ def _size(text: Optional[str]) -> Optional[int]:
 
 
 def plan(
-    artifact: Optional[Path] = typer.Argument(None, help="A .ninfer file (only its directory is read). Default: the official Qwen3.6-35B-A3B inventory."),
+    artifact: Optional[Path] = typer.Argument(
+        None, help="A .ninfer file (only its directory is read). Default: the official Qwen3.6-35B-A3B inventory."
+    ),
     profile: str = typer.Option("rtx5090", "--profile", help=f"{', '.join(shipped_names())}, a TOML file, auto or all."),
     max_context: int = typer.Option(262144, "--max-context", help="Tokens of KV cache per sequence."),
     concurrency: int = typer.Option(1, "--concurrency", help="Sequences served at once."),
@@ -55,7 +57,10 @@ def plan(
     routing_stats: Optional[Path] = typer.Option(None, "--routing-stats", help="Per-layer expert pick counts (one line per layer)."),
     mtp_acceptance: float = typer.Option(0.75, "--mtp-acceptance", help="Assumed per-draft acceptance rate."),
     at_context: int = typer.Option(4096, "--at-context", help="Sequence length at which decode speed is predicted."),
-    miss_path: str = typer.Option("staged", "--miss-path", help="Host-resident experts in decode: staged (copied), cpu (computed on the host) or auto (both, split by rate)."),
+    miss_path: str = typer.Option(
+        "staged", "--miss-path",
+        help="Host-resident experts in decode: staged (copied), cpu (computed on the host) or auto (both, split by rate).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document (schema in README)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write predicted decode tok/s against VRAM budget to this PNG."),
 ) -> None:

@@ -47,8 +47,13 @@ def serve(
     port: int = typer.Option(8080, min=0, max=65535, help="TCP port (0 picks a free one)."),
     device: str = typer.Option("cpu", help="Compute device: cpu or cuda[:N]."),
     experts: str = typer.Option("resident", help="Routed experts: resident (on the device) or host (staged per use)."),
-    miss_path: str = typer.Option("staged", "--miss-path", help="With --experts host: staged (copied to the device), cpu (computed on the host) or auto (both, split by measured rates)."),
-    profile: str | None = typer.Option(None, help="Device profile (name, TOML file or auto) for the startup plan summary; default auto on CUDA."),
+    miss_path: str = typer.Option(
+        "staged", "--miss-path",
+        help="With --experts host: staged (copied to the device), cpu (computed on the host) or auto (both, split by measured rates).",
+    ),
+    profile: str | None = typer.Option(
+        None, help="Device profile (name, TOML file or auto) for the startup plan summary; default auto on CUDA."
+    ),
     max_concurrency: int = typer.Option(4, min=1, help="Sequences decoded together in one batched forward pass."),
     max_queue: int = typer.Option(64, min=0, help="Requests allowed to wait for a slot; beyond it: 429."),
     max_context: int | None = typer.Option(None, min=1, help="Tokens per sequence, prompt + completion (default: min(model's, 32768))."),

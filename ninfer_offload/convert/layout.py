@@ -280,11 +280,20 @@ class LayoutBuilder:
                 _single(BF16, _source(f"{b}norm1.bias", (h,)), f"{name}/norm1_bias"),
                 _single(BF16, _source(f"{b}norm2.weight", (h,)), f"{name}/norm2_weight"),
                 _single(BF16, _source(f"{b}norm2.bias", (h,)), f"{name}/norm2_bias"),
-                _single(self.fmt("vision_output"), _source(f"{b}attn.proj.weight", (h, h)), f"{name}/attention/output", f"{name}/attention_output"),
+                _single(
+                    self.fmt("vision_output"), _source(f"{b}attn.proj.weight", (h, h)), f"{name}/attention/output",
+                    f"{name}/attention_output",
+                ),
                 _single(BF16, _source(f"{b}attn.proj.bias", (h,)), f"{name}/attention/output_bias"),
-                _single(self.fmt("vision_fc1"), _source(f"{b}mlp.linear_fc1.weight", (v.intermediate, h)), f"{name}/mlp/fc1", f"{name}/mlp_input"),
+                _single(
+                    self.fmt("vision_fc1"), _source(f"{b}mlp.linear_fc1.weight", (v.intermediate, h)), f"{name}/mlp/fc1",
+                    f"{name}/mlp_input",
+                ),
                 _single(BF16, _source(f"{b}mlp.linear_fc1.bias", (v.intermediate,)), f"{name}/mlp/fc1_bias"),
-                _single(self.fmt("vision_fc2"), _source(f"{b}mlp.linear_fc2.weight", (h, v.intermediate)), f"{name}/mlp/fc2", f"{name}/mlp_activation"),
+                _single(
+                    self.fmt("vision_fc2"), _source(f"{b}mlp.linear_fc2.weight", (h, v.intermediate)), f"{name}/mlp/fc2",
+                    f"{name}/mlp_activation",
+                ),
                 _single(BF16, _source(f"{b}mlp.linear_fc2.bias", (h,)), f"{name}/mlp/fc2_bias"),
             ]
         m, merged, merger_fmt = f"{vp}merger.", v.merged, self.fmt("vision_merger")

@@ -70,7 +70,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class ReferenceBackend:
     """PyTorch reference ops (CPU float32 or CUDA bfloat16)."""
 
-    name = "reference"
     capturable = False  # its attention and GDN decode ops slice by host-side lengths
 
     # ------------------------------------------------------------------ dense

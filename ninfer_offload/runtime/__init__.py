@@ -1,1 +1,1 @@
-"""Runtime: engine, per-sequence state, expert store, loader, sampling."""
+"""Runtime: engine and sessions over a pooled state, step inputs and CUDA graphs, loader, expert store, sampling, generation."""

@@ -113,15 +113,23 @@ class CpuExpertExecutor:
         self.seconds = 0.0
         self.bytes = 0
 
-    def run(self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        selected: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """sum over the (selected) assignments of w * expert(x[token]) -> CPU float32 [T, H]."""
         return self._compute(layout, records, *_host_inputs(x, topk_ids, topk_weights, selected), _parts_for(x))
 
-    def submit(self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor | None = None) -> Future:
+    def submit(
+        self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        selected: torch.Tensor | None = None,
+    ) -> Future:
         """`run` in the worker thread; inputs are brought to the host first, in the caller's stream order."""
         return self._worker.submit(self._compute, layout, records, *_host_inputs(x, topk_ids, topk_weights, selected), _parts_for(x))
 
-    def _compute(self, layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None, parts: int) -> torch.Tensor:
+    def _compute(
+        self, layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None, parts: int
+    ) -> torch.Tensor:
         if records.device.type != "cpu" or records.dtype != torch.uint8 or records.dim() != 2 or records.stride(1) != 1:
             raise NinferError("CPU expert compute needs host records as a CPU uint8 tensor [experts, bytes]")
         used = np.unique(ids if selected is None else ids[selected])
@@ -149,7 +157,11 @@ class CpuExpertExecutor:
         return self._plans[layout]
 
     def stats(self) -> dict:
-        return {"calls": self.calls, "seconds": round(self.seconds, 6), "gbs": round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0}
+        return {
+            "calls": self.calls,
+            "seconds": round(self.seconds, 6),
+            "gbs": round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0,
+        }
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -171,7 +183,9 @@ def _parts_for(x: torch.Tensor) -> int:
     return EXACT_PARTS if x.dtype == torch.float32 else SIXTEEN_BIT_PARTS
 
 
-def _reference_dense(layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None) -> torch.Tensor:
+def _reference_dense(
+    layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None
+) -> torch.Tensor:
     """Lossless (bf16/fp32) records: the torch reference op on the host."""
     from ninfer_offload.model.backend import ReferenceBackend
     from ninfer_offload.model.experts import ExpertBank
@@ -211,7 +225,9 @@ class CpuMissPath:
         cpu, _ = self.splitter.split(experts.numpy(), counts.numpy(), max_pcie=free_slots)
         return missing & torch.from_numpy(np.isin(ids.numpy(), cpu))
 
-    def submit(self, layout, records: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> Future:
+    def submit(
+        self, layout, records: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor
+    ) -> Future:
         return self.executor.submit(layout, records, x, ids, weights, selected)
 
     def staging_started(self, device: torch.device):

@@ -55,7 +55,9 @@ class Session:
         if self.slot is None:
             raise NinferError("this session is closed")
         if not 1 <= n <= self.pending:
-            raise NinferError(f"commit takes 1..{self.pending} tokens of the pending step, got {n}" if self.pending else "no step is pending")
+            raise NinferError(
+                f"commit takes 1..{self.pending} tokens of the pending step, got {n}" if self.pending else "no step is pending"
+            )
         if n < self.pending:
             self.engine.state.restore(self.slot, n - 1)
         self.length += n

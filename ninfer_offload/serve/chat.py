@@ -26,7 +26,12 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
         if isinstance(message.content, list):
             for part in message.content:
                 if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages.{index}.content: only text content parts are supported (got '{part.type}')", param=f"messages.{index}.content", code="unsupported_value")
+                    raise APIError(
+                        400,
+                        f"messages.{index}.content: only text content parts are supported (got '{part.type}')",
+                        param=f"messages.{index}.content",
+                        code="unsupported_value",
+                    )
             data["content"] = "".join(part.text for part in message.content)
         if data["role"] == "developer":
             data["role"] = "system"

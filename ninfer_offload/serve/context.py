@@ -26,7 +26,9 @@ class ServeContext:
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
+            raise APIError(
+                404, f"The model '{name}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found"
+            )
 
     def sampling(self, body: SamplingFields) -> SamplingParams:
         """Request values, else the model's generation_config.json defaults, else OpenAI's."""

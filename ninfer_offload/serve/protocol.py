@@ -105,7 +105,12 @@ class ChatCompletionRequest(SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice must be 'auto' or 'none' (forced tool calls are not supported)", param="tool_choice", code="unsupported_value")
+            raise APIError(
+                400,
+                "tool_choice must be 'auto' or 'none' (forced tool calls are not supported)",
+                param="tool_choice",
+                code="unsupported_value",
+            )
 
     @property
     def uses_tools(self) -> bool:
