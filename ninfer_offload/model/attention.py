@@ -67,8 +67,8 @@ class GatedAttention:
         """Write the tokens' keys and values to their KV rows, attend, gate and project."""
         q, k, v, gate = self._project(backend, x, ctx.positions)
         k_pool, v_pool = state.kv[self.key]
-        k_pool[ctx.kv_rows] = k.to(k_pool.dtype)
-        v_pool[ctx.kv_rows] = v.to(v_pool.dtype)
+        for pool, rows in ((k_pool, k), (v_pool, v)):  # as bytes: CPU tensors have no fp8 index_copy_
+            pool.view(torch.uint8).index_copy_(0, ctx.kv_rows, rows.to(pool.dtype).view(torch.uint8))
         if ctx.chunked:
             (slot,), (start,) = ctx.host_view()
             out = backend.attention_prefill(q, *state.kv_of(self.key, slot), start)
