@@ -32,6 +32,7 @@ from ninfer_offload.runtime.generate import generate
 from ninfer_offload.runtime.sampling import SamplingParams
 from ninfer_offload.serve.app import create_app
 from ninfer_offload.serve.reasoning import split_reasoning
+from ninfer_offload.serve.server import graceful_server
 
 MODEL = "tiny"
 CONTEXT = 512
@@ -46,14 +47,18 @@ WEATHER_TOOL = {
 
 
 class LiveServer:
-    """A uvicorn server for `app` in a background thread on a free 127.0.0.1 port."""
+    """A uvicorn server for `app` in a background thread on a free 127.0.0.1 port; with
+    `shutdown_timeout`, the server `ninfer serve` runs (its requests ended at that deadline)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, shutdown_timeout: float | None = None) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        if shutdown_timeout is None:
+            self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        else:
+            self.server = graceful_server(app, "127.0.0.1", self.port, "warning", shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -214,7 +219,7 @@ def test_chat_equals_engine_greedy(server, frontend, oracle):
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_thinking_on_splits_reasoning_like_vllm(server, frontend, oracle):
+def test_thinking_on_splits_reasoning(server, frontend, oracle):
     ids, _ = oracle(chat_prompt(frontend, USER), 12)
     text = frontend.decode(ids, skip_special_tokens=True)
     response = server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=12, temperature=0)
@@ -295,6 +300,23 @@ def test_reasoning_content_stream_and_non_stream(scripted, frontend):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
     assert "".join(d.content or "" for d in deltas) == message.content
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_reply_cut_off_while_thinking_is_reasoning_in_both_modes(scripted, frontend):
+    text = "The keeper counts ships and then"
+    client = scripted.client()
+    max_tokens = len(frontend.encode(text))
+    scripted.engine.scripts.append(script(frontend, text, stop=False))
+    response = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=max_tokens, temperature=0)
+    message = response.choices[0].message
+    assert (message.reasoning_content, message.content, response.choices[0].finish_reason) == (text, None, "length")
+
+    scripted.engine.scripts.append(script(frontend, text, stop=False))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=max_tokens, temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == text
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_tool_call_round_trip(scripted, frontend):

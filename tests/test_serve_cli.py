@@ -7,6 +7,7 @@ import json
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,7 +46,7 @@ class ServeProcess:
         raise AssertionError(f"no log line matching {pattern!r}:\n{''.join(self.log)}")
 
     def port(self) -> int:
-        return int(self.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)").group(1))
+        return int(self.wait_for(r"Uvicorn running on http://(?:\[[^\]]+\]|[^:/]+):(\d+)").group(1))
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -126,3 +127,15 @@ def test_bad_miss_path_is_a_one_line_error(tiny_artifact):
     result = subprocess.run([*SERVE, str(tiny_artifact), "--miss-path", "gpu"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: --miss-path must be staged, cpu or auto, got 'gpu'"]
+
+
+def test_a_busy_port_is_a_one_line_error_before_the_model_loads(tiny_artifact):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([*SERVE, str(tiny_artifact), "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}: ") and "--port" in lines[-1]
+    assert not any("loaded" in line for line in lines)  # refused before the load

@@ -71,13 +71,19 @@ def test_stop_matcher_equals_cutting_at_first_occurrence(text, stop, size):
     [
         ("plan it\n</think>\n\nThe answer.", ("plan it\n", "\n\nThe answer.")),
         ("<think>plan it</think>The answer.", ("plan it", "The answer.")),
-        ("just an answer", (None, "just an answer")),  # no </think>: all content (vLLM's rule)
+        ("cut off while thinking", ("cut off while thinking", None)),  # no </think>: all reasoning, as when streamed
         ("thought only</think>", ("thought only", None)),
         ("a</think>b</think>c", ("a", "b</think>c")),
+        ("", ("", None)),
     ],
 )
 def test_split_reasoning(text, expected):
     assert split_reasoning(text) == expected
+
+
+def test_split_reasoning_with_thinking_off_is_all_content():
+    assert split_reasoning("a</think>b", thinking=False) == (None, "a</think>b")
+    assert split_reasoning("", thinking=False) == (None, None)
 
 
 def test_prompt_thinking_state():
@@ -95,7 +101,7 @@ def stream_reasoning(text: str, size: int, thinking: bool = True) -> tuple[str, 
 
 
 @pytest.mark.parametrize("size", [1, 2, 5, 100])
-@pytest.mark.parametrize("text", ["plan it\n</think>\n\nThe answer.", "<think>plan it</think>The answer.", "x</think>"])
+@pytest.mark.parametrize("text", ["plan it\n</think>\n\nThe answer.", "<think>plan it</think>The answer.", "x</think>", "no end <thi"])
 def test_streamed_reasoning_matches_whole_text_split(text, size):
     reasoning, content = split_reasoning(text)
     assert stream_reasoning(text, size) == (reasoning or "", content or "")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -41,6 +43,20 @@ def _plan_summary(engine, profile: str, max_concurrency: int, prefill_chunk: int
     )
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """A one-line error before the model loads when HOST:PORT cannot be bound (a busy port)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            reason = err.strerror or err
+            raise NinferError(f"cannot listen on {host}:{port}: {reason}; choose another --port (0 picks a free one)") from None
+
+
 def serve(
     artifact: Path = typer.Argument(..., help="The .ninfer model file to serve."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; the default accepts local clients only."),
@@ -59,12 +75,20 @@ def serve(
     max_context: int | None = typer.Option(None, min=1, help="Tokens per sequence, prompt + completion (default: min(model's, 32768))."),
     prefill_chunk: int = typer.Option(512, min=1, help="Prompt tokens per prefill step, interleaved with the others' decode."),
     api_key: str | None = typer.Option(None, envvar="NINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    allowed_host: list[str] | None = typer.Option(
+        None, "--allowed-host",
+        help="Also accept this Host header name (repeatable); on a loopback address only localhost, 127.0.0.1 and [::1] are.",
+    ),
     served_model_name: str | None = typer.Option(None, help="Model id clients must send (default: the file name without .ninfer)."),
     chat_template: Path | None = typer.Option(None, help="Jinja chat template file replacing the model's."),
     shutdown_timeout: float = typer.Option(30.0, min=0, help="Seconds in-flight requests get to finish on SIGINT/SIGTERM."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Serve ARTIFACT with OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    if api_key is None and os.environ.get("NINFER_API_KEY") == "":
+        api_key = ""  # typer reads an empty variable as unset, which would serve without a key
+    if api_key is not None and not api_key.strip():
+        raise NinferError("the API key is empty (--api-key or NINFER_API_KEY): give a key, or leave both unset to serve without one")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise NinferError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     if not artifact.is_file():
@@ -76,13 +100,20 @@ def serve(
         except (OSError, UnicodeDecodeError) as err:
             raise NinferError(f"cannot read chat template {chat_template}: {err}") from None
 
-    import uvicorn
-
     from ninfer_offload.frontend import Frontend
     from ninfer_offload.runtime.engine import Engine
     from ninfer_offload.serve.app import create_app
+    from ninfer_offload.serve.guards import LOOPBACK_NAMES, is_loopback
+    from ninfer_offload.serve.server import graceful_server
 
     _configure_logging(log_level)
+    if not is_loopback(host) and api_key is None:
+        log.warning(
+            "warning: %s is not a loopback address and no --api-key is set: anyone who can reach this port can use the model", host
+        )
+    extra_hosts = list(allowed_host or [])
+    allowed_hosts = [*LOOPBACK_NAMES, *extra_hosts] if is_loopback(host) or extra_hosts else None
+    _check_can_listen(host, port)
     start = time.perf_counter()
     if miss_path not in ("staged", "cpu", "auto"):
         raise NinferError(f"--miss-path must be staged, cpu or auto, got {miss_path!r}")
@@ -106,9 +137,10 @@ def serve(
     app = create_app(
         engine, frontend, name, engine.max_context,
         max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk, api_key=api_key,
+        allowed_hosts=allowed_hosts,
     )
     log.info(
         "serving model '%s' at /v1 (%d concurrent sequences, queue %d%s)",
         name, max_concurrency, max_queue, ", API key required" if api_key else "",
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=shutdown_timeout)
+    graceful_server(app, host, port, log_level.lower(), shutdown_timeout).run()

@@ -121,5 +121,7 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as err:
             raise NinferError(f"chat template: {err.message or err}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as err:
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as err:
             raise NinferError(f"chat template failed on these messages: {err}") from None
+        except RecursionError:
+            raise NinferError("chat template failed on these messages: they nest too deeply") from None

@@ -115,8 +115,9 @@ class Frontend:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings in the text become their ids."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special-token strings in the text become their ids. (The batch call
+        releases the GIL while it works, so other threads keep running during a long prompt.)"""
+        return self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`."""

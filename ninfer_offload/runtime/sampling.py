@@ -23,9 +23,38 @@ import torch
 from ninfer_offload.errors import NinferError
 
 
+# The range of values the sampler takes: within it, its float32 arithmetic on model logits stays finite.
+MIN_TEMPERATURE = 1e-5
+PENALTY_LIMIT = 2.0  # presence and frequency penalties, OpenAI's range
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
+
+class SamplingError(NinferError):
+    """A sampling value outside what the sampler can use; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _within(value: Any, low: float, high: float) -> bool:
+    """A real number (not bool) in [low, high]; NaN and infinities never are."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and low <= value <= high
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. `temperature == 0` or `greedy` means argmax."""
+    """How to pick each next token. `temperature == 0` or `greedy` means argmax.
+
+    Every field is checked at construction against the rules below (`SamplingError` names the
+    field); they are the only definition of valid sampling values, shared by `ninfer generate`
+    and the server."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -38,18 +67,28 @@ class SamplingParams:
     greedy: bool = False
 
     def __post_init__(self) -> None:
+        low, high = REPETITION_PENALTY_RANGE
         checks = (
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (math.isfinite(self.presence_penalty), "presence_penalty must be finite"),
-            (math.isfinite(self.frequency_penalty), "frequency_penalty must be finite"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (
+                "temperature",
+                self.temperature == 0 or _within(self.temperature, MIN_TEMPERATURE, math.inf),
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}",
+            ),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (0 disables it)"),
+            ("top_p", _within(self.top_p, 0.0, 1.0) and self.top_p > 0, "top_p must be in (0, 1]"),
+            ("min_p", _within(self.min_p, 0.0, 1.0), "min_p must be in [0, 1]"),
+            ("presence_penalty", _within(self.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT), "presence_penalty must be in [-2, 2]"),
+            ("frequency_penalty", _within(self.frequency_penalty, -PENALTY_LIMIT, PENALTY_LIMIT), "frequency_penalty must be in [-2, 2]"),
+            ("repetition_penalty", _within(self.repetition_penalty, low, high), f"repetition_penalty must be in [{low:g}, {high:g}]"),
+            (
+                "seed",
+                self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+                "seed must be an integer in [-2**63, 2**64)",
+            ),
         )
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise NinferError(message)
+                raise SamplingError(param, message)
 
     @property
     def is_greedy(self) -> bool:

@@ -1,71 +1,23 @@
-"""The FastAPI application: routes, API key, body limit, and the scheduler's lifetime."""
+"""The FastAPI application: routes, request checks, and the lifetime of the scheduler and the request worker."""
 
 from __future__ import annotations
 
-import hmac
 import time
+from collections.abc import Collection
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi.responses import Response
 
+from ninfer_offload.errors import NinferError
 from ninfer_offload.runtime.sampling import Sampler
 from ninfer_offload.serve.chat import chat_completion
 from ninfer_offload.serve.completions import completion
 from ninfer_offload.serve.context import ServeContext
-from ninfer_offload.serve.errors import error_response, install_error_handlers
-from ninfer_offload.serve.protocol import ChatCompletionRequest, CompletionRequest
+from ninfer_offload.serve.errors import ErrorGuard, install_error_handlers
+from ninfer_offload.serve.guards import ApiKeyGuard, BodyLimit, HostGuard
 from ninfer_offload.serve.scheduler import Scheduler
-
-
-class BodyLimit:
-    """Refuse request bodies larger than `limit` bytes with 413 (declared or streamed length)."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await error_response(413, self._message())(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise HTTPException(413, self._message())
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _message(self) -> str:
-        return f"request body is larger than {self.limit} bytes"
-
-
-class ApiKeyGuard:
-    """Require `Authorization: Bearer KEY` on every `/v1/` route (checked before the body is read)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                message = "missing or invalid API key (send 'Authorization: Bearer KEY')"
-                await error_response(401, message, code="invalid_api_key")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(
@@ -78,8 +30,12 @@ def create_app(
     prefill_chunk: int = 512,
     api_key: str | None = None,
     max_body_bytes: int = 16 * 1024 * 1024,
+    allowed_hosts: Collection[str] | None = None,
 ) -> FastAPI:
-    """An OpenAI-compatible app serving `engine`; its scheduler thread runs while the app is up."""
+    """An OpenAI-compatible app serving `engine`; its scheduler thread runs while the app is up.
+    `allowed_hosts`: the Host header names accepted (any port); None accepts any."""
+    if api_key is not None and not api_key.strip():
+        raise NinferError("the API key is empty: give a key, or none to serve without one")
     scheduler = Scheduler(engine, Sampler, max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk)
     ctx = ServeContext(frontend, scheduler, model_name, max_context)
     created = int(time.time())
@@ -91,6 +47,7 @@ def create_app(
             yield
         finally:
             scheduler.stop()
+            ctx.worker.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ninfer-offload", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.context = ctx
@@ -98,6 +55,9 @@ def create_app(
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostGuard, allowed=allowed_hosts)
+    app.add_middleware(ErrorGuard)
 
     @app.get("/health")
     async def health() -> dict:
@@ -118,12 +78,12 @@ def create_app(
         return model_card()
 
     @api.post("/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
-        return await chat_completion(ctx, body, request)
+    async def chat(request: Request) -> Response:
+        return await chat_completion(ctx, request)
 
     @api.post("/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await completion(ctx, body, request)
+    async def completions(request: Request) -> Response:
+        return await completion(ctx, request)
 
     app.include_router(api)
     return app

@@ -2,20 +2,61 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.serve.context import ServeContext
+from ninfer_offload.serve.body import check_nesting, decode_json, nesting_error, refuse_long_list, validate
+from ninfer_offload.serve.context import Prepared, ServeContext
 from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.generation import TextGeneration
-from ninfer_offload.serve.protocol import ChatCompletionRequest
+from ninfer_offload.serve.logprobs import chat_logprobs
+from ninfer_offload.serve.protocol import ChatCompletionRequest, ToolCall
 from ninfer_offload.serve.reasoning import ReasoningStream, prompt_leaves_thinking_open, split_reasoning
 from ninfer_offload.serve.sse import event_stream, sse, until_disconnect
 from ninfer_offload.serve.tool_calls import ToolCallStream, parse_tool_calls
+
+# Names the renderer itself passes to the template (or binds), which chat_template_kwargs cannot replace.
+_RESERVED_TEMPLATE_NAMES = frozenset({"self", "messages", "tools", "documents"})
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request ready for the engine, with what the reply's parsing needs."""
+
+    request: Prepared
+    thinking: bool
+    tools: list[dict] | None
+
+
+def _check_free_form(body: ChatCompletionRequest) -> None:
+    """Refuse free-form JSON nested too deeply for the template (which recurses over it)."""
+    if body.chat_template_kwargs:
+        check_nesting(body.chat_template_kwargs, "chat_template_kwargs")
+    for index, tool in enumerate(body.tools or []):
+        check_nesting(tool.function.parameters, f"tools.{index}.function.parameters")
+    for index, message in enumerate(body.messages):
+        for number, call in enumerate(message.tool_calls or []):
+            _check_arguments(call, f"messages.{index}.tool_calls.{number}.function.arguments")
+
+
+def _check_arguments(call: ToolCall, param: str) -> None:
+    """Tool-call arguments as the template sees them: text is parsed as JSON (invalid JSON is the
+    renderer's to report)."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except RecursionError:
+            raise nesting_error(param) from None
+        except ValueError:
+            return
+    check_nesting(arguments, param)
 
 
 def _messages(body: ChatCompletionRequest) -> list[dict]:
@@ -39,10 +80,12 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
     return messages
 
 
-def _prompt(ctx: ServeContext, body: ChatCompletionRequest) -> str:
+def _render(ctx: ServeContext, body: ChatCompletionRequest) -> str:
     options = dict(body.chat_template_kwargs or {})
-    if {"messages", "tools"} & options.keys():
-        raise APIError(400, "chat_template_kwargs cannot replace messages or tools", param="chat_template_kwargs", code="invalid_value")
+    reserved = sorted(_RESERVED_TEMPLATE_NAMES & options.keys())
+    if reserved:
+        names = ", ".join(f"'{name}'" for name in reserved)
+        raise APIError(400, f"chat_template_kwargs cannot set {names}", param="chat_template_kwargs", code="invalid_value")
     enable_thinking = bool(options.pop("enable_thinking", True))
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.uses_tools else None
     try:
@@ -51,26 +94,55 @@ def _prompt(ctx: ServeContext, body: ChatCompletionRequest) -> str:
         raise APIError(400, str(exc), param="messages", code="invalid_messages") from None
 
 
-async def chat_completion(ctx: ServeContext, body: ChatCompletionRequest, request: Request) -> Response:
+def _prepare(ctx: ServeContext, raw: bytes) -> PreparedChat:
+    """Decode, check, render and tokenize a request body (on the request worker thread); cheap
+    checks first, and no tokenizing of a prompt that cannot fit."""
+    data = decode_json(raw)
+    refuse_long_list(data, "messages", ctx.max_context)
+    refuse_long_list(data, "tools", ctx.max_context)
+    body = validate(data, ChatCompletionRequest, required_first=("messages",))
     ctx.check_model(body.model)
     body.check_supported()
-    prompt = _prompt(ctx, body)
-    prompt_ids = ctx.frontend.encode(prompt)
+    sampling = ctx.sampling(body)
+    _check_free_form(body)
+    prompt = _render(ctx, body)
+    prompt_ids = ctx.encode(prompt, "messages")
     max_tokens = ctx.token_budget(len(prompt_ids), body.token_limit(), "messages")
-    thinking = prompt_leaves_thinking_open(prompt)
     tools = [tool.model_dump() for tool in body.tools] if body.uses_tools else None
-    generation = ctx.start("chatcmpl", prompt_ids, body, max_tokens)
-    if body.stream:
-        return event_stream(_chunks(ctx, body, generation, thinking, tools), generation)
-    return await until_disconnect(request, generation, _complete(ctx, generation, thinking, tools))
+    thinking = prompt_leaves_thinking_open(prompt)
+    prepared = Prepared(body, prompt_ids, max_tokens, sampling, _constraint(ctx, body, thinking), body.logprob_count())
+    return PreparedChat(prepared, thinking, tools)
 
 
-async def _complete(ctx: ServeContext, generation: TextGeneration, thinking: bool, tools: list[dict] | None) -> JSONResponse:
+def _constraint(ctx: ServeContext, body: ChatCompletionRequest, thinking: bool):
+    """The grammar of `response_format` (None for text); with thinking on it starts after the reasoning."""
+    if body.response_format is None or not body.response_format.constrained:
+        return None
+    try:
+        return ctx.grammars.json(body.response_format.schema(), thinking)
+    except NinferError as exc:
+        raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
+
+
+async def chat_completion(ctx: ServeContext, request: Request) -> Response:
+    chat = await ctx.off_loop(_prepare, ctx, await request.body())
+    generation = ctx.start("chatcmpl", chat.request)
+    if chat.request.body.stream:
+        header = {"id": generation.handle.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": ctx.model_name}
+
+        def failure(error: dict) -> str:
+            return sse({**header, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "error"}], **error})
+
+        return event_stream(_chunks(ctx, header, chat, generation), generation, failure)
+    return await until_disconnect(request, generation, _complete(ctx, generation, chat))
+
+
+async def _complete(ctx: ServeContext, generation: TextGeneration, chat: PreparedChat) -> JSONResponse:
     text = "".join([delta async for delta in generation.deltas()])
-    reasoning, content = split_reasoning(text) if thinking else (None, text or None)
+    reasoning, content = split_reasoning(text, chat.thinking)
     calls: list[dict] = []
-    if tools and content:
-        content, calls = parse_tool_calls(content, tools)
+    if chat.tools and content:
+        content, calls = parse_tool_calls(content, chat.tools)
     message: dict = {"role": "assistant", "content": content}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
@@ -83,25 +155,33 @@ async def _complete(ctx: ServeContext, generation: TextGeneration, thinking: boo
             "created": int(time.time()),
             "model": ctx.model_name,
             "choices": [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": "tool_calls" if calls else generation.finish_reason}
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": chat_logprobs(ctx.frontend, generation, 0) if chat.request.logprobs is not None else None,
+                    "finish_reason": "tool_calls" if calls else generation.finish_reason,
+                }
             ],
             "usage": generation.usage(),
         }
     )
 
 
-async def _chunks(
-    ctx: ServeContext, body: ChatCompletionRequest, generation: TextGeneration, thinking: bool, tools: list[dict] | None
-) -> AsyncIterator[str]:
-    header = {"id": generation.handle.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": ctx.model_name}
-    usage_field = {"usage": None} if body.include_usage else {}
+async def _chunks(ctx: ServeContext, header: dict, chat: PreparedChat, generation: TextGeneration) -> AsyncIterator[str]:
+    include_usage = chat.request.body.include_usage
+    usage_field = {"usage": None} if include_usage else {}
+    sent = 0  # tokens whose log-probabilities went out
 
     def chunk(delta: dict, finish_reason: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        nonlocal sent
+        logprobs = None
+        if chat.request.logprobs is not None and delta:
+            logprobs, sent = chat_logprobs(ctx.frontend, generation, sent), len(generation.tokens)
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse({**header, "choices": [choice], **usage_field})
 
-    reasoning_stream = ReasoningStream(thinking)
-    tool_stream = ToolCallStream(tools) if tools else None
+    reasoning_stream = ReasoningStream(chat.thinking)
+    tool_stream = ToolCallStream(chat.tools) if chat.tools else None
 
     def deltas(reasoning: str, content: str, final: bool = False) -> list[str]:
         out = [chunk({"reasoning_content": reasoning})] if reasoning else []
@@ -126,5 +206,5 @@ async def _chunks(
         yield event
     finish_reason = "tool_calls" if tool_stream is not None and tool_stream.calls else generation.finish_reason
     yield chunk({}, finish_reason)
-    if body.include_usage:
+    if include_usage:
         yield sse({**header, "choices": [], "usage": generation.usage()})

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from ninfer_offload.serve.errors import APIError
-from ninfer_offload.serve.scheduler import RequestHandle
+from ninfer_offload.serve.scheduler import SHUTTING_DOWN, RequestHandle
 from ninfer_offload.serve.stops import StopMatcher
 
 log = logging.getLogger("ninfer.serve")
@@ -25,6 +25,7 @@ class TextGeneration:
         self.prompt_tokens = len(handle.request.prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self.tokens: list[int] = []  # the ids handed out so far
         self._decoder = decoder
         self._stops = StopMatcher(stop_strings)
 
@@ -32,6 +33,7 @@ class TextGeneration:
         try:
             async for token in self.handle.tokens():
                 self.completion_tokens += 1
+                self.tokens.append(token)
                 text = self._stops.feed(self._decoder.feed(token))
                 if text:
                     yield text
@@ -43,6 +45,8 @@ class TextGeneration:
                 raise APIError(500, f"generation failed: {finished.error}", code="engine_error")
             if finished.reason == "cancelled":
                 raise APIError(503, finished.error or "request cancelled", code="cancelled")
+            if finished.reason == "shutdown":
+                raise APIError(503, finished.error or SHUTTING_DOWN, code="shutting_down")
             self.completion_tokens = finished.completion_tokens
             text = self._stops.feed(self._decoder.flush())
             text += self._stops.flush()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ninfer_offload.serve.errors import APIError
+
+MAX_STOP_STRINGS = 16  # each is searched in every text delta, on the event loop
 
 
 class _Body(BaseModel):
@@ -49,24 +51,50 @@ class Tool(_Body):
     function: FunctionSpec
 
 
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (JSON matching `json_schema.schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.type != "text"
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema to follow (None: any JSON object)."""
+        if self.type == "json_object":
+            return None
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format", code="invalid_value")
+        return self.json_schema.schema_
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
 class SamplingFields(_Body):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. The sampling values are checked by
+    `SamplingParams` (the sampler's own rules), not here."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1)  # -1: disabled (vLLM)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -76,8 +104,6 @@ class SamplingFields(_Body):
         """Refuse the valid-but-unsupported options with a 400 instead of silently ignoring them."""
         if self.n != 1:
             raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
 
     def stop_strings(self) -> list[str]:
         """`stop` as a list of non-empty strings."""
@@ -97,6 +123,16 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per token when `logprobs` is on (None: no log-probabilities)."""
+        if self.top_logprobs is not None and self.logprobs is not True:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        if self.logprobs not in (None, True, False):
+            raise APIError(400, "logprobs must be true or false", param="logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         """`max_completion_tokens` (the newer name) or `max_tokens`."""
@@ -132,3 +168,11 @@ class CompletionRequest(SamplingFields):
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per token (`logprobs`: 0..5; None: no log-probabilities)."""
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        if isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 5:
+            raise APIError(400, "logprobs must be an integer in 0..5", param="logprobs", code="invalid_value")
+        return self.logprobs

@@ -1,8 +1,9 @@
-"""Reasoning split for Qwen3-style output, as vLLM's `qwen3` reasoning parser does it.
+"""Reasoning split for Qwen3-style output: one parser (`ReasoningStream`) for streamed and whole replies.
 
-Text before `</think>` is reasoning, whether or not the output repeats the opening `<think>`
-(Qwen3.6's chat template already puts `<think>\\n` into the prompt). When the prompt itself
-closed the thinking block (`enable_thinking=False`), everything is content.
+With thinking on, text before `</think>` is reasoning, whether or not the output repeats the
+opening `<think>` (Qwen3.6's chat template already puts `<think>\\n` into the prompt); a reply that
+never closes the block (cut off while thinking) is all reasoning. When the prompt itself closed
+the thinking block (`enable_thinking=False`), everything is content.
 """
 
 from __future__ import annotations
@@ -18,20 +19,17 @@ def prompt_leaves_thinking_open(prompt: str) -> bool:
     return THINK_CLOSE not in prompt or prompt.rfind(THINK_CLOSE) < prompt.rfind(THINK_OPEN)
 
 
-def split_reasoning(text: str) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a whole output; without `</think>` it is all content (vLLM's rule)."""
-    close = text.find(THINK_CLOSE)
-    if close < 0:
-        return None, text or None
-    head = text[:close]
-    open_ = head.find(THINK_OPEN)
-    reasoning = head[open_ + len(THINK_OPEN) :] if open_ >= 0 else head
-    content = text[close + len(THINK_CLOSE) :]
-    return reasoning, content or None
+def split_reasoning(text: str, thinking: bool = True) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole output, as the streamed split gives them; reasoning is None
+    when thinking is off, content None when empty."""
+    stream = ReasoningStream(thinking)
+    parts = [stream.feed(text), stream.flush()]
+    reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+    return (reasoning if thinking else None), content or None
 
 
 class ReasoningStream:
-    """Streaming split: deltas before `</think>` are reasoning, after it content (vLLM's rule)."""
+    """Streaming split: deltas before `</think>` are reasoning, after it content."""
 
     def __init__(self, thinking: bool) -> None:
         self.thinking = thinking

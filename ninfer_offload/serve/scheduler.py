@@ -4,6 +4,9 @@ One thread owns the engine. Each iteration it (1) admits waiting requests up to
 `max_concurrency` active sequences, (2) frees the sessions of cancelled requests, (3) runs one
 prefill chunk of one newcomer, (4) runs one `engine.step_batch` over every sequence that is
 decoding. Tokens go back to the request's asyncio queue on its event loop.
+
+A request counts against `max_concurrency + max_queue` from `submit` until its last event is
+sent, whatever state it is in (waiting, admitted, decoding).
 """
 
 from __future__ import annotations
@@ -18,11 +21,19 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 log = logging.getLogger("ninfer.serve")
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class QueueFullError(Exception):
-    """The waiting queue is at its limit."""
+    """Every slot is taken and the waiting queue is at its limit."""
+
+
+class ShuttingDownError(Exception):
+    """The server is shutting down and takes no new requests."""
 
 
 @dataclass(frozen=True)
@@ -33,13 +44,24 @@ class GenerationRequest:
     max_tokens: int
     sampling: Any  # a SamplingParams
     stop_ids: frozenset[int] = frozenset()
+    constraint: Any = None  # a frontend.grammar.GrammarConstraint (structured output), or None
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: off)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (before penalties, temperature and grammar)
+    and the `top` most likely tokens with theirs."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
 class Finished:
     """Last event of a request: why it ended and how many tokens it produced."""
 
-    reason: str  # "stop" | "length" | "cancelled" | "error"
+    reason: str  # "stop" | "length" | "cancelled" | "error" | "shutdown"
     completion_tokens: int
     error: str | None = None
 
@@ -60,6 +82,7 @@ class RequestHandle:
         self.request = request
         self.timings = Timings()
         self.finished: Finished | None = None
+        self.logprobs: list[TokenLogprob] = []  # one per token handed out, when the request asks for them
         self._loop = loop
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
@@ -117,8 +140,10 @@ class Scheduler:
         self._sampler_factory = sampler_factory
         self._waiting: deque[RequestHandle] = deque()
         self._active: list[_Sequence] = []
+        self._outstanding: set[RequestHandle] = set()
         self._wake = threading.Condition()
         self._stopping = False
+        self._closed = False
         self._ids = itertools.count(1)
         self._largest_batch = 0
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
@@ -136,17 +161,28 @@ class Scheduler:
             self._thread.join(timeout)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, request_id: str | None = None) -> RequestHandle:
-        """Queue a request; raises QueueFullError when every slot is taken and `max_queue` requests wait."""
+        """Queue a request; QueueFullError when `max_concurrency + max_queue` requests are already
+        in, ShuttingDownError after `stop` or `abort`."""
         with self._wake:
-            if self._stopping:
-                raise QueueFullError("the server is shutting down")
-            free_slots = max(self.max_concurrency - len(self._active), 0)
-            if len(self._waiting) >= self.max_queue + free_slots:
+            if self._stopping or self._closed:
+                raise ShuttingDownError(SHUTTING_DOWN)
+            if len(self._outstanding) >= self.max_concurrency + self.max_queue:
                 raise QueueFullError(f"too many requests waiting ({self.max_queue}); retry later")
             handle = RequestHandle(request_id or f"req-{next(self._ids)}", request, loop)
+            self._outstanding.add(handle)
             self._waiting.append(handle)
             self._wake.notify()
         return handle
+
+    def abort(self) -> None:
+        """End every request at once with a "shutdown" event, without waiting for the engine thread
+        (which frees their sessions at its next iteration), and refuse new ones."""
+        with self._wake:
+            self._closed = True
+            handles = list(self._outstanding)
+        for handle in handles:
+            handle.cancel()
+            handle._push(Finished("shutdown", 0, SHUTTING_DOWN))
 
     def stats(self) -> dict[str, int]:
         """Active sequences (each holding an engine session), waiting requests, largest decode batch so far."""
@@ -179,7 +215,7 @@ class Scheduler:
         while self._waiting and len(self._active) + len(admitted) < self.max_concurrency:
             handle = self._waiting.popleft()
             if handle.cancelled:
-                handle._push(Finished("cancelled", 0))
+                self._end(handle, Finished("cancelled", 0))
             else:
                 admitted.append(handle)
         return admitted
@@ -191,7 +227,7 @@ class Scheduler:
             sampler = self._sampler_factory(handle.request.sampling)
         except Exception as exc:  # noqa: BLE001 - reported to the client, the loop keeps serving
             log.exception("request %s: could not start", handle.id)
-            handle._push(Finished("error", 0, str(exc)))
+            self._end(handle, Finished("error", 0, str(exc)))
             return
         prompt = list(handle.request.prompt_ids)
         sequence = _Sequence(handle, session, sampler, prompt=prompt, unprefilled=prompt)
@@ -233,8 +269,21 @@ class Scheduler:
 
     def _accept(self, sequence: _Sequence, logits: Any) -> None:
         """Sample the next token from `logits`, hand it out, and decide whether the sequence ends."""
+        request = sequence.handle.request
+        constraint = request.constraint
         try:
+            if request.logprobs is not None:
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+            if constraint is not None:
+                logits = logits.clone()
+                constraint.mask(logits)
             token = int(sequence.sampler.sample(logits, sequence.output, sequence.prompt))
+            if constraint is not None and token not in request.stop_ids:
+                constraint.accept(token)
+            if request.logprobs is not None and token not in request.stop_ids:
+                top = torch.topk(logprobs, request.logprobs) if request.logprobs else None
+                alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+                sequence.handle.logprobs.append(TokenLogprob(float(logprobs[token]), alternatives))
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s: sampling failed", sequence.handle.id)
             self._finish(sequence, "error", str(exc))
@@ -261,12 +310,19 @@ class Scheduler:
             sequence.session.close()
         finally:
             sequence.handle.timings.finished = time.perf_counter()
-            sequence.handle._push(Finished(reason, len(sequence.output), error))
+            self._end(sequence.handle, Finished(reason, len(sequence.output), error))
+
+    def _end(self, handle: RequestHandle, finished: Finished) -> None:
+        """Send a request's last event; it no longer counts against the limit."""
+        with self._wake:
+            self._outstanding.discard(handle)
+        handle._push(finished)
 
     def _shutdown(self) -> None:
         for sequence in list(self._active):
-            self._finish(sequence, "cancelled", "the server is shutting down")
+            self._finish(sequence, "shutdown", SHUTTING_DOWN)
         with self._wake:
-            waiting, self._waiting = list(self._waiting), deque()
-        for handle in waiting:
-            handle._push(Finished("cancelled", 0, "the server is shutting down"))
+            self._waiting.clear()
+            left = list(self._outstanding)
+        for handle in left:
+            self._end(handle, Finished("shutdown", 0, SHUTTING_DOWN))

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ninfer_offload.serve.errors import APIError, error_body
 from ninfer_offload.serve.generation import TextGeneration
+
+log = logging.getLogger("ninfer.serve")
 
 DONE = "data: [DONE]\n\n"
 
@@ -20,16 +23,21 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def event_stream(events: AsyncIterator[str], generation: TextGeneration) -> StreamingResponse:
-    """Stream `events`, end with `[DONE]`; an engine failure becomes an error event, and a client
-    that goes away cancels the request (Starlette cancels this stream on disconnect)."""
+def event_stream(events: AsyncIterator[str], generation: TextGeneration, failure: Callable[[dict], str]) -> StreamingResponse:
+    """Stream `events`, end with `[DONE]`. A failure (engine error, shutdown, any exception) ends the
+    stream with `failure(error_body)`, a last chunk that says `finish_reason: "error"`; a client that
+    goes away cancels the request (Starlette cancels this stream on disconnect)."""
 
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
         except APIError as exc:
-            yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+            yield failure(error_body(exc.status, exc.message, exc.param, exc.code))
+        except Exception:
+            log.exception("request %s: the stream failed", generation.handle.id)
+            message = f"internal server error (request id {generation.handle.id}); the server log has the details"
+            yield failure(error_body(500, message, code="internal_error"))
         finally:
             generation.handle.cancel()
         yield DONE

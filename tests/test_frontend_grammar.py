@@ -1,0 +1,97 @@
+"""Structured outputs: llguidance grammars over the tiny tokenizer constrain random logits to valid JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tiny_tokenizer
+from ninfer_offload.errors import NinferError
+from ninfer_offload.frontend import Frontend
+from ninfer_offload.frontend.grammar import REASONING_END, GrammarCompiler
+
+VOCAB = 520  # the model's logits may be wider than the tokenizer's vocabulary
+
+
+@pytest.fixture(scope="module")
+def frontend(tmp_path_factory) -> Frontend:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    tiny_tokenizer.write_tokenizer_files(directory)
+    return Frontend.from_directory(directory)
+
+
+@pytest.fixture(scope="module")
+def compiler(frontend) -> GrammarCompiler:
+    return GrammarCompiler.for_frontend(frontend, VOCAB)
+
+
+def generate(frontend, constraint, seed: int, limit: int = 400, prefix: list[int] = ()) -> tuple[list[int], bool]:
+    """Sample from random logits under the constraint: (tokens, ended with a stop id). Closing tokens
+    are favoured so that values end soon (a uniform walk over JSON can nest for a long time)."""
+    generator = torch.Generator().manual_seed(seed)
+    closing = torch.zeros(VOCAB)
+    for token in range(frontend.vocab_size):
+        text = frontend.decode([token])
+        closing[token] = 6.0 if token in frontend.stop_ids else 3.0 if any(c in text for c in '}"]') else 0.0
+    tokens = []
+    for token in prefix:
+        constraint.accept(token)
+        tokens.append(token)
+    for _ in range(limit):
+        logits = torch.randn(VOCAB, generator=generator) + closing
+        constraint.mask(logits)
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        if token in frontend.stop_ids:
+            return tokens, True
+        constraint.accept(token)
+        tokens.append(token)
+    return tokens, False
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_logits_under_a_json_object_grammar_give_a_json_object(frontend, compiler, seed):
+    tokens, stopped = generate(frontend, compiler.json(None, thinking=False), seed)
+    assert stopped and isinstance(json.loads(frontend.decode(tokens)), dict)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_json_schema_is_followed(frontend, compiler, seed):
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}, "tag": {"enum": ["yes", "no"]}},
+        "required": ["answer", "sure", "tag"],
+        "additionalProperties": False,
+    }
+    tokens, stopped = generate(frontend, compiler.json(schema, thinking=False), seed)
+    value = json.loads(frontend.decode(tokens))
+    assert stopped and set(value) == {"answer", "sure", "tag"}
+    assert isinstance(value["answer"], int) and isinstance(value["sure"], bool) and value["tag"] in ("yes", "no")
+
+
+def test_with_thinking_the_grammar_starts_after_the_reasoning(frontend, compiler):
+    constraint = compiler.json(None, thinking=True)
+    logits = torch.zeros(VOCAB)
+    constraint.mask(logits)
+    assert torch.isfinite(logits).all()  # reasoning is free
+    reasoning = frontend.encode("I think so") + [frontend.tokenizer.token_to_id(REASONING_END)]
+    tokens, stopped = generate(frontend, constraint, seed=3, prefix=reasoning)
+    answer = frontend.decode(tokens[len(reasoning):])
+    assert stopped and isinstance(json.loads(answer), dict)
+
+
+def test_a_finished_value_allows_only_the_stop_ids(frontend, compiler):
+    constraint = compiler.json({"type": "integer"}, thinking=False)
+    for token in frontend.encode("42"):
+        constraint.accept(token)
+    logits = torch.zeros(VOCAB)
+    constraint.mask(logits)
+    allowed = set(torch.nonzero(torch.isfinite(logits)).flatten().tolist())
+    assert frontend.stop_ids <= allowed and all(frontend.decode([t]).isdigit() for t in allowed - frontend.stop_ids)
+    assert not torch.isfinite(logits[frontend.vocab_size :]).any()
+
+
+def test_an_invalid_schema_is_a_client_error(compiler):
+    with pytest.raises(NinferError, match="invalid JSON schema"):
+        compiler.json({"type": "objectx"}, thinking=False)
