@@ -5,7 +5,7 @@ Usage: python bench/decode_launches.py [--dtype bfloat16] [ARTIFACT]
 Runs the step a captured decode graph records (`Engine.forward_logits` on device-held inputs) on the Triton backend under
 the Triton interpreter, after a short prefill, and counts what it would launch on a GPU: each
 Triton kernel call, and each torch op that computes (views and uninitialised allocations launch
-nothing and are left out). Without ARTIFACT it converts the tiny test model (tests/tiny_hf.py) to
+nothing and are left out). Without ARTIFACT it converts the tiny model of `ninfer tiny` (`ninfer_offload.convert.tiny`) to
 the `official` recipe in a temporary directory. Prints one JSON object, with the launches of each
 kind of layer and an estimate for the full model's 40 layers (its layer kinds, these per-layer
 counts, the launches outside the layers).
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -91,14 +90,11 @@ class MeasuredLayer:
 
 
 def tiny_artifact(directory: Path) -> Path:
-    """The tiny test model converted with the official recipe."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import tiny_hf
-
+    """The tiny model converted with the official recipe."""
     from ninfer_offload.convert import convert
+    from ninfer_offload.convert.tiny import write_checkpoint
 
-    model = tiny_hf.build_tiny_model(seed=0, layout="fused")
-    checkpoint = tiny_hf.save_checkpoint(model, directory / "checkpoint", "fused", seed=0)
+    checkpoint = write_checkpoint(directory / "checkpoint", seed=0)
     return convert(checkpoint, directory / "tiny.ninfer", recipe="official", progress=False)
 
 

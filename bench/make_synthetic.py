@@ -15,7 +15,7 @@ planner computes are those of the official artifact. Weights are random but vali
 * proposal token ids: a random permutation of the public vocabulary, first 131,072;
 * vision and DFlash weights (not read by the text engine) are sparse holes, which read as zeros
   (zero codes with zero scales: valid);
-* resources: the tiny test tokenizer (`tests/tiny_tokenizer.py`, ids < 512), so `ninfer generate`
+* resources: the tiny tokenizer of `ninfer tiny` (`ninfer_offload.convert.tiny_tokenizer`, ids < 512), so `ninfer generate`
   runs on the file.
 
 Random bytes come from one pre-drawn pool (sliced at random offsets), so writing ~22.8 GB takes
@@ -25,7 +25,6 @@ about as long as the disk needs. The file is a benchmark input: never commit it.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -105,8 +104,7 @@ class RandomWeights:
 
 
 def _resources() -> dict[str, bytes]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tiny_tokenizer import write_tokenizer_files
+    from ninfer_offload.convert.tiny_tokenizer import write_tokenizer_files
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer_files(tmp)

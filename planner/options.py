@@ -5,24 +5,42 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
 
 KV_DTYPES = ("bf16", "fp8", "int8")
 SPECULATIVE_MODES = ("none", "mtp")
 MISS_PATHS = ("staged", "cpu", "auto")  # host-resident experts: copied to the GPU, computed on the host, or both
 MAX_DRAFTS = 5
+AT_CONTEXT = 4096  # default sequence length of the speed prediction (at most the context)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
 def parse_size(text: str) -> int:
-    """Bytes of a size such as `2GiB`, `24GB`, `512MiB`, `1.5G` or `4096` (GB/G decimal, GiB binary)."""
+    """Bytes of a size such as `2GiB`, `24GB`, `512MiB`, `1.5G` or `4096B` (GB/G decimal, GiB binary).
+
+    A number without a unit is refused (except 0): `12` is far more likely to mean 12 GiB than 12 bytes.
+    """
     match = _SIZE.match(str(text))
     if not match:
         raise NinferError(f"cannot read size {text!r}; write e.g. 12GiB, 24GB or 512MiB")
+    if match[2] is None and float(match[1]) != 0:
+        raise NinferError(f"size {text.strip()!r} has no unit; write e.g. {match[1]}GiB (binary) or {match[1]}GB (decimal)")
     unit = (match[2] or "").lower().rstrip("b")
     return int(float(match[1]) * _UNITS[unit])
+
+
+def model_defaults(inventory: Inventory) -> dict:
+    """The options whose default depends on the model: its own maximum context, and speculation
+    with MTP (drafting with the proposal head) only when the artifact has those components."""
+    mtp = bool(inventory.select("mtp"))
+    return {
+        "max_context": int(inventory.text_config["max_position_embeddings"]),
+        "speculative": "mtp" if mtp else "none",
+        "proposal_head": mtp and bool(inventory.select("proposal")),
+    }
 
 
 @dataclass(frozen=True)
@@ -42,10 +60,12 @@ class PlanOptions:
     vram_budget: int | None = None  # bytes of the card the plan may use; None = all of it
     host_budget: int | None = None  # bytes of pinned host memory; None = a share of host RAM
     mtp_acceptance: float = 0.75  # per-draft acceptance probability (assumption)
-    at_context: int = 4096  # sequence length at which decode speed is predicted
+    at_context: int | None = None  # sequence length at which decode speed is predicted; None = min(AT_CONTEXT, max_context)
     miss_path: str = "staged"  # how decode serves host-resident experts (MISS_PATHS)
 
     def __post_init__(self) -> None:
+        if self.at_context is None:
+            object.__setattr__(self, "at_context", min(AT_CONTEXT, self.max_context))
         positive = {
             "max_context": self.max_context,
             "concurrency": self.concurrency,
@@ -55,6 +75,8 @@ class PlanOptions:
         for name, value in positive.items():
             if value < 1:
                 raise NinferError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.at_context > self.max_context:
+            raise NinferError(f"--at-context {self.at_context} is beyond the context of {self.max_context} tokens; give at most that")
         if self.kv_dtype not in KV_DTYPES:
             raise NinferError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.speculative not in SPECULATIVE_MODES:

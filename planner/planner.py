@@ -213,9 +213,12 @@ def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptio
         remedy = "; try " + ", ".join(hints) if hints else "; this card is too small for this model"
         return f"needs {_gib(p.vram_used_bytes)} VRAM ({what}), budget is {_gib(budget)} on {profile.name}{remedy}"
     if p.host_pinned_bytes > p.host_budget_bytes:
+        given = (
+            "given by --host-budget" if options.host_budget is not None
+            else f"{HOST_PINNED_SHARE:.0%} of {_gib(profile.ram_bytes)} RAM on {profile.name}"
+        )
         return (
             f"needs {_gib(p.host_pinned_bytes)} pinned host memory for offloaded experts, budget is "
-            f"{_gib(p.host_budget_bytes)} ({HOST_PINNED_SHARE:.0%} of {_gib(profile.ram_bytes)} RAM on {profile.name}); "
-            "give a larger --host-budget or --vram-budget, or a profile with more RAM"
+            f"{_gib(p.host_budget_bytes)} ({given}); give a larger --host-budget or --vram-budget, or a profile with more RAM"
         )
     return None

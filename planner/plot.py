@@ -1,4 +1,4 @@
-"""`ninfer plan --plot`: predicted decode tokens/s against the VRAM budget."""
+"""`ninfer plan --plot`: predicted decode tokens/s against the VRAM budget, the chosen budget marked."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.planner.options import PlanOptions
+from ninfer_offload.planner.placement import Placement
 from ninfer_offload.planner.planner import plan
 from ninfer_offload.planner.routing import RoutingStats
 from ninfer_offload.profiles import DeviceProfile
@@ -27,25 +28,41 @@ def speed_curve(
     return curve
 
 
-def write_plot(path: Path, curves: dict[str, list[tuple[float, float, float | None]]], title: str) -> None:
+def speed_figure(curves: dict[str, list[tuple[float, float, float | None]]], plans: list[Placement], title: str):
+    """The matplotlib figure: each profile's curves, and a dotted line at the budget of its plan
+    (with the plan's predicted decode speed marked on it when it fits)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, curve in curves.items():
-        if not curve:
-            continue
-        xs = [c[0] for c in curve]
-        ax.plot(xs, [c[1] for c in curve], marker=".", label=f"{name}: decode")
-        if curve[0][2] is not None:
-            ax.plot(xs, [c[2] for c in curve], marker=".", linestyle="--", label=f"{name}: decode with MTP")
+    for p in plans:
+        curve = curves.get(p.profile, [])
+        color = None
+        if curve:
+            xs = [c[0] for c in curve]
+            (line,) = ax.plot(xs, [c[1] for c in curve], marker=".", label=f"{p.profile}: decode")
+            color = line.get_color()
+            if curve[0][2] is not None:
+                ax.plot(xs, [c[2] for c in curve], marker=".", linestyle="--", color=color, label=f"{p.profile}: decode with MTP")
+        budget = p.vram_budget_bytes / GiB
+        ax.axvline(budget, linestyle=":", color=color or "gray", label=f"{p.profile}: chosen budget {budget:.1f} GiB")
+        if p.feasible and p.predicted is not None:
+            ax.plot([budget], [p.predicted.decode_tok_s], marker="o", markersize=8, color=color or "gray")
     ax.set_xlabel("VRAM budget (GiB)")
     ax.set_ylabel("predicted tokens/s (batch 1)")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def write_plot(path: Path, curves: dict[str, list[tuple[float, float, float | None]]], plans: list[Placement], title: str) -> None:
+    """Write `speed_figure` to a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = speed_figure(curves, plans, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)

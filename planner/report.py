@@ -1,9 +1,14 @@
-"""Rich rendering of placements for `ninfer plan`: one plan in detail, or several side by side."""
+"""Rich rendering of placements for `ninfer plan`: one plan in detail, or several side by side.
+
+Tables fit the terminal: below WIDE columns (an 80-column terminal, or output to a pipe) they drop
+their vertical rules and the side-by-side figures take their short forms.
+"""
 
 from __future__ import annotations
 
 from statistics import mean
 
+from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 
@@ -12,6 +17,7 @@ from ninfer_offload.planner.placement import Placement
 from ninfer_offload.profiles import DeviceProfile
 
 GiB = 2**30
+WIDE = 100  # columns from which tables keep their full borders and long figures
 
 
 def gib(n: float) -> str:
@@ -22,12 +28,19 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-def _expert_line(p: Placement) -> str:
+def _expert_line(p: Placement, compact: bool = False) -> str:
     counts = [len(ids) for ids in p.resident_experts]
-    return f"{min(counts)} / {mean(counts):.1f} / {max(counts)}"
+    return f"{min(counts)}/{mean(counts):.0f}/{max(counts)}" if compact else f"{min(counts)} / {mean(counts):.1f} / {max(counts)}"
 
 
-def render_plan(p: Placement, source: str) -> Group:
+def _table(title: str, compact: bool, **options) -> Table:
+    """A titled table; compact ones have no vertical rules and no padding at their edges."""
+    if compact:
+        options.update(box=box.SIMPLE_HEAD, pad_edge=False)
+    return Table(title=title, title_justify="left", **options)
+
+
+def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
     """Every section of one plan: components, memory, experts, predictions and assumptions."""
     o = p.options
     spec = f"MTP x{o.drafts}" + (" + proposal head" if o.proposal_head else "") if o.speculating else "none"
@@ -41,13 +54,13 @@ def render_plan(p: Placement, source: str) -> Group:
     )
     head.add_row("status", "[green]feasible[/]" if p.feasible else f"[red]does not fit[/]: {p.reason}")
 
-    components = Table(title="Weights by component", title_justify="left")
+    components = _table("Weights by component", compact)
     for col in ("component", "stored", "placement", "VRAM", "pinned host"):
         components.add_column(col, justify="left" if col in ("component", "placement") else "right")
     for name, c in p.components.items():
         components.add_row(name, gib(c.bytes), c.placement, gib(c.vram_bytes), gib(c.host_bytes))
 
-    memory = Table(title="Memory", title_justify="left")
+    memory = _table("Memory", compact)
     memory.add_column("item")
     memory.add_column("bytes", justify="right")
     weights_vram = sum(c.vram_bytes for c in p.components.values())
@@ -59,11 +72,11 @@ def render_plan(p: Placement, source: str) -> Group:
     memory.add_row("VRAM free", gib(p.vram_free_bytes))
     memory.add_row("pinned host used / budget", f"{gib(p.host_pinned_bytes)} / {gib(p.host_budget_bytes)}")
 
-    experts = Table(title="Routed experts (text layers)", title_justify="left")
+    experts = _table("Routed experts (text layers)", compact)
     experts.add_column("item")
     experts.add_column("value", justify="right")
     experts.add_row("resident", f"{p.experts_resident} of {p.experts_total}")
-    experts.add_row("per layer min / mean / max", _expert_line(p))
+    experts.add_row("per layer min / mean / max", _expert_line(p, compact))
     experts.add_row("routing mass covered", f"{p.routing_mass_resident:.1%}")
     experts.add_row("routing statistics", p.routing_stats)
     experts.add_row("staging slots", str(p.staging_slots))
@@ -72,7 +85,7 @@ def render_plan(p: Placement, source: str) -> Group:
     parts = [head, components, memory, experts]
     if p.predicted is not None:
         r = p.predicted
-        speed = Table(title="Predicted speed", title_justify="left")
+        speed = _table("Predicted speed", compact)
         speed.add_column("item")
         speed.add_column("value", justify="right")
         speed.add_row("decode tok/s (batch 1)", _rate(r.decode_tok_s))
@@ -80,14 +93,14 @@ def render_plan(p: Placement, source: str) -> Group:
         speed.add_row("prefill tok/s", _rate(r.prefill_tok_s))
         speed.add_row("VRAM read per token", gib(r.vram_bytes_per_token))
         speed.add_row("PCIe per token", f"{r.pcie_bytes_per_token / 2**20:.1f} MiB")
-        parts += [speed, _assumption_table(r.assumptions)]
+        parts += [speed, _assumption_table(r.assumptions, compact)]
     return Group(*parts)
 
 
-def render_comparison(plans: list[Placement], profiles: list[DeviceProfile]) -> Group:
+def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], compact: bool = False) -> Group:
     """Key figures of several plans, one column per profile, then the shared assumptions."""
     by_name = {profile.name: profile for profile in profiles}
-    table = Table(title="Plans side by side", title_justify="left")
+    table = _table("Plans side by side", compact)
     table.add_column("")
     for p in plans:
         table.add_column(p.profile, justify="right")
@@ -100,7 +113,7 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile]) -> 
         ("VRAM used", lambda p: gib(p.vram_used_bytes)),
         ("pinned host", lambda p: gib(p.host_pinned_bytes)),
         ("experts resident", lambda p: f"{p.experts_resident}/{p.experts_total}"),
-        ("per layer min/mean/max", _expert_line),
+        ("per layer min/mean/max", lambda p: _expert_line(p, compact)),
         ("routing mass covered", lambda p: f"{p.routing_mass_resident:.1%}"),
         ("token embedding", lambda p: p.components["token_embedding"].placement),
         ("staging slots", lambda p: str(p.staging_slots)),
@@ -120,16 +133,19 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile]) -> 
         f"prefill GEMMs {PREFILL_EFFICIENCY:.0%} of each tensor throughput",
         *general_assumptions(options, plans[0].routing_stats),
     ]
-    return Group(table, _assumption_table(lines))
+    return Group(table, _assumption_table(lines, compact))
 
 
-def _assumption_table(lines) -> Table:
-    table = Table(title="Assumptions", title_justify="left", show_header=False)
+def _assumption_table(lines, compact: bool) -> Table:
+    table = _table("Assumptions", compact, show_header=False)
     table.add_column("assumption")
     for line in lines:
         table.add_row(f"- {line}")
     return table
 
 
-def print_renderable(renderable) -> None:
-    Console(width=140).print(renderable)
+def print_plans(plans: list[Placement], profiles: list[DeviceProfile], source: str) -> None:
+    """One plan in detail, or several side by side, at the width of the terminal (80 columns in a pipe)."""
+    console = Console()
+    compact = console.width < WIDE
+    console.print(render_comparison(plans, profiles, compact) if len(plans) > 1 else render_plan(plans[0], source, compact))

@@ -98,7 +98,13 @@ def load_profile(spec: str) -> DeviceProfile:
             return _from_file(stored)
         from ninfer_offload.profiles.detect import detect_profile
 
-        return detect_profile()
+        try:
+            return detect_profile()
+        except NinferError as err:
+            raise NinferError(
+                f"--profile auto has no profile stored at {stored} and cannot measure this machine ({err}); "
+                f"name a card instead, e.g. --profile rtx5090 (shipped: {', '.join(shipped_names())}), or give a TOML file"
+            ) from None
     if spec in shipped_names():
         text = resources.files(__name__).joinpath(f"{spec}.toml").read_text()
         return _from_mapping(_parse(text, spec), f"shipped:{spec}")

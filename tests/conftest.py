@@ -17,7 +17,7 @@ import torch
 if any(importlib.util.find_spec(name) for name in ("fla", "causal_conv1d")):
     tiny_hf.oracle_module()
 
-TINY_SEED = 0
+TINY_SEED = 1  # seed 0 puts a router near-tie in test_engine_steps' fp8 KV prompt (logits move by 16%, 1.5% here)
 GREEDY_PROMPT = [11, 42, 7, 300, 5, 99, 23]
 
 
@@ -28,9 +28,9 @@ def tiny_hf_model():
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tiny_hf_model, tmp_path_factory):
+def tiny_checkpoint(tmp_path_factory):
     """Its Hugging Face checkpoint directory: fused experts, `model.*` prefix, `mtp.*` tensors, tokenizer files."""
-    return tiny_hf.save_checkpoint(tiny_hf_model, tmp_path_factory.mktemp("tiny_checkpoint"), "fused", seed=TINY_SEED)
+    return tiny_hf.save_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"), "fused", seed=TINY_SEED)
 
 
 def _convert(checkpoint, tmp_path_factory, recipe: str):

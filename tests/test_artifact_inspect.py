@@ -67,13 +67,16 @@ def test_inspect_report_and_json(tmp_path):
     assert report["bindings"] == 13 and report["uses"] == 0 and "verify" not in report
 
 
-def test_inspect_verify_valid(tmp_path):
+def test_inspect_verify_valid_payload_of_a_file_that_cannot_load(tmp_path):
+    """One MoE layer is a valid payload but no model: verify says both (tests/test_inspect_load.py: loadable files)."""
     path = _moe_artifact(tmp_path / "m.ninfer", max_file_bytes=8 * 4096)
     code, out, err = _inspect(path, "--verify")
-    assert code == 0, err
+    assert code == 2 and err.startswith("error: verify: generate and serve would refuse this artifact: resources:")
     assert "verify: all 3 tensors decode with valid codes and scales" in out
     code, out, _ = _inspect(path, "--verify", "--json")
-    assert json.loads(out)["verify"] == {"tensors": 3, "problems": {}}
+    verified = json.loads(out)["verify"]
+    assert verified["tensors"] == 3 and verified["problems"] == {}
+    assert [p.split(":")[0] for p in verified["load_problems"]] == ["resources", "load"]
 
 
 def test_large_sparse_file_reads_no_payload(tmp_path):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tiny_hf
 import torch
+from conftest import TINY_SEED
 from safetensors.torch import load_file, save_file
 
 from ninfer_offload import Engine, open_artifact
@@ -129,7 +130,7 @@ def _vision_expected(t: dict, name: str) -> torch.Tensor:
 def _hf_tensors(model, with_vision: bool) -> tuple:
     """(text config, HF name -> tensor incl. mtp.*, text prefix) of the checkpoint of `model`."""
     cfg = tiny_hf.text_config_of(model)
-    t = tiny_hf.checkpoint_tensors(model, "conditional" if with_vision else "fused", with_mtp=True)
+    t = tiny_hf.checkpoint_tensors("conditional" if with_vision else "fused")
     prefix = "model.language_model." if with_vision else "model."
     return cfg, t, prefix
 
@@ -140,12 +141,12 @@ def conditional_model():
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_hf_model, conditional_model, tmp_path_factory):
+def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("roundtrip")
     return {
-        "fused": tiny_hf.save_checkpoint(tiny_hf_model, root / "fused", "fused"),
-        "per_expert": tiny_hf.save_checkpoint(tiny_hf_model, root / "per_expert", "per_expert"),
-        "conditional": tiny_hf.save_checkpoint(conditional_model, root / "conditional", "conditional", shards=3),
+        "fused": tiny_hf.save_checkpoint(root / "fused", "fused"),
+        "per_expert": tiny_hf.save_checkpoint(root / "per_expert", "per_expert"),
+        "conditional": tiny_hf.save_checkpoint(root / "conditional", "conditional", shards=3),
     }
 
 
@@ -251,9 +252,9 @@ def test_uses_and_head_inputs(tiny_artifact):
         assert artifact.provenance["recipe"] == "bf16"
 
 
-def test_float32_checkpoint_gives_the_same_artifact(tiny_hf_model, tiny_artifact, tmp_path):
+def test_float32_checkpoint_gives_the_same_artifact(tiny_artifact, tmp_path):
     """bf16-representable float32 weights convert to the very bytes of their bf16 checkpoint."""
-    src = tiny_hf.save_checkpoint(tiny_hf_model, tmp_path / "fp32", "fused", dtype=torch.float32)
+    src = tiny_hf.save_checkpoint(tmp_path / "fp32", "fused", dtype=torch.float32, seed=TINY_SEED)
     path = convert(src, tmp_path / "fp32.ninfer", recipe="bf16", progress=False)
     with open_artifact(path) as a, open_artifact(tiny_artifact) as b:
         assert [o.id for o in a.objects] == [o.id for o in b.objects]

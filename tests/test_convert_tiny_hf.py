@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import tiny_hf
 import torch
+from conftest import TINY_SEED
 
 
 def test_config_exercises_the_conventions(tiny_hf_model):
@@ -39,7 +40,7 @@ def test_a_wrong_query_gate_split_moves_logits_by_order_one(tiny_hf_model):
     """The trap the init must expose: taking the first/last halves of q_proj instead of per head."""
     ids = list(range(3, 30))
     reference, _ = tiny_hf.oracle_forward(tiny_hf_model, ids)
-    model = tiny_hf.build_tiny_model(seed=0)
+    model = tiny_hf.build_tiny_model(seed=TINY_SEED)
     cfg = model.config
     for layer in model.model.layers:
         if hasattr(layer, "self_attn"):
@@ -67,8 +68,7 @@ def test_cache_helper_continues_a_sequence(tiny_hf_model):
 
 @pytest.mark.parametrize("layout", ["fused", "per_expert", "conditional"])
 def test_checkpoints_reload_in_transformers(layout, tiny_hf_model, tmp_path):
-    model = tiny_hf.build_tiny_model(seed=0, layout=layout) if layout == "conditional" else tiny_hf_model
-    directory = tiny_hf.save_checkpoint(model, tmp_path, layout, shards=2 if layout == "conditional" else 1)
+    directory = tiny_hf.save_checkpoint(tmp_path, layout, shards=2 if layout == "conditional" else 1, seed=TINY_SEED)
     names = set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]) if layout == "conditional" else None
     modeling = tiny_hf.oracle_module()
     cls = modeling.Qwen3_5MoeForConditionalGeneration if layout == "conditional" else modeling.Qwen3_5MoeForCausalLM

@@ -16,7 +16,7 @@ PROMPT = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(11
 @pytest.mark.parametrize("layout", ["per_expert", "conditional"])
 def test_layout_runs_to_transformers_logits(layout, tmp_path):
     model = tiny_hf.build_tiny_model(seed=0, layout=layout)
-    checkpoint = tiny_hf.save_checkpoint(model, tmp_path / "checkpoint", layout, shards=2 if layout == "conditional" else 1)
+    checkpoint = tiny_hf.save_checkpoint(tmp_path / "checkpoint", layout, shards=2 if layout == "conditional" else 1)
     max_file_bytes = 1 << 20 if layout == "conditional" else None  # several part files
     path = convert(checkpoint, tmp_path / "model.ninfer", recipe="bf16", max_file_bytes=max_file_bytes, progress=False)
     if max_file_bytes:

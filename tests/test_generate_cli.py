@@ -81,7 +81,7 @@ def test_prompt_beyond_the_context_limit(tiny_artifact):
 
 
 def test_bad_sampling_option(tiny_artifact):
-    one_line_error(ninfer(tiny_artifact, "--prompt-ids", "1", "--top-p", 0), "top_p must be in (0, 1]")
+    one_line_error(ninfer(tiny_artifact, "--prompt-ids", "1", "--top-p", 0), "--top-p must be in (0, 1]")
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path, tiny_artifact):

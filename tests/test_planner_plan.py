@@ -111,7 +111,9 @@ def test_infeasible_budget_gives_one_line_reason(inventory):
 
 def test_host_budget_is_checked(inventory):
     p = plan(inventory, load_profile("rtx5060ti"), PlanOptions(host_budget=1 * GiB))
-    assert not p.feasible and "pinned host memory" in p.reason and "--host-budget" in p.reason
+    assert not p.feasible and "pinned host memory" in p.reason and "budget is 1.0 GiB (given by --host-budget)" in p.reason
+    default = plan(inventory, load_profile("rtx5060ti"), PlanOptions(vram_budget=8 * GiB))
+    assert default.feasible or "75% of" in default.reason
 
 
 def test_kv_dtype_and_context_scale_kv(inventory):
@@ -175,10 +177,24 @@ def test_schema_checker_rejects_bad_documents(inventory):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("2GiB", 2 * GiB), ("24GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("1.5G", 1_500_000_000), ("4096", 4096), ("7 gib", 7 * GiB)],
+    [
+        ("2GiB", 2 * GiB), ("24GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("1.5G", 1_500_000_000), ("4096B", 4096), ("7 gib", 7 * GiB),
+        ("0", 0),
+    ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
+
+
+def test_sizes_without_a_unit_are_refused():
+    with pytest.raises(NinferError, match=r"size '12' has no unit; write e.g. 12GiB \(binary\) or 12GB \(decimal\)"):
+        parse_size("12")
+
+
+def test_at_context_is_within_the_context():
+    assert PlanOptions(max_context=1000).at_context == 1000 and PlanOptions().at_context == 4096
+    with pytest.raises(NinferError, match="--at-context 4096 is beyond the context of 2048 tokens"):
+        PlanOptions(max_context=2048, at_context=4096)
 
 
 @pytest.mark.parametrize(

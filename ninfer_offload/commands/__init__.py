@@ -1,1 +1,2 @@
-"""One module per `ninfer` command; each exposes a function that cli.py registers."""
+"""One module per `ninfer` command, each exposing a function that cli.py registers; `loadable` is the
+load check of `ninfer inspect --verify`."""

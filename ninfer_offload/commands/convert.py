@@ -1,4 +1,8 @@
-"""`ninfer convert SRC_DIR OUT.ninfer [--recipe official|bf16|q8] [--text-only] [--max-file-bytes N]`."""
+"""`ninfer convert SRC_DIR OUT.ninfer [--recipe official|bf16|q8] [--text-only] [--max-file-bytes N]`.
+
+The checkpoint's safetensors files are chosen as transformers chooses them (the shards its index
+lists, else `model.safetensors`); any other `*.safetensors` file in SRC_DIR is named in a warning.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,12 @@ def convert(
     """Convert a Qwen3.5/3.6-MoE Hugging Face checkpoint into a .ninfer artifact."""
     from ninfer_offload.artifact.reader import open_artifact
     from ninfer_offload.convert import convert as run_conversion
+    from ninfer_offload.convert.checkpoint import INDEX, SINGLE_FILE, select_files
 
+    _, ignored = select_files(src_dir)
+    if ignored:
+        why = f"not listed in {INDEX}" if (src_dir / INDEX).exists() else f"without {INDEX} only {SINGLE_FILE} is read"
+        typer.echo(f"warning: ignoring {', '.join(p.name for p in ignored)} ({why})", err=True)
     path = run_conversion(src_dir, out_path, recipe=recipe, text_only=text_only, max_file_bytes=max_file_bytes, progress=progress)
     with open_artifact(path) as artifact:
         files = len(artifact.directory["files"])

@@ -4,7 +4,8 @@ Streams the generated text to stdout as it is produced (statistics go to stderr)
 `--json` prints one JSON object: prompt and generated ids, text, finish reason, timings.
 Sampling options left unset take the model's generation_config.json values (as transformers
 does, `do_sample: false` meaning greedy), then the neutral defaults; `--greedy` (or
-`--temperature 0`) takes the argmax.
+`--temperature 0`) takes the argmax. Everything that can be checked without the weights (options,
+the prompt against the context and the vocabulary) is checked before the slow load.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import typer
 
 from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.options import MISS_PATHS
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -46,6 +48,47 @@ def _read_messages(path: Path) -> tuple[list[dict], list[dict] | None]:
     if isinstance(data, dict):
         return data.get("messages"), data.get("tools")
     return data, None
+
+
+def _check_options(greedy: bool, temperature: float | None, experts: str, miss_path: str, modes: tuple[str, ...]) -> None:
+    if greedy and temperature is not None:
+        raise NinferError("--greedy and --temperature contradict each other (--greedy always takes the most likely token); give one")
+    if experts not in modes:
+        raise NinferError(f"--experts must be one of {', '.join(modes)}, got {experts!r}")
+    if miss_path not in MISS_PATHS:
+        raise NinferError(f"--miss-path must be one of {', '.join(MISS_PATHS)}, got {miss_path!r}")
+    if miss_path != "staged" and experts != "host":
+        raise NinferError(f"--miss-path {miss_path} computes host-resident experts: add --experts host")
+
+
+def _check_prompt(ids: list[int], text_config: dict, max_context: int | None, default_context: int) -> None:
+    """The prompt fits the context and the vocabulary; --max-context is within the model's maximum."""
+    limit, vocab = int(text_config["max_position_embeddings"]), int(text_config["vocab_size"])
+    if max_context is not None and not 0 < max_context <= limit:
+        raise NinferError(f"--max-context must be between 1 and the model's maximum context of {limit} tokens, got {max_context}")
+    if not ids:
+        raise NinferError("the prompt is empty: give at least one token")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise NinferError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
+    capacity = max_context if max_context is not None else min(limit, default_context)
+    if len(ids) > capacity:
+        remedy = "that is the model's maximum context" if capacity == limit else f"raise --max-context (the model allows up to {limit})"
+        raise NinferError(f"the prompt has {len(ids)} tokens, more than the context limit of {capacity}; {remedy}")
+
+
+def _sampling(generation_config: dict, greedy: bool, **given):
+    """SamplingParams from the options given and the model's generation config; a bad option is named by its flag."""
+    from ninfer_offload.runtime.sampling import sampling_from_config
+
+    try:
+        return sampling_from_config(generation_config, greedy=greedy, **given)
+    except NinferError as err:
+        param, message = getattr(err, "param", None), str(err)  # a sampling error names its field
+        if given.get(param) is None:
+            raise  # the value came from generation_config.json
+        flag = f"--{param.replace('_', '-')}"
+        raise NinferError(flag + message[len(param):] if message.startswith(param) else f"{flag}: {message}") from None
 
 
 def _summary(result) -> str:
@@ -94,19 +137,24 @@ def generate(
         raise NinferError("--raw applies to --prompt only")
     if max_tokens < 1:
         raise NinferError(f"--max-tokens must be >= 1, got {max_tokens}")
+
+    from ninfer_offload.artifact.errors import ArtifactError
+    from ninfer_offload.artifact.reader import open_artifact
+    from ninfer_offload.frontend import Frontend
+    from ninfer_offload.runtime.engine import DEFAULT_MAX_CONTEXT, Engine
+    from ninfer_offload.runtime.expert_store import MODES
+    from ninfer_offload.runtime.generate import Generation
+
+    _check_options(greedy, temperature, experts, miss_path, MODES)
     if not artifact.is_file():
         raise NinferError(f"no such artifact file: {artifact}")
     template = _read_text(chat_template, "chat template") if chat_template is not None else None
     conversation = _read_messages(messages) if messages is not None else None
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-
-    from ninfer_offload.artifact.reader import open_artifact
-    from ninfer_offload.frontend import Frontend
-    from ninfer_offload.runtime.engine import Engine
-    from ninfer_offload.runtime.generate import Generation
-    from ninfer_offload.runtime.sampling import sampling_from_config
-
     with open_artifact(artifact) as opened:
+        if "text" not in opened.components:
+            raise ArtifactError(f"{artifact.name} has no text component")
+        text_config = opened.components["text"].config
         frontend = Frontend.from_artifact(opened, chat_template=template)
     if ids is None:
         if prompt is not None and raw:
@@ -114,11 +162,10 @@ def generate(
         else:
             chat, tools = conversation or ([{"role": "user", "content": prompt}], None)
             ids = frontend.encode(frontend.render(chat, tools=tools, enable_thinking=not no_thinking))
-    if max_context is not None and len(ids) > max_context:
-        raise NinferError(f"the prompt has {len(ids)} tokens, more than the context limit of {max_context}; raise --max-context")
-    sampling = sampling_from_config(
+    _check_prompt(ids, text_config, max_context, DEFAULT_MAX_CONTEXT)
+    sampling = _sampling(
         frontend.generation_config,
-        greedy=greedy,
+        greedy,
         seed=seed,
         temperature=temperature,
         top_k=top_k,

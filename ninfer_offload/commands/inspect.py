@@ -1,12 +1,15 @@
 """`ninfer inspect ARTIFACT [--json] [--verify]`: what a `.ninfer` file holds, from its directory alone.
 
 Without `--verify` only the header and JSON directory are read (no payload byte is touched);
-`--verify` decodes every tensor and checks code/scale validity with a progress bar on stderr.
+`--verify` decodes every tensor and checks code/scale validity with a progress bar on stderr, then
+checks what a load needs (`commands.loadable`): the resources parse and every binding the loader
+reads resolves with its shape.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -137,28 +140,48 @@ def _verify(artifact: Artifact) -> dict[str, list[str]]:
         return verify_artifact(artifact, lambda n: bar.advance(task, n))
 
 
+def _print_verify(console: Console, checked: dict, tensors: int) -> None:
+    for oid, found in checked["problems"].items():
+        console.print(f"[red]invalid[/red] {oid}: {'; '.join(found)}", soft_wrap=True)
+    if not checked["problems"]:
+        console.print(f"verify: all {tensors} tensors decode with valid codes and scales", soft_wrap=True)
+    for problem in checked["load_problems"]:
+        console.print(f"[red]cannot load[/red] {problem}", soft_wrap=True)
+    if not checked["load_problems"]:
+        console.print("verify: the resources parse and every binding the loader reads resolves with its shape", soft_wrap=True)
+
+
+def _raise_problems(checked: dict) -> None:
+    bad = checked["problems"]
+    if bad:
+        first = next(iter(bad))
+        raise ArtifactError(f"verify found invalid payload in {len(bad)} objects (first: {first!r}: {bad[first][0]})")
+    if checked["load_problems"]:
+        raise ArtifactError(f"verify: generate and serve would refuse this artifact: {checked['load_problems'][0]}")
+
+
 def inspect(
     artifact: Path = typer.Argument(..., help="The .ninfer entry file."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
-    verify: bool = typer.Option(False, "--verify", help="Decode every tensor and check code/scale validity."),
+    verify: bool = typer.Option(
+        False, "--verify", help="Decode every tensor and check code/scale validity, then check what a load needs."
+    ),
 ) -> None:
     """Show an artifact's container version, components, objects and bytes by format, component and role."""
     console = Console()
     with open_artifact(artifact) as art:
         report = summarize(art)
         if verify:
+            from ninfer_offload.commands.loadable import load_problems, resource_problems
+
             problems = _verify(art)
-            report["verify"] = {"tensors": report["objects"]["tensors"], "problems": problems}
+            loading = resource_problems(art) + load_problems(art, progress=sys.stderr.isatty())
+            report["verify"] = {"tensors": report["objects"]["tensors"], "problems": problems, "load_problems": loading}
     if as_json:
         typer.echo(json.dumps(report, indent=1))
     else:
         _print_report(console, report)
         if verify:
-            for oid, found in report["verify"]["problems"].items():
-                console.print(f"[red]invalid[/red] {oid}: {'; '.join(found)}", soft_wrap=True)
-            if not report["verify"]["problems"]:
-                console.print(f"verify: all {report['objects']['tensors']} tensors decode with valid codes and scales", soft_wrap=True)
-    if verify and report["verify"]["problems"]:
-        bad = report["verify"]["problems"]
-        first = next(iter(bad))
-        raise ArtifactError(f"verify found invalid payload in {len(bad)} objects (first: {first!r}: {bad[first][0]})")
+            _print_verify(console, report["verify"], report["objects"]["tensors"])
+    if verify:
+        _raise_problems(report["verify"])

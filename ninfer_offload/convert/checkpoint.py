@@ -15,6 +15,7 @@ from ninfer_offload.errors import NinferError
 TEXT_RESOURCES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 VISION_RESOURCES = ("preprocessor_config.json", "video_preprocessor_config.json")
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+INDEX, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 
 
 def _read_json(path: Path) -> object:
@@ -26,37 +27,43 @@ def _read_json(path: Path) -> object:
         raise NinferError(f"{path}: not valid JSON ({err})") from None
 
 
+def select_files(directory: Path) -> tuple[list[Path], list[Path]]:
+    """(safetensors files of the checkpoint, other *.safetensors files in the directory), chosen as
+    transformers does: the files `model.safetensors.index.json` lists if it exists, else `model.safetensors`."""
+    if not directory.is_dir():
+        raise NinferError(f"{directory}: not a directory")
+    present = sorted(directory.glob("*.safetensors"))
+    index = directory / INDEX
+    if index.exists():
+        root = _read_json(index)
+        weight_map = root.get("weight_map") if isinstance(root, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise NinferError(f"{index}: missing 'weight_map'")
+        files = sorted({directory / f for f in weight_map.values()})
+    elif (directory / SINGLE_FILE).is_file():
+        files = [directory / SINGLE_FILE]
+    else:
+        found = f" (found {', '.join(p.name for p in present)}: name a single file {SINGLE_FILE})" if present else ""
+        raise NinferError(f"{directory}: no {SINGLE_FILE} or {INDEX}{found}")
+    return files, [p for p in present if p not in files]
+
+
 class Checkpoint:
     """Tensor names, shapes and dtypes from the safetensors headers; tensors read on demand.
 
-    Accepts `model.safetensors`, sharded files with `model.safetensors.index.json`, or any set of
-    `*.safetensors` files in the directory.
+    Reads the files `select_files` chooses: the shards of `model.safetensors.index.json`, else
+    `model.safetensors`; any other `*.safetensors` file is left alone.
     """
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        if not self.directory.is_dir():
-            raise NinferError(f"{self.directory}: not a directory")
+        files, _ = select_files(self.directory)
         self.config = _read_json(self.directory / "config.json")
         self._file: dict[str, Path] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
         self._dtype: dict[str, str] = {}
-        for path in self._files():
+        for path in files:
             self._scan(path)
-
-    def _files(self) -> list[Path]:
-        index = self.directory / "model.safetensors.index.json"
-        if index.exists():
-            root = _read_json(index)
-            weight_map = root.get("weight_map") if isinstance(root, dict) else None
-            if not isinstance(weight_map, dict):
-                raise NinferError(f"{index}: missing 'weight_map'")
-            files = sorted({self.directory / f for f in weight_map.values()})
-        else:
-            files = sorted(self.directory.glob("*.safetensors"))
-        if not files:
-            raise NinferError(f"{self.directory}: no *.safetensors files")
-        return files
 
     def _scan(self, path: Path) -> None:
         try:

@@ -143,7 +143,7 @@ class Engine:
         resolved_dtype = _resolve_dtype(dtype, resolved)
         cache_dtype = _resolve_kv_dtype(kv_dtype, resolved_dtype)
         if experts not in MODES:
-            raise NinferError(f"experts must be one of {', '.join(MODES)}, got {experts!r}")
+            raise NinferError(f"experts must be one of {', '.join(MODES)} (--experts), got {experts!r}")
         if max_sequences < 1 or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise NinferError(f"max_sequences must be >= 1 and draft_tokens in 0..{MAX_DRAFT_TOKENS}")
         ops = _backend_for(resolved, backend)
@@ -155,7 +155,7 @@ class Engine:
             limit = config.max_position_embeddings
             capacity = min(limit, DEFAULT_MAX_CONTEXT) if max_context is None else int(max_context)
             if not 0 < capacity <= limit:
-                raise NinferError(f"max context {capacity} must be between 1 and the model's {limit} positions")
+                raise NinferError(f"max context {capacity} must be between 1 and the model's maximum context of {limit} (--max-context)")
             slots = staging_slots(config.num_experts, config.top_k, max_sequences * (1 + draft_tokens), num_slots)
             if resolved.type == "cuda":
                 options = LoadOptions(
@@ -292,8 +292,9 @@ class Engine:
 
     def _check_room(self, length: int, new: int) -> None:
         if length + new > self.max_context:
+            limit = self.config.max_position_embeddings
+            remedy = "that is the model's maximum context" if self.max_context >= limit else "raise --max-context"
             raise NinferError(
                 f"{length + new} tokens exceed the context limit of {self.max_context} "
-                f"(sequence holds {length}, {new} new); raise --max-context "
-                f"(the model allows up to {self.config.max_position_embeddings})"
+                f"(sequence holds {length}, {new} new); {remedy} (the model allows up to {limit})"
             )

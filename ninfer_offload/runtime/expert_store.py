@@ -52,11 +52,11 @@ class ExpertStore:
         top_k: int = 1,
     ):
         if mode not in MODES:
-            raise NinferError(f"experts must be one of {', '.join(MODES)}, got {mode!r}")
+            raise NinferError(f"experts must be one of {', '.join(MODES)} (--experts), got {mode!r}")
         if miss_path not in MISS_PATHS:
-            raise NinferError(f"miss path must be one of None, 'cpu', 'auto', got {miss_path!r}")
+            raise NinferError(f"miss path must be staged, cpu or auto (--miss-path; miss_path=None, 'cpu' or 'auto'), got {miss_path!r}")
         if miss_path is not None and mode != "host":
-            raise NinferError("a miss path needs host-resident experts (experts='host')")
+            raise NinferError(f"--miss-path {miss_path}: a miss path needs host-resident experts; add --experts host (experts='host')")
         self.layouts = layouts
         self.device = device
         self.mode = mode
