@@ -39,6 +39,7 @@ import torch
 from ninfer_offload.artifact.contract import TEXT_CONFIG, TEXT_LAYERS, VISION_CONFIG, official_directory
 from ninfer_offload.convert.hf_config import CONDITIONAL
 from ninfer_offload.convert.tiny import source_shapes, write_checkpoint
+from provenance import git_commit
 
 GB = 1e9
 
@@ -148,13 +149,6 @@ def machine() -> dict:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {"cpu": cpu, "cores": os.cpu_count(), "ram_bytes": total, "platform": platform.platform(), "torch": torch.__version__,
             "python": platform.python_version()}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from numba import njit, prange
 
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.cpu import experts as ce
+from provenance import git_commit
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
 
@@ -177,13 +178,6 @@ def cpu_topology() -> dict:
     if "Flags" in topology:  # only the vector extensions that matter here
         topology["Flags"] = " ".join(f for f in topology["Flags"].split() if f.startswith(("avx", "fma", "f16c")))
     return topology
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

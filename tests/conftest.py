@@ -58,6 +58,16 @@ def tiny_artifact_q8(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def frontend(tiny_artifact):
+    """The bf16-recipe artifact's text frontend: tokenizer, chat template, stop ids."""
+    from ninfer_offload import open_artifact
+    from ninfer_offload.frontend import Frontend
+
+    with open_artifact(tiny_artifact) as artifact:
+        return Frontend.from_artifact(artifact)
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_artifact):
     """The bf16-recipe artifact loaded on the CPU (an Engine holds no per-sequence state: safe to share)."""
     from ninfer_offload import Engine

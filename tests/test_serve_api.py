@@ -26,7 +26,6 @@ import pytest
 import torch
 import uvicorn
 
-from ninfer_offload.frontend import Frontend
 from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.runtime.generate import generate
 from ninfer_offload.runtime.sampling import SamplingParams
@@ -131,14 +130,6 @@ class ScriptedEngine:
     def step_batch(self, sessions, token_ids):
         logits = self.engine.step_batch([s.inner for s in sessions], token_ids)
         return torch.stack([s.force(row) for s, row in zip(sessions, logits)])
-
-
-@pytest.fixture(scope="module")
-def frontend(tiny_artifact) -> Frontend:
-    from ninfer_offload import open_artifact
-
-    with open_artifact(tiny_artifact) as artifact:
-        return Frontend.from_artifact(artifact)
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,9 @@ from test_serve_api import MODEL, USER, LiveServer
 from test_serve_cli import SERVE, ServeProcess
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.frontend import Frontend
 from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.serve.app import create_app
 from ninfer_offload.serve.guards import LOOPBACK_NAMES
-
-
-@pytest.fixture(scope="module")
-def frontend(tiny_artifact) -> Frontend:
-    from ninfer_offload import open_artifact
-
-    with open_artifact(tiny_artifact) as artifact:
-        return Frontend.from_artifact(artifact)
 
 
 @pytest.fixture(scope="module")

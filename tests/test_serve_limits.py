@@ -17,21 +17,12 @@ import psutil
 import pytest
 from test_serve_api import MODEL, USER, LiveServer
 
-from ninfer_offload.frontend import Frontend
 from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.serve.app import create_app
 
 CONTEXT = 512
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-
-
-@pytest.fixture(scope="module")
-def frontend(tiny_artifact) -> Frontend:
-    from ninfer_offload import open_artifact
-
-    with open_artifact(tiny_artifact) as artifact:
-        return Frontend.from_artifact(artifact)
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,9 @@ import pytest
 from test_serve_api import MODEL, USER, LiveServer, ScriptedEngine
 from test_serve_cli import ServeProcess
 
-from ninfer_offload.frontend import Frontend
 from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.serve.app import create_app
 from ninfer_offload.serve.server import ABORT_GRACE_S
-
-
-@pytest.fixture(scope="module")
-def frontend(tiny_artifact) -> Frontend:
-    from ninfer_offload import open_artifact
-
-    with open_artifact(tiny_artifact) as artifact:
-        return Frontend.from_artifact(artifact)
 
 
 def wait_active(url: str, count: int, timeout: float = 30.0) -> None:

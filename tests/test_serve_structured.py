@@ -28,12 +28,7 @@ ASK = [{"role": "user", "content": "Weather as JSON, please."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_artifact):
-    from ninfer_offload import open_artifact
-    from ninfer_offload.frontend import Frontend
-
-    with open_artifact(tiny_artifact) as artifact:
-        frontend = Frontend.from_artifact(artifact)
+def server(tiny_artifact, frontend):
     engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4)
     with LiveServer(create_app(engine, frontend, MODEL, 512, max_concurrency=4, max_queue=8)) as live:
         yield live
@@ -81,16 +76,11 @@ def test_bad_response_formats_are_400s(server, response_format):
     assert error["param"].startswith("response_format") and error["code"]
 
 
-def test_chat_logprobs_are_the_models_and_stream_alike(server, tiny_artifact):
-    from ninfer_offload import open_artifact
-    from ninfer_offload.frontend import Frontend
-
+def test_chat_logprobs_are_the_models_and_stream_alike(server, tiny_artifact, frontend):
     kwargs = dict(model=MODEL, messages=ASK, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, extra_body=NO_THINKING)
     reply = server.client().chat.completions.create(**kwargs)
     entries = reply.choices[0].logprobs.content
     assert len(entries) == reply.usage.completion_tokens - (reply.choices[0].finish_reason == "stop")
-    with open_artifact(tiny_artifact) as artifact:
-        frontend = Frontend.from_artifact(artifact)
     engine = Engine.load(tiny_artifact, device="cpu")
     session = engine.session()
     logits = session.prefill(frontend.encode(frontend.render(ASK, enable_thinking=False)))
