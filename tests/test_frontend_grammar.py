@@ -95,3 +95,65 @@ def test_a_finished_value_allows_only_the_stop_ids(frontend, compiler):
 def test_an_invalid_schema_is_a_client_error(compiler):
     with pytest.raises(NinferError, match="invalid JSON schema"):
         compiler.json({"type": "objectx"}, thinking=False)
+
+
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}},
+]
+CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n{days}</function>\n</tool_call>\n"
+
+
+def _feed(frontend, constraint, text: str) -> None:
+    for token in frontend.encode(text):
+        constraint.accept(token)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Let me look.\n" + CALL.format(city="Paris\nin France", days="<parameter=days>\n3\n</parameter>\n"),
+        "<tool_call>\n<function=noop>\n</function>\n</tool_call>\n" + CALL.format(city="Rome", days=""),
+        "<think>\nThe user wants the weather.\n</think>\n\n" + CALL.format(city="Oslo", days="").rstrip("\n"),
+    ],
+)
+def test_well_formed_tool_calls_pass_the_tool_grammar(frontend, compiler, text):
+    constraint = compiler.tool_calls(WEATHER)
+    _feed(frontend, constraint, text)
+    logits = torch.zeros(VOCAB)
+    constraint.mask(logits)
+    assert torch.isfinite(logits[sorted(frontend.stop_ids)]).all()  # the reply may end here
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n3",  # the required city is missing
+        CALL.format(city="Oslo", days="<parameter=days>\n12\n</parameter>\n"),  # days above its maximum
+        "<tool_call>\n<function=get_time>\n",  # no such tool
+        CALL.format(city="Oslo", days="") + "trailing text",  # only further calls may follow a call
+    ],
+)
+def test_malformed_tool_calls_are_refused(frontend, compiler, text):
+    with pytest.raises(NinferError, match="breaks the response grammar"):
+        _feed(frontend, compiler.tool_calls(WEATHER), text)
+
+
+def test_free_text_without_tool_calls_is_unconstrained(frontend, compiler):
+    constraint = compiler.tool_calls(WEATHER)
+    _feed(frontend, constraint, "I think the answer is yes, because")
+    logits = torch.zeros(VOCAB)
+    constraint.mask(logits)
+    texts = {token: frontend.decode([token]) for token in range(frontend.vocab_size)}
+    plain = [token for token, text in texts.items() if text.isascii() and text.isprintable() and "<" not in text]
+    assert len(plain) > 200 and torch.isfinite(logits[plain]).all()  # any plain text may follow

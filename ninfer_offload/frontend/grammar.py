@@ -12,6 +12,7 @@ answers in the grammar.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -20,7 +21,7 @@ import torch
 
 from ninfer_offload.errors import NinferError
 
-REASONING_END = "</think>"
+REASONING_START, REASONING_END = "<think>", "</think>"
 _MASKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ninfer-grammar")
 
 
@@ -66,15 +67,18 @@ class GrammarConstraint:
 class GrammarCompiler:
     """llguidance's tokenizer for one model, and grammars compiled against it."""
 
-    def __init__(self, tokenizer_json: str, vocab: int, stop_ids: set[int], reasoning_end: int | None):
+    def __init__(self, tokenizer_json: str, vocab: int, stop_ids: set[int], reasoning_end: int | None, reasoning_tags: list[str]):
         self.vocab = vocab
         self.reasoning_end = reasoning_end
+        self.reasoning_tags = reasoning_tags  # the tokenizer's <think> and </think> tokens (free text may hold them)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=sorted(stop_ids))
 
     @classmethod
     def for_frontend(cls, frontend, vocab: int) -> GrammarCompiler:
         """For `frontend` (a `Frontend`) and a model whose logits have `vocab` entries."""
-        return cls(frontend.tokenizer.to_str(), vocab, frontend.stop_ids, frontend.tokenizer.token_to_id(REASONING_END))
+        tokenizer = frontend.tokenizer
+        tags = [tag for tag in (REASONING_START, REASONING_END) if tokenizer.token_to_id(tag) is not None]
+        return cls(tokenizer.to_str(), vocab, frontend.stop_ids, tokenizer.token_to_id(REASONING_END), tags)
 
     def json(self, schema: dict | None, thinking: bool) -> GrammarConstraint:
         """Output that is one JSON value matching `schema` (None: any JSON object); `thinking`: only
@@ -90,3 +94,55 @@ class GrammarCompiler:
         if matcher.is_error():
             raise NinferError(f"invalid JSON schema: {matcher.get_error()}")
         return GrammarConstraint(matcher, self.vocab, self.reasoning_end if thinking else None)
+
+    def tool_calls(self, tools: list[dict]) -> GrammarConstraint:
+        """Free text (reasoning and content), then only well-formed tool calls (the model's XML format)
+        to the given OpenAI `tools`, with each argument valid against its parameter's schema."""
+        return self._matcher(tool_call_grammar(tools, self.reasoning_tags), None)
+
+    def _matcher(self, lark: str, start_after: int | None) -> GrammarConstraint:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if problem:
+            raise NinferError(f"invalid tool schema: {problem.splitlines()[0]}")
+        return GrammarConstraint(llguidance.LLMatcher(self.tokenizer, grammar, log_level=0), self.vocab, start_after)
+
+
+def _is_free_string(spec: object) -> bool:
+    """A plain string parameter (no enum, pattern or limits): its value is free text."""
+    return isinstance(spec, dict) and spec.get("type") == "string" and not set(spec) - {"type", "description", "title"}
+
+
+def tool_call_grammar(tools: list[dict], reasoning_tags: list[str]) -> str:
+    """A Lark grammar (llguidance dialect) of free text followed by tool calls in the model's format
+
+        <tool_call>⏎<function=NAME>⏎<parameter=P>⏎VALUE⏎</parameter>⏎...</function>⏎</tool_call>[⏎]
+
+    Parameters come in their schema's order, the required ones mandatory; a plain string value is
+    free text, any other value is JSON valid against its schema. The text before the calls may hold
+    the `reasoning_tags` tokens."""
+    newline, close_parameter, close_function = json.dumps("\n"), json.dumps("\n</parameter>\n"), json.dumps("</function>\n")
+    functions = " | ".join(f"function_{i}" for i in range(len(tools)))
+    rules = [
+        "start: free call*",
+        "free: (" + " | ".join(["TEXT", *reasoning_tags]) + ")*",
+        r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
+        r"free_value[lazy]: /(?s:.*)\n<\/parameter>\n/",  # the shortest text that closes the parameter
+        f"call: <tool_call> {newline} ({functions}) </tool_call> {newline}?",
+    ]
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        schema = function.get("parameters") or {}
+        required = set(schema.get("required") or [])
+        parameters = []
+        for j, (name, spec) in enumerate((schema.get("properties") or {}).items()):
+            if _is_free_string(spec):
+                value = "free_value"
+            else:
+                value = f"value_{i}_{j} {close_parameter}"
+                rules.append(f"value_{i}_{j}: %json {json.dumps(spec if isinstance(spec, dict) else {})}")
+            rules.append(f"parameter_{i}_{j}: {json.dumps(f'<parameter={name}>')} {newline} {value}")
+            parameters.append(f"parameter_{i}_{j}" + ("" if name in required else "?"))
+        opening = json.dumps(f"<function={function['name']}>")
+        rules.append(f"function_{i}: {opening} {newline} {' '.join(parameters)} {close_function}")
+    return "\n".join(rules) + "\n"

@@ -115,13 +115,19 @@ def _prepare(ctx: ServeContext, raw: bytes) -> PreparedChat:
 
 
 def _constraint(ctx: ServeContext, body: ChatCompletionRequest, thinking: bool):
-    """The grammar of `response_format` (None for text); with thinking on it starts after the reasoning."""
-    if body.response_format is None or not body.response_format.constrained:
-        return None
+    """The grammar the reply follows: `response_format`'s JSON (with thinking on, after the
+    reasoning), else, with tools, well-formed tool calls whose arguments match their schemas."""
+    constrained = body.response_format is not None and body.response_format.constrained
+    if constrained and body.uses_tools:
+        raise APIError(400, "response_format cannot be combined with tools", param="response_format", code="unsupported_value")
     try:
-        return ctx.grammars.json(body.response_format.schema(), thinking)
+        if constrained:
+            return ctx.grammars.json(body.response_format.schema(), thinking)
+        if body.uses_tools:
+            return ctx.grammars.tool_calls([tool.model_dump(exclude_none=True) for tool in body.tools])
     except NinferError as exc:
-        raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
+        raise APIError(400, str(exc), param="response_format" if constrained else "tools", code="invalid_value") from None
+    return None
 
 
 async def chat_completion(ctx: ServeContext, request: Request) -> Response:
