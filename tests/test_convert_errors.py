@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_tokenizer import write_tokenizer_files
+from ninfer_offload.convert.tiny_tokenizer import write_tokenizer_files
 
 from ninfer_offload import open_artifact
 from ninfer_offload.convert import convert

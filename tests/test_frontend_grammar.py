@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-import tiny_tokenizer
+from ninfer_offload.convert.tiny_tokenizer import write_tokenizer_files
 from ninfer_offload.errors import NinferError
 from ninfer_offload.frontend import Frontend
 from ninfer_offload.frontend.grammar import REASONING_END, GrammarCompiler
@@ -18,7 +18,7 @@ VOCAB = 520  # the model's logits may be wider than the tokenizer's vocabulary
 @pytest.fixture(scope="module")
 def frontend(tmp_path_factory) -> Frontend:
     directory = tmp_path_factory.mktemp("tokenizer")
-    tiny_tokenizer.write_tokenizer_files(directory)
+    write_tokenizer_files(directory)
     return Frontend.from_directory(directory)
 
 

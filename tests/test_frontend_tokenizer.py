@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.frontend import Frontend
-from tiny_tokenizer import write_tokenizer_files
+from ninfer_offload.convert.tiny_tokenizer import write_tokenizer_files
 
 TEXTS = [
     "Hello world, the experts are busy today.",

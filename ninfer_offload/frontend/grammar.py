@@ -87,25 +87,20 @@ class GrammarCompiler:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"})
         except (ValueError, TypeError) as err:
             raise NinferError(f"invalid JSON schema: {err}") from None
-        problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if problem:
-            raise NinferError(f"invalid JSON schema: {problem.splitlines()[0]}")
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise NinferError(f"invalid JSON schema: {matcher.get_error()}")
-        return GrammarConstraint(matcher, self.vocab, self.reasoning_end if thinking else None)
+        return self._constraint(grammar, self.reasoning_end if thinking else None, "JSON schema")
 
     def tool_calls(self, tools: list[dict]) -> GrammarConstraint:
         """Free text (reasoning and content), then only well-formed tool calls (the model's XML format)
         to the given OpenAI `tools`, with each argument valid against its parameter's schema."""
-        return self._matcher(tool_call_grammar(tools, self.reasoning_tags), None)
+        return self._constraint(llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(tools, self.reasoning_tags)), None, "tool schema")
 
-    def _matcher(self, lark: str, start_after: int | None) -> GrammarConstraint:
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    def _constraint(self, grammar: str, start_after: int | None, source: str) -> GrammarConstraint:
+        """A constraint of a compiled grammar; NinferError naming `source` when llguidance refuses it."""
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if problem:
-            raise NinferError(f"invalid tool schema: {problem.splitlines()[0]}")
-        return GrammarConstraint(llguidance.LLMatcher(self.tokenizer, grammar, log_level=0), self.vocab, start_after)
+        matcher = None if problem else llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if problem or matcher.is_error():
+            raise NinferError(f"invalid {source}: {(problem or matcher.get_error()).splitlines()[0]}")
+        return GrammarConstraint(matcher, self.vocab, start_after)
 
 
 def _is_free_string(spec: object) -> bool:

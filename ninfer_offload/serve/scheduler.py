@@ -289,7 +289,7 @@ class Scheduler:
             self._finish(sequence, "error", str(exc))
             return
         sequence.output.append(token)
-        request, handle = sequence.handle.request, sequence.handle
+        handle = sequence.handle
         if handle.timings.first_token is None:
             handle.timings.first_token = time.perf_counter()
         sequence.next_token = None
