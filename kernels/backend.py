@@ -78,11 +78,7 @@ class TritonBackend(ReferenceBackend):
     ) -> torch.Tensor:
         if not isinstance(experts.layout, ExpertRecordLayout):
             return super().routed_experts(x, topk_ids, topk_weights, experts)
-        records = experts.records
-        if not records.is_contiguous():
-            raise ValueError("expert records must be one contiguous [slots, nbytes] tensor")
-        table = moe.record_table(experts.slots, records.shape[1])
-        return moe.routed_experts(x, topk_ids, topk_weights, records, table, experts.layout)
+        return moe.routed_experts(x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout)
 
     def conv_update(
         self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None

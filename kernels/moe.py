@@ -5,7 +5,7 @@ Reference op: `ReferenceBackend.routed_experts(x, topk_ids, topk_weights, expert
 
 Experts are reached through a per-layer int64 table: `table[e]` is the byte offset of expert e's
 record (`ExpertRecordLayout`: gate/up object, then the down object at `down_offset`) from an
-`arena` base tensor, a multiple of 256. Resident banks (arena = the bank), staged cache slots
+`arena` base tensor, a multiple of 256. Resident banks (arena = the bank), cache slots
 (arena = the slot pool) and mapped pinned host records (arena = any 256-aligned tensor, offsets
 = address differences in the unified address space) all go through the same kernels; only the
 table differs. Offsets from an aligned base argument, rather than raw addresses, let the

@@ -135,11 +135,11 @@ def miss_rates(profile: DeviceProfile, miss_path: str) -> tuple[float, float]:
     return pcie, 1.0
 
 
-def device_assumptions(profile: DeviceProfile, miss_path: str = "staged") -> tuple[str, ...]:
+def device_assumptions(profile: DeviceProfile, miss_path: str = "pcie") -> tuple[str, ...]:
     """The assumptions that depend on the device profile."""
     cpu = f"{CPU_EXPERT_SHARE_OF_DRAM:.0%} of the {profile.dram_bandwidth_gbs:g} GB/s host DRAM bandwidth"
     misses = {
-        "staged": f"decode copies host-resident experts at the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth",
+        "pcie": f"decode reads host-resident experts over PCIe at the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth",
         "cpu": f"decode computes host-resident experts on the host, streaming them at {cpu}",
         "auto": f"decode splits host-resident experts between {profile.h2d_bandwidth_gbs:g} GB/s H2D copies and host compute at {cpu}",
     }[miss_path]

@@ -148,14 +148,19 @@ def loaded_weight_bytes(inventory: Inventory, components: tuple[str, ...], eleme
 class LoadOptions:
     """What `Engine.load` puts on the device, in the planner's terms."""
 
-    experts: str  # "resident" or "host"
+    pinned_experts: tuple[int, ...]  # experts kept in VRAM per MoE layer (text layers, then the MTP layer)
+    cache_slots: int  # uniform expert-cache slots
     sequences: int
     capacity: int
     draft_tokens: int
     mtp: bool
     element_bytes: int  # compute dtype
     kv_dtype: str  # a KV_ELEMENT_BYTES key
-    staging_slots: int | None  # requested slots of host mode
+
+
+def expert_arena_bytes(expert_bytes: list[int], pinned_experts: tuple[int, ...], cache_slots: int) -> int:
+    """VRAM of the expert arena: each layer's pinned records, then cache slots as wide as the widest record."""
+    return sum(n * b for n, b in zip(pinned_experts, expert_bytes)) + cache_slots * max(expert_bytes, default=0)
 
 
 def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]:
@@ -164,14 +169,9 @@ def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]
     shape = ModelShape.from_config(inventory.text_config)
     components = ("text", "mtp") if options.mtp else ("text",)
     banks = [bank for c in components for bank in inventory.banks_of(c)]
-    if options.experts == "resident":
-        experts = sum(bank.expert_bytes * bank.num_experts for bank in banks)
-    else:
-        slots = staging_slots(shape.num_experts, shape.top_k, options.sequences * (1 + options.draft_tokens), options.staging_slots)
-        experts = slots * max((bank.expert_bytes for bank in banks), default=0)
     return {
         "weights": loaded_weight_bytes(inventory, components, options.element_bytes),
-        "experts": experts,
+        "experts": expert_arena_bytes([bank.expert_bytes for bank in banks], options.pinned_experts, options.cache_slots),
         **state_pool_bytes(
             shape, options.sequences, options.capacity, options.draft_tokens, options.mtp, options.kv_dtype, options.element_bytes
         ),

@@ -10,7 +10,7 @@ from ninfer_offload.errors import NinferError
 
 KV_DTYPES = ("bf16", "fp8", "int8")
 SPECULATIVE_MODES = ("none", "mtp")
-MISS_PATHS = ("staged", "cpu", "auto")  # host-resident experts: copied to the GPU, computed on the host, or both
+MISS_PATHS = ("pcie", "cpu", "auto")  # host-resident experts: read by the GPU over PCIe, computed on the host, or both
 MAX_DRAFTS = 5
 AT_CONTEXT = 4096  # default sequence length of the speed prediction (at most the context)
 
@@ -61,7 +61,7 @@ class PlanOptions:
     host_budget: int | None = None  # bytes of pinned host memory; None = a share of host RAM
     mtp_acceptance: float = 0.75  # per-draft acceptance probability (assumption)
     at_context: int | None = None  # sequence length at which decode speed is predicted; None = min(AT_CONTEXT, max_context)
-    miss_path: str = "staged"  # how decode serves host-resident experts (MISS_PATHS)
+    miss_path: str = "pcie"  # how decode serves host-resident experts (MISS_PATHS)
 
     def __post_init__(self) -> None:
         if self.at_context is None:

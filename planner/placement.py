@@ -146,7 +146,7 @@ PLAN_SCHEMA: dict = {
                 "vram_budget": {"type": ["integer", "null"], "minimum": 0},
                 "host_budget": {"type": ["integer", "null"], "minimum": 0},
                 "mtp_acceptance": _NUMBER, "at_context": _INT,
-                "miss_path": {"type": "string", "enum": ["staged", "cpu", "auto"]},
+                "miss_path": {"type": "string", "enum": ["pcie", "cpu", "auto"]},
             },
         },
         "vram_total_bytes": _INT,

@@ -25,8 +25,9 @@ def test_cpu_path_runs_every_routed_expert_on_the_host(tiny_artifact_official, r
     engine = Engine.load(tiny_artifact_official, experts="host", miss_path="cpu")
     assert_logits_close(engine.logits(PROMPT), resident.logits(PROMPT))
     config, stats = engine.config, engine.store.stats
-    assert stats.cpu_assignments == len(PROMPT) * config.top_k * config.num_layers  # nothing staged
-    assert stats.staged_bytes == 0
+    # host mode's default cache holds a few experts; everything else runs on the host, nothing crosses PCIe
+    assert 0 < stats.cpu_assignments == stats.uses - stats.hits
+    assert stats.pcie_bytes == 0
     assert stats.miss_path["mode"] == "cpu" and stats.miss_path["cpu"]["calls"] == config.num_layers
 
 
@@ -47,7 +48,7 @@ def test_auto_path_splits_misses_and_matches_resident(tiny_artifact_official, re
     stats = engine.store.stats
     split = stats.miss_path["split"]
     assert split["cpu_experts"] > 0 and split["pcie_experts"] > 0  # both paths served misses
-    assert stats.staged_bytes > 0 and stats.cpu_assignments > 0
+    assert stats.pcie_bytes > 0 and stats.cpu_assignments > 0
     assert split["cpu_rate_gbs"] > 0 and split["pcie_rate_gbs"] > 0
 
 
@@ -62,21 +63,6 @@ def test_auto_path_matches_resident_for_any_split(tiny_artifact_official, reside
     assert_logits_close(session.prefill(PROMPT * 2), reference.prefill(PROMPT * 2))
     for token in (3, 9, 27, 81):
         assert_logits_close(session.step(token), reference.step(token))
-
-
-def test_auto_path_never_reads_a_slot_it_did_not_fill(tiny_artifact_official, resident):
-    """Assignments sent to the host must not reach the device kernel through a slot that holds no
-    record of theirs (the bank maps experts it lacks to slot 0). Slot 0 is kept out of use here and
-    filled with bytes whose FP16 scales are NaN: a zero weight does not cancel NaN."""
-    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, miss_path="auto")
-    engine.store.free.remove(0)
-    engine.store.num_slots -= 1
-    engine.store.pool[0].fill_(0xFF)
-    session, reference = engine.session(), resident.session()
-    assert_logits_close(session.prefill(PROMPT), reference.prefill(PROMPT))
-    for token in (3, 9, 27):
-        assert_logits_close(session.step(token), reference.step(token))
-    assert engine.store.stats.cpu_assignments > 0 and engine.store.stats.staged_bytes > 0
 
 
 def test_q8_records_through_the_cpu_path(tiny_artifact_q8):
@@ -102,7 +88,7 @@ def test_lossless_records_use_the_host_reference_op(tiny_artifact):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("miss_path", ["cpu", "auto"])
 def test_mixed_cpu_and_gpu_split_matches_all_gpu(tiny_artifact_official, miss_path):
-    """On CUDA (float32): missing experts computed on the host while the GPU runs the staged ones."""
+    """On CUDA (float32): missing experts computed on the host while the GPU runs the others."""
     ids = PROMPT * 3
     want = Engine.load(tiny_artifact_official, device="cuda", dtype="float32").logits(ids)
     engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", experts="host", num_slots=4, miss_path=miss_path)

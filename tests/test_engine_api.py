@@ -1,4 +1,4 @@
-"""Engine API: host-staged experts == resident, CPU miss path, batched decode over sequences of
+"""Engine API: host-resident experts == resident, CPU miss path, batched decode over sequences of
 different lengths, MTP shapes and one-shot vs step-by-step consistency, one-line errors."""
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ def engine(tiny_artifact):
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "official"])
-def test_host_staged_experts_give_exactly_the_resident_logits(recipe, request):
+def test_host_experts_give_exactly_the_resident_logits(recipe, request):
     path = request.getfixturevalue("tiny_artifact" if recipe == "bf16" else "tiny_artifact_official")
     resident = Engine.load(path, max_sequences=2)
     host = Engine.load(path, experts="host", num_slots=3, max_sequences=2)  # fewer slots than a prompt's distinct experts
+    assert resident.store.host == [] and len(host.store.host) == host.config.num_layers
     expected = resident.logits(PROMPT)
     assert torch.equal(host.logits(PROMPT), expected)
     sessions = [host.session(), resident.session()]
@@ -33,9 +34,11 @@ def test_host_staged_experts_give_exactly_the_resident_logits(recipe, request):
     for token in PROMPT[30:]:
         assert torch.equal(*[session.step(token) for session in sessions])
     stats = host.store.stats
-    assert stats.misses > 0 and stats.hits > 0
+    misses = stats.uses - stats.hits
+    assert misses > 0 and stats.hits > 0 and stats.promotions > 0
     sizes = [layout.nbytes for layout in host.store.layouts]
-    assert stats.misses * min(sizes) <= stats.staged_bytes <= stats.misses * max(sizes)
+    assert misses * min(sizes) <= stats.pcie_bytes <= misses * max(sizes)
+    assert resident.store.stats.uses == 0  # nothing to learn when every expert is in VRAM
 
 
 def test_cpu_miss_path_matches_resident(tiny_artifact_official):

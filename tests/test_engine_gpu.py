@@ -1,4 +1,4 @@
-"""The reference engine on CUDA: bf16 close to the CPU float32 run, pinned host-staged experts equal
+"""The reference engine on CUDA: bf16 close to the CPU float32 run, pinned host experts equal
 to resident ones, batched decode. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_cuda_pinned_host_experts_equal_resident(tiny_artifact_official, backend
         session.prefill(PROMPT[:20])
     for token in PROMPT[20:30]:
         assert torch.equal(*[session.step(token) for session in sessions])
-    assert host.store.stats.misses > 0
+    assert host.store.stats.uses > host.store.stats.hits  # some experts were read from host memory
 
 
 def test_cuda_step_batch_equals_single_steps(tiny_artifact_official):

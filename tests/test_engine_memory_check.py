@@ -47,15 +47,16 @@ def test_footprint_equals_what_a_load_allocates(recipe, experts, request):
     path = request.getfixturevalue("tiny_artifact" if recipe == "bf16" else "tiny_artifact_official")
     engine = Engine.load(path, experts=experts, max_context=CAPACITY, max_sequences=3, draft_tokens=2, mtp=True)
     try:
+        layers, count, top_k = engine.config.num_layers, engine.config.num_experts, engine.config.top_k
+        pinned, slots = ((count,) * (layers + 1), 0) if experts == "resident" else ((0,) * layers + (count,), 2 * min(count, top_k * 3 * 3))
         planned = footprint(
-            path, experts=experts, sequences=3, capacity=CAPACITY, draft_tokens=2, mtp=True, element_bytes=4,
-            kv_dtype="fp32", staging_slots=None,
+            path, pinned_experts=pinned, cache_slots=slots, sequences=3, capacity=CAPACITY, draft_tokens=2, mtp=True,
+            element_bytes=4, kv_dtype="fp32",
         )
         weights = weight_tensors(engine.mtp, weight_tensors(engine.text, {}))
         assert planned["weights"] == sum(weights.values())
-        store = engine.store
-        records = store.pool.nbytes if experts == "host" else sum(bank.records.nbytes for bank in store.banks)
-        assert planned["experts"] == records
+        assert [len(ids) for ids in engine.expert_plan.placement.pinned] == list(pinned)
+        assert planned["experts"] == engine.store.arena.nbytes
         state = engine.state
         assert planned["kv_cache"] == sum(k.nbytes + v.nbytes for k, v in state.kv.values())
         assert planned["gdn_state"] == state.nbytes - planned["kv_cache"]
@@ -86,11 +87,12 @@ def test_footprint_matches_the_cuda_allocator(tiny_artifact_official, experts):
     try:
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated() - before
+        placement = engine.expert_plan.placement
         planned = sum(footprint(
-            tiny_artifact_official, experts=experts, sequences=4, capacity=4096, draft_tokens=0, mtp=True, element_bytes=2,
-            kv_dtype="bf16", staging_slots=None,
+            tiny_artifact_official, pinned_experts=tuple(len(ids) for ids in placement.pinned), cache_slots=placement.cache_slots,
+            sequences=4, capacity=4096, draft_tokens=0, mtp=True, element_bytes=2, kv_dtype="bf16",
         ).values())
-        # the allocator rounds each tensor up to 512 bytes; small index tables (rotary, slot maps) are not planned
+        # the allocator rounds each tensor up to 512 bytes; small index tables (rotary, expert tables, use counts) are not planned
         assert planned <= allocated <= planned * 1.02 + 512 * 1024
     finally:
         engine.close()
@@ -104,4 +106,4 @@ def test_a_load_that_cannot_fit_is_one_line_naming_the_remedy():
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("needs 21.00 GiB of VRAM (experts 17.00 GiB")
-    assert "16.00 GiB free" in message and "--experts host" in message
+    assert "16.00 GiB free" in message and "--vram-budget" in message

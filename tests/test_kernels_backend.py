@@ -90,11 +90,11 @@ def test_routed_experts_through_bank_slots():
         records[slot, : gu.size] = gu
         records[slot, layout.down_offset : layout.down_offset + dn.size] = dn
     slots = torch.tensor([0, 1, 2, 0, 0])
-    bank = ExpertBank(layout, torch.from_numpy(records), slots)
+    bank = ExpertBank(layout, torch.from_numpy(records).reshape(-1), slots * layout.nbytes)
     x = torch.randn(3, hidden, generator=_gen(7))
     ids = torch.tensor([[4, 1], [2, 4], [4, 1]])
     w = torch.softmax(torch.randn(3, 2, generator=_gen(8)), -1)
-    device_bank = ExpertBank(layout, bank.records.to(DEVICE), slots.to(DEVICE))
+    device_bank = ExpertBank(layout, bank.arena.to(DEVICE), bank.offsets.to(DEVICE))
     out = _backend().routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), device_bank)
     assert _close(out, REF.routed_experts(x, ids, w, bank))
 

@@ -69,11 +69,11 @@ def test_routed_experts_matches_per_expert_math():
     x = torch.randn(5, hidden)
     ids = torch.tensor([[0, 3], [1, 3], [2, 0], [3, 1], [2, 2]])
     weights = torch.rand(5, 2)
-    # records in a shuffled slot order, reached through the slot table
+    # records in a shuffled slot order, reached through the offset table
     order = torch.tensor([2, 0, 3, 1])
     slots = torch.empty(experts, dtype=torch.long)
     slots[order] = torch.arange(experts)
-    out = backend.routed_experts(x, ids, weights, ExpertBank(layout, records[order], slots))
+    out = backend.routed_experts(x, ids, weights, ExpertBank(layout, records[order].reshape(-1), slots * layout.nbytes))
     gu, dn = torch.from_numpy(gate_up).view(experts, 2 * inter, hidden), torch.from_numpy(down).view(experts, hidden, inter)
     expected = torch.zeros(5, hidden)
     for t in range(5):

@@ -213,15 +213,15 @@ def test_bad_options(kwargs, message):
 
 def test_miss_paths(inventory):
     profile = load_profile("rtx5060ti")
-    staged, cpu, auto = (plan(inventory, profile, PlanOptions(miss_path=m)) for m in ("staged", "cpu", "auto"))
-    assert staged.resident_experts == cpu.resident_experts == auto.resident_experts
-    assert cpu.predicted.pcie_bytes_per_token == pytest.approx(staged.components["token_embedding"].bytes / 248320, rel=0.01)
-    assert 0 < auto.predicted.pcie_bytes_per_token < staged.predicted.pcie_bytes_per_token
+    pcie, cpu, auto = (plan(inventory, profile, PlanOptions(miss_path=m)) for m in ("pcie", "cpu", "auto"))
+    assert pcie.resident_experts == cpu.resident_experts == auto.resident_experts
+    assert cpu.predicted.pcie_bytes_per_token == pytest.approx(pcie.components["token_embedding"].bytes / 248320, rel=0.01)
+    assert 0 < auto.predicted.pcie_bytes_per_token < pcie.predicted.pcie_bytes_per_token
     # auto moves misses over both links, so it beats either alone; of the two, the faster link wins
     # (27.5 GB/s H2D against the CPU's share of 60 GB/s DRAM).
-    assert max(cpu.predicted.decode_tok_s, staged.predicted.decode_tok_s) < auto.predicted.decode_tok_s
+    assert max(cpu.predicted.decode_tok_s, pcie.predicted.decode_tok_s) < auto.predicted.decode_tok_s
     cpu_faster = CPU_EXPERT_SHARE_OF_DRAM * profile.dram_bandwidth_gbs > profile.h2d_bandwidth_gbs
-    assert (cpu.predicted.decode_tok_s > staged.predicted.decode_tok_s) == cpu_faster
-    assert auto.predicted.prefill_tok_s == staged.predicted.prefill_tok_s
+    assert (cpu.predicted.decode_tok_s > pcie.predicted.decode_tok_s) == cpu_faster
+    assert auto.predicted.prefill_tok_s == pcie.predicted.prefill_tok_s
     with pytest.raises(NinferError, match="--miss-path"):
         PlanOptions(miss_path="gpu")

@@ -59,7 +59,7 @@ def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact):
     server = ServeProcess(str(tiny_artifact), *args)
     try:
         assert server.wait_for(r"loaded .* 6 layers, 8 experts \(top-2\), vocab 512, cpu float32")
-        assert server.wait_for(r"plan on rtx5090: fits; VRAM .* 48/48 experts resident")
+        assert server.wait_for(r"48 of 48 experts pinned in VRAM, 0 cache slots")
         response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert response.status_code == 200
         request_id = response.json()["id"]
@@ -114,11 +114,14 @@ def test_host_experts_with_the_cpu_miss_path_serve_the_resident_greedy_text(tiny
 
     server = ServeProcess(str(tiny_artifact_official), "--served-model-name", "tiny", "--experts", "host", "--miss-path", "cpu")
     try:
-        assert server.wait_for(r"experts host \(misses cpu\)")
+        assert server.wait_for(r"0 of 48 experts pinned in VRAM, .*; misses cpu")
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200
         assert response.json()["choices"][0]["text"] == expected
+        assert server.wait_for(r"finish=\S+ expert_hit_rate=[01]\.\d{3}")
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["experts"]["uses"] > 0 and health["experts"]["cpu_assignments"] > 0
     finally:
         server.stop()
 
@@ -126,7 +129,7 @@ def test_host_experts_with_the_cpu_miss_path_serve_the_resident_greedy_text(tiny
 def test_bad_miss_path_is_a_one_line_error(tiny_artifact):
     result = subprocess.run([*SERVE, str(tiny_artifact), "--miss-path", "gpu"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == ["error: --miss-path must be staged, cpu or auto, got 'gpu'"]
+    assert result.stderr.strip().splitlines() == ["error: --miss-path must be one of pcie, cpu, auto, got 'gpu'"]
 
 
 def test_a_busy_port_is_a_one_line_error_before_the_model_loads(tiny_artifact):

@@ -17,7 +17,9 @@ from pathlib import Path
 import typer
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.planner.options import MISS_PATHS
+from ninfer_offload.commands.load_options import (
+    CACHE_POLICY_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, VRAM_BUDGET_OPTION, engine_placement,
+)
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -50,15 +52,6 @@ def _read_messages(path: Path) -> tuple[list[dict], list[dict] | None]:
     return data, None
 
 
-def _check_options(greedy: bool, temperature: float | None, experts: str, miss_path: str, modes: tuple[str, ...]) -> None:
-    if greedy and temperature is not None:
-        raise NinferError("--greedy and --temperature contradict each other (--greedy always takes the most likely token); give one")
-    if experts not in modes:
-        raise NinferError(f"--experts must be one of {', '.join(modes)}, got {experts!r}")
-    if miss_path not in MISS_PATHS:
-        raise NinferError(f"--miss-path must be one of {', '.join(MISS_PATHS)}, got {miss_path!r}")
-    if miss_path != "staged" and experts != "host":
-        raise NinferError(f"--miss-path {miss_path} computes host-resident experts: add --experts host")
 
 
 def _check_prompt(ids: list[int], text_config: dict, max_context: int | None, default_context: int) -> None:
@@ -91,6 +84,13 @@ def _sampling(generation_config: dict, greedy: bool, **given):
         raise NinferError(flag + message[len(param):] if message.startswith(param) else f"{flag}: {message}") from None
 
 
+def _expert_summary(stats: dict) -> str:
+    return (
+        f"experts: hit rate {stats['hit_rate']:.1%}, {stats['pcie_bytes_per_token'] / 1e6:.2f} MB/token read from host memory, "
+        f"{stats['promotions_per_token']:.2f} promotions/token"
+    )
+
+
 def _summary(result) -> str:
     return (
         f"prefill: {result.prompt_tokens} tokens in {result.prefill_seconds:.3f} s "
@@ -119,11 +119,11 @@ def generate(
     no_thinking: bool = typer.Option(False, "--no-thinking", help="Render the template with thinking disabled."),
     chat_template: Path | None = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
-    experts: str = typer.Option("resident", "--experts", help="resident (on the device) or host (staged per use)."),
-    miss_path: str = typer.Option(
-        "staged", "--miss-path",
-        help="With --experts host: staged (copied to the device), cpu (computed on the host) or auto (both, split by measured rates).",
-    ),
+    experts: str = EXPERTS_OPTION,
+    profile: str | None = PROFILE_OPTION,
+    vram_budget: str | None = VRAM_BUDGET_OPTION,
+    cache_policy: str = CACHE_POLICY_OPTION,
+    miss_path: str = MISS_PATH_OPTION,
     max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -142,10 +142,11 @@ def generate(
     from ninfer_offload.artifact.reader import open_artifact
     from ninfer_offload.frontend import Frontend
     from ninfer_offload.runtime.engine import DEFAULT_MAX_CONTEXT, Engine
-    from ninfer_offload.runtime.expert_store import MODES
     from ninfer_offload.runtime.generate import Generation
 
-    _check_options(greedy, temperature, experts, miss_path, MODES)
+    if greedy and temperature is not None:
+        raise NinferError("--greedy and --temperature contradict each other (--greedy always takes the most likely token); give one")
+    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path)
     if not artifact.is_file():
         raise NinferError(f"no such artifact file: {artifact}")
     template = _read_text(chat_template, "chat template") if chat_template is not None else None
@@ -175,10 +176,9 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
     )
-    engine = Engine.load(
-        artifact, device=device, experts=experts, max_context=max_context, miss_path=None if miss_path == "staged" else miss_path,
-        progress=not json_out,
-    )
+    engine = Engine.load(artifact, device=device, max_context=max_context, progress=not json_out, **placement)
+    if engine.store.offloaded:
+        typer.echo(engine.placement_report(), err=True)
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
 
     if json_out:
@@ -189,6 +189,8 @@ def generate(
             "text": frontend.decode(result.token_ids),
             **{key: value for key, value in result.as_dict().items() if key != "token_ids"},
         }
+        if engine.store.offloaded:
+            payload["experts"] = engine.store.stats.to_json()
         typer.echo(json.dumps(payload, ensure_ascii=False))
         return
     decoder = frontend.incremental_decoder()
@@ -198,3 +200,5 @@ def generate(
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     typer.echo(_summary(generation.result), err=True)
+    if engine.store.offloaded:
+        typer.echo(_expert_summary(engine.store.stats.to_json()), err=True)

@@ -83,8 +83,8 @@ def plan(
         None, "--at-context", help="Sequence length at which decode speed is predicted (default: 4096, at most the context)."
     ),
     miss_path: str = typer.Option(
-        "staged", "--miss-path",
-        help="Host-resident experts in decode: staged (copied), cpu (computed on the host) or auto (both, split by rate).",
+        "pcie", "--miss-path",
+        help="Host-resident experts in decode: pcie (read by the GPU over PCIe), cpu (computed on the host) or auto (both, split by rate).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document (schema in README)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write predicted decode tok/s against VRAM budget to this PNG."),

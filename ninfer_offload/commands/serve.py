@@ -11,6 +11,9 @@ from pathlib import Path
 
 import typer
 
+from ninfer_offload.commands.load_options import (
+    CACHE_POLICY_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, VRAM_BUDGET_OPTION, engine_placement,
+)
 from ninfer_offload.errors import NinferError
 
 log = logging.getLogger("ninfer.serve")
@@ -22,25 +25,6 @@ def _configure_logging(level: str) -> None:
     log.addHandler(handler)
     log.setLevel(level.upper())
     log.propagate = False
-
-
-def _plan_summary(engine, profile: str, max_concurrency: int, prefill_chunk: int) -> str:
-    """One line from the memory planner for this artifact, device profile and serving options."""
-    from ninfer_offload.artifact.inventory import Inventory
-    from ninfer_offload.planner import PlanOptions, plan
-    from ninfer_offload.profiles import load_profile
-
-    options = PlanOptions(max_context=engine.max_context, concurrency=max_concurrency, speculative="none", prefill_chunk=prefill_chunk)
-    placement = plan(Inventory.from_artifact(engine.artifact), load_profile(profile), options)
-    gib = 2**30
-    verdict = "fits" if placement.feasible else f"does not fit ({placement.reason})"
-    speed = f", predicted decode {placement.predicted.decode_tok_s:.1f} tok/s" if placement.predicted else ""
-    return (
-        f"plan on {placement.profile}: {verdict}; VRAM {placement.vram_used_bytes / gib:.2f} of "
-        f"{placement.vram_budget_bytes / gib:.2f} GiB, {placement.experts_resident}/{placement.experts_total} "
-        f"experts resident, {placement.host_pinned_bytes / gib:.2f} GiB pinned host, "
-        f"KV for {placement.kv_capacity_tokens} tokens{speed}"
-    )
 
 
 def _check_can_listen(host: str, port: int) -> None:
@@ -62,14 +46,11 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind; the default accepts local clients only."),
     port: int = typer.Option(8080, min=0, max=65535, help="TCP port (0 picks a free one)."),
     device: str = typer.Option("cpu", help="Compute device: cpu or cuda[:N]."),
-    experts: str = typer.Option("resident", help="Routed experts: resident (on the device) or host (staged per use)."),
-    miss_path: str = typer.Option(
-        "staged", "--miss-path",
-        help="With --experts host: staged (copied to the device), cpu (computed on the host) or auto (both, split by measured rates).",
-    ),
-    profile: str | None = typer.Option(
-        None, help="Device profile (name, TOML file or auto) for the startup plan summary; default auto on CUDA."
-    ),
+    experts: str = EXPERTS_OPTION,
+    profile: str | None = PROFILE_OPTION,
+    vram_budget: str | None = VRAM_BUDGET_OPTION,
+    cache_policy: str = CACHE_POLICY_OPTION,
+    miss_path: str = MISS_PATH_OPTION,
     max_concurrency: int = typer.Option(4, min=1, help="Sequences decoded together in one batched forward pass."),
     max_queue: int = typer.Option(64, min=0, help="Requests allowed to wait for a slot; beyond it: 429."),
     max_context: int | None = typer.Option(None, min=1, help="Tokens per sequence, prompt + completion (default: min(model's, 32768))."),
@@ -114,25 +95,19 @@ def serve(
     extra_hosts = list(allowed_host or [])
     allowed_hosts = [*LOOPBACK_NAMES, *extra_hosts] if is_loopback(host) or extra_hosts else None
     _check_can_listen(host, port)
+    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path)
     start = time.perf_counter()
-    if miss_path not in ("staged", "cpu", "auto"):
-        raise NinferError(f"--miss-path must be staged, cpu or auto, got {miss_path!r}")
-    engine = Engine.load(
-        artifact, device=device, experts=experts, max_context=max_context, max_sequences=max_concurrency,
-        miss_path=None if miss_path == "staged" else miss_path,
-    )
+    engine = Engine.load(artifact, device=device, max_context=max_context, max_sequences=max_concurrency, **placement)
     frontend = Frontend.from_artifact(engine.artifact, chat_template=template)
     if frontend.template is None:
         raise NinferError("the model has no chat template; pass one with --chat-template FILE")
     config = engine.config
     log.info(
-        "loaded %s in %.1fs: %d layers, %d experts (top-%d), vocab %d, %s %s, experts %s, context %d tokens",
+        "loaded %s in %.1fs: %d layers, %d experts (top-%d), vocab %d, %s %s, context %d tokens",
         artifact, time.perf_counter() - start, config.num_layers, config.num_experts, config.top_k,
-        config.vocab_size, engine.device, str(engine.dtype).removeprefix("torch."),
-        experts if experts == "resident" else f"{experts} (misses {miss_path})", engine.max_context,
+        config.vocab_size, engine.device, str(engine.dtype).removeprefix("torch."), engine.max_context,
     )
-    if profile is not None or engine.device.type == "cuda":
-        log.info(_plan_summary(engine, profile or "auto", max_concurrency, prefill_chunk))
+    log.info(engine.placement_report())
     name = served_model_name or artifact.name.removesuffix(".ninfer")
     app = create_app(
         engine, frontend, name, engine.max_context,

@@ -133,12 +133,12 @@ class ReferenceBackend:
         result of a token does not depend on which other tokens share the call.
         """
         t, k = topk_ids.shape
-        rows = experts.slots[topk_ids.reshape(-1)]
+        flat = topk_ids.reshape(-1)
         tokens = torch.arange(t, device=x.device).repeat_interleave(k)
         out = torch.empty(t * k, x.shape[-1], dtype=x.dtype, device=x.device)
         for a0 in range(0, t * k, _ASSIGNMENT_CHUNK):
             a1 = min(t * k, a0 + _ASSIGNMENT_CHUNK)
-            gate_up, down = record_weights(experts.records[rows[a0:a1]], experts.layout, x.dtype)
+            gate_up, down = record_weights(experts.records(flat[a0:a1]), experts.layout, x.dtype)
             h = torch.bmm(gate_up, x[tokens[a0:a1]].unsqueeze(-1)).squeeze(-1)
             gate, up = h.chunk(2, dim=-1)
             out[a0:a1] = torch.bmm(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)

@@ -34,12 +34,36 @@ def record_weights(records: torch.Tensor, layout: RecordLayout, dtype: torch.dty
 
 @dataclass
 class ExpertBank:
-    """One layer's routed experts ready for compute: records on the compute device and a slot table.
+    """One layer's routed experts as the compute sees them: a byte offset per expert from the start
+    of `arena` (uint8, on the compute device, 256-byte aligned).
 
-    `slots[e]` is the row of `records` holding expert e; the store guarantees that every expert
-    routed to in the current call has a valid slot before the backend runs.
+    An offset inside the arena is a record in device memory; any other points at the expert's row
+    of `host` (host memory mapped into the device's address space: the MoE kernels read it over
+    PCIe). `records` resolves offsets to tensors for ops that index records instead.
     """
 
     layout: RecordLayout
-    records: torch.Tensor  # uint8 [S, layout.nbytes]
-    slots: torch.Tensor  # int64 [num_experts]
+    arena: torch.Tensor  # uint8 [N]
+    offsets: torch.Tensor  # int64 [num_experts], on the arena's device
+    host: torch.Tensor | None = None  # uint8 [num_experts, layout.nbytes]: every expert's host record
+
+    @classmethod
+    def of_records(cls, layout: RecordLayout, records: torch.Tensor) -> "ExpertBank":
+        """A bank over records [E, nbytes] held back to back in one contiguous tensor."""
+        if not records.is_contiguous() or records.shape[1] != layout.nbytes:
+            raise ValueError(f"expert records must be one contiguous [experts, {layout.nbytes}] uint8 tensor")
+        offsets = torch.arange(records.shape[0], dtype=torch.int64, device=records.device) * layout.nbytes
+        return cls(layout, records.view(-1), offsets)
+
+    def records(self, experts: torch.Tensor) -> torch.Tensor:
+        """Records [n, nbytes] of `experts` (int [n]) on the arena's device (reads the offsets on the host)."""
+        nbytes, size = self.layout.nbytes, self.arena.numel()
+        rows = []
+        for expert, offset in zip(experts.tolist(), self.offsets[experts].tolist()):
+            if 0 <= offset <= size - nbytes:
+                rows.append(self.arena[offset : offset + nbytes])
+            elif self.host is not None:
+                rows.append(self.host[expert].to(self.arena.device))
+            else:
+                raise ValueError(f"expert {expert} has no record in the arena and the bank has no host records")
+        return torch.stack(rows) if rows else self.arena.new_empty(0, nbytes)

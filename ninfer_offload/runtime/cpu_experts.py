@@ -53,15 +53,13 @@ class MissSplitter:
             return missing
         return int(round(missing * self.cpu_rate / (self.cpu_rate + self.pcie_rate)))
 
-    def split(self, missing: np.ndarray, tokens_per_expert: np.ndarray, max_pcie: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(CPU experts, PCIe experts) of `missing`: the CPU takes its share (and whatever exceeds
-        `max_pcie`), fewest tokens first: its cost grows with tokens, a transfer's does not.
+    def split(self, missing: np.ndarray, tokens_per_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(CPU experts, PCIe experts) of `missing`: the CPU takes its share, fewest tokens
+        first: its cost grows with tokens, a transfer's does not.
         Recorded in the stats."""
         missing = np.asarray(missing, dtype=np.int64)
         order = np.lexsort((missing, np.asarray(tokens_per_expert)))
         share = self.cpu_share(missing.size)
-        if max_pcie is not None:
-            share = max(share, missing.size - max_pcie)
         cpu, pcie = np.sort(missing[order[:share]]), np.sort(missing[order[share:]])
         with self._lock:
             self.cpu_experts += cpu.size
@@ -192,15 +190,15 @@ def _reference_dense(
 
     if selected is not None:
         weights = np.where(selected, weights, 0).astype(np.float32)
-    bank = ExpertBank(layout, records, torch.arange(records.shape[0]))
+    bank = ExpertBank.of_records(layout, records)
     return ReferenceBackend().routed_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), bank)
 
 
 class CpuMissPath:
     """The expert store's CPU miss path: which assignments the host computes, and computing them.
 
-    "cpu": every assignment whose expert is not in a device slot runs on the host. "auto": the
-    missing experts are split between host compute and staging (PCIe) by `MissSplitter`, seeded
+    "cpu": every assignment whose expert is not in VRAM runs on the host. "auto": the missing
+    experts are split between host compute and the device's zero-copy reads (PCIe) by `MissSplitter`, seeded
     from this machine's stored profile (`ninfer profile`) or the default profile and refined by
     measuring both paths. Host work runs in the executor's worker thread while the device works.
     """
@@ -213,16 +211,16 @@ class CpuMissPath:
         # With a GPU, leave one core to the thread that drives it.
         threads = max(1, numba.config.NUMBA_NUM_THREADS - 1) if device.type == "cuda" else None
         self.executor = CpuExpertExecutor(threads=threads, splitter=self.splitter)
-        self._pending: list[tuple[int, object, object]] = []  # staged bytes with their CUDA events
+        self._pending: list[tuple[int, object, object]] = []  # PCIe bytes read with their CUDA events
 
-    def host_assignments(self, ids: torch.Tensor, in_slot: torch.Tensor, free_slots: int) -> torch.Tensor:
-        """bool [T, k]: the assignments the host computes, given which experts sit in device slots
-        (`in_slot` [num_experts]) and how many more experts staging could place."""
-        missing = ~in_slot[ids]
+    def host_assignments(self, ids: torch.Tensor, in_vram: torch.Tensor) -> torch.Tensor:
+        """bool [T, k]: the assignments the host computes, given which experts sit in VRAM
+        (`in_vram` [num_experts]); "auto" leaves the device its measured share of the others."""
+        missing = ~in_vram[ids]
         if self.splitter is None or not bool(missing.any()):
             return missing
         experts, counts = torch.unique(ids[missing], return_counts=True)
-        cpu, _ = self.splitter.split(experts.numpy(), counts.numpy(), max_pcie=free_slots)
+        cpu, _ = self.splitter.split(experts.numpy(), counts.numpy())
         return missing & torch.from_numpy(np.isin(ids.numpy(), cpu))
 
     def submit(
@@ -230,17 +228,18 @@ class CpuMissPath:
     ) -> Future:
         return self.executor.submit(layout, records, x, ids, weights, selected)
 
-    def staging_started(self, device: torch.device):
-        """A mark taken before staging copies are issued (for `staging_finished`)."""
+    def device_started(self, device: torch.device):
+        """A mark taken before the device's share is launched (for `device_finished`)."""
         if self.splitter is None or device.type != "cuda":
             return time.perf_counter()
         begin = torch.cuda.Event(enable_timing=True)
         begin.record()
         return begin
 
-    def staging_finished(self, mark, nbytes: int) -> None:
-        """Fold a staging of `nbytes` since `mark` into the PCIe rate. CUDA copies are asynchronous:
-        their end event is read on a later call, once complete, so no step waits for it."""
+    def device_finished(self, mark, nbytes: int) -> None:
+        """Fold the device's share, which read `nbytes` of host records over PCIe since `mark`, into the
+        PCIe rate. CUDA work is asynchronous: its end event is read on a later call, once complete, so
+        no step waits for it."""
         if self.splitter is None:
             return
         if isinstance(mark, float):

@@ -23,10 +23,13 @@ from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
-from ninfer_offload.planner.memory import LoadOptions, load_footprint, staging_slots
+from ninfer_offload.planner.memory import LoadOptions, load_footprint
+from ninfer_offload.profiles import DeviceProfile
+from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
+from ninfer_offload.runtime.expert_plan import ExpertRequest, LoadPlan, expert_load_plan
 from ninfer_offload.runtime.expert_store import MODES
 from ninfer_offload.runtime.loader import load_model
-from ninfer_offload.runtime.memory_check import check_fits
+from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
 from ninfer_offload.runtime.graphs import StepGraphs
 from ninfer_offload.runtime.session import Session
 from ninfer_offload.runtime.step_inputs import step_inputs
@@ -92,7 +95,8 @@ class Engine:
     """A loaded model on one device, ready to run up to `state.sequences` sequences at once."""
 
     def __init__(
-        self, artifact, loaded, backend, device: torch.device, dtype: torch.dtype, state: StatePool, cuda_graphs: bool = True
+        self, artifact, loaded, backend, device: torch.device, dtype: torch.dtype, state: StatePool, cuda_graphs: bool = True,
+        expert_plan: LoadPlan | None = None,
     ):
         self.artifact = artifact
         self.config = loaded.config
@@ -104,6 +108,7 @@ class Engine:
         self.dtype = dtype
         self.state = state
         self.max_context = state.capacity
+        self.expert_plan = expert_plan  # where the routed experts went, and the plan behind it
         self._free_slots = list(range(state.sequences - 1, -1, -1))
         capturable = cuda_graphs and device.type == "cuda" and backend.capturable and self.store.capturable
         self.graphs = StepGraphs(self) if capturable else None
@@ -114,13 +119,16 @@ class Engine:
         path,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
-        experts: str = "resident",
+        experts: str = "auto",
         max_context: int | None = None,
         *,
+        profile: str | DeviceProfile | None = None,
+        vram_budget: int | None = None,
         max_sequences: int = 1,
         draft_tokens: int = 0,
         kv_dtype: str | None = None,
         num_slots: int | None = None,
+        cache_policy: str = DEFAULT_POLICY,
         miss_path: str | None = None,
         mtp: bool = False,
         backend: str = "auto",
@@ -129,9 +137,13 @@ class Engine:
     ) -> "Engine":
         """Open `path` and load it onto `device` (bf16 on CUDA, fp32 on CPU unless `dtype` says).
 
-        experts: "resident" (all routed experts on the device) or "host" (host memory, staged
-        through `num_slots` device slots; `miss_path="cpu"` computes misses on the host instead,
-        `miss_path="auto"` splits them between host compute and staging by measured rates).
+        experts: "auto" (everything in VRAM where it fits, else as planned), "resident" (every routed
+        expert on the device) or "host" (all in host memory, read over PCIe, `num_slots` cache slots).
+        profile / vram_budget: plan the load for a card (a profile name, TOML file, `DeviceProfile` or
+        "auto" for this one) and at most `vram_budget` bytes of it: the plan's experts are pinned in
+        VRAM, the others read from pinned host memory, a share of the expert VRAM is an adaptive
+        cache (`cache_policy`: decayed, lru or static). miss_path: "cpu" computes experts missing
+        from VRAM on the host, "auto" splits them between host compute and PCIe by measured rates.
         max_context: per-sequence capacity (default min(model maximum, 32768)). max_sequences:
         sequences open at once (state slots). draft_tokens: most tokens a multi-token step may roll
         back (per-token GDN states are kept for them). kv_dtype: "fp8" for an e4m3 KV cache (default:
@@ -156,20 +168,38 @@ class Engine:
             capacity = min(limit, DEFAULT_MAX_CONTEXT) if max_context is None else int(max_context)
             if not 0 < capacity <= limit:
                 raise NinferError(f"max context {capacity} must be between 1 and the model's maximum context of {limit} (--max-context)")
-            slots = staging_slots(config.num_experts, config.top_k, max_sequences * (1 + draft_tokens), num_slots)
+            inventory = Inventory.from_artifact(artifact)
+            options = LoadOptions(
+                (), 0, max_sequences, capacity, draft_tokens, mtp, _element_bytes(resolved_dtype), _KV_NAMES[cache_dtype]
+            )
+            state_and_weights = load_footprint(inventory, options)
+            free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
+            request = ExpertRequest(
+                experts, profile, vram_budget, num_slots, max_sequences, capacity, draft_tokens, mtp,
+                "fp8" if kv_dtype == "fp8" else "bf16", PREFILL_CHUNK,
+            )
+            expert_plan = expert_load_plan(inventory, resolved, request, None if free is None else free - sum(state_and_weights.values()))
             if resolved.type == "cuda":
-                options = LoadOptions(
-                    experts, max_sequences, capacity, draft_tokens, mtp, _element_bytes(resolved_dtype),
-                    _KV_NAMES[cache_dtype], slots,
-                )
-                check_fits(load_footprint(Inventory.from_artifact(artifact), options), torch.cuda.mem_get_info(resolved)[0], resolved)
-            loaded = load_model(artifact, config, resolved, resolved_dtype, experts, slots, miss_path, with_mtp=mtp, progress=progress)
+                check_fits(state_and_weights | {"experts": expert_plan.arena_bytes}, free, resolved)
+            check_host_memory(expert_plan.host_bytes)
+            loaded = load_model(
+                artifact, config, resolved, resolved_dtype, expert_plan.placement, miss_path, cache_policy, with_mtp=mtp, progress=progress
+            )
             kinds = dict(enumerate(config.layer_types)) | ({config.num_layers: FULL_ATTENTION} if mtp else {})
             state = StatePool(config, kinds, max_sequences, capacity, draft_tokens, resolved, resolved_dtype, cache_dtype)
         except BaseException:
             artifact.close()
             raise
-        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs)
+        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs, expert_plan)
+
+    def placement_report(self) -> str:
+        """One line: where the routed experts went (and the plan behind it), and the VRAM in use against the plan."""
+        line = self.expert_plan.summary()
+        if self.store.offloaded:
+            line += f"; misses {self.store.miss_path or 'pcie'}, cache policy {self.store.cache.policy.name}"
+        if self.device.type == "cuda":
+            line += f"; VRAM in use {torch.cuda.memory_allocated(self.device) / 2**30:.2f} GiB"
+        return line
 
     # ------------------------------------------------------------------ sequences
     def session(self) -> Session:
@@ -205,6 +235,7 @@ class Engine:
         for c0 in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[c0 : c0 + PREFILL_CHUNK]
             tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
+            self.store.between_steps()
             with torch.no_grad():
                 hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
             session.pending = len(chunk)
@@ -230,6 +261,7 @@ class Engine:
             self._check_room(session.length, t)
         flat = self._token_list([token for row in tokens for token in row])
         starts = [s.length for s in sessions]
+        self.store.between_steps()
         with torch.no_grad():
             if self.graphs is not None:
                 logits = self.graphs.run(flat, slots, starts, t)
@@ -266,6 +298,7 @@ class Engine:
         if len(ids) != hidden.shape[0] or session.mtp_length + len(ids) > self.max_context:
             raise NinferError(f"MTP needs one next token per hidden state within the context limit {self.max_context}")
         tokens, ctx = step_inputs(ids, [slot], [session.mtp_length], len(ids), self.max_context, self.device, prefill=True)
+        self.store.between_steps()
         with torch.no_grad():
             out = self.mtp(self.backend, self.text, hidden.to(self.dtype), tokens, ctx, self.state)
         session.mtp_length += len(ids)
@@ -278,6 +311,7 @@ class Engine:
         return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids)
 
     def close(self) -> None:
+        self.store.close()
         self.artifact.close()
 
     # ------------------------------------------------------------------ internals

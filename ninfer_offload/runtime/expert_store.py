@@ -1,159 +1,262 @@
 """Where each routed expert's record lives, and how the MoE layers reach it.
 
-Mode "resident": every layer's records sit on the compute device; the bank's slot table is the
-identity. Mode "host": records stay in host memory (pinned on CUDA) and the experts a call needs
-are copied into a small device slot pool shared by all layers, least recently used evicted, with
-hit/miss counts. Records are one contiguous span per expert, so staging an expert is one copy.
+One device arena holds the records in VRAM: first the pinned experts (the plan's, never moved),
+packed per layer, then `cache_slots` uniform slots of the adaptive cache (`runtime.expert_cache`).
+Every expert that is not pinned also has a record in the host pool (pinned host memory on CUDA,
+mapped into the device's address space). Per layer a device table maps expert -> byte offset from
+the arena's start: into the arena for an expert in VRAM, to its host record otherwise, which the
+MoE kernels then read over PCIe (zero-copy). Routing never leaves the device, so an offloaded step
+is one CUDA graph like a resident one; "resident" (everything pinned) and "host" (nothing pinned)
+are the two ends of the same mechanism.
 
-Staging needs the routing on the host (one sync per MoE layer); a call whose distinct experts do
-not fit the pool is split into token chunks that do. Both modes run the same backend op on the
-same record bytes, so they produce identical outputs.
+Inside a step the store only counts uses per (layer, expert) on the device; between steps the
+cache reads the counts and moves records (`between_steps`).
 
-With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), experts missing from the slots
-are computed on the host straight from the host records (numba kernels), concurrently with the
-device work on the others, and the partial outputs are added.
+With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), assignments of experts that are
+not in VRAM are computed on the host from the host records (numba kernels) while the device works
+on the others ("auto": only the share the measured rates give the host; the device reads the rest
+over PCIe), and the partial outputs are added. That needs the routing on the host (one sync per
+layer), so such steps are not captured.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ninfer_offload.artifact.records import RecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.model.experts import ExpertBank
 
-MODES = ("resident", "host")
+MODES = ("auto", "resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
+ALIGN = 256  # record offsets are multiples of this (the MoE kernels' 16-byte vector loads rely on it)
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which experts of each MoE layer are pinned in VRAM, and the size of the adaptive cache."""
+
+    pinned: list[list[int]]  # per layer, expert ids kept in VRAM for good
+    cache_slots: int  # uniform VRAM slots the cache fills and refills
+    scores: np.ndarray  # float [layers, experts]: expected uses per token (the plan's ranking)
+
+    @classmethod
+    def resident(cls, layers: int, experts: int) -> "ExpertPlacement":
+        return cls([list(range(experts)) for _ in range(layers)], 0, np.ones((layers, experts)))
+
+    @property
+    def offloaded(self) -> bool:
+        return any(len(ids) < self.scores.shape[1] for ids in self.pinned)
 
 
 @dataclass
 class StoreStats:
-    hits: int = 0
-    misses: int = 0
-    staged_bytes: int = 0
+    tokens: int = 0  # tokens routed (each through every MoE layer)
+    uses: int = 0  # (token, expert) assignments routed
+    hits: int = 0  # of them to an expert in VRAM
+    pcie_bytes: int = 0  # record bytes read from host memory by the device (one read per assignment)
+    promotions: int = 0
+    steps: int = 0  # cache observations (one per forward)
     cpu_assignments: int = 0
     miss_path: dict = field(default_factory=dict)  # the CPU miss path's rates and split
 
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.uses if self.uses else 1.0
+
+    def to_json(self) -> dict:
+        per_token = max(self.tokens, 1)
+        return {
+            "hit_rate": round(self.hit_rate, 6),
+            "pcie_bytes_per_token": round(self.pcie_bytes / per_token),
+            "promotions_per_token": round(self.promotions / per_token, 3),
+            "tokens": self.tokens,
+            "uses": self.uses,
+            "hits": self.hits,
+            "pcie_bytes": self.pcie_bytes,
+            "promotions": self.promotions,
+            "cpu_assignments": self.cpu_assignments,
+            **({"miss_path": self.miss_path} if self.miss_path else {}),
+        }
+
+
+def _host_pool(layouts: list[RecordLayout], num_experts: int, device: torch.device) -> list[torch.Tensor]:
+    """Every expert's host record, per layer [E, nbytes]; pinned (page-locked, mapped) for CUDA."""
+    pin = device.type == "cuda"
+    try:
+        return [torch.empty(num_experts, layout.nbytes, dtype=torch.uint8, pin_memory=pin) for layout in layouts]
+    except RuntimeError as err:
+        total = sum(layout.nbytes for layout in layouts) * num_experts / 2**30
+        raise NinferError(
+            f"pinning {total:.1f} GiB of host memory for the offloaded experts failed ({str(err).splitlines()[0]}); "
+            "give a larger --vram-budget (fewer experts on the host) or raise the locked-memory limit (ulimit -l)"
+        ) from None
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
 
 class ExpertStore:
-    """Routed-expert records of every MoE layer (text layers first, then the MTP layer if loaded)."""
+    """Routed-expert records of every MoE layer (text layers first, then the MTP layer if loaded).
+
+    Built empty; the loader hands each layer's records to `fill` (host records [E, nbytes] in the
+    buffer `host_buffer(layer)` gave it), which copies the pinned ones into the arena.
+    """
 
     def __init__(
         self,
         layouts: list[RecordLayout],
-        records: list[torch.Tensor],
+        num_experts: int,
+        top_k: int,
+        placement: ExpertPlacement,
         device: torch.device,
-        mode: str = "resident",
-        num_slots: int = 0,
         miss_path: str | None = None,
-        top_k: int = 1,
+        cache_policy: str = "decayed",
     ):
-        if mode not in MODES:
-            raise NinferError(f"experts must be one of {', '.join(MODES)} (--experts), got {mode!r}")
         if miss_path not in MISS_PATHS:
-            raise NinferError(f"miss path must be staged, cpu or auto (--miss-path; miss_path=None, 'cpu' or 'auto'), got {miss_path!r}")
-        if miss_path is not None and mode != "host":
-            raise NinferError(f"--miss-path {miss_path}: a miss path needs host-resident experts; add --experts host (experts='host')")
+            raise NinferError(f"miss path must be zero-copy, cpu or auto (--miss-path; miss_path=None, 'cpu' or 'auto'), got {miss_path!r}")
+        if miss_path is not None and not placement.offloaded:
+            raise NinferError(f"--miss-path {miss_path}: a miss path needs host-resident experts; add --experts host or a --vram-budget")
         self.layouts = layouts
-        self.device = device
-        self.mode = mode
-        self.miss_path = miss_path
+        self.num_experts = num_experts
         self.top_k = top_k
-        self.stats = StoreStats()
-        self.num_experts = records[0].shape[0] if records else 0
-        if mode == "resident":
-            self.host: list[torch.Tensor] = []
-            identity = torch.arange(self.num_experts, device=device)
-            self.banks = [ExpertBank(layout, r.to(device), identity) for layout, r in zip(layouts, records)]
-            return
-        self.host = records
+        self.placement = placement
+        self.device = device
+        self.miss_path = miss_path
+        self.counters = StoreStats()  # updated at step boundaries; `stats` brings them up to date
+        layers = len(layouts)
+        self.pinned = np.zeros((layers, num_experts), dtype=bool)
+        self.pinned_offset = np.full((layers, num_experts), -1, dtype=np.int64)
+        at = 0
+        for layer, ids in enumerate(placement.pinned):
+            for e in sorted(ids):  # ascending, so that `fill` copies a layer's pinned records as one span
+                self.pinned[layer, e] = True
+                self.pinned_offset[layer, e] = at
+                at += _align(layouts[layer].nbytes)
+        self.slot_bytes = _align(max(layout.nbytes for layout in layouts))
+        self.cache_start = at
+        self.cache_slots = placement.cache_slots
+        self.arena = torch.empty(at + self.cache_slots * self.slot_bytes, dtype=torch.uint8, device=device)
+        self.host: list[torch.Tensor] = _host_pool(layouts, num_experts, device) if placement.offloaded else []
+        self.table = torch.zeros(layers, num_experts, dtype=torch.int64, device=device)
+        self.uses = torch.zeros(layers, num_experts, dtype=torch.int32, device=device)
+        self.replayed: torch.Tensor | None = None  # benchmark hook: routing ids replayed instead of the router's
+        self.cpu_path = None
         if miss_path is not None:
             from ninfer_offload.runtime.cpu_experts import CpuMissPath
 
             self.cpu_path = CpuMissPath(miss_path, device)
-        if num_slots < top_k:
-            raise NinferError(f"host mode needs at least {top_k} staging slots (one token's experts), got {num_slots}")
-        self.num_slots = num_slots
-        width = max(layout.nbytes for layout in layouts)
-        self.pool = torch.zeros(self.num_slots, width, dtype=torch.uint8, device=device)
-        self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
-        self.free = list(range(self.num_slots - 1, -1, -1))
+        from ninfer_offload.runtime.expert_cache import ExpertCache
+
+        self.cache = ExpertCache(self, cache_policy) if placement.offloaded else None
 
     @property
     def capturable(self) -> bool:
-        """Whether a step can be captured as a CUDA graph: host mode syncs on the routing."""
-        return self.mode == "resident"
+        """Whether a step can be captured as a CUDA graph: only the CPU miss path syncs on the routing."""
+        return self.miss_path is None
+
+    @property
+    def stats(self) -> StoreStats:
+        """Hit rate, PCIe bytes, promotions... up to the last step run (waits for it on CUDA)."""
+        if self.cache is not None:
+            self.cache.refresh()
+        return self.counters
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.host)
 
     @property
     def nbytes(self) -> int:
         """Bytes of all records (whatever memory holds them)."""
         return sum(layout.nbytes for layout in self.layouts) * self.num_experts
 
+    # ------------------------------------------------------------------ loading
+    def host_buffer(self, layer: int) -> torch.Tensor:
+        """Where the loader packs layer `layer`'s records: its host pool rows, or a temporary buffer."""
+        if self.host:
+            return self.host[layer]
+        return torch.empty(self.num_experts, self.layouts[layer].nbytes, dtype=torch.uint8)
+
+    def fill(self, layer: int, records: torch.Tensor) -> None:
+        """Copy the pinned experts of `layer` from its packed host records into the arena and point the
+        table at them; every other expert at its host record."""
+        nbytes = self.layouts[layer].nbytes
+        offsets = torch.empty(self.num_experts, dtype=torch.int64)
+        ids = np.flatnonzero(self.pinned[layer])
+        if ids.size:
+            first, stride = int(self.pinned_offset[layer, ids[0]]), _align(nbytes)
+            span = self.arena[first : first + ids.size * stride].view(ids.size, stride)[:, :nbytes]
+            span.copy_(records[torch.from_numpy(ids)])
+        for e in range(self.num_experts):
+            offsets[e] = self.pinned_offset[layer, e] if self.pinned[layer, e] else self.host_offset(layer, e)
+        self.table[layer].copy_(offsets)
+
+    def host_offset(self, layer: int, expert: int) -> int:
+        """Offset from the arena's start of `expert`'s host record (an address difference)."""
+        offset = self.host[layer][expert].data_ptr() - self.arena.data_ptr()
+        if self.device.type == "cuda" and offset % ALIGN:
+            raise NinferError(f"host records are not {ALIGN}-byte aligned (offset {offset}); cannot map them for the device")
+        return offset
+
+    def slot_offset(self, slot: int) -> int:
+        return self.cache_start + slot * self.slot_bytes
+
     # ------------------------------------------------------------------ compute
+    def bank(self, layer: int) -> ExpertBank:
+        return ExpertBank(self.layouts[layer], self.arena, self.table[layer], self.host[layer] if self.host else None)
+
     def routed(self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for layer `layer` -> [T, H]."""
-        if self.mode == "resident":
-            return backend.routed_experts(x, topk_ids, topk_weights, self.banks[layer])
-        if self.miss_path is not None:
+        if self.replayed is not None:
+            topk_ids = self.replayed[layer, : topk_ids.shape[0]]
+        if self.cache is not None:
+            flat = topk_ids.reshape(-1)
+            self.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if self.cpu_path is not None:
             return self._routed_cpu_misses(backend, layer, x, topk_ids, topk_weights)
-        experts = torch.unique(topk_ids).tolist()  # sorted; one host sync
-        if len(experts) <= self.num_slots:
-            return backend.routed_experts(x, topk_ids, topk_weights, self._stage(layer, experts))
-        chunk = max(1, self.num_slots // self.top_k)
-        outputs = []
-        for t0 in range(0, x.shape[0], chunk):
-            ids = topk_ids[t0 : t0 + chunk]
-            bank = self._stage(layer, torch.unique(ids).tolist())
-            outputs.append(backend.routed_experts(x[t0 : t0 + chunk], ids, topk_weights[t0 : t0 + chunk], bank))
-        return torch.cat(outputs)
+        return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer))
 
     def _routed_cpu_misses(self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Experts in a slot run on the device; the host computes the missing ones ("cpu") or its
-        measured share of them ("auto": the rest are staged), while the device works."""
+        """Experts in VRAM run on the device; the host computes the others ("cpu") or its measured
+        share of them ("auto": the device reads the rest over PCIe), while the device works."""
         ids = topk_ids.cpu()
-        in_slot = torch.zeros(self.num_experts, dtype=torch.bool)
-        in_slot[[expert for (lyr, expert) in self.lru if lyr == layer]] = True
-        used_slots = int(torch.unique(ids[in_slot[ids]]).numel())
-        on_host = self.cpu_path.host_assignments(ids, in_slot, self.num_slots - used_slots)
-        self.stats.misses += int(torch.unique(ids[on_host]).numel())
-        self.stats.cpu_assignments += int(on_host.sum())
+        in_vram = torch.from_numpy(self.cache.in_vram[layer])
+        on_host = self.cpu_path.host_assignments(ids, in_vram)
+        self.counters.cpu_assignments += int(on_host.sum())
         host = self.cpu_path.submit(self.layouts[layer], self.host[layer], x, ids, topk_weights, on_host)
         out = None
         on_device = ~on_host
         if bool(on_device.any()):
-            mark, staged = self.cpu_path.staging_started(self.device), self.stats.staged_bytes
-            bank = self._stage(layer, sorted(set(ids[on_device].tolist())))
-            self.cpu_path.staging_finished(mark, self.stats.staged_bytes - staged)
-            # Host assignments become zero-weight uses of an expert in the bank: the bank has no
-            # record of theirs, and whatever a slot holds could decode to inf (inf * 0 = NaN).
+            mark = self.cpu_path.device_started(self.device)
+            # Host assignments become zero-weight uses of an expert the device computes anyway.
             device_ids = torch.where(on_device, ids, ids[on_device][0]).to(x.device, non_blocking=True)
             weights = topk_weights * on_device.to(device=x.device, dtype=topk_weights.dtype)
-            out = backend.routed_experts(x, device_ids, weights, bank)
+            out = backend.routed_experts(x, device_ids, weights, self.bank(layer))
+            read = int((on_device & ~in_vram[ids]).sum()) * self.layouts[layer].nbytes  # one read per assignment
+            self.counters.pcie_bytes += read
+            self.cpu_path.device_finished(mark, read)
         partial = host.result().to(device=x.device, dtype=x.dtype)
-        self.stats.miss_path = self.cpu_path.stats()
+        self.counters.miss_path = self.cpu_path.stats()
         return partial if out is None else out + partial
 
-    # ------------------------------------------------------------------ staging
-    def _stage(self, layer: int, experts: list[int]) -> ExpertBank:
-        """Make sure `experts` of `layer` sit in pool slots; returns the layer's bank over the pool."""
-        if len(experts) > self.num_slots:
-            raise NinferError(f"{len(experts)} experts needed at once, but the slot pool has {self.num_slots} slots")
-        layout = self.layouts[layer]
-        for expert in experts:  # touch hits first, so that eviction below never takes a needed expert
-            if (layer, expert) in self.lru:
-                self.lru.move_to_end((layer, expert))
-                self.stats.hits += 1
-        slots = torch.zeros(self.num_experts, dtype=torch.long)
-        for expert in experts:
-            slot = self.lru.get((layer, expert))
-            if slot is None:
-                slot = self.free.pop() if self.free else self.lru.popitem(last=False)[1]
-                self.pool[slot, : layout.nbytes].copy_(self.host[layer][expert], non_blocking=True)
-                self.lru[(layer, expert)] = slot
-                self.stats.misses += 1
-                self.stats.staged_bytes += layout.nbytes
-            slots[expert] = slot
-        return ExpertBank(layout, self.pool, slots.to(self.device, non_blocking=True))
+    def replay_routing(self, ids: torch.Tensor) -> None:
+        """Benchmarks and tests: route the next forwards' tokens to `ids` [layers, tokens, top_k] (int64)
+        instead of the router's choice (the router's weights stay). Updated in place, so a captured step
+        replays whatever was set last; the first call fixes the most tokens."""
+        if self.replayed is None:
+            self.replayed = torch.zeros_like(ids, device=self.device)
+        self.replayed[:, : ids.shape[1]].copy_(ids, non_blocking=True)
+
+    def between_steps(self) -> None:
+        """Cache bookkeeping at a step boundary (never waits for the device)."""
+        if self.cache is not None:
+            self.cache.between_steps()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()

@@ -1,8 +1,9 @@
 """Build the text model (and optionally the MTP module) and the expert store from an artifact.
 
 Routed experts are repacked per expert into one record each (`ExpertRecordLayout` for row-split
-banks, `DenseRecordLayout` for lossless ones), in host memory (pinned when staged to CUDA); the
-store then moves them to the device or keeps them on the host.
+banks, `DenseRecordLayout` for lossless ones), straight into the store's host pool (pinned on
+CUDA) when experts are offloaded, else into a temporary buffer; the store copies the pinned ones
+into its VRAM arena.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from ninfer_offload.model.attention import Rotary
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.text_model import MTP_PREFIX, DecoderLayer, MtpModule, TextModel
 from ninfer_offload.model.weights import WeightReader
-from ninfer_offload.runtime.expert_store import ExpertStore
+from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
+from ninfer_offload.runtime.expert_store import ExpertPlacement, ExpertStore
 
 
 @dataclass
@@ -62,15 +64,12 @@ def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLa
     raise ArtifactError(f"{prefix} expert banks are {gate_up.format}/{down.format}: unsupported for routed experts")
 
 
-def pack_records(artifact, prefix: str, config: ModelConfig, pinned: bool) -> tuple[RecordLayout, torch.Tensor]:
-    """All experts of one layer as records [E, nbytes] uint8 in host memory (pinned if asked)."""
-    layout, gate_up_id, down_id = _record_layout(artifact, prefix, config)
-    records = torch.zeros(config.num_experts, layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
-    view = records.numpy()
+def pack_records(artifact, config: ModelConfig, layout: RecordLayout, gate_up_id: str, down_id: str, out: torch.Tensor) -> None:
+    """All experts of one layer as records into `out` [E, layout.nbytes] (uint8, host memory)."""
+    view = out.numpy()
     gate_up, down = artifact.payload(gate_up_id), artifact.payload(down_id)
     for e in range(config.num_experts):
         layout.pack(gate_up, down, config.num_experts, e, out=view[e])
-    return layout, records
 
 
 def load_model(
@@ -78,37 +77,31 @@ def load_model(
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
-    experts: str = "resident",
-    num_slots: int = 0,
+    placement: ExpertPlacement,
     miss_path: str | None = None,
+    cache_policy: str = DEFAULT_POLICY,
     with_mtp: bool = False,
     progress: bool = False,
 ) -> LoadedModel:
-    """Read every weight the text model of `config` (and the MTP module if `with_mtp`) needs onto `device`."""
+    """Read every weight the text model of `config` (and the MTP module if `with_mtp`) needs onto `device`,
+    the routed experts where `placement` puts them."""
     if with_mtp and "mtp/input_projection" not in artifact.bindings:
         raise ArtifactError(f"{artifact.path.name} has no MTP weights (convert the checkpoint with its mtp.* tensors)")
     prefixes = [f"text/layers/{i}" for i in range(config.num_layers)] + ([MTP_PREFIX] if with_mtp else [])
-    pinned = experts == "host" and device.type == "cuda"
+    banks = [_record_layout(artifact, prefix, config) for prefix in prefixes]
+    store = ExpertStore([layout for layout, _, _ in banks], config.num_experts, config.top_k, placement, device, miss_path, cache_policy)
     steps = range(len(prefixes))
     if progress:
         from rich.console import Console
         from rich.progress import track
 
         steps = track(steps, description="loading experts", transient=True, console=Console(stderr=True))
-    packed = []
-    for i in steps:  # resident records go to the device layer by layer, bounding host memory
-        layout, records = pack_records(artifact, prefixes[i], config, pinned)
-        packed.append((layout, records.to(device) if experts == "resident" else records))
-    store = ExpertStore(
-        [layout for layout, _ in packed],
-        [records for _, records in packed],
-        device,
-        mode=experts,
-        num_slots=num_slots,
-        miss_path=miss_path,
-        top_k=config.top_k,
-    )
-    del packed
+    for i in steps:  # layer by layer, bounding host memory when nothing stays on the host
+        records = store.host_buffer(i)
+        pack_records(artifact, config, *banks[i], out=records)
+        store.fill(i, records)
+    if store.cache is not None:
+        store.cache.fill_initial()
     reader = WeightReader(artifact, device, dtype)
     rotary = Rotary(config.rotary_dim, config.rope_theta, device)
     h, v = config.hidden_size, config.vocab_size

@@ -1,13 +1,14 @@
 """Device-memory check before a load: refuse what cannot fit before any weight moves.
 
 The footprint comes from the planner's accounting (`planner.memory.load_footprint`): the weights
-as loaded, the routed-expert records (all, or the staging slots in host mode), the state pool's KV
-cache and GDN state. Activations of a forward are not counted; `ninfer plan` gives the full budget
-including workspace and reserve.
+as loaded, the expert arena (pinned experts and cache slots), the state pool's KV cache and GDN
+state. The host check covers the pinned pool of offloaded expert records. Activations of a forward
+are not counted; `ninfer plan` gives the full budget including workspace and reserve.
 """
 
 from __future__ import annotations
 
+import psutil
 import torch
 
 from ninfer_offload.errors import NinferError
@@ -23,5 +24,18 @@ def check_fits(footprint: dict[str, int], free_bytes: int, device: torch.device)
     items = ", ".join(f"{name} {size / _GIB:.2f} GiB" for name, size in sorted(footprint.items(), key=lambda kv: -kv[1]))
     raise NinferError(
         f"needs {need / _GIB:.2f} GiB of VRAM ({items}), {device} has {free_bytes / _GIB:.2f} GiB free; "
-        "use --experts host, a lower --max-context or --max-concurrency, or see `ninfer plan` for what fits"
+        "use a --vram-budget (experts beyond it stay in host memory), a lower --max-context or --max-concurrency, "
+        "or see `ninfer plan` for what fits"
     )
+
+
+def check_host_memory(pinned_bytes: int) -> None:
+    """NinferError when the host cannot spare `pinned_bytes` of RAM for the pinned expert pool."""
+    if not pinned_bytes:
+        return
+    available = psutil.virtual_memory().available
+    if pinned_bytes > available:
+        raise NinferError(
+            f"the experts kept in host memory need {pinned_bytes / _GIB:.1f} GiB of pinned RAM, {available / _GIB:.1f} GiB "
+            "is available; give a larger --vram-budget (more experts in VRAM) or free host memory"
+        )

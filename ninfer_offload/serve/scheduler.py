@@ -64,6 +64,7 @@ class Finished:
     reason: str  # "stop" | "length" | "cancelled" | "error" | "shutdown"
     completion_tokens: int
     error: str | None = None
+    expert_hit_rate: float | None = None  # the engine's expert-cache hit rate so far, when experts are offloaded
 
 
 @dataclass
@@ -185,9 +186,13 @@ class Scheduler:
             handle._push(Finished("shutdown", 0, SHUTTING_DOWN))
 
     def stats(self) -> dict[str, int]:
-        """Active sequences (each holding an engine session), waiting requests, largest decode batch so far."""
+        """Active sequences (each holding an engine session), waiting requests, largest decode batch so far,
+        and with offloaded experts the expert cache's counters (as of the last step boundary)."""
         with self._wake:
-            return {"active": len(self._active), "waiting": len(self._waiting), "largest_batch": self._largest_batch}
+            stats = {"active": len(self._active), "waiting": len(self._waiting), "largest_batch": self._largest_batch}
+        if self.engine.store.offloaded:
+            stats["experts"] = self.engine.store.counters.to_json()
+        return stats
 
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -310,7 +315,9 @@ class Scheduler:
             sequence.session.close()
         finally:
             sequence.handle.timings.finished = time.perf_counter()
-            self._end(sequence.handle, Finished(reason, len(sequence.output), error))
+            store = self.engine.store
+            hit_rate = store.counters.hit_rate if store.offloaded else None
+            self._end(sequence.handle, Finished(reason, len(sequence.output), error, hit_rate))
 
     def _end(self, handle: RequestHandle, finished: Finished) -> None:
         """Send a request's last event; it no longer counts against the limit."""

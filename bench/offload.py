@@ -1,0 +1,258 @@
+"""Offload benchmark on one CUDA GPU: decode and prefill with the routed experts split between VRAM
+and pinned host memory by the planner, for several VRAM budgets.
+
+    python bench/make_synthetic.py /tmp/q36.ninfer
+    python bench/offload.py /tmp/q36.ninfer --budgets 12 15 20 24 --out bench/results/offload_h200.json
+
+The synthetic artifact's router is far more concentrated than the real model's, so routing comes
+from a replayed trace (`ExpertStore.replay_routing`, a benchmark hook): `planner.trace.routing_trace`
+draws it from the model's shipped per-layer pick counts with the temporal reuse published for this
+model class (about 45 % of a token's experts reused by the next token, 80 % within 8), seeded. The
+router still computes its weights; only the expert ids are replaced.
+
+Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budget):
+* decode tokens/s over `--tokens` greedy steps (each step reads its logits, like a real loop),
+  after `--warmup` steps that capture the graphs and warm the cache;
+* the step time against `resident step + miss bytes / H2D`, where the resident step is measured in
+  the same run with every expert in VRAM (same trace) and H2D is a measured 1 GiB pinned copy;
+* hit rate, PCIe bytes and promotions per token (the store's stats), and Belady's optimal hit
+  rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
+* a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
+  roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D);
+* time to ready (Engine.load) against the time to read the artifact from disk;
+* the planner's prediction for the same options, and its projections to the RTX 5060 Ti and
+  RTX 5090 (the cost model of `planner.cost`);
+* whether the offloaded logits equal the all-resident ones on a prompt (bitwise).
+Results are rewritten to --out after every run, so a partial run still reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.planner import PlanOptions, plan
+from ninfer_offload.planner.routing import shipped_routing_stats
+from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
+from ninfer_offload.profiles import load_profile
+from ninfer_offload.profiles.detect import measure_bandwidths
+from ninfer_offload.runtime.engine import PREFILL_CHUNK, Engine
+from provenance import git_commit
+
+GiB = 2**30
+PROMPT_TOKENS = 64
+PREFILL_TOKENS = 4096
+
+
+def file_read_seconds(path: Path) -> float:
+    """Seconds to read every file of the artifact once (16 MiB reads; the page cache may help, as it does the load)."""
+    files = [path] + sorted(path.parent.glob(path.name + ".part*"))
+    began = time.perf_counter()
+    for name in files:
+        with open(name, "rb", buffering=0) as f:
+            while f.read(1 << 24):
+                pass
+    return time.perf_counter() - began
+
+
+class TraceRun:
+    """Replays one routing trace through an engine: prompt, decode steps, a 4K prefill."""
+
+    def __init__(self, trace: np.ndarray, device: torch.device):
+        self.trace = torch.from_numpy(trace.astype(np.int64)).to(device)  # [tokens, layers, k]
+        self.layers = trace.shape[1]
+
+    def rows(self, engine: Engine, start: int, count: int) -> None:
+        """Route the next forward's `count` tokens as trace tokens start..start+count-1."""
+        routing = self.trace[start : start + count].transpose(0, 1)  # [layers, count, k]
+        extra = len(engine.store.layouts) - self.layers  # the MTP layer, if loaded, keeps its own ids
+        if extra:
+            routing = torch.cat([routing, routing[-extra:]])
+        engine.store.replay_routing(routing)
+
+    def decode(self, engine: Engine, warmup: int, steps: int) -> tuple[float, dict]:
+        """(seconds per step, store stats) of `steps` greedy steps after `warmup` ones."""
+        self.rows(engine, 0, PREFILL_TOKENS)  # sizes the replay buffer for the 4K prefill
+        session = engine.session()
+        self.rows(engine, 0, PROMPT_TOKENS)
+        token = int(session.prefill(list(range(1, PROMPT_TOKENS + 1)))[-1].argmax())
+        position = PROMPT_TOKENS
+        for _ in range(warmup):
+            self.rows(engine, position, 1)
+            token = int(session.step(token).argmax())
+            position += 1
+        before = engine.store.stats.to_json() if engine.store.offloaded else None
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(steps):
+            self.rows(engine, position, 1)
+            token = int(session.step(token).argmax())
+            position += 1
+        elapsed = time.perf_counter() - began
+        session.close()
+        stats = engine.store.stats.to_json() if engine.store.offloaded else None
+        return elapsed / steps, _difference(stats, before)
+
+    def prefill(self, engine: Engine, offset: int) -> float:
+        """Seconds of a fresh PREFILL_TOKENS-token prefill, chunk by chunk (trace tokens from `offset`)."""
+        session = engine.session()
+        ids = list(np.random.default_rng(0).integers(1, 500, PREFILL_TOKENS))
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for c0 in range(0, PREFILL_TOKENS, PREFILL_CHUNK):
+            self.rows(engine, offset + c0, PREFILL_CHUNK)
+            session.prefill(ids[c0 : c0 + PREFILL_CHUNK])
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - began
+        session.close()
+        return elapsed
+
+
+def _difference(after: dict | None, before: dict | None) -> dict:
+    if after is None:
+        return {"hit_rate": 1.0, "pcie_bytes_per_token": 0, "promotions_per_token": 0.0, "tokens": 0}
+    tokens = after["tokens"] - before["tokens"]
+    uses = after["uses"] - before["uses"]
+    return {
+        "hit_rate": (after["hits"] - before["hits"]) / uses if uses else 1.0,
+        "pcie_bytes_per_token": (after["pcie_bytes"] - before["pcie_bytes"]) / max(tokens, 1),
+        "promotions_per_token": (after["promotions"] - before["promotions"]) / max(tokens, 1),
+        "tokens": tokens,
+    }
+
+
+def prefill_pcie_bytes(engine: Engine, trace: np.ndarray, offset: int) -> int:
+    """Bytes of the distinct experts not in VRAM that each prefill chunk needs, summed over chunks."""
+    in_vram = engine.store.pinned | engine.store.cache.cached if engine.store.offloaded else engine.store.pinned
+    total = 0
+    for c0 in range(0, PREFILL_TOKENS, PREFILL_CHUNK):
+        chunk = trace[offset + c0 : offset + c0 + PREFILL_CHUNK]
+        for layer in range(trace.shape[1]):
+            needed = np.unique(chunk[:, layer])
+            total += int((~in_vram[layer, needed]).sum()) * engine.store.layouts[layer].nbytes
+    return total
+
+
+def logits_equal(engine: Engine, reference: torch.Tensor, ids: list[int]) -> bool:
+    engine.store.replayed = None
+    return bool(torch.equal(engine.logits(ids), reference))
+
+
+def release(engine: Engine) -> None:
+    engine.close()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    getattr(torch._C, "_host_emptyCache", lambda: None)()  # give the pinned pool back to the OS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[12, 15, 20, 24], help="VRAM budgets in GiB")
+    parser.add_argument("--tokens", type=int, default=128, help="timed decode steps per run")
+    parser.add_argument("--warmup", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0, help="trace seed")
+    parser.add_argument("--policy", default="decayed")
+    parser.add_argument("--profile", default="h200", help="profile the budgets are planned with")
+    parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
+    args = parser.parse_args()
+
+    hits = np.array(shipped_routing_stats().hits)
+    length = PROMPT_TOKENS + args.warmup + args.tokens + PREFILL_TOKENS
+    trace = routing_trace(hits, 8, length, args.seed)
+    decode_span = trace[PROMPT_TOKENS + args.warmup : PROMPT_TOKENS + args.warmup + args.tokens]
+    prefill_offset = PROMPT_TOKENS + args.warmup + args.tokens
+    device = torch.device("cuda")
+    bandwidths = measure_bandwidths()
+    h2d = bandwidths["h2d_bandwidth_gbs"] * 1e9
+    report = {
+        "command": "python bench/offload.py " + " ".join(sys.argv[1:]),
+        "commit": args.commit or git_commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": torch.__version__,
+        "h2d_bandwidth_gbs": bandwidths["h2d_bandwidth_gbs"],
+        "device_copy_gbs": bandwidths["device_copy_gbs"],
+        "trace": {"seed": args.seed, "tokens": length, "generator": "planner.trace.routing_trace (shipped counts)"},
+        "policy": args.policy,
+        "file_read_s": file_read_seconds(args.artifact),
+        "runs": [],
+    }
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    runner = TraceRun(trace, device)
+    check_ids = list(range(3, 3 + 24))
+    began = time.perf_counter()
+    resident = Engine.load(args.artifact, device="cuda", experts="resident")
+    resident_ready = time.perf_counter() - began
+    reference = resident.logits(check_ids)
+    step, _ = runner.decode(resident, args.warmup, args.tokens)
+    prefill = runner.prefill(resident, prefill_offset)
+    report["resident"] = {
+        "decode_tok_s": 1 / step, "step_s": step, "prefill_4k_tok_s": PREFILL_TOKENS / prefill, "time_to_ready_s": resident_ready,
+    }
+    save()
+    release(resident)
+    inventory = None
+    for budget_gib in args.budgets:
+        budget = int(budget_gib * GiB)
+        began = time.perf_counter()
+        engine = Engine.load(args.artifact, device="cuda", profile=args.profile, vram_budget=budget, cache_policy=args.policy)
+        ready = time.perf_counter() - began
+        equal = logits_equal(engine, reference, check_ids)
+        seconds, stats = runner.decode(engine, args.warmup, args.tokens)
+        capacity = sum(map(len, engine.expert_plan.placement.pinned[: trace.shape[1]])) + engine.store.cache_slots
+        pcie = prefill_pcie_bytes(engine, trace, prefill_offset)
+        prefill_s = runner.prefill(engine, prefill_offset)
+        inventory = inventory or Inventory.from_artifact(engine.artifact)
+        placement = engine.expert_plan.plan
+        options = placement.options if placement is not None else PlanOptions(speculative="none", max_context=engine.max_context)
+        projections = {
+            name: plan(inventory, load_profile(name), options).predicted.decode_tok_s for name in ("rtx5060ti", "rtx5090")
+        }
+        miss_s = stats["pcie_bytes_per_token"] / h2d
+        run = {
+            "vram_budget_bytes": budget,
+            "routing": "trace",
+            "experts_in_vram": capacity,
+            "cache_slots": engine.store.cache_slots,
+            "decode_tok_s": 1 / seconds,
+            "step_s": seconds,
+            "step_time_ratio": seconds / (report["resident"]["step_s"] + miss_s),
+            "hit_rate": stats["hit_rate"],
+            "belady_hit_rate": belady_hit_rate(decode_span, capacity, engine.config.num_experts),
+            "pcie_bytes_per_token": stats["pcie_bytes_per_token"],
+            "promotions_per_token": stats["promotions_per_token"],
+            "planner_decode_tok_s": placement.predicted.decode_tok_s if placement is not None else None,
+            "prefill_4k_tok_s": PREFILL_TOKENS / prefill_s,
+            "prefill_pcie_bytes": pcie,
+            "prefill_roofline_fraction": max(PREFILL_TOKENS / report["resident"]["prefill_4k_tok_s"], pcie / h2d) / prefill_s,
+            "time_to_ready_s": ready,
+            "time_to_ready_ratio": ready / report["file_read_s"],
+            "vram_allocated_bytes": torch.cuda.memory_allocated(),
+            "planned_vram_bytes": placement.vram_used_bytes if placement is not None else None,
+            "projected_decode_tok_s": projections,
+            "logits_equal_resident": equal,
+            "placement": engine.placement_report(),
+        }
+        report["runs"].append(run)
+        save()
+        print(json.dumps(run), flush=True)
+        release(engine)
+
+
+if __name__ == "__main__":
+    main()

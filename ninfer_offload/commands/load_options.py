@@ -1,0 +1,55 @@
+"""The options `generate` and `serve` share for placing the model: experts, profile, VRAM budget,
+cache policy and miss path, checked before the slow load and turned into `Engine.load` arguments."""
+
+from __future__ import annotations
+
+import typer
+
+from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.cache_policy import POLICIES
+from ninfer_offload.planner.options import MISS_PATHS, parse_size
+
+EXPERTS = ("auto", "resident", "host")
+
+EXPERTS_OPTION = typer.Option(
+    "auto", "--experts",
+    help="auto (all in VRAM where they fit, else as planned), resident (all in VRAM) or host (all in host memory, read over PCIe).",
+)
+PROFILE_OPTION = typer.Option(
+    None, "--profile", help="Plan the load for this card: a profile name, TOML file or auto (this GPU's stored or detected profile)."
+)
+VRAM_BUDGET_OPTION = typer.Option(
+    None, "--vram-budget", help="Use at most this much VRAM (e.g. 15GiB); the experts that do not fit stay in host memory."
+)
+CACHE_POLICY_OPTION = typer.Option(
+    "decayed", "--cache-policy", help="Expert cache in VRAM: decayed (frequency), lru or static (the plan's experts only)."
+)
+MISS_PATH_OPTION = typer.Option(
+    "pcie", "--miss-path",
+    help="Experts not in VRAM: pcie (read by the GPU from host memory), cpu (computed on the host) "
+    "or auto (both, split by measured rates).",
+)
+
+
+def engine_placement(experts: str, profile: str | None, vram_budget: str | None, cache_policy: str, miss_path: str) -> dict:
+    """`Engine.load` keyword arguments of the placement options, or a NinferError naming the bad flag."""
+    if experts not in EXPERTS:
+        raise NinferError(f"--experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
+    if miss_path not in MISS_PATHS:
+        raise NinferError(f"--miss-path must be one of {', '.join(MISS_PATHS)}, got {miss_path!r}")
+    if cache_policy not in POLICIES:
+        raise NinferError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {cache_policy!r}")
+    if experts == "resident" and (profile is not None or vram_budget is not None):
+        raise NinferError("--experts resident keeps every expert in VRAM; drop --profile/--vram-budget, or use --experts auto")
+    if miss_path != "pcie" and experts != "host" and vram_budget is None and profile is None:
+        raise NinferError(f"--miss-path {miss_path} computes experts kept in host memory: add --experts host or a --vram-budget")
+    budget = parse_size(vram_budget) if vram_budget is not None else None
+    if budget is not None and budget <= 0:
+        raise NinferError("--vram-budget must be more than 0")
+    return {
+        "experts": experts,
+        "profile": profile,
+        "vram_budget": budget,
+        "cache_policy": cache_policy,
+        "miss_path": None if miss_path == "pcie" else miss_path,
+    }

@@ -1,0 +1,148 @@
+"""The adaptive GPU expert cache: the arena's uniform slots, refilled between steps with hot experts.
+
+Inside a step the store counts uses per (layer, expert) on the device. At each step boundary the
+cache (never waiting for queued steps):
+1. switches in finished promotions: their table entries now point at their slots;
+2. when the device is idle (the caller has read the last step's logits, as every decode loop does),
+   reads the counts (40 KB for the full model) and updates the stats (hits, PCIe bytes) and the
+   policy (`planner.cache_policy`); when no promotion is in flight it picks up to `limit` hot
+   experts to bring in and the cold ones they replace;
+3. evicts those: their table entries go back to their host records (in stream order after the
+   steps already queued), then the copy stream, once the compute stream passes that point, copies
+   the promoted records into the freed slots, overlapping the next step.
+A step therefore only ever sees a slot through the table after its copy completed, and a slot is
+overwritten only after every step that could read its old record. A promotion decided after step
+N serves from step N+2 on. On the CPU all of this happens at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ninfer_offload.planner.cache_policy import make_policy, plan_promotions
+
+DEFAULT_POLICY = "decayed"
+# Most experts promoted per step boundary (simulated on the benchmark trace, 5,000 slots: hit rate 0.93 at 16, 0.90 at 8).
+DEFAULT_PROMOTIONS = 16
+
+
+class ExpertCache:
+    """Cache slots of one `ExpertStore` and the policy that fills them."""
+
+    def __init__(self, store, policy: str = DEFAULT_POLICY, limit: int = DEFAULT_PROMOTIONS):
+        self.store = store
+        self.policy = make_policy(policy, store.placement.scores)
+        self.limit = limit
+        layers, experts = store.pinned.shape
+        self.cached = np.zeros((layers, experts), dtype=bool)
+        self.owner: list[tuple[int, int] | None] = [None] * store.cache_slots
+        self.free = list(range(store.cache_slots - 1, -1, -1))
+        self.nbytes = np.array([layout.nbytes for layout in store.layouts], dtype=np.int64)
+        self._seen = np.zeros((layers, experts), dtype=np.int64)
+        self._cuda = store.device.type == "cuda"
+        self._inflight: tuple[list[tuple[int, int, int]], object] | None = None  # ((layer, expert, slot)...), done event
+        if self._cuda:
+            self._copy_stream = torch.cuda.Stream(store.device)
+
+    @property
+    def in_vram(self) -> np.ndarray:
+        """bool [layers, experts]: pinned or in a cache slot now."""
+        return self.store.pinned | self.cached
+
+    # ------------------------------------------------------------------ loading
+    def fill_initial(self) -> None:
+        """Fill the slots with the highest-scoring experts that are not pinned (the plan's ranking)."""
+        scores = np.where(self.store.pinned, -np.inf, self.store.placement.scores)
+        order = np.argsort(-scores, axis=None, kind="stable")[: len(self.free)]
+        moves = []
+        for flat in order:
+            layer, expert = divmod(int(flat), scores.shape[1])
+            if not np.isfinite(scores[layer, expert]):
+                break
+            moves.append((layer, expert, self.free.pop()))
+        self._copy(moves)
+        self._switch_in(moves)
+
+    # ------------------------------------------------------------------ step boundary
+    def between_steps(self) -> None:
+        if self._cuda and self._inflight is not None and self._inflight[1].query():
+            moves, self._inflight = self._inflight[0], None
+            self._switch_in(moves)
+        if not self._cuda or torch.cuda.current_stream(self.store.device).query():
+            self.refresh()  # the device is idle (the caller read the last step's logits): the counts copy is a few us
+
+    def refresh(self) -> None:
+        """Fold the counts of every step run so far into the stats (waits for the device)."""
+        self._observe(self.store.uses.cpu().numpy().astype(np.int64))
+
+    def _observe(self, total: np.ndarray) -> None:
+        delta, self._seen = total - self._seen, total
+        if not delta.any():
+            return
+        stats, in_vram = self.store.counters, self.in_vram
+        stats.steps += 1
+        stats.tokens += int(delta[0].sum()) // self.store.top_k
+        stats.uses += int(delta.sum())
+        stats.hits += int(delta[in_vram].sum())
+        if self.store.cpu_path is None:  # the CPU miss path counts the PCIe reads of the device's share itself
+            stats.pcie_bytes += int((np.where(in_vram, 0, delta).sum(axis=1) * self.nbytes).sum())
+        self.policy.observe(delta)
+        if self.policy.adaptive and self._inflight is None and self.limit > 0:
+            promote, evict = plan_promotions(self.policy.scores(), self.cached, self.store.pinned, len(self.free), self.limit)
+            if promote:
+                self._start(promote, evict)
+
+    def _start(self, promote: list[tuple[int, int]], evict: list[tuple[int, int]]) -> None:
+        """Evict `evict` (table back to host records), then copy `promote` into the freed slots."""
+        self.store.counters.promotions += len(promote)
+        slots = []
+        for layer, expert in evict:
+            slot = self.owner.index((layer, expert))
+            self.owner[slot] = None
+            self.cached[layer, expert] = False
+            slots.append(slot)
+        self._write_table([(layer, expert, self.store.host_offset(layer, expert)) for layer, expert in evict])
+        while len(slots) < len(promote):
+            slots.append(self.free.pop())
+        moves = [(layer, expert, slot) for (layer, expert), slot in zip(promote, slots)]
+        if not self._cuda:
+            self._copy(moves)
+            self._switch_in(moves)
+            return
+        evicted = torch.cuda.Event()
+        evicted.record()
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(evicted)
+            self._copy(moves)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._inflight = (moves, done)
+
+    def _copy(self, moves: list[tuple[int, int, int]]) -> None:
+        store = self.store
+        for layer, expert, slot in moves:
+            at, nbytes = store.slot_offset(slot), int(self.nbytes[layer])
+            store.arena[at : at + nbytes].copy_(store.host[layer][expert], non_blocking=True)
+
+    def _switch_in(self, moves: list[tuple[int, int, int]]) -> None:
+        for layer, expert, slot in moves:
+            self.owner[slot] = (layer, expert)
+            self.cached[layer, expert] = True
+        self._write_table([(layer, expert, self.store.slot_offset(slot)) for layer, expert, slot in moves])
+
+    def _write_table(self, entries: list[tuple[int, int, int]]) -> None:
+        """Point table entries (layer, expert) at new offsets, in stream order after the queued steps."""
+        if not entries:
+            return
+        experts = self.store.num_experts
+        index = torch.tensor([layer * experts + expert for layer, expert, _ in entries], dtype=torch.int64)
+        values = torch.tensor([offset for _, _, offset in entries], dtype=torch.int64)
+        if self._cuda:
+            index = index.pin_memory().to(self.store.device, non_blocking=True)
+            values = values.pin_memory().to(self.store.device, non_blocking=True)
+        self.store.table.view(-1).index_copy_(0, index, values)
+
+    def close(self) -> None:
+        if self._cuda and self._inflight is not None:
+            self._inflight[1].synchronize()

@@ -1,0 +1,152 @@
+"""The plan drives the load: which routed experts `Engine.load` pins in VRAM and how many cache slots
+it gives the adaptive cache.
+
+`--experts resident` pins every expert, `--experts host` none (the cache gets `num_slots` slots).
+`--experts auto` (the default) plans when a profile or VRAM budget is given, or on CUDA when the
+model does not fit the card's free memory: the planner's resident experts are pinned, its staging
+slots become cache slots, and `CACHE_SHARE` of its expert VRAM, its coldest experts first, is
+handed to the cache instead of being pinned (the cache starts out holding them, then follows the
+traffic). The MTP layer's experts are always pinned (the plan counts the MTP module as resident).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.memory import expert_arena_bytes, staging_slots
+from ninfer_offload.planner.options import PlanOptions
+from ninfer_offload.planner.placement import Placement
+from ninfer_offload.planner.planner import plan
+from ninfer_offload.planner.routing import default_routing_stats
+from ninfer_offload.profiles import DeviceProfile, load_profile
+from ninfer_offload.runtime.expert_store import ExpertPlacement
+
+CACHE_SHARE = 0.25  # of the plan's expert VRAM, given to the adaptive cache rather than pinned
+GiB = 2**30
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class ExpertRequest:
+    """What the caller of `Engine.load` asked for, as far as expert placement goes."""
+
+    experts: str  # auto, resident or host
+    profile: str | DeviceProfile | None
+    vram_budget: int | None
+    num_slots: int | None
+    sequences: int
+    capacity: int
+    draft_tokens: int
+    mtp: bool
+    kv_dtype: str  # bf16 or fp8 (the planner's names)
+    prefill_chunk: int
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    placement: ExpertPlacement
+    plan: Placement | None  # the planner's answer, when the load was planned
+    expert_bytes: list[int]  # record bytes per MoE layer
+
+    @property
+    def arena_bytes(self) -> int:
+        counts = tuple(len(ids) for ids in self.placement.pinned)
+        return expert_arena_bytes(self.expert_bytes, counts, self.placement.cache_slots)
+
+    @property
+    def host_bytes(self) -> int:
+        experts = self.placement.scores.shape[1]
+        return sum(experts * b for b in self.expert_bytes) if self.placement.offloaded else 0
+
+    def summary(self) -> str:
+        """One line: where the experts go (and the plan behind it)."""
+        pinned = sum(len(ids) for ids in self.placement.pinned)
+        total = self.placement.scores.size
+        line = (
+            f"{pinned:,} of {total:,} experts pinned in VRAM, {self.placement.cache_slots:,} cache slots "
+            f"({_size(self.arena_bytes)}), {_size(self.host_bytes)} of expert records in host memory"
+        )
+        if self.plan is not None:
+            p = self.plan
+            line = (
+                f"plan {p.profile} (VRAM budget {_size(p.vram_budget_bytes)}, planned use {_size(p.vram_used_bytes)}): " + line
+            )
+        return line
+
+
+def expert_load_plan(inventory: Inventory, device: torch.device, request: ExpertRequest, free_vram: int | None) -> LoadPlan:
+    """Where each routed expert goes for this load (see the module docstring)."""
+    text_banks = inventory.banks_of("text")
+    mtp_banks = inventory.banks_of("mtp") if request.mtp else []
+    layers, experts = len(text_banks), text_banks[0].num_experts
+    expert_bytes = [bank.expert_bytes for bank in text_banks + mtp_banks]
+    stats = default_routing_stats(inventory.text_config, layers, experts)
+    top_k = int(inventory.text_config.get("num_experts_per_tok", 1))
+    scores = np.vstack([np.array(stats.hits), np.full((len(mtp_banks), experts), top_k / experts)])
+    all_ids = list(range(experts))
+    mtp_pinned = [all_ids for _ in mtp_banks]
+    if request.experts == "resident":
+        return LoadPlan(ExpertPlacement([all_ids] * (layers + len(mtp_banks)), 0, scores), None, expert_bytes)
+    if request.experts == "host":
+        slots = staging_slots(experts, top_k, request.sequences * (1 + request.draft_tokens), request.num_slots)
+        return LoadPlan(ExpertPlacement([[] for _ in range(layers)] + mtp_pinned, slots, scores), None, expert_bytes)
+    if request.experts != "auto":
+        raise NinferError(f"experts must be auto, resident or host (--experts), got {request.experts!r}")
+    planned = request.profile is not None or request.vram_budget is not None
+    if not planned:
+        everything = LoadPlan(ExpertPlacement([all_ids] * (layers + len(mtp_banks)), 0, scores), None, expert_bytes)
+        if free_vram is None or everything.arena_bytes <= free_vram:
+            return everything
+    profile = _profile(request.profile, device)
+    options = PlanOptions(
+        max_context=request.capacity, concurrency=request.sequences, kv_dtype=request.kv_dtype,
+        speculative="mtp" if request.mtp else "none", drafts=max(1, request.draft_tokens), proposal_head=False,
+        prefill_chunk=request.prefill_chunk, vram_budget=request.vram_budget,
+    )
+    placement = plan(inventory, profile, options, stats)
+    if not placement.feasible:
+        raise NinferError(f"cannot load for {profile.name}: {placement.reason}")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if placement.vram_budget_bytes > total:
+            raise NinferError(
+                f"profile {profile.name} plans for {placement.vram_budget_bytes / GiB:.1f} GiB of VRAM but {device} has "
+                f"{total / GiB:.1f} GiB; use --profile auto or --vram-budget {total // GiB}GiB"
+            )
+    if placement.components["routed_experts"].host_bytes == 0:
+        return LoadPlan(ExpertPlacement([all_ids] * (layers + len(mtp_banks)), 0, scores), placement, expert_bytes)
+    pinned, cache_slots = _hand_to_cache(placement, scores[:layers], expert_bytes[:layers])
+    return LoadPlan(ExpertPlacement(pinned + mtp_pinned, cache_slots, scores), placement, expert_bytes)
+
+
+def _profile(spec: str | DeviceProfile | None, device: torch.device) -> DeviceProfile:
+    if isinstance(spec, DeviceProfile):
+        return spec
+    if spec is None and device.type != "cuda":
+        raise NinferError("a VRAM budget without a GPU needs a device profile too (--profile NAME|FILE)")
+    return load_profile(spec or "auto")
+
+
+def _hand_to_cache(placement: Placement, scores: np.ndarray, expert_bytes: list[int]) -> tuple[list[list[int]], int]:
+    """The plan's resident experts minus the coldest `CACHE_SHARE` of their bytes, and the cache slots
+    those bytes (plus the plan's staging slots) make."""
+    resident = [(scores[layer, e] / expert_bytes[layer], layer, e) for layer, ids in enumerate(placement.resident_experts) for e in ids]
+    resident.sort()
+    budget = CACHE_SHARE * sum(expert_bytes[layer] for _, layer, _ in resident)
+    handed, freed = set(), 0
+    for _, layer, e in resident:
+        if freed + expert_bytes[layer] > budget:
+            break
+        handed.add((layer, e))
+        freed += expert_bytes[layer]
+    pinned = [[e for e in ids if (layer, e) not in handed] for layer, ids in enumerate(placement.resident_experts)]
+    slot_bytes = max(expert_bytes)
+    return pinned, placement.staging_slots + freed // slot_bytes

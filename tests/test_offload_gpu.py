@@ -1,0 +1,104 @@
+"""Offloaded decode on CUDA: the captured step reads host experts zero-copy, the cache moves records
+between steps, and every logit equals the all-resident engine's. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ninfer_offload import Engine
+from ninfer_offload.profiles import load_profile
+from ninfer_offload.runtime.expert_cache import ExpertCache
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPT = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+PROFILE = dataclasses.replace(load_profile("rtx5060ti"), reserve_bytes=0)
+
+
+def _decode(engine: Engine, steps: int, routing: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    session = engine.session()
+    out = [session.prefill(PROMPT)]
+    token = int(out[0][-1].argmax())
+    for i in range(steps):
+        if routing is not None:
+            engine.store.replay_routing(routing[i])
+        out.append(session.step(token).clone())
+        token = int(out[-1].argmax())
+    session.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_artifact_official):
+    engine = Engine.load(tiny_artifact_official, device="cuda")
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_offloaded_graph_steps_equal_resident(tiny_artifact_official, dtype):
+    resident = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype)
+    host = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype, experts="host", num_slots=4)
+    assert host.graphs is not None and host.store.host[0].is_pinned()  # offloaded steps are captured too
+    for got, want in zip(_decode(host, 12), _decode(resident, 12)):
+        assert torch.equal(got, want)
+    stats = host.store.stats
+    assert stats.hits < stats.uses and stats.promotions > 0 and stats.pcie_bytes > 0
+
+
+def test_planned_split_equals_resident(tiny_artifact_official, resident):
+    full = Engine.load(tiny_artifact_official, device="cuda", profile=PROFILE)
+    plan = full.expert_plan.plan
+    full.close()
+    budget = plan.vram_used_bytes - plan.components["token_embedding"].bytes - plan.components["routed_experts"].bytes // 2
+    split = Engine.load(tiny_artifact_official, device="cuda", profile=PROFILE, vram_budget=budget)
+    assert 0 < sum(map(len, split.expert_plan.placement.pinned)) < split.config.num_layers * split.config.num_experts
+    for got, want in zip(_decode(split, 10), _decode(resident, 10)):
+        assert torch.equal(got, want)
+
+
+def test_capture_has_no_host_sync(tiny_artifact_official):
+    """A synchronizing call anywhere in the warm-up forward or the capture raises in sync-debug mode."""
+    engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.graphs._capture(1, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_official, resident, monkeypatch):
+    """Random routing through a 3-slot cache that promotes on every step. Each promotion first fills
+    its slot with bytes whose fp16 scales are NaN and stalls the copy stream before copying the
+    record in: a step that read an evicted slot, or a slot before its copy landed, would get NaN
+    or a wrong expert and differ from the resident run."""
+    copy = ExpertCache._copy
+
+    def poisoned_copy(self, moves):
+        for _, _, slot in moves:
+            at = self.store.slot_offset(slot)
+            self.store.arena[at : at + self.store.slot_bytes].fill_(0xFF)
+        torch.cuda._sleep(2_000_000)  # ~1 ms on the copy stream: copies land well after the next step starts
+        copy(self, moves)
+
+    monkeypatch.setattr(ExpertCache, "_copy", poisoned_copy)
+    engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=3, cache_policy="lru")
+    layers, experts, k = engine.config.num_layers, engine.config.num_experts, engine.config.top_k
+    gen = torch.Generator().manual_seed(5)
+
+    def draw(tokens: int) -> torch.Tensor:
+        return torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(layers * tokens)]).view(layers, tokens, k).cuda()
+
+    prompt_routing, routing = draw(len(PROMPT)), [draw(1) for _ in range(24)]
+    engine.store.replay_routing(prompt_routing)
+    resident.store.replay_routing(prompt_routing)
+    try:
+        for got, want in zip(_decode(engine, 24, routing), _decode(resident, 24, routing)):
+            assert torch.equal(got, want)
+    finally:
+        resident.store.replayed = None
+    assert engine.store.stats.promotions > 10
