@@ -172,8 +172,9 @@ def _heap_pop(keys: np.ndarray, values: np.ndarray, size: int) -> int:
 
 
 @njit(cache=True)
-def _belady_hits(items: np.ndarray, following: np.ndarray, capacity: int, num_items: int) -> int:
-    """MIN with bypass over a max-heap of next uses, stale entries skipped lazily."""
+def _belady_hits(items: np.ndarray, following: np.ndarray, capacity: int, num_items: int, first: int) -> int:
+    """MIN with bypass over a max-heap of next uses, stale entries skipped lazily; hits counted from
+    request `first` on."""
     n = items.size
     cached = np.zeros(num_items, dtype=np.bool_)
     next_of = np.zeros(num_items, dtype=np.int64)
@@ -185,7 +186,7 @@ def _belady_hits(items: np.ndarray, following: np.ndarray, capacity: int, num_it
     for i in range(n):
         x, nx = items[i], following[i]
         if cached[x]:
-            hits += 1
+            hits += i >= first
             next_of[x] = nx
             size = _heap_push(keys, values, size, nx, x)
             continue
@@ -206,18 +207,20 @@ def _belady_hits(items: np.ndarray, following: np.ndarray, capacity: int, num_it
     return hits
 
 
-def belady_hit_rate(trace: np.ndarray, capacity: int, num_experts: int) -> float:
+def belady_hit_rate(trace: np.ndarray, capacity: int, num_experts: int, count_from: int = 0) -> float:
     """Hit rate of Belady's MIN with bypass for `capacity` (layer, expert) entries pooled across layers.
 
     Requests go in trace order (token by token, every layer of a token). The cache starts empty, so
     the first request of every item is a compulsory miss; a miss is cached only when its next use
-    comes before the furthest next use in the cache.
+    comes before the furthest next use in the cache. Tokens before `count_from` only warm the cache:
+    the rate counts the requests from that token on.
     """
     items = _items(trace, num_experts)
-    if items.size == 0:
+    first = count_from * trace.shape[1] * trace.shape[2]
+    if items.size <= first:
         return 0.0
-    hits = _belady_hits(items, _next_use(items), max(int(capacity), 0), trace.shape[1] * num_experts)
-    return hits / items.size
+    hits = _belady_hits(items, _next_use(items), max(int(capacity), 0), trace.shape[1] * num_experts, first)
+    return hits / (items.size - first)
 
 
 def simulate_cache(trace: np.ndarray, policy: CachePolicy, pinned: np.ndarray, capacity: int, limit: int, lag: int = 1) -> dict:

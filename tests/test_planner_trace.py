@@ -113,6 +113,8 @@ def test_belady_hand_computed():
     # Capacity 1: a is needed sooner than b each time, so a stays: it hits at 3 and 6.
     assert belady_hit_rate(trace, 1, 4) == 2 / 8
     assert belady_hit_rate(trace, 0, 4) == 0.0
+    # Counting from request 4 on (a warm cache): of b, d, a, b, three hit.
+    assert belady_hit_rate(trace, 2, 4, count_from=4) == 3 / 4
 
 
 def test_belady_only_compulsory_misses_when_everything_fits(shipped_trace):

@@ -15,6 +15,7 @@ from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.errors import NinferError
 from ninfer_offload.frontend import Frontend
 from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.runtime.expert_store import ExpertPlacement
 from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.sampling import sampling_from_config
 
@@ -35,7 +36,9 @@ def load_problems(artifact, progress: bool = False) -> list[str]:
         if "text" not in artifact.components:
             raise ArtifactError(f"{artifact.path.name} has no text component")
         config = ModelConfig.from_component(artifact.components["text"].config)
-        load_model(artifact, config, torch.device("meta"), torch.float32, with_mtp="mtp" in artifact.components, progress=progress)
+        mtp = "mtp" in artifact.components
+        placement = ExpertPlacement.resident(config.num_layers + mtp, config.num_experts)
+        load_model(artifact, config, torch.device("meta"), torch.float32, placement, with_mtp=mtp, progress=progress)
     except (NinferError, ValueError) as err:
         return [f"load: {err}"]
     return []

@@ -235,8 +235,7 @@ class Engine:
         for c0 in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[c0 : c0 + PREFILL_CHUNK]
             tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
-            self.store.between_steps()
-            with torch.no_grad():
+            with torch.no_grad(), self.store.forward():
                 hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
             session.pending = len(chunk)
             session.commit(len(chunk))
@@ -261,8 +260,7 @@ class Engine:
             self._check_room(session.length, t)
         flat = self._token_list([token for row in tokens for token in row])
         starts = [s.length for s in sessions]
-        self.store.between_steps()
-        with torch.no_grad():
+        with torch.no_grad(), self.store.forward():
             if self.graphs is not None:
                 logits = self.graphs.run(flat, slots, starts, t)
             else:
@@ -298,8 +296,7 @@ class Engine:
         if len(ids) != hidden.shape[0] or session.mtp_length + len(ids) > self.max_context:
             raise NinferError(f"MTP needs one next token per hidden state within the context limit {self.max_context}")
         tokens, ctx = step_inputs(ids, [slot], [session.mtp_length], len(ids), self.max_context, self.device, prefill=True)
-        self.store.between_steps()
-        with torch.no_grad():
+        with torch.no_grad(), self.store.forward():
             out = self.mtp(self.backend, self.text, hidden.to(self.dtype), tokens, ctx, self.state)
         session.mtp_length += len(ids)
         return self.logits_of(out), out

@@ -1,18 +1,20 @@
 """The adaptive GPU expert cache: the arena's uniform slots, refilled between steps with hot experts.
 
-Inside a step the store counts uses per (layer, expert) on the device. At each step boundary the
-cache (never waiting for queued steps):
-1. switches in finished promotions: their table entries now point at their slots;
-2. when the device is idle (the caller has read the last step's logits, as every decode loop does),
-   reads the counts (40 KB for the full model) and updates the stats (hits, PCIe bytes) and the
-   policy (`planner.cache_policy`); when no promotion is in flight it picks up to `limit` hot
-   experts to bring in and the cold ones they replace;
-3. evicts those: their table entries go back to their host records (in stream order after the
-   steps already queued), then the copy stream, once the compute stream passes that point, copies
-   the promoted records into the freed slots, overlapping the next step.
-A step therefore only ever sees a slot through the table after its copy completed, and a slot is
-overwritten only after every step that could read its old record. A promotion decided after step
-N serves from step N+2 on. On the CPU all of this happens at once.
+Inside a step the store counts uses per (layer, expert) on the device. Around each step the
+cache never waits for the device's work:
+1. before launching a step it switches in finished promotions (their table entries now point at
+   their slots) and marks the end of the steps queued so far;
+2. right after launching it, once those earlier steps are done (every decode loop has read their
+   logits by then), it reads the counts (40 KB for the full model, on a side stream) and updates
+   the stats (hits, PCIe bytes) and the policy (`planner.cache_policy`); when no promotion is in
+   flight it picks up to `limit` hot experts to bring in and the cold ones they replace;
+3. it evicts those: their table entries go back to their host records, in stream order after the
+   step just launched; then the copy stream, once the compute stream passes that point, copies the
+   promoted records into the freed slots while the following step runs.
+All of this host work overlaps the step just launched. A step only ever reaches a slot through the
+table after its copy completed, and a slot is overwritten only after every step that could read
+its old record. Counts up to step N promote experts that serve from step N+3 on. On the CPU all
+of it happens at once, after each forward.
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ class ExpertCache:
         self._seen = np.zeros((layers, experts), dtype=np.int64)
         self._cuda = store.device.type == "cuda"
         self._inflight: tuple[list[tuple[int, int, int]], object] | None = None  # ((layer, expert, slot)...), done event
+        self._queued = None  # event after the steps queued before the current one
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(store.device)
+            self._count_stream = torch.cuda.Stream(store.device)
+            self._snapshot = torch.empty(layers, experts, dtype=torch.int32, pin_memory=True)
 
     @property
     def in_vram(self) -> np.ndarray:
@@ -65,12 +70,30 @@ class ExpertCache:
         self._switch_in(moves)
 
     # ------------------------------------------------------------------ step boundary
-    def between_steps(self) -> None:
-        if self._cuda and self._inflight is not None and self._inflight[1].query():
+    def before_step(self) -> None:
+        """Switch in finished promotions and mark where the steps queued so far end."""
+        if not self._cuda:
+            return
+        if self._inflight is not None and self._inflight[1].query():
             moves, self._inflight = self._inflight[0], None
             self._switch_in(moves)
-        if not self._cuda or torch.cuda.current_stream(self.store.device).query():
-            self.refresh()  # the device is idle (the caller read the last step's logits): the counts copy is a few us
+        self._queued = torch.cuda.Event()
+        self._queued.record()
+
+    def after_launch(self) -> None:
+        """With the next step launched, read the counts of the steps before it (once they are done; a
+        40 KB copy on a side stream) and act on them, while the device runs that step."""
+        if not self._cuda:
+            self.refresh()
+            return
+        if self._queued is None or not self._queued.query():
+            return  # the host is ahead of the device: catch up at a later boundary
+        with torch.cuda.stream(self._count_stream):
+            self._snapshot.copy_(self.store.uses, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        done.synchronize()
+        self._observe(self._snapshot.numpy().astype(np.int64))
 
     def refresh(self) -> None:
         """Fold the counts of every step run so far into the stats (waits for the device)."""

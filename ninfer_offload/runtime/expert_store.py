@@ -10,7 +10,7 @@ is one CUDA graph like a resident one; "resident" (everything pinned) and "host"
 are the two ends of the same mechanism.
 
 Inside a step the store only counts uses per (layer, expert) on the device; between steps the
-cache reads the counts and moves records (`between_steps`).
+cache reads the counts and moves records (`forward`).
 
 With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), assignments of experts that are
 not in VRAM are computed on the host from the host records (numba kernels) while the device works
@@ -21,6 +21,8 @@ layer), so such steps are not captured.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -252,10 +254,15 @@ class ExpertStore:
             self.replayed = torch.zeros_like(ids, device=self.device)
         self.replayed[:, : ids.shape[1]].copy_(ids, non_blocking=True)
 
-    def between_steps(self) -> None:
-        """Cache bookkeeping at a step boundary (never waits for the device)."""
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """Wraps the launch of one forward: cache bookkeeping due before it, then the part that
+        overlaps it (see `expert_cache`)."""
         if self.cache is not None:
-            self.cache.between_steps()
+            self.cache.before_step()
+        yield
+        if self.cache is not None:
+            self.cache.after_launch()
 
     def close(self) -> None:
         if self.cache is not None:
