@@ -19,7 +19,8 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
   roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D);
-* time to ready (Engine.load) against the time to read the artifact from disk;
+* time to ready (Engine.load from a cold page cache) against the time to read the artifact's
+  files from disk (cold page cache too);
 * the planner's prediction for the same options, and its projections to the RTX 5060 Ti and
   RTX 5090 (the cost model of `planner.cost`);
 * whether the offloaded logits equal the all-resident ones on a prompt (bitwise).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,15 +54,39 @@ PROMPT_TOKENS = 64
 PREFILL_TOKENS = 4096
 
 
+def artifact_files(path: Path) -> list[Path]:
+    return [path] + sorted(path.parent.glob(path.name + ".part*"))
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict the artifact's pages from the page cache, so the next read comes from the disk."""
+    for name in artifact_files(path):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def file_read_seconds(path: Path) -> float:
-    """Seconds to read every file of the artifact once (16 MiB reads; the page cache may help, as it does the load)."""
-    files = [path] + sorted(path.parent.glob(path.name + ".part*"))
+    """Seconds to read every file of the artifact once from the disk (16 MiB reads)."""
+    drop_page_cache(path)
     began = time.perf_counter()
-    for name in files:
+    for name in artifact_files(path):
         with open(name, "rb", buffering=0) as f:
             while f.read(1 << 24):
                 pass
     return time.perf_counter() - began
+
+
+def load(path: Path, **options) -> tuple[Engine, float]:
+    """An engine loaded from a cold page cache, and the seconds until it was ready."""
+    drop_page_cache(path)
+    began = time.perf_counter()
+    engine = Engine.load(path, device="cuda", **options)
+    torch.cuda.synchronize()
+    return engine, time.perf_counter() - began
 
 
 class TraceRun:
@@ -159,8 +185,8 @@ def main() -> None:
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budgets", type=float, nargs="+", default=[12, 15, 20, 24], help="VRAM budgets in GiB")
-    parser.add_argument("--tokens", type=int, default=128, help="timed decode steps per run")
-    parser.add_argument("--warmup", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=256, help="timed decode steps per run")
+    parser.add_argument("--warmup", type=int, default=256, help="decode steps before timing (the cache and Belady warm up on them)")
     parser.add_argument("--seed", type=int, default=0, help="trace seed")
     parser.add_argument("--policy", default="decayed")
     parser.add_argument("--profile", default="h200", help="profile the budgets are planned with")
@@ -195,9 +221,7 @@ def main() -> None:
 
     runner = TraceRun(trace, device)
     check_ids = list(range(3, 3 + 24))
-    began = time.perf_counter()
-    resident = Engine.load(args.artifact, device="cuda", experts="resident")
-    resident_ready = time.perf_counter() - began
+    resident, resident_ready = load(args.artifact, experts="resident")
     reference = resident.logits(check_ids)
     step, _ = runner.decode(resident, args.warmup, args.tokens)
     runner.prefill(resident, prefill_offset)  # compiles and tunes the prefill kernels
@@ -211,9 +235,7 @@ def main() -> None:
     inventory = None
     for budget_gib in args.budgets:
         budget = int(budget_gib * GiB)
-        began = time.perf_counter()
-        engine = Engine.load(args.artifact, device="cuda", profile=args.profile, vram_budget=budget, cache_policy=args.policy)
-        ready = time.perf_counter() - began
+        engine, ready = load(args.artifact, profile=args.profile, vram_budget=budget, cache_policy=args.policy)
         equal = logits_equal(engine, reference, check_ids)
         seconds, stats = runner.decode(engine, args.warmup, args.tokens)
         capacity = sum(map(len, engine.expert_plan.placement.pinned[: trace.shape[1]])) + engine.store.cache_slots

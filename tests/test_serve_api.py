@@ -122,6 +122,7 @@ class ScriptedEngine:
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.store = engine.store
         self.scripts: deque[list[int]] = deque()
 
     def session(self) -> ScriptedSession:

@@ -58,6 +58,22 @@ class ExpertRecordLayout:
         )
         return record
 
+    def pack_all(self, gate_up_bank, down_bank, num_experts: int, out: np.ndarray) -> None:
+        """Every expert's record into `out` [num_experts, nbytes] (what `pack` gives each), at once: in
+        each plane of a fused bank (codes, high bits, scales) an expert's rows are one span, so a plane
+        moves as one strided copy."""
+        filled = 0
+        for bank, geometry, base in ((gate_up_bank, self.gate_up, 0), (down_bank, self.down, self.down_offset)):
+            data = np.asarray(bank).view(np.uint8).reshape(-1)
+            fused = RowSplitGeometry(geometry.fmt, geometry.n * num_experts, geometry.k)
+            starts = [0] + ([geometry.high_offset] if geometry.fmt.high_bytes else []) + [geometry.scale_offset]
+            for (offset, total), start in zip(fused.row_spans(0, fused.n), starts):
+                length = total // num_experts
+                out[:, filled : base + start] = 0
+                out[:, base + start : base + start + length] = data[offset : offset + total].reshape(num_experts, length)
+                filled = base + start + length
+        out[:, filled:] = 0
+
 
 @dataclass(frozen=True)
 class DenseRecordLayout:
@@ -94,6 +110,16 @@ class DenseRecordLayout:
         record[:gu] = np.asarray(gate_up_bank)[expert * gu : (expert + 1) * gu]
         record[self.down_offset : self.down_offset + dn] = np.asarray(down_bank)[expert * dn : (expert + 1) * dn]
         return record
+
+    def pack_all(self, gate_up_bank, down_bank, num_experts: int, out: np.ndarray) -> None:
+        """Every expert's record into `out` [num_experts, nbytes] (what `pack` gives each), at once."""
+        gu, dn = self.gate_up_bytes, self.down_bytes
+        out[:, :gu] = np.asarray(gate_up_bank).view(np.uint8).reshape(-1)[: num_experts * gu].reshape(num_experts, gu)
+        out[:, gu : self.down_offset] = 0
+        out[:, self.down_offset : self.down_offset + dn] = np.asarray(down_bank).view(np.uint8).reshape(-1)[: num_experts * dn].reshape(
+            num_experts, dn
+        )
+        out[:, self.down_offset + dn :] = 0
 
 
 RecordLayout = ExpertRecordLayout | DenseRecordLayout

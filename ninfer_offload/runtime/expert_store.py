@@ -182,7 +182,8 @@ class ExpertStore:
         """Where the loader packs layer `layer`'s records: its host pool rows, or a temporary buffer."""
         if self.host:
             return self.host[layer]
-        return torch.empty(self.num_experts, self.layouts[layer].nbytes, dtype=torch.uint8)
+        pin = self.device.type == "cuda"  # pinned, so that `fill` copies it to the device asynchronously
+        return torch.empty(self.num_experts, self.layouts[layer].nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def fill(self, layer: int, records: torch.Tensor) -> None:
         """Copy the pinned experts of `layer` from its packed host records into the arena and point the
@@ -193,7 +194,11 @@ class ExpertStore:
         if ids.size:
             first, stride = int(self.pinned_offset[layer, ids[0]]), _align(nbytes)
             span = self.arena[first : first + ids.size * stride].view(ids.size, stride)[:, :nbytes]
-            span.copy_(records[torch.from_numpy(ids)])
+            rows = records
+            if ids.size < self.num_experts:
+                rows = torch.empty(ids.size, nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+                torch.index_select(records, 0, torch.from_numpy(ids), out=rows)
+            span.copy_(rows, non_blocking=True)  # the caching host allocator keeps pinned rows until the copy is done
         for e in range(self.num_experts):
             offsets[e] = self.pinned_offset[layer, e] if self.pinned[layer, e] else self.host_offset(layer, e)
         self.table[layer].copy_(offsets)

@@ -8,6 +8,7 @@ into its VRAM arena.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,9 @@ from ninfer_offload.model.text_model import MTP_PREFIX, DecoderLayer, MtpModule,
 from ninfer_offload.model.weights import WeightReader
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
 from ninfer_offload.runtime.expert_store import ExpertPlacement, ExpertStore
+
+
+PACK_THREADS = 4  # layers packed at once
 
 
 @dataclass
@@ -64,14 +68,6 @@ def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLa
     raise ArtifactError(f"{prefix} expert banks are {gate_up.format}/{down.format}: unsupported for routed experts")
 
 
-def pack_records(artifact, config: ModelConfig, layout: RecordLayout, gate_up_id: str, down_id: str, out: torch.Tensor) -> None:
-    """All experts of one layer as records into `out` [E, layout.nbytes] (uint8, host memory)."""
-    view = out.numpy()
-    gate_up, down = artifact.payload(gate_up_id), artifact.payload(down_id)
-    for e in range(config.num_experts):
-        layout.pack(gate_up, down, config.num_experts, e, out=view[e])
-
-
 def load_model(
     artifact,
     config: ModelConfig,
@@ -96,10 +92,22 @@ def load_model(
         from rich.progress import track
 
         steps = track(steps, description="loading experts", transient=True, console=Console(stderr=True))
-    for i in steps:  # layer by layer, bounding host memory when nothing stays on the host
+    # Payload views are taken here (opening the files is not thread-safe); packing runs in threads
+    # (numpy copies release the GIL), at most PACK_THREADS layers at a time to bound host memory.
+    payloads = [(artifact.payload(gate_up_id), artifact.payload(down_id)) for _, gate_up_id, down_id in banks]
+
+    def pack(i: int) -> torch.Tensor:
         records = store.host_buffer(i)
-        pack_records(artifact, config, *banks[i], out=records)
-        store.fill(i, records)
+        banks[i][0].pack_all(*payloads[i], config.num_experts, records.numpy())
+        return records
+
+    with ThreadPoolExecutor(PACK_THREADS) as pool:
+        pending = [pool.submit(pack, i) for i in range(min(PACK_THREADS, len(prefixes)))]
+        for i in steps:
+            records = pending[i].result()
+            if i + PACK_THREADS < len(prefixes):
+                pending.append(pool.submit(pack, i + PACK_THREADS))
+            store.fill(i, records)
     if store.cache is not None:
         store.cache.fill_initial()
     reader = WeightReader(artifact, device, dtype)
