@@ -1,10 +1,14 @@
-"""Cost model: predicted decode and prefill tokens/s from the bytes each token moves.
+"""Cost model: predicted decode and prefill tokens/s from the bytes each token moves and this
+engine's measured timings.
 
-Decode at batch 1 is memory-bound: a step reads the resident weights it touches from VRAM, serves
-every routed expert it needs that is not resident by the miss path (copied over PCIe, computed on
-the host, or both), and pays a fixed launch overhead.
-Prefill of a chunk is compute-bound on the GPU plus one transfer of every host-resident expert
-the chunk touches. Every constant below is an assumption and is printed with the plan.
+A decode forward costs its fixed work (small kernels, launches), the weight-reading kernels (at
+least their latency floor, at most the weight bytes at the reachable share of the memory
+bandwidth), with offloaded experts the cache bookkeeping, and the routed experts not in VRAM served
+by the miss path (read over PCIe zero-copy, computed on the host, or both). Prefill of a chunk is
+compute- or weight-bound on the GPU plus one read of every host-resident expert the chunk touches,
+partly overlapped. The timings come from the profile's `[engine]` table, measured by
+`bench/resident.py` and `bench/offload.py`; a card without one borrows the benchmark machine's
+(`CALIBRATED_PROFILE`), which the assumptions say.
 """
 
 from __future__ import annotations
@@ -15,15 +19,22 @@ from ninfer_offload.planner.memory import ModelShape, gdn_state_bytes, kv_layer_
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.placement import Prediction
 from ninfer_offload.planner.routing import RoutingStats
-from ninfer_offload.profiles import DeviceProfile
+from ninfer_offload.profiles import ENGINE_KEYS, DeviceProfile, load_profile
 
-KERNEL_EFFICIENCY = 0.7  # share of peak memory bandwidth the decode kernels reach
-PREFILL_EFFICIENCY = 0.35  # share of peak tensor throughput quantized prefill GEMMs reach
-STEP_OVERHEAD_S = 0.001  # launches (CUDA graph replay), sampling and host work per forward
+CALIBRATED_PROFILE = "h200"  # the card the benchmarks measured the engine timings on
 # Host expert kernels consume records at this share of DRAM bandwidth, all cores: measured 0.63
 # (bf16 activations; 0.59 float32) on the H200 host's 16 Emerald Rapids vCPUs and 0.85 on 2 Zen 5
 # cores (bench/results/cpu_experts_*.json).
 CPU_EXPERT_SHARE_OF_DRAM = 0.6
+
+
+def engine_timings(profile: DeviceProfile) -> tuple[dict[str, float], str]:
+    """The profile's measured engine timings, completed from the benchmark machine's, and where they come from."""
+    own = profile.engine or {}
+    if all(key in own for key in ENGINE_KEYS):
+        return dict(own), f"engine timings measured on {profile.name}"
+    reference = load_profile(CALIBRATED_PROFILE).engine
+    return {**reference, **own}, f"engine timings measured on the {CALIBRATED_PROFILE} ({profile.name} has no complete [engine] table)"
 
 
 @dataclass(frozen=True)
@@ -71,11 +82,14 @@ def predict(
     expert_bytes: list[int],
 ) -> Prediction:
     """Decode tokens/s (without and, when speculating, with MTP) and prefill tokens/s of a placement."""
-    vram_rate = profile.memory_bandwidth_gbs * 1e9 * KERNEL_EFFICIENCY
-    pcie_rate = profile.h2d_bandwidth_gbs * 1e9
-    miss_rate, pcie_share = miss_rates(profile, options.miss_path)
+    timings, source = engine_timings(profile)
+    vram_rate = profile.memory_bandwidth_gbs * 1e9 * timings["weight_bandwidth_efficiency"]
+    zero_copy = profile.h2d_bandwidth_gbs * 1e9 * timings["zero_copy_efficiency"]
+    miss_rate, pcie_share = miss_rates(profile, options.miss_path, zero_copy)
     context = min(options.at_context, options.max_context)
     kv_layer = kv_layer_bytes_per_token(shape, options.kv_dtype) * context
+    offloaded = any(len(ids) < len(row) for ids, row in zip(resident, stats.hits))
+    bookkeeping = timings["offload_step_s"] if offloaded else 0.0
 
     def step(tokens: int) -> tuple[float, float, float]:
         """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions."""
@@ -84,21 +98,21 @@ def predict(
         vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + shape.attention_layers * kv_layer
         vram += gdn_state_bytes(shape) * (1 + tokens)  # read the state, write one per position
         pcie = expert_pcie * pcie_share
-        seconds = vram / vram_rate + expert_pcie / miss_rate + STEP_OVERHEAD_S
         if weights.embedding_on_device:
             vram += embedding
-            seconds += embedding / vram_rate
         else:
             pcie += embedding
-            seconds += embedding / pcie_rate
+        seconds = timings["decode_fixed_s"] + max(timings["decode_weight_floor_s"], vram / vram_rate) + bookkeeping
+        seconds += expert_pcie / miss_rate + (0.0 if weights.embedding_on_device else embedding / zero_copy)
         return seconds, vram, pcie
 
     seconds, vram_bytes, pcie_bytes = step(1)
     decode_mtp = None
     if options.speculating:
         drafts = options.draft_count
+        layers = shape.attention_layers + shape.linear_layers
         draft_bytes = weights.mtp_dense_bytes + shape.top_k * weights.mtp_expert_bytes + weights.draft_head_bytes + kv_layer
-        draft_seconds = drafts * (draft_bytes / vram_rate + STEP_OVERHEAD_S)
+        draft_seconds = drafts * (draft_bytes / vram_rate + timings["decode_fixed_s"] / layers)  # one layer of fixed work
         verify_seconds = step(drafts + 1)[0]
         a = options.mtp_acceptance
         tokens_per_step = (1 - a ** (drafts + 1)) / (1 - a)
@@ -108,11 +122,13 @@ def predict(
     expert_params = 3 * shape.hidden * shape.expert_width * shape.top_k * (shape.attention_layers + shape.linear_layers)
     attention_flops = shape.attention_layers * 4 * context * shape.query_heads * shape.head_dim
     flops = chunk * (2 * (weights.dense_text_params + expert_params) + attention_flops)
-    compute_seconds = flops / (profile.tensor_tflops * 1e12 * PREFILL_EFFICIENCY)
+    compute_seconds = flops / (profile.tensor_tflops * 1e12 * timings["prefill_efficiency"])
     expert_vram, expert_pcie = _expert_traffic(stats, resident, expert_bytes, chunk)
     weight_seconds = (weights.dense_text_bytes + weights.head_bytes + expert_vram) / vram_rate
-    prefill_seconds = max(compute_seconds, weight_seconds) + expert_pcie / pcie_rate
-    assumptions = device_assumptions(profile, options.miss_path) + general_assumptions(options, stats.source)
+    gpu_seconds, transfer_seconds = max(compute_seconds, weight_seconds), expert_pcie / zero_copy
+    hidden = timings["prefill_transfer_overlap"] * min(gpu_seconds, transfer_seconds)
+    prefill_seconds = gpu_seconds + transfer_seconds - hidden
+    assumptions = (source,) + device_assumptions(profile, options.miss_path, timings) + general_assumptions(options, stats.source)
     return Prediction(
         decode_tok_s=1.0 / seconds,
         decode_tok_s_mtp=decode_mtp,
@@ -123,31 +139,34 @@ def predict(
     )
 
 
-def miss_rates(profile: DeviceProfile, miss_path: str) -> tuple[float, float]:
+def miss_rates(profile: DeviceProfile, miss_path: str, zero_copy: float) -> tuple[float, float]:
     """(bytes/s at which decode serves host-resident experts, share of them that crosses PCIe).
-    `auto` divides the misses so that the CPU and the copy engine finish together."""
-    pcie = profile.h2d_bandwidth_gbs * 1e9
+    `auto` divides the misses so that the CPU and the GPU's PCIe reads finish together."""
     cpu = profile.dram_bandwidth_gbs * 1e9 * CPU_EXPERT_SHARE_OF_DRAM
     if miss_path == "cpu":
         return cpu, 0.0
     if miss_path == "auto":
-        return pcie + cpu, pcie / (pcie + cpu)
-    return pcie, 1.0
+        return zero_copy + cpu, zero_copy / (zero_copy + cpu)
+    return zero_copy, 1.0
 
 
-def device_assumptions(profile: DeviceProfile, miss_path: str = "pcie") -> tuple[str, ...]:
+def device_assumptions(profile: DeviceProfile, miss_path: str, timings: dict[str, float]) -> tuple[str, ...]:
     """The assumptions that depend on the device profile."""
     cpu = f"{CPU_EXPERT_SHARE_OF_DRAM:.0%} of the {profile.dram_bandwidth_gbs:g} GB/s host DRAM bandwidth"
+    pcie = f"{timings['zero_copy_efficiency']:.0%} of the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth"
     misses = {
-        "pcie": f"decode reads host-resident experts over PCIe at the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth",
+        "pcie": f"decode reads host-resident experts over PCIe at {pcie}",
         "cpu": f"decode computes host-resident experts on the host, streaming them at {cpu}",
-        "auto": f"decode splits host-resident experts between {profile.h2d_bandwidth_gbs:g} GB/s H2D copies and host compute at {cpu}",
+        "auto": f"decode splits host-resident experts between PCIe reads at {pcie} and host compute at {cpu}",
     }[miss_path]
     return (
-        f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of the {profile.memory_bandwidth_gbs:g} GB/s memory bandwidth",
+        f"a decode forward: {timings['decode_fixed_s'] * 1e3:.2f} ms of fixed work + the weight kernels, at least "
+        f"{timings['decode_weight_floor_s'] * 1e3:.2f} ms, at most {timings['weight_bandwidth_efficiency']:.0%} of the "
+        f"{profile.memory_bandwidth_gbs:g} GB/s memory bandwidth; {timings['offload_step_s'] * 1e3:.2f} ms more with offloaded experts",
         misses,
-        f"prefill copies host-resident experts at the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth",
-        f"quantized prefill GEMMs reach {PREFILL_EFFICIENCY:.0%} of the {profile.tensor_tflops:g} TFLOPS tensor throughput",
+        f"prefill reads host-resident experts at {pcie}, {timings['prefill_transfer_overlap']:.0%} of the shorter of "
+        "transfer and compute overlapped",
+        f"quantized prefill reaches {timings['prefill_efficiency']:.0%} of the {profile.tensor_tflops:g} TFLOPS tensor throughput",
     )
 
 
@@ -162,8 +181,7 @@ def general_assumptions(options: PlanOptions, routing_source: str) -> tuple[str,
         else "no speculation"
     )
     return (
-        "expert transfers are not overlapped with compute and never hit a cache (conservative)",
-        f"{STEP_OVERHEAD_S * 1e3:g} ms fixed overhead per forward (launches, sampling)",
+        "the experts in VRAM are the plan's (the adaptive cache's gains over them are not counted: conservative)",
         f"decode at batch 1 and context {context} tokens; KV and GDN state traffic included",
         f"routing from {routing_source}; tokens of one step route independently",
         speculation,

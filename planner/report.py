@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 
-from ninfer_offload.planner.cost import KERNEL_EFFICIENCY, PREFILL_EFFICIENCY, general_assumptions
+from ninfer_offload.planner.cost import general_assumptions
 from ninfer_offload.planner.placement import Placement
 from ninfer_offload.profiles import DeviceProfile
 
@@ -129,8 +129,7 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], com
             table.caption = (table.caption + "\n" if table.caption else "") + f"{p.profile}: {p.reason}"
     options = plans[0].options
     lines = [
-        f"decode kernels reach {KERNEL_EFFICIENCY:.0%} of each memory bandwidth; "
-        f"prefill GEMMs {PREFILL_EFFICIENCY:.0%} of each tensor throughput",
+        *dict.fromkeys(p.predicted.assumptions[0] for p in plans if p.predicted),  # where each card's engine timings come from
         *general_assumptions(options, plans[0].routing_stats),
     ]
     return Group(table, _assumption_table(lines, compact))

@@ -33,6 +33,17 @@ GPU_KEYS = {
     "tensor_tflops": float,
 }
 HOST_KEYS = {"ram_bytes": int, "dram_bandwidth_gbs": float, "cores": int}
+# How this engine's kernels perform on the card, measured by the benchmarks (optional: the planner
+# falls back to the H200's measured values, see planner.cost).
+ENGINE_KEYS = {
+    "decode_fixed_s": float,  # per forward: work that does not scale with weight bytes (small kernels, launches)
+    "decode_weight_floor_s": float,  # per forward: the weight-reading kernels when latency-bound
+    "weight_bandwidth_efficiency": float,  # share of memory bandwidth they reach once bandwidth-bound
+    "offload_step_s": float,  # per forward with offloaded experts: use counting and cache bookkeeping
+    "zero_copy_efficiency": float,  # share of H2D bandwidth the MoE kernels reach reading host records
+    "prefill_efficiency": float,  # share of tensor throughput a prefill chunk reaches
+    "prefill_transfer_overlap": float,  # share of the shorter of prefill compute and expert transfers hidden
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class DeviceProfile:
     dram_bandwidth_gbs: float
     cores: int
     source: str = "shipped"
+    engine: dict[str, float] | None = None  # ENGINE_KEYS measured on this card, when it was benchmarked
 
     def to_toml(self, comments: dict[str, str] | None = None) -> str:
         """TOML text that `load_profile` reads back to an equal profile; `comments` per key."""
@@ -66,6 +78,8 @@ class DeviceProfile:
                 if key in comments:
                     lines.append(f"# {comments[key]}")
                 lines.append(f"{key} = {_toml_value(getattr(self, key))}")
+        if self.engine:
+            lines += ["", "[engine]"] + [f"{key} = {_toml_value(value)}" for key, value in self.engine.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -137,7 +151,7 @@ def _from_mapping(data: dict, origin: str) -> DeviceProfile:
             raise NinferError(f"profile {origin}: unknown base {base!r}; use one of {', '.join(shipped_names())}")
         parent = load_profile(base)
         values = {f.name: getattr(parent, f.name) for f in fields(DeviceProfile)}
-    unknown = set(data) - {"name", "description", "base", "gpu", "host"}
+    unknown = set(data) - {"name", "description", "base", "gpu", "host", "engine"}
     if unknown:
         raise NinferError(f"profile {origin}: unknown key {sorted(unknown)[0]!r}")
     values["name"] = data.get("name", Path(origin).stem)
@@ -150,6 +164,15 @@ def _from_mapping(data: dict, origin: str) -> DeviceProfile:
             if key not in keys:
                 raise NinferError(f"profile {origin}: unknown key {section}.{key}")
             values[key] = _checked(origin, section, key, value, keys[key])
+    engine = data.get("engine")
+    if engine is not None:
+        if not isinstance(engine, dict):
+            raise NinferError(f"profile {origin}: [engine] must be a table")
+        for key, value in engine.items():
+            if key not in ENGINE_KEYS:
+                raise NinferError(f"profile {origin}: unknown key engine.{key}")
+        checked = {key: _checked(origin, "engine", key, value, ENGINE_KEYS[key]) for key, value in engine.items()}
+        values["engine"] = {**(values.get("engine") or {}), **checked}
     missing = [k for k in (*GPU_KEYS, *HOST_KEYS) if k not in values]
     if missing:
         raise NinferError(f"profile {origin}: missing key {missing[0]} (or start from a shipped one with base = \"rtx5090\")")

@@ -27,7 +27,7 @@ def test_cuda_bfloat16_reference_engine_is_close_to_cpu_float32(tiny_artifact):
     """bf16 is the default on CUDA. Over the first positions of this prompt no router choice is near
     enough a tie to flip in bf16 (later ones and the quantized recipes' weights do have such ties,
     which legitimately move logits by O(1)); on CPU in bf16 these positions are within 3% of fp32."""
-    ids = PROMPT[:12]
+    ids = PROMPT[:9]  # position 9 of the TINY_SEED model has a near-tie (CPU bf16 is 12 % off fp32 there too)
     cpu = Engine.load(tiny_artifact).logits(ids)
     cuda = Engine.load(tiny_artifact, device="cuda", backend="reference")
     assert cuda.dtype == torch.bfloat16

@@ -225,3 +225,20 @@ def test_miss_paths(inventory):
     assert auto.predicted.prefill_tok_s == pcie.predicted.prefill_tok_s
     with pytest.raises(NinferError, match="--miss-path"):
         PlanOptions(miss_path="gpu")
+
+
+def test_prediction_follows_the_measured_engine_timings(inventory):
+    """On the benchmark machine the resident step is latency-bound: its predicted time is the measured
+    fixed work plus the weight kernels' floor; offloading adds the bookkeeping and the misses at PCIe
+    speed; a card without timings borrows the benchmark machine's and says so."""
+    h200 = load_profile("h200")
+    timings = h200.engine
+    options = PlanOptions(max_context=32768, speculative="none", kv_dtype="bf16", prefill_chunk=1024)
+    resident = plan(inventory, h200, options)
+    assert 1 / resident.predicted.decode_tok_s == pytest.approx(timings["decode_fixed_s"] + timings["decode_weight_floor_s"])
+    split = plan(inventory, h200, replace(options, vram_budget=15 * 2**30))
+    misses = split.predicted.pcie_bytes_per_token / (h200.h2d_bandwidth_gbs * 1e9 * timings["zero_copy_efficiency"])
+    step = timings["decode_fixed_s"] + timings["decode_weight_floor_s"] + timings["offload_step_s"] + misses
+    assert 1 / split.predicted.decode_tok_s == pytest.approx(step, rel=0.01)
+    assert "measured on h200" in resident.predicted.assumptions[0]
+    assert "measured on the h200" in plan(inventory, load_profile("rtx5060ti"), options).predicted.assumptions[0]

@@ -43,8 +43,9 @@ def test_every_shipped_number_has_a_source_comment(name):
             assert commented, f"{name}: {stripped} has no source comment above it in its section"
 
 
-def test_round_trip_through_toml(tmp_path):
-    original = load_profile("rtx5060ti")
+@pytest.mark.parametrize("name", ["rtx5060ti", "h200"])
+def test_round_trip_through_toml(tmp_path, name):
+    original = load_profile(name)
     path = tmp_path / "mine.toml"
     path.write_text(original.to_toml({"vram_bytes": "a comment"}))
     loaded = load_profile(str(path))
@@ -59,6 +60,13 @@ def test_user_file_with_base_overrides(tmp_path):
     assert p.sm_count == 170 and p.source == str(path)
 
 
+def test_engine_timings_merge_over_the_base(tmp_path):
+    path = tmp_path / "tuned.toml"
+    path.write_text('base = "h200"\n[engine]\ndecode_fixed_s = 0.001\n')
+    p, h200 = load_profile(str(path)), load_profile("h200")
+    assert p.engine == {**h200.engine, "decode_fixed_s": 0.001}
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -69,6 +77,8 @@ def test_user_file_with_base_overrides(tmp_path):
         ('base = "rtx5090"\n[gpu]\nsm_count = "many"\n', "must be int"),
         ('base = "rtx5090"\n[gpu]\nvram_bytes = -5\n', "must be positive"),
         ('base = "rtx5090"\ncolour = 1\n', "unknown key 'colour'"),
+        ('base = "rtx5090"\n[engine]\nwarp_factor = 0.5\n', "unknown key engine.warp_factor"),
+        ('base = "rtx5090"\n[engine]\ndecode_fixed_s = -0.001\n', "must be positive"),
     ],
 )
 def test_bad_profiles_give_one_line(tmp_path, text, message):

@@ -122,8 +122,10 @@ class ScriptedEngine:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.store = engine.store
         self.scripts: deque[list[int]] = deque()
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)  # everything else is the real engine's
 
     def session(self) -> ScriptedSession:
         return ScriptedSession(self.engine.session(), self.scripts.popleft() if self.scripts else [])

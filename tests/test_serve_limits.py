@@ -37,6 +37,9 @@ class FailingEngine:
         self.engine = engine
         self.fail = False
 
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)  # everything else is the real engine's
+
     def session(self):
         return self.engine.session()
 
@@ -257,6 +260,9 @@ class GatedEngine:
         self.engine = engine
         self.gate = threading.Event()
         self.opening = threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)  # everything else is the real engine's
 
     def session(self):
         self.opening.set()

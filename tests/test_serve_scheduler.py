@@ -37,6 +37,9 @@ class RecordingEngine:
         self.open_sessions = 0
         self.created = 0
 
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)  # everything else is the real engine's
+
     def session(self) -> RecordingSession:
         self.open_sessions += 1
         self.created += 1

@@ -266,6 +266,10 @@ class Artifact:
 
     # ------------------------------------------------------------------ lifetime
 
+    def prefetch(self) -> None:
+        """Start reading the whole payload into the page cache in the background (see `PayloadStorage.prefetch`)."""
+        self._storage.prefetch()
+
     def close(self) -> None:
         self._storage.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from ninfer_offload.artifact.errors import ArtifactError
@@ -86,6 +87,8 @@ def load_model(
     prefixes = [f"text/layers/{i}" for i in range(config.num_layers)] + ([MTP_PREFIX] if with_mtp else [])
     banks = [_record_layout(artifact, prefix, config) for prefix in prefixes]
     store = ExpertStore([layout for layout, _, _ in banks], config.num_experts, config.top_k, placement, device, miss_path, cache_policy)
+    if artifact.payload_bytes + (store.nbytes if store.offloaded else 0) < psutil.virtual_memory().available:
+        artifact.prefetch()  # read ahead of the packing threads, when the page cache can hold the file next to the host pool
     steps = range(len(prefixes))
     if progress:
         from rich.console import Console
