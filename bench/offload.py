@@ -190,6 +190,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="trace seed")
     parser.add_argument("--policy", default="decayed")
     parser.add_argument("--profile", default="h200", help="profile the budgets are planned with")
+    parser.add_argument(
+        "--miss-paths", nargs="*", default=[], choices=["cpu", "auto"], help="also decode with these CPU miss paths at the first budget"
+    )
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
 
@@ -213,6 +216,7 @@ def main() -> None:
         "policy": args.policy,
         "file_read_s": file_read_seconds(args.artifact),
         "runs": [],
+        "miss_paths": [],
     }
 
     def save() -> None:
@@ -261,6 +265,7 @@ def main() -> None:
             "pcie_bytes_per_token": stats["pcie_bytes_per_token"],
             "promotions_per_token": stats["promotions_per_token"],
             "planner_decode_tok_s": placement.predicted.decode_tok_s if placement is not None else None,
+            "planner_prefill_tok_s": placement.predicted.prefill_tok_s if placement is not None else None,
             "prefill_4k_tok_s": PREFILL_TOKENS / prefill_s,
             "prefill_pcie_bytes": pcie,
             "prefill_roofline_fraction": max(PREFILL_TOKENS / report["resident"]["prefill_4k_tok_s"], pcie / h2d) / prefill_s,
@@ -275,6 +280,16 @@ def main() -> None:
         report["runs"].append(run)
         save()
         print(json.dumps(run), flush=True)
+        release(engine)
+    for miss_path in args.miss_paths:  # the CPU miss paths sync on the routing every layer: fewer steps
+        engine, _ = load(args.artifact, profile=args.profile, vram_budget=int(args.budgets[0] * GiB), miss_path=miss_path)
+        seconds, stats = runner.decode(engine, args.warmup // 8, args.tokens // 4)
+        report["miss_paths"].append({
+            "vram_budget_bytes": int(args.budgets[0] * GiB), "miss_path": miss_path, "decode_tok_s": 1 / seconds,
+            "hit_rate": stats["hit_rate"], "cpu": engine.store.stats.miss_path,
+        })
+        save()
+        print(json.dumps(report["miss_paths"][-1]), flush=True)
         release(engine)
 
 
