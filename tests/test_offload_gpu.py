@@ -11,6 +11,7 @@ import torch
 from ninfer_offload import Engine
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.runtime.expert_cache import ExpertCache
+from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -60,18 +61,21 @@ def test_planned_split_equals_resident(tiny_artifact_official, resident):
         assert torch.equal(got, want)
 
 
-def test_capture_has_no_host_sync(tiny_artifact_official):
-    """A synchronizing call anywhere in the warm-up forward or the capture raises in sync-debug mode."""
+def test_an_offloaded_step_has_no_host_sync(tiny_artifact_official):
+    """The forward a decode graph records, run eagerly in sync-debug mode: a synchronizing call anywhere
+    in it (routing to the host, reading the table, counting uses) raises."""
     engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4)
+    packed = pack_inputs([5], [engine.state.scratch_slot], [0], 1, engine.state.capacity).to("cuda")
+    tokens, ctx = unpack_inputs(packed, 1, 1, prefill=False, keep_states=False, host=None)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        engine.graphs._capture(1, 1)
+        engine.forward_logits(tokens, ctx)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_official, resident, monkeypatch):
+def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_official, monkeypatch):
     """Random routing through a 3-slot cache that promotes on every step. Each promotion first fills
     its slot with bytes whose fp16 scales are NaN and stalls the copy stream before copying the
     record in: a step that read an evicted slot, or a slot before its copy landed, would get NaN
@@ -87,6 +91,7 @@ def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_offic
 
     monkeypatch.setattr(ExpertCache, "_copy", poisoned_copy)
     engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=3, cache_policy="lru")
+    resident = Engine.load(tiny_artifact_official, device="cuda")  # fresh: its graphs must record the routing hook
     layers, experts, k = engine.config.num_layers, engine.config.num_experts, engine.config.top_k
     gen = torch.Generator().manual_seed(5)
 
@@ -96,9 +101,6 @@ def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_offic
     prompt_routing, routing = draw(len(PROMPT)), [draw(1) for _ in range(24)]
     engine.store.replay_routing(prompt_routing)
     resident.store.replay_routing(prompt_routing)
-    try:
-        for got, want in zip(_decode(engine, 24, routing), _decode(resident, 24, routing)):
-            assert torch.equal(got, want)
-    finally:
-        resident.store.replayed = None
+    for got, want in zip(_decode(engine, 24, routing), _decode(resident, 24, routing)):
+        assert torch.equal(got, want)
     assert engine.store.stats.promotions > 10

@@ -14,6 +14,7 @@ from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
 from ninfer_offload.model.quant import dequantize_objects
 
 _TORCH_WORDS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+RECORD_ALIGN = 256  # every record offset in an arena is a multiple of this
 
 
 def record_weights(records: torch.Tensor, layout: RecordLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +57,15 @@ class ExpertBank:
         return cls(layout, records.view(-1), offsets)
 
     def records(self, experts: torch.Tensor) -> torch.Tensor:
-        """Records [n, nbytes] of `experts` (int [n]) on the arena's device (reads the offsets on the host)."""
+        """Records [n, nbytes] of `experts` (int [n]) on the arena's device. With every record in the
+        arena this is a device gather (no host sync, so it can be captured); otherwise the offsets are
+        read on the host to find the host records."""
         nbytes, size = self.layout.nbytes, self.arena.numel()
+        if self.host is None:
+            blocks = self.arena.view(-1, RECORD_ALIGN)  # records start at multiples of RECORD_ALIGN
+            rows = self.offsets[experts] // RECORD_ALIGN
+            index = rows[:, None] + torch.arange(-(-nbytes // RECORD_ALIGN), device=rows.device)
+            return blocks[index].reshape(len(experts), -1)[:, :nbytes]
         rows = []
         for expert, offset in zip(experts.tolist(), self.offsets[experts].tolist()):
             if 0 <= offset <= size - nbytes:

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ninfer_offload.artifact.records import RecordLayout
+from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
 from ninfer_offload.errors import NinferError
-from ninfer_offload.model.experts import ExpertBank
+from ninfer_offload.model.experts import RECORD_ALIGN, ExpertBank
 
 MODES = ("auto", "resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
-ALIGN = 256  # record offsets are multiples of this (the MoE kernels' 16-byte vector loads rely on it)
+ALIGN = RECORD_ALIGN  # record offsets are multiples of this (the MoE kernels' 16-byte vector loads rely on it)
 
 
 @dataclass(frozen=True)
@@ -158,8 +158,9 @@ class ExpertStore:
 
     @property
     def capturable(self) -> bool:
-        """Whether a step can be captured as a CUDA graph: only the CPU miss path syncs on the routing."""
-        return self.miss_path is None
+        """Whether a step can be captured as a CUDA graph: the CPU miss path syncs on the routing, and
+        lossless records (computed by the reference op, which indexes records) cannot be read from host memory."""
+        return self.miss_path is None and (not self.offloaded or all(isinstance(x, ExpertRecordLayout) for x in self.layouts))
 
     @property
     def stats(self) -> StoreStats:
@@ -254,7 +255,8 @@ class ExpertStore:
     def replay_routing(self, ids: torch.Tensor) -> None:
         """Benchmarks and tests: route the next forwards' tokens to `ids` [layers, tokens, top_k] (int64)
         instead of the router's choice (the router's weights stay). Updated in place, so a captured step
-        replays whatever was set last; the first call fixes the most tokens."""
+        replays whatever was set last; the first call fixes the most tokens. Set it before the first step:
+        graphs captured without it ignore it."""
         if self.replayed is None:
             self.replayed = torch.zeros_like(ids, device=self.device)
         self.replayed[:, : ids.shape[1]].copy_(ids, non_blocking=True)
