@@ -85,16 +85,15 @@ class StoreStats:
         }
 
 
-def _host_pool(layouts: list[RecordLayout], num_experts: int, device: torch.device) -> list[torch.Tensor]:
-    """Every expert's host record, per layer [E, nbytes]; pinned (page-locked, mapped) for CUDA."""
-    pin = device.type == "cuda"
+def _host_records(num_experts: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host memory for one layer's records [E, nbytes]; pinned (page-locked, mapped) for CUDA."""
     try:
-        return [torch.empty(num_experts, layout.nbytes, dtype=torch.uint8, pin_memory=pin) for layout in layouts]
+        return torch.empty(num_experts, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     except RuntimeError as err:
-        total = sum(layout.nbytes for layout in layouts) * num_experts / 2**30
         raise NinferError(
-            f"pinning {total:.1f} GiB of host memory for the offloaded experts failed ({str(err).splitlines()[0]}); "
-            "give a larger --vram-budget (fewer experts on the host) or raise the locked-memory limit (ulimit -l)"
+            f"pinning {num_experts * nbytes / 2**20:.0f} MiB of host memory for expert records failed "
+            f"({str(err).splitlines()[0]}); give a larger --vram-budget (fewer experts on the host) or raise the "
+            "locked-memory limit (ulimit -l)"
         ) from None
 
 
@@ -106,7 +105,8 @@ class ExpertStore:
     """Routed-expert records of every MoE layer (text layers first, then the MTP layer if loaded).
 
     Built empty; the loader hands each layer's records to `fill` (host records [E, nbytes] in the
-    buffer `host_buffer(layer)` gave it), which copies the pinned ones into the arena.
+    buffer `host_buffer(layer)` gave it), which copies the pinned ones into the arena and keeps the
+    buffer as the layer's host records when experts are offloaded.
     """
 
     def __init__(
@@ -143,7 +143,7 @@ class ExpertStore:
         self.cache_start = at
         self.cache_slots = placement.cache_slots
         self.arena = torch.empty(at + self.cache_slots * self.slot_bytes, dtype=torch.uint8, device=device)
-        self.host: list[torch.Tensor] = _host_pool(layouts, num_experts, device) if placement.offloaded else []
+        self.host: list[torch.Tensor] = []  # per layer, every expert's record, when experts are offloaded (filled by `fill`)
         self.table = torch.zeros(layers, num_experts, dtype=torch.int64, device=device)
         self.uses = torch.zeros(layers, num_experts, dtype=torch.int32, device=device)
         self.replayed: torch.Tensor | None = None  # benchmark hook: routing ids replayed instead of the router's
@@ -171,7 +171,7 @@ class ExpertStore:
 
     @property
     def offloaded(self) -> bool:
-        return bool(self.host)
+        return self.placement.offloaded
 
     @property
     def nbytes(self) -> int:
@@ -180,15 +180,16 @@ class ExpertStore:
 
     # ------------------------------------------------------------------ loading
     def host_buffer(self, layer: int) -> torch.Tensor:
-        """Where the loader packs layer `layer`'s records: its host pool rows, or a temporary buffer."""
-        if self.host:
-            return self.host[layer]
-        pin = self.device.type == "cuda"  # pinned, so that `fill` copies it to the device asynchronously
-        return torch.empty(self.num_experts, self.layouts[layer].nbytes, dtype=torch.uint8, pin_memory=pin)
+        """Host memory for the loader to pack layer `layer`'s records into (pinned on CUDA, so that `fill`
+        copies to the device asynchronously): it becomes the layer's host records when experts are
+        offloaded. Allocated by the packing threads, so page-locking overlaps reading the file."""
+        return _host_records(self.num_experts, self.layouts[layer].nbytes, self.device)
 
     def fill(self, layer: int, records: torch.Tensor) -> None:
-        """Copy the pinned experts of `layer` from its packed host records into the arena and point the
-        table at them; every other expert at its host record."""
+        """Copy the pinned experts of `layer` (layers in order) from its packed host records into the arena
+        and point the table at them; every other expert at its host record, kept when experts are offloaded."""
+        if self.offloaded:
+            self.host.append(records)
         nbytes = self.layouts[layer].nbytes
         offsets = torch.empty(self.num_experts, dtype=torch.int64)
         ids = np.flatnonzero(self.pinned[layer])
@@ -216,7 +217,7 @@ class ExpertStore:
 
     # ------------------------------------------------------------------ compute
     def bank(self, layer: int) -> ExpertBank:
-        return ExpertBank(self.layouts[layer], self.arena, self.table[layer], self.host[layer] if self.host else None)
+        return ExpertBank(self.layouts[layer], self.arena, self.table[layer], self.host[layer] if self.offloaded else None)
 
     def routed(self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for layer `layer` -> [T, H]."""
