@@ -2,7 +2,7 @@
 
 Usage: python bench/decode_launches.py [--dtype bfloat16] [ARTIFACT]
 
-Runs the step a captured decode graph records (`Engine.forward_logits` on device-held inputs) on the Triton backend under
+Runs the step a captured decode graph records (`Engine.forward` on device-held inputs) on the Triton backend under
 the Triton interpreter, after a short prefill, and counts what it would launch on a GPU: each
 Triton kernel call, and each torch op that computes (views and uninitialised allocations launch
 nothing and are left out). Without ARTIFACT it converts the tiny model of `ninfer tiny` (`ninfer_offload.convert.tiny`) to
@@ -108,7 +108,7 @@ def count_step(artifact: Path, dtype: str) -> dict:
     with torch.no_grad(), LaunchCounter() as counter:
         layers, engine.text.layers = engine.text.layers, [MeasuredLayer(layer, counter, per_kind) for layer in engine.text.layers]
         try:
-            engine.forward_logits(token, ctx)
+            engine.forward(token, ctx)
         finally:
             engine.text.layers = layers
     triton_total, torch_total = sum(counter.kernels.values()), sum(counter.ops.values())

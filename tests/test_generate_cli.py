@@ -47,6 +47,17 @@ def test_json_greedy_output_equals_the_engine(tiny_artifact, frontend, reprefill
     assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
 
 
+def test_json_greedy_with_mtp_drafts_is_the_same_output(tiny_artifact, reprefill_greedy):
+    ids = ",".join(map(str, PROMPT))
+    run = ninfer(tiny_artifact, "--prompt-ids", ids, "--greedy", "--max-tokens", 16, "--spec", "mtp", "--draft-tokens", 2, "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["ids"] == reprefill_greedy
+    spec = out["speculation"]
+    assert spec["rounds"] == out["decode_steps"] and out["decode_tokens"] == spec["rounds"] + spec["accepted"]
+    assert len(spec["acceptance_at"]) == 2
+
+
 def test_streamed_text_is_the_generated_text(tiny_artifact, tiny_engine, frontend):
     run = ninfer(tiny_artifact, "--prompt", "Hello, how are you?", "--greedy", "--max-tokens", 12, "--no-thinking")
     assert run.returncode == 0, run.stderr

@@ -109,7 +109,7 @@ def test_captured_step_ops_equal_eager_step(tiny_artifact_official):
         packed = pack_inputs([token], [captured.slot], [captured.length], 1, engine.max_context).to(device)
         tokens, ctx = unpack_inputs(packed, 1, 1, prefill=False, keep_states=False, host=None)
         with torch.no_grad():
-            got = engine.forward_logits(tokens, ctx)[0]
+            got = engine.forward(tokens, ctx)[0][0]
         captured.pending = 1
         captured.commit(1)
         assert torch.equal(got, expected)

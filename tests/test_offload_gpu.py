@@ -70,7 +70,7 @@ def test_an_offloaded_step_has_no_host_sync(tiny_artifact_official):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        engine.forward_logits(tokens, ctx)
+        engine.forward(tokens, ctx)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -92,12 +92,16 @@ def _expert_summary(stats: dict) -> str:
 
 
 def _summary(result) -> str:
-    return (
+    line = (
         f"prefill: {result.prompt_tokens} tokens in {result.prefill_seconds:.3f} s "
         f"({result.prefill_tokens_per_s:.1f} tok/s) | decode: {len(result.token_ids)} tokens, "
         f"{result.decode_steps} steps in {result.decode_seconds:.3f} s ({result.decode_tokens_per_s:.1f} tok/s) "
         f"| finish: {result.finish_reason}"
     )
+    if result.speculation:
+        spec = result.speculation
+        line += f" | MTP: {spec['acceptance_rate']:.0%} of drafts accepted, {spec['tokens_per_round']:.2f} tokens per step"
+    return line
 
 
 def generate(
@@ -124,6 +128,8 @@ def generate(
     vram_budget: str | None = VRAM_BUDGET_OPTION,
     cache_policy: str = CACHE_POLICY_OPTION,
     miss_path: str = MISS_PATH_OPTION,
+    spec: str = typer.Option("none", "--spec", help="mtp: decode speculatively, drafting with the model's MTP layer; none."),
+    draft_tokens: int = typer.Option(3, "--draft-tokens", help="MTP drafts verified per step with --spec mtp (1..5)."),
     max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -147,6 +153,10 @@ def generate(
     if greedy and temperature is not None:
         raise NinferError("--greedy and --temperature contradict each other (--greedy always takes the most likely token); give one")
     placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path)
+    if spec not in ("none", "mtp"):
+        raise NinferError(f"--spec must be none or mtp, got {spec!r}")
+    if spec == "mtp" and not 1 <= draft_tokens <= 5:
+        raise NinferError(f"--draft-tokens must be 1..5, got {draft_tokens}")
     if not artifact.is_file():
         raise NinferError(f"no such artifact file: {artifact}")
     template = _read_text(chat_template, "chat template") if chat_template is not None else None
@@ -156,6 +166,8 @@ def generate(
         if "text" not in opened.components:
             raise ArtifactError(f"{artifact.name} has no text component")
         text_config = opened.components["text"].config
+        if spec == "mtp" and "mtp" not in opened.components:
+            raise ArtifactError(f"{artifact.name} has no MTP weights to draft with; use --spec none")
         frontend = Frontend.from_artifact(opened, chat_template=template)
     if ids is None:
         if prompt is not None and raw:
@@ -176,7 +188,10 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
     )
-    engine = Engine.load(artifact, device=device, max_context=max_context, progress=not json_out, **placement)
+    engine = Engine.load(
+        artifact, device=device, max_context=max_context, progress=not json_out, spec=spec,
+        draft_tokens=draft_tokens if spec == "mtp" else 0, **placement,
+    )
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)

@@ -36,6 +36,8 @@ from ninfer_offload.runtime.step_inputs import step_inputs
 
 DEFAULT_MAX_CONTEXT = 32768
 MAX_DRAFT_TOKENS = 5  # most drafts a multi-token step verifies (and may roll back)
+DEFAULT_DRAFT_TOKENS = 3
+SPEC_MODES = ("none", "mtp")
 PREFILL_CHUNK = 1024  # tokens per forward of a long prefill (bounds attention scores and expert temporaries)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -96,7 +98,7 @@ class Engine:
 
     def __init__(
         self, artifact, loaded, backend, device: torch.device, dtype: torch.dtype, state: StatePool, cuda_graphs: bool = True,
-        expert_plan: LoadPlan | None = None,
+        expert_plan: LoadPlan | None = None, spec_tokens: int = 0,
     ):
         self.artifact = artifact
         self.config = loaded.config
@@ -109,6 +111,7 @@ class Engine:
         self.state = state
         self.max_context = state.capacity
         self.expert_plan = expert_plan  # where the routed experts went, and the plan behind it
+        self.spec_tokens = spec_tokens  # MTP drafts per speculative step of `generate` (0: plain decode)
         self._free_slots = list(range(state.sequences - 1, -1, -1))
         capturable = cuda_graphs and device.type == "cuda" and backend.capturable and self.store.capturable
         self.graphs = StepGraphs(self) if capturable else None
@@ -131,6 +134,7 @@ class Engine:
         cache_policy: str = DEFAULT_POLICY,
         miss_path: str | None = None,
         mtp: bool = False,
+        spec: str = "none",
         backend: str = "auto",
         cuda_graphs: bool = True,
         progress: bool = False,
@@ -147,7 +151,8 @@ class Engine:
         max_context: per-sequence capacity (default min(model maximum, 32768)). max_sequences:
         sequences open at once (state slots). draft_tokens: most tokens a multi-token step may roll
         back (per-token GDN states are kept for them). kv_dtype: "fp8" for an e4m3 KV cache (default:
-        the compute dtype). mtp: also load the MTP draft module. backend: "auto" (Triton on CUDA,
+        the compute dtype). mtp: also load the MTP draft module. spec: "mtp" decodes speculatively
+        (`generate`): `draft_tokens` MTP drafts (default 3) verified per target step. backend: "auto" (Triton on CUDA,
         reference on CPU), "reference", "triton". cuda_graphs: replay decode steps as CUDA graphs where
         the backend and the expert store allow it (False: every step runs eagerly).
         """
@@ -156,8 +161,12 @@ class Engine:
         cache_dtype = _resolve_kv_dtype(kv_dtype, resolved_dtype)
         if experts not in MODES:
             raise NinferError(f"experts must be one of {', '.join(MODES)} (--experts), got {experts!r}")
+        if spec not in SPEC_MODES:
+            raise NinferError(f"spec must be one of {', '.join(SPEC_MODES)} (--spec), got {spec!r}")
+        if spec == "mtp":
+            mtp, draft_tokens = True, draft_tokens or DEFAULT_DRAFT_TOKENS
         if max_sequences < 1 or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
-            raise NinferError(f"max_sequences must be >= 1 and draft_tokens in 0..{MAX_DRAFT_TOKENS}")
+            raise NinferError(f"max_sequences must be >= 1 and draft tokens in 0..{MAX_DRAFT_TOKENS} (--draft-tokens)")
         ops = _backend_for(resolved, backend)
         artifact = open_artifact(path)
         try:
@@ -190,7 +199,7 @@ class Engine:
         except BaseException:
             artifact.close()
             raise
-        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs, expert_plan)
+        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs, expert_plan, draft_tokens if spec == "mtp" else 0)
 
     def placement_report(self) -> str:
         """One line: where the routed experts went (and the plan behind it), and the VRAM in use against the plan."""
@@ -241,10 +250,13 @@ class Engine:
             session.commit(len(chunk))
         return torch.cat(hidden)
 
-    def step(self, sessions: list[Session], tokens: list[list[int]]) -> torch.Tensor:
+    def step(
+        self, sessions: list[Session], tokens: list[list[int]], with_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One decode step adding tokens[i] (T tokens, the same T for every session) to sessions[i]:
-        logits [B, T, vocab]. A one-token step is committed at once; a step of T > 1 tokens stays
-        pending until each session's `commit`/`rollback` (it may keep 1..T of its tokens)."""
+        logits [B, T, vocab] (and with `with_hidden` the final-normed hidden states [B * T, H]). A
+        one-token step is committed at once; a step of T > 1 tokens stays pending until each
+        session's `commit`/`rollback` (it may keep 1..T of its tokens)."""
         if len(sessions) != len(tokens) or not sessions:
             raise NinferError("a step needs one token list per session and at least one session")
         t = len(tokens[0])
@@ -262,15 +274,16 @@ class Engine:
         starts = [s.length for s in sessions]
         with torch.no_grad(), self.store.forward():
             if self.graphs is not None:
-                logits = self.graphs.run(flat, slots, starts, t)
+                logits, hidden = self.graphs.run(flat, slots, starts, t)
             else:
                 ids, ctx = step_inputs(flat, slots, starts, t, self.max_context, self.device, keep_states=t > 1)
-                logits = self.forward_logits(ids, ctx)
+                logits, hidden = self.forward(ids, ctx)
         for session in sessions:
             session.pending = t
             if t == 1:
                 session.commit(1)
-        return logits.view(len(sessions), t, -1)
+        logits = logits.view(len(sessions), t, -1)
+        return (logits, hidden) if with_hidden else logits
 
     def step_batch(self, sessions: list[Session], token_ids: list[int]) -> torch.Tensor:
         """One decode step appending token_ids[i] to sessions[i] (sequences of any lengths): logits [B, vocab]."""
@@ -278,9 +291,11 @@ class Engine:
             raise NinferError("step_batch needs one token per session")
         return self.step(sessions, [[token] for token in token_ids])[:, 0]
 
-    def forward_logits(self, token_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Logits [N, vocab] of one forward described by `ctx` (what a captured step records)."""
-        return self.logits_of(self.text.hidden(self.backend, token_ids, ctx, self.state))
+    def forward(self, token_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [N, vocab], final-normed hidden states [N, H]) of one forward described by `ctx`
+        (what a captured step records)."""
+        hidden = self.text.hidden(self.backend, token_ids, ctx, self.state)
+        return self.logits_of(hidden), hidden
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output-head logits [T, vocab] (float32) of final-normed hidden states."""

@@ -1,4 +1,5 @@
-"""The generation loop: prefill a prompt, then sample and step until a stop id or the token budget."""
+"""The generation loop: prefill a prompt, then sample and step until a stop id or the token budget
+(speculatively, K MTP drafts verified per step, when the engine was loaded with `spec="mtp"`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
+from ninfer_offload.runtime.speculative import MtpSpeculator
 
 
 @dataclass
@@ -20,8 +22,10 @@ class GenerationResult:
     stop_id: int | None
     prompt_tokens: int
     prefill_seconds: float  # prompt forward + first token
-    decode_steps: int  # forward passes after the prefill
+    decode_steps: int  # forward passes after the prefill (speculative rounds)
+    decode_tokens: int  # tokens those passes produced (more than one per pass when drafts are accepted)
     decode_seconds: float
+    speculation: dict | None = None  # drafted/accepted counts when decoding speculatively
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -29,7 +33,7 @@ class GenerationResult:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
         """JSON-ready fields plus the two rates."""
@@ -87,22 +91,33 @@ class Generation:
     def _run(self) -> Iterator[int]:
         output: list[int] = []
         session = self.engine.session()
+        speculator = MtpSpeculator(session, self.sampler, self.prompt_ids, self.engine.spec_tokens) if self.engine.spec_tokens else None
         try:
             start = time.perf_counter()
-            logits = session.prefill(self.prompt_ids)
-            token = self.sampler.sample(logits, output, self.prompt_ids)
+            if speculator is not None:
+                token = speculator.prefill()
+            else:
+                token = self.sampler.sample(session.prefill(self.prompt_ids), output, self.prompt_ids)
             prefill_seconds = time.perf_counter() - start
-            decode_seconds, steps = 0.0, 0
+            decode_seconds, steps, produced = 0.0, 0, 0
+            following: list[int] = []  # tokens a speculative round produced that are not emitted yet
             while token not in self.stop_ids:
                 output.append(token)
                 yield token
-                if len(output) >= self.max_tokens or session.length >= self.engine.max_context:
+                if len(output) >= self.max_tokens:
                     break
-                start = time.perf_counter()
-                logits = session.step(token)
-                token = self.sampler.sample(logits, output, self.prompt_ids)
-                decode_seconds += time.perf_counter() - start
-                steps += 1
+                if not following:
+                    if session.length >= self.engine.max_context:
+                        break
+                    start = time.perf_counter()
+                    if speculator is not None:
+                        following = speculator.round(token, output)
+                    else:
+                        following = [self.sampler.sample(session.step(token), output, self.prompt_ids)]
+                    decode_seconds += time.perf_counter() - start
+                    steps += 1
+                    produced += len(following)
+                token = following.pop(0)
             stopped = token in self.stop_ids
             self.result = GenerationResult(
                 token_ids=output,
@@ -111,7 +126,9 @@ class Generation:
                 prompt_tokens=len(self.prompt_ids),
                 prefill_seconds=prefill_seconds,
                 decode_steps=steps,
+                decode_tokens=produced,
                 decode_seconds=decode_seconds,
+                speculation=speculator.stats.to_json() if speculator is not None else None,
             )
         finally:
             session.close()

@@ -2,7 +2,7 @@
 on first use, all sharing one memory pool.
 
 A graph reads its inputs (token ids and the step context) from one static packed buffer
-(`step_inputs`) and writes its logits to a static output. A batch is padded to its bucket with
+(`step_inputs`) and writes its logits and hidden states to static outputs. A batch is padded to its bucket with
 entries on the pool's scratch slot, so padding never touches a live sequence, and capture itself
 runs on scratch entries only.
 """
@@ -31,11 +31,11 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
-    def run(self, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int) -> torch.Tensor:
-        """Logits [B * T, vocab] of one decode step (T tokens per sequence), by graph replay."""
+    def run(self, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B * T, vocab], hidden states [B * T, H]) of one decode step (T tokens per sequence), by graph replay."""
         batch, t = len(slots), tokens_per_sequence
         bucket = next(b for b in self.buckets if b >= batch)
-        graph, packed, logits = self.graphs.get((bucket, t)) or self._capture(bucket, t)
+        graph, packed, (logits, hidden) = self.graphs.get((bucket, t)) or self._capture(bucket, t)
         pad = bucket - batch
         scratch = self.engine.state.scratch_slot
         host = pack_inputs(
@@ -43,9 +43,9 @@ class StepGraphs:
         )
         packed.copy_(host, non_blocking=True)
         graph.replay()
-        return logits[: batch * t].clone()
+        return logits[: batch * t].clone(), hidden[: batch * t].clone()
 
-    def _capture(self, bucket: int, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    def _capture(self, bucket: int, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         engine = self.engine
         scratch = engine.state.scratch_slot
         packed = pack_inputs([0] * (bucket * t), [scratch] * bucket, [0] * bucket, t, engine.state.capacity)
@@ -54,10 +54,10 @@ class StepGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(stream):
-            engine.forward_logits(tokens, ctx)  # compiles kernels and settles allocations, on scratch state
+            engine.forward(tokens, ctx)  # compiles kernels and settles allocations, on scratch state
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
-            logits = engine.forward_logits(tokens, ctx)
-        self.graphs[(bucket, t)] = (graph, packed, logits)
-        return graph, packed, logits
+            outputs = engine.forward(tokens, ctx)
+        self.graphs[(bucket, t)] = (graph, packed, outputs)
+        return graph, packed, outputs

@@ -83,7 +83,9 @@ def load_model(
     """Read every weight the text model of `config` (and the MTP module if `with_mtp`) needs onto `device`,
     the routed experts where `placement` puts them."""
     if with_mtp and "mtp/input_projection" not in artifact.bindings:
-        raise ArtifactError(f"{artifact.path.name} has no MTP weights (convert the checkpoint with its mtp.* tensors)")
+        raise ArtifactError(
+            f"{artifact.path.name} has no MTP weights: use --spec none (or convert the checkpoint with its mtp.* tensors)"
+        )
     prefixes = [f"text/layers/{i}" for i in range(config.num_layers)] + ([MTP_PREFIX] if with_mtp else [])
     banks = [_record_layout(artifact, prefix, config) for prefix in prefixes]
     store = ExpertStore([layout for layout, _, _ in banks], config.num_experts, config.top_k, placement, device, miss_path, cache_policy)

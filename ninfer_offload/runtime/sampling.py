@@ -171,6 +171,18 @@ class Sampler:
             return torch.nn.functional.one_hot(torch.argmax(logits), logits.shape[-1]).to(torch.float32)
         return torch.softmax(filter_logits(logits, self.params), dim=-1)
 
+    def draw(self, probs: torch.Tensor) -> int:
+        """A token id drawn from the distribution `probs` [vocab] (its argmax when greedy)."""
+        if self.params.is_greedy:
+            return int(torch.argmax(probs))
+        return int(torch.multinomial(probs, 1, generator=self._generator_for(probs.device)))
+
+    def uniform(self, device: torch.device) -> float:
+        """A uniform draw in [0, 1) from the same generator (0 when greedy: nothing random is drawn)."""
+        if self.params.is_greedy:
+            return 0.0
+        return float(torch.rand((), device=device, generator=self._generator_for(device)))
+
     def sample(self, logits: torch.Tensor, history: Sequence[int], prompt: Sequence[int] = ()) -> int:
         """Next token id from `logits` [vocab]; `history` = output tokens so far, `prompt` = prompt
         tokens (they count for the repetition penalty only)."""
@@ -178,5 +190,4 @@ class Sampler:
             raise ValueError(f"sample expects logits of shape [vocab], got {tuple(logits.shape)}")
         if self.params.is_greedy:
             return int(torch.argmax(apply_penalties(logits, self.params, history, prompt)))
-        probs = self.probabilities(logits, history, prompt)
-        return int(torch.multinomial(probs, 1, generator=self._generator_for(probs.device)))
+        return self.draw(self.probabilities(logits, history, prompt))

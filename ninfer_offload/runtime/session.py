@@ -74,6 +74,12 @@ class Session:
         session's MTP cache) and the tokens that follow them: (draft logits [T, vocab], MTP hidden [T, H])."""
         return self.engine.mtp_forward(self, hidden, next_ids)
 
+    def forget_mtp(self, n: int) -> None:
+        """Drop the last `n` entries of the MTP layer's cache (speculative drafts)."""
+        if not 0 <= n <= self.mtp_length:
+            raise NinferError(f"the MTP cache holds {self.mtp_length} entries, cannot forget {n}")
+        self.mtp_length -= n
+
     def close(self) -> None:
         """Free the slot (the session cannot be used afterwards)."""
         self.slot = None
