@@ -1,0 +1,176 @@
+"""Server benchmark: N concurrent streaming clients against `ninfer serve`, and `ninfer generate` on the
+same artifact and options as the single-stream reference.
+
+    python bench/serve.py /tmp/q36.ninfer --device cuda --clients 1 2 4 8 --out bench/results/serve_h200.json
+
+Each level starts one server (`--max-concurrency` = the number of clients), sends one warm-up request,
+then N clients each stream one greedy `/v1/completions` request of `--max-tokens` tokens at once
+(`stream_options.include_usage` gives the token count). Per client: time to first token (first
+content chunk) and decode tok/s (tokens after the first over the time after the first chunk).
+Reported per level: mean per-client tok/s, aggregate tok/s (all tokens over the wall time from the
+first request to the last end), TTFT p50 and p95. Extra server options (`--serve-arg`, repeatable)
+are passed through, e.g. `--serve-arg=--vram-budget=15GiB`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from provenance import git_commit
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Server:
+    """`ninfer serve` in a subprocess, ready once it logs that it serves."""
+
+    def __init__(self, artifact: Path, device: str, concurrency: int, extra: list[str], timeout: float):
+        self.port = free_port()
+        command = [
+            sys.executable, "-m", "ninfer_offload", "serve", str(artifact), "--device", device, "--port", str(self.port),
+            "--max-concurrency", str(concurrency), "--served-model-name", "bench", *extra,
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        deadline = time.monotonic() + timeout
+        for line in self.process.stdout:
+            self.log.append(line)
+            if "Uvicorn running" in line:
+                break
+            if time.monotonic() > deadline:
+                break
+        if self.process.poll() is not None or not any("Uvicorn running" in line for line in self.log):
+            self.stop()
+            raise RuntimeError("the server did not start:\n" + "".join(self.log[-20:]))
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _drain(self) -> None:
+        for line in self.process.stdout:
+            self.log.append(line)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def stream_once(url: str, max_tokens: int) -> dict:
+    """One streaming greedy completion: {ttft_s, tokens, decode_tok_s, end}."""
+    body = {
+        "model": "bench", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    began = time.perf_counter()
+    first = None
+    tokens = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft_s": first - began, "tokens": tokens, "decode_tok_s": (tokens - 1) / (end - first) if end > first else 0.0, "end": end}
+
+
+def level(server: Server, clients: int, max_tokens: int) -> dict:
+    stream_once(server.url, 8)  # warm-up: compiles and captures what the first request needs
+    results: list[dict] = [{} for _ in range(clients)]
+
+    def client(i: int) -> None:
+        results[i] = stream_once(server.url, max_tokens)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = max(r["end"] for r in results) - began
+    ttfts = [r["ttft_s"] for r in results]
+    return {
+        "clients": clients,
+        "per_client_tok_s": sum(r["decode_tok_s"] for r in results) / clients,
+        "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p95_s": percentile(ttfts, 0.95),
+        "tokens": [r["tokens"] for r in results],
+    }
+
+
+def generate_tok_s(artifact: Path, device: str, max_tokens: int, extra: list[str]) -> float:
+    """Decode tok/s of `ninfer generate --json` with the same artifact, device and placement options."""
+    placement = [arg for arg in extra if re.match(r"--(experts|profile|vram-budget|cache-policy|miss-path)", arg)]
+    run = subprocess.run(
+        [sys.executable, "-m", "ninfer_offload", "generate", str(artifact), "--device", device, "--prompt", PROMPT, "--greedy",
+         "--max-tokens", str(max_tokens), "--json", *placement],
+        capture_output=True, text=True, check=True,
+    )
+    return json.loads(run.stdout)["decode_tokens_per_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--serve-arg", action="append", default=[], help="extra `ninfer serve` option (repeatable)")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
+    args = parser.parse_args()
+
+    import torch
+
+    report = {
+        "command": "python bench/serve.py " + " ".join(sys.argv[1:]),
+        "commit": args.commit or git_commit(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "generate_tok_s": generate_tok_s(args.artifact, args.device, args.max_tokens, args.serve_arg),
+        "levels": [],
+    }
+    for clients in args.clients:
+        server = Server(args.artifact, args.device, clients, args.serve_arg, args.startup_timeout)
+        try:
+            report["levels"].append(level(server, clients, args.max_tokens))
+        finally:
+            server.stop()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["levels"][-1]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
