@@ -29,7 +29,7 @@ class StepGraphs:
         self.engine = engine
         self.buckets = batch_buckets(engine.state.sequences)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def run(self, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B * T, vocab], hidden states [B * T, H]) of one decode step (T tokens per sequence), by graph replay."""
