@@ -60,8 +60,8 @@ class OracleSpeculator(MtpSpeculator):
 
     continuation: list[int] = []
 
-    def _draft(self, k, history):
-        drafts, _ = super()._draft(k, history)
+    def draft(self, k, history):
+        drafts, _ = super().draft(k, history)
         start = len(history)
         drafts = (self.continuation[start : start + k] + [0] * k)[:k]
         vocab = self.engine.config.vocab_size

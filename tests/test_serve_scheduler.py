@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.runtime.generate import generate
@@ -146,3 +147,74 @@ def test_queue_limit_and_stop_cancels_waiting(engine):
     waiting, outputs = asyncio.run(run())
     assert all(h.finished.reason in ("shutdown", "length") for h in waiting)
     assert all(len(out) <= 2 for out in outputs)
+
+
+def test_speculative_sequences_decode_together_and_match_solo(tiny_artifact, engine):
+    """With an engine loaded for MTP speculation, concurrent sequences of different lengths (chunked
+    prompts, one batched verify step per round, each sequence keeping its own accepted drafts) give
+    the solo greedy outputs; a request with logprobs decodes plainly next to them."""
+    spec_engine = Engine.load(tiny_artifact, spec="mtp", draft_tokens=3, max_sequences=3)
+    prompts = [[11, 12, 13], [(7 * i) % 500 + 5 for i in range(30)], [42, 7, 300, 5]]
+
+    async def run():
+        scheduler = Scheduler(spec_engine, Sampler, max_concurrency=3, max_queue=4, prefill_chunk=8)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        handles = [scheduler.submit(GenerationRequest(p, 20, GREEDY), loop) for p in prompts[:2]]
+        handles.append(scheduler.submit(GenerationRequest(prompts[2], 20, GREEDY, logprobs=0), loop))
+        outputs = await asyncio.gather(*(collect(h) for h in handles))
+        scheduler.stop()
+        return handles, outputs
+
+    handles, outputs = asyncio.run(run())
+    for prompt, output in zip(prompts, outputs):
+        assert output == solo(engine, prompt, 20)
+    assert handles[0].finished.speculation["rounds"] > 0 and handles[2].finished.speculation is None
+    assert len(handles[2].logprobs) == 20
+    spec_engine.close()
+
+
+def test_batched_verification_keeps_each_sequences_own_accepted_drafts(tiny_artifact, engine, monkeypatch):
+    """Drafts forced to the true continuation with the first wrong token at position 0, 1 and 2 for the
+    three sequences: one batched verify step keeps 0, 1 and 2 drafts of them, and every output is still
+    the solo greedy one."""
+    from ninfer_offload.runtime import speculative
+
+    prompts = [[11, 12, 13], [21, 22], [42, 7, 300, 5]]
+    expected = {tuple(p): solo(engine, p, 20) for p in prompts}
+    wrong_at = {tuple(p): i for i, p in enumerate(prompts)}
+    accepted: dict[tuple, list[int]] = {tuple(p): [] for p in prompts}
+
+    def oracle_draft(self, k, history):
+        self._mtp_start = self.session.mtp_length
+        truth = expected[tuple(self.prompt)]
+        drafts = (truth[len(history) : len(history) + k] + [0] * k)[:k]
+        at = wrong_at[tuple(self.prompt)]
+        if at < k:
+            drafts[at] = (drafts[at] + 1) % 512
+        return drafts, [torch.nn.functional.one_hot(torch.tensor(d), 512).float() for d in drafts]
+
+    settle = speculative.MtpSpeculator.settle
+
+    def recording_settle(self, logits, hidden, drafts, probs, history):
+        out = settle(self, logits, hidden, drafts, probs, history)
+        accepted[tuple(self.prompt)].append(len(out) - 1)
+        return out
+
+    monkeypatch.setattr(speculative.MtpSpeculator, "draft", oracle_draft)
+    monkeypatch.setattr(speculative.MtpSpeculator, "settle", recording_settle)
+    spec_engine = Engine.load(tiny_artifact, spec="mtp", draft_tokens=3, max_sequences=3)
+
+    async def run():
+        scheduler = Scheduler(spec_engine, Sampler, max_concurrency=3, max_queue=4)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        handles = [scheduler.submit(GenerationRequest(p, 20, GREEDY), loop) for p in prompts]
+        outputs = await asyncio.gather(*(collect(h) for h in handles))
+        scheduler.stop()
+        return outputs
+
+    for prompt, output in zip(prompts, asyncio.run(run())):
+        assert output == expected[tuple(prompt)]
+        assert set(accepted[tuple(prompt)][:-1]) == {wrong_at[tuple(prompt)]}  # the last round may run past max_tokens
+    spec_engine.close()

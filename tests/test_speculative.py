@@ -44,6 +44,7 @@ def test_forced_drafts_rejected_at_every_position(spec_engines, reprefill_greedy
     rounds: list[int] = []
 
     def oracle_drafts(self, k, history):
+        self._mtp_start = self.session.mtp_length  # no MTP drafting: nothing to drop after the round
         start = len(history)  # the drafts follow the anchor, history[-1]
         drafts = list(expected[start : start + k]) + [0] * max(0, start + k - len(expected))
         if wrong_at is not None and wrong_at < k:
@@ -59,7 +60,7 @@ def test_forced_drafts_rejected_at_every_position(spec_engines, reprefill_greedy
         rounds.append(self.stats.accepted - before)
         return out
 
-    monkeypatch.setattr(speculative.MtpSpeculator, "_draft", oracle_drafts)
+    monkeypatch.setattr(speculative.MtpSpeculator, "draft", oracle_drafts)
     monkeypatch.setattr(speculative.MtpSpeculator, "round", counting_round)
     result = generate(engine, GREEDY_PROMPT, max_tokens=TOKENS, sampling=GREEDY).run()
     assert result.token_ids == expected

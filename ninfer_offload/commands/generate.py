@@ -18,7 +18,8 @@ import typer
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.commands.load_options import (
-    CACHE_POLICY_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, VRAM_BUDGET_OPTION, engine_placement,
+    CACHE_POLICY_OPTION, DRAFT_TOKENS_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, SPEC_OPTION, VRAM_BUDGET_OPTION,
+    engine_placement, engine_speculation,
 )
 
 
@@ -128,8 +129,8 @@ def generate(
     vram_budget: str | None = VRAM_BUDGET_OPTION,
     cache_policy: str = CACHE_POLICY_OPTION,
     miss_path: str = MISS_PATH_OPTION,
-    spec: str = typer.Option("none", "--spec", help="mtp: decode speculatively, drafting with the model's MTP layer; none."),
-    draft_tokens: int = typer.Option(3, "--draft-tokens", help="MTP drafts verified per step with --spec mtp (1..5)."),
+    spec: str = SPEC_OPTION,
+    draft_tokens: int = DRAFT_TOKENS_OPTION,
     max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -152,11 +153,7 @@ def generate(
 
     if greedy and temperature is not None:
         raise NinferError("--greedy and --temperature contradict each other (--greedy always takes the most likely token); give one")
-    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path)
-    if spec not in ("none", "mtp"):
-        raise NinferError(f"--spec must be none or mtp, got {spec!r}")
-    if spec == "mtp" and not 1 <= draft_tokens <= 5:
-        raise NinferError(f"--draft-tokens must be 1..5, got {draft_tokens}")
+    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path) | engine_speculation(spec, draft_tokens)
     if not artifact.is_file():
         raise NinferError(f"no such artifact file: {artifact}")
     template = _read_text(chat_template, "chat template") if chat_template is not None else None
@@ -188,10 +185,7 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
     )
-    engine = Engine.load(
-        artifact, device=device, max_context=max_context, progress=not json_out, spec=spec,
-        draft_tokens=draft_tokens if spec == "mtp" else 0, **placement,
-    )
+    engine = Engine.load(artifact, device=device, max_context=max_context, progress=not json_out, **placement)
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)

@@ -1,5 +1,6 @@
-"""The options `generate` and `serve` share for placing the model: experts, profile, VRAM budget,
-cache policy and miss path, checked before the slow load and turned into `Engine.load` arguments."""
+"""The options `generate` and `serve` share for placing the model (experts, profile, VRAM budget,
+cache policy, miss path) and for speculation, checked before the slow load and turned into
+`Engine.load` arguments."""
 
 from __future__ import annotations
 
@@ -29,6 +30,22 @@ MISS_PATH_OPTION = typer.Option(
     help="Experts not in VRAM: pcie (read by the GPU from host memory), cpu (computed on the host) "
     "or auto (both, split by measured rates).",
 )
+
+
+SPEC_OPTION = typer.Option(
+    "none", "--spec",
+    help="mtp: decode speculatively, drafting with the model's MTP layer (server: requests without a grammar or logprobs); none.",
+)
+DRAFT_TOKENS_OPTION = typer.Option(3, "--draft-tokens", help="MTP drafts verified per step with --spec mtp (1..5).")
+
+
+def engine_speculation(spec: str, draft_tokens: int) -> dict:
+    """`Engine.load` keyword arguments of the speculation options, or a NinferError naming the bad flag."""
+    if spec not in ("none", "mtp"):
+        raise NinferError(f"--spec must be none or mtp, got {spec!r}")
+    if spec == "mtp" and not 1 <= draft_tokens <= 5:
+        raise NinferError(f"--draft-tokens must be 1..5, got {draft_tokens}")
+    return {"spec": spec, "draft_tokens": draft_tokens if spec == "mtp" else 0}
 
 
 def engine_placement(experts: str, profile: str | None, vram_budget: str | None, cache_policy: str, miss_path: str) -> dict:

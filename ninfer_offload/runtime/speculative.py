@@ -12,6 +12,8 @@ One round, for a sequence whose next token (the anchor) is known but not yet fed
 4. keep the anchor and the accepted drafts (`Session.commit`: rejected positions leave no KV or
    GDN state behind), drop the MTP layer's draft entries and feed it the target's hidden states of
    the kept tokens with their successors, which also yields the next round's first draft.
+The server batches step 2 over its sequences (`draft`, one `Engine.step`, `settle` per sequence),
+each sequence keeping its own number of drafts.
 """
 
 from __future__ import annotations
@@ -63,7 +65,12 @@ def accept_drafts(
 
 
 class MtpSpeculator:
-    """Speculative decoding of one session with `draft_tokens` MTP drafts per round."""
+    """Speculative decoding of one session with `draft_tokens` MTP drafts per round.
+
+    The prompt goes through `feed_prompt` (in chunks if need be), then `start` with the first
+    generated token; after that each `round` (or, batched with other sequences, `draft` + one
+    shared verify step + `settle`) turns an anchor into the tokens that follow it.
+    """
 
     def __init__(self, session, sampler: Sampler, prompt: Sequence[int], draft_tokens: int):
         self.session = session
@@ -72,37 +79,48 @@ class MtpSpeculator:
         self.prompt = list(prompt)
         self.draft_tokens = draft_tokens
         self.stats = SpeculationStats(accepted_at=[0] * draft_tokens)
+        self._carry: torch.Tensor | None = None  # target hidden state of the last prompt token fed, successor unknown yet
         self._draft_logits: torch.Tensor | None = None  # [vocab]: the MTP layer's prediction of the token after the anchor
         self._draft_hidden: torch.Tensor | None = None  # [1, H]: its hidden state, fed back for further drafts
+        self._mtp_start = 0
 
     def prefill(self) -> int:
-        """Run the prompt through the target and the MTP layer; the first generated token."""
-        logits, hidden = self.session.forward(self.prompt)
-        token = self.sampler.sample(logits[-1], [], self.prompt)
-        self._follow(hidden, self.prompt[1:] + [token])
+        """Run the whole prompt through the target and the MTP layer; the first generated token."""
+        token = self.sampler.sample(self.feed_prompt(self.prompt), [], self.prompt)
+        self.start(token)
         return token
+
+    def feed_prompt(self, chunk: list[int]) -> torch.Tensor:
+        """Append a prompt chunk to the target (and what can be to the MTP layer); logits [vocab] of its last token."""
+        logits, hidden = self.session.forward(chunk)
+        successors = chunk if self._carry is not None else chunk[1:]
+        if self._carry is not None:
+            hidden = torch.cat([self._carry, hidden])
+        if successors:
+            self.session.mtp(hidden[:-1], successors)
+        self._carry = hidden[-1:]
+        return logits[-1]
+
+    def start(self, first_token: int) -> None:
+        """The prompt is complete and `first_token` follows it."""
+        self._follow(self._carry, [first_token])
+        self._carry = None
 
     def round(self, anchor: int, history: list[int]) -> list[int]:
         """Feed `anchor` (the last token of `history`, the output so far) and as many accepted drafts
         as the target agrees with; returns the tokens that follow `anchor` (at least one)."""
-        session, engine = self.session, self.engine
-        k = min(self.draft_tokens, engine.max_context - session.length - 1)
-        mtp_start = session.mtp_length
-        drafts, draft_probs = self._draft(k, history)
-        logits, hidden = engine.step([session], [[anchor] + drafts], with_hidden=True)
-        accepted, following = accept_drafts(self.sampler, logits[0], drafts, draft_probs, history, self.prompt)
-        if k:
-            session.commit(len(accepted) + 1)
-        session.forget_mtp(session.mtp_length - mtp_start)
-        self._follow(hidden[: len(accepted) + 1], accepted + [following])
-        self.stats.rounds += 1
-        self.stats.drafted += k
-        self.stats.accepted += len(accepted)
-        for i in range(len(accepted)):
-            self.stats.accepted_at[i] += 1
-        return accepted + [following]
+        k = self.room()
+        drafts, probs = self.draft(k, history)
+        logits, hidden = self.engine.step([self.session], [[anchor] + drafts], with_hidden=True)
+        return self.settle(logits[0], hidden, drafts, probs, history)
 
-    def _draft(self, k: int, history: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    def room(self) -> int:
+        """Drafts the context still has room for this round."""
+        return min(self.draft_tokens, self.engine.max_context - self.session.length - 1)
+
+    def draft(self, k: int, history: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """`k` drafted tokens and the distributions they were drawn from."""
+        self._mtp_start = self.session.mtp_length
         drafts, probs = [], []
         logits, hidden = self._draft_logits, self._draft_hidden
         for i in range(k):
@@ -113,6 +131,23 @@ class MtpSpeculator:
                 step_logits, hidden = self.session.mtp(hidden, [drafts[-1]])
                 logits = step_logits[0]
         return drafts, probs
+
+    def settle(
+        self, logits: torch.Tensor, hidden: torch.Tensor, drafts: list[int], probs: list[torch.Tensor], history: list[int]
+    ) -> list[int]:
+        """After the verify step ([anchor] + drafts, logits [k + 1, vocab], hidden [k + 1, H]): accept,
+        keep the accepted tokens, resync the MTP layer; returns the tokens that follow the anchor."""
+        accepted, following = accept_drafts(self.sampler, logits, drafts, probs, history, self.prompt)
+        if drafts:
+            self.session.commit(len(accepted) + 1)
+        self.session.forget_mtp(self.session.mtp_length - self._mtp_start)
+        self._follow(hidden[: len(accepted) + 1], accepted + [following])
+        self.stats.rounds += 1
+        self.stats.drafted += len(drafts)
+        self.stats.accepted += len(accepted)
+        for i in range(len(accepted)):
+            self.stats.accepted_at[i] += 1
+        return accepted + [following]
 
     def _follow(self, hidden: torch.Tensor, next_ids: list[int]) -> None:
         """Append target hidden states and their successors to the MTP layer's cache; keep its last prediction."""

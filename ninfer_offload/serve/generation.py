@@ -68,7 +68,9 @@ class TextGeneration:
         ttft = f"{t.first_token - t.submitted:.3f}s" if t.first_token else "-"
         decode = end - t.first_token if t.first_token else 0.0
         rate = f"{(self.completion_tokens - 1) / decode:.1f} tok/s" if decode > 0 and self.completion_tokens > 1 else "-"
-        hit_rate = self.handle.finished.expert_hit_rate if self.handle.finished else None
+        finished = self.handle.finished
+        hit_rate = finished.expert_hit_rate if finished else None
+        speculation = finished.speculation if finished else None
         log.info(
             "%s prompt=%d completion=%d queued=%.3fs ttft=%s total=%.3fs decode=%s finish=%s%s",
             self.handle.id,
@@ -79,5 +81,6 @@ class TextGeneration:
             end - t.submitted,
             rate,
             self.finish_reason or "cancelled",
-            f" expert_hit_rate={hit_rate:.3f}" if hit_rate is not None else "",
+            (f" expert_hit_rate={hit_rate:.3f}" if hit_rate is not None else "")
+            + (f" drafts_accepted={speculation['accepted']}/{speculation['drafted']}" if speculation else ""),
         )

@@ -3,7 +3,10 @@
 One thread owns the engine. Each iteration it (1) admits waiting requests up to
 `max_concurrency` active sequences, (2) frees the sessions of cancelled requests, (3) runs one
 prefill chunk of one newcomer, (4) runs one `engine.step_batch` over every sequence that is
-decoding. Tokens go back to the request's asyncio queue on its event loop.
+decoding. With an engine loaded for speculation (`spec="mtp"`), sequences without a grammar or
+logprobs decode speculatively instead: one batched verify step over their anchors and MTP drafts,
+each sequence keeping as many tokens as its own acceptance gives. Tokens go back to the request's
+asyncio queue on its event loop.
 
 A request counts against `max_concurrency + max_queue` from `submit` until its last event is
 sent, whatever state it is in (waiting, admitted, decoding).
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ninfer_offload.runtime.speculative import MtpSpeculator
 
 log = logging.getLogger("ninfer.serve")
 
@@ -65,6 +70,7 @@ class Finished:
     completion_tokens: int
     error: str | None = None
     expert_hit_rate: float | None = None  # the engine's expert-cache hit rate so far, when experts are offloaded
+    speculation: dict | None = None  # drafted/accepted counts, when the sequence decoded speculatively
 
 
 @dataclass
@@ -121,6 +127,8 @@ class _Sequence:
     unprefilled: list[int]
     output: list[int] = field(default_factory=list)
     next_token: int | None = None
+    speculator: Any = None  # a runtime.speculative.MtpSpeculator when this sequence decodes speculatively
+    started: bool = False  # the speculator knows the first generated token
 
 
 class Scheduler:
@@ -236,6 +244,9 @@ class Scheduler:
             return
         prompt = list(handle.request.prompt_ids)
         sequence = _Sequence(handle, session, sampler, prompt=prompt, unprefilled=prompt)
+        request = handle.request
+        if self.engine.spec_tokens and request.constraint is None and request.logprobs is None:
+            sequence.speculator = MtpSpeculator(session, sampler, prompt, self.engine.spec_tokens)
         with self._wake:
             self._active.append(sequence)
 
@@ -249,7 +260,10 @@ class Scheduler:
             return
         chunk, sequence.unprefilled = sequence.unprefilled[: self.prefill_chunk], sequence.unprefilled[self.prefill_chunk :]
         try:
-            logits = sequence.session.prefill(chunk)
+            if sequence.speculator is not None:
+                logits = sequence.speculator.feed_prompt(chunk)
+            else:
+                logits = sequence.session.prefill(chunk)
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s: prefill failed", sequence.handle.id)
             self._finish(sequence, "error", str(exc))
@@ -262,15 +276,37 @@ class Scheduler:
         if not batch:
             return
         self._largest_batch = max(self._largest_batch, len(batch))
+        speculating = [s for s in batch if s.speculator is not None]
+        plain = [s for s in batch if s.speculator is None]
         try:
-            logits = self.engine.step_batch([s.session for s in batch], [s.next_token for s in batch])
+            if speculating:
+                self._speculate(speculating)
+            if plain:
+                logits = self.engine.step_batch([s.session for s in plain], [s.next_token for s in plain])
+                for sequence, row in zip(plain, logits):
+                    self._accept(sequence, row)
         except Exception as exc:  # noqa: BLE001
             log.exception("decode step failed for %d sequences", len(batch))
             for sequence in batch:
-                self._finish(sequence, "error", str(exc))
-            return
-        for sequence, row in zip(batch, logits):
-            self._accept(sequence, row)
+                if sequence in self._active:
+                    self._finish(sequence, "error", str(exc))
+
+    def _speculate(self, batch: list[_Sequence]) -> None:
+        """One speculative round over `batch`: each sequence drafts with its MTP speculator, one target
+        step verifies every sequence's anchor and drafts, each keeps what its own rule accepts."""
+        for sequence in batch:
+            if not sequence.started:
+                sequence.speculator.start(sequence.next_token)
+                sequence.started = True
+        k = max(0, min(s.speculator.room() for s in batch))
+        drafted = [s.speculator.draft(k, s.output) for s in batch]
+        tokens = [[s.next_token] + drafts for s, (drafts, _) in zip(batch, drafted)]
+        logits, hidden = self.engine.step([s.session for s in batch], tokens, with_hidden=True)
+        for i, (sequence, (drafts, probs)) in enumerate(zip(batch, drafted)):
+            rows = hidden[i * (k + 1) : (i + 1) * (k + 1)]
+            for token in sequence.speculator.settle(logits[i], rows, drafts, probs, sequence.output):
+                if not self._emit(sequence, token):
+                    break
 
     def _accept(self, sequence: _Sequence, logits: Any) -> None:
         """Sample the next token from `logits`, hand it out, and decide whether the sequence ends."""
@@ -293,6 +329,11 @@ class Scheduler:
             log.exception("request %s: sampling failed", sequence.handle.id)
             self._finish(sequence, "error", str(exc))
             return
+        self._emit(sequence, token)
+
+    def _emit(self, sequence: _Sequence, token: int) -> bool:
+        """Hand out a generated token; False when the sequence ends with it."""
+        request = sequence.handle.request
         sequence.output.append(token)
         handle = sequence.handle
         if handle.timings.first_token is None:
@@ -300,12 +341,13 @@ class Scheduler:
         sequence.next_token = None
         if token in request.stop_ids:
             self._finish(sequence, "stop")
-            return
+            return False
         handle._push(token)
         if len(sequence.output) >= request.max_tokens:
             self._finish(sequence, "length")
-        else:
-            sequence.next_token = token
+            return False
+        sequence.next_token = token
+        return True
 
     def _finish(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
         with self._wake:
@@ -317,7 +359,8 @@ class Scheduler:
             sequence.handle.timings.finished = time.perf_counter()
             store = self.engine.store
             hit_rate = store.counters.hit_rate if store.offloaded else None
-            self._end(sequence.handle, Finished(reason, len(sequence.output), error, hit_rate))
+            speculation = sequence.speculator.stats.to_json() if sequence.speculator is not None else None
+            self._end(sequence.handle, Finished(reason, len(sequence.output), error, hit_rate, speculation))
 
     def _end(self, handle: RequestHandle, finished: Finished) -> None:
         """Send a request's last event; it no longer counts against the limit."""
