@@ -104,3 +104,22 @@ def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_offic
     for got, want in zip(_decode(engine, 24, routing), _decode(resident, 24, routing)):
         assert torch.equal(got, want)
     assert engine.store.stats.promotions > 10
+
+
+@pytest.mark.parametrize("experts", ["resident", "host"])
+def test_speculative_greedy_on_cuda_equals_plain_greedy(tiny_artifact_official, experts):
+    """MTP drafts verified by captured (K + 1)-token steps, resident and with host experts (float32):
+    the greedy output is the plain graph-decoded one."""
+    from ninfer_offload.runtime.generate import generate
+    from ninfer_offload.runtime.sampling import SamplingParams
+
+    greedy = SamplingParams(greedy=True)
+    plain = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", experts=experts, num_slots=4 if experts == "host" else None)
+    spec = Engine.load(
+        tiny_artifact_official, device="cuda", dtype="float32", experts=experts, spec="mtp", draft_tokens=3,
+        num_slots=4 if experts == "host" else None,
+    )
+    want = generate(plain, PROMPT, max_tokens=24, sampling=greedy).run()
+    got = generate(spec, PROMPT, max_tokens=24, sampling=greedy).run()
+    assert got.token_ids == want.token_ids
+    assert spec.graphs is not None and any(t == 4 for _, t in spec.graphs.graphs)  # the verify step was captured
