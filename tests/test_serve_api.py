@@ -156,6 +156,13 @@ def server(tiny_artifact, frontend):
 
 
 @pytest.fixture(scope="module")
+def speculating(tiny_artifact, frontend):
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4, spec="mtp", draft_tokens=3)
+    with LiveServer(create_app(engine, frontend, MODEL, CONTEXT, max_concurrency=4, max_queue=4)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
 def scripted(tiny_artifact, frontend):
     engine = ScriptedEngine(Engine.load(tiny_artifact, device="cpu", max_sequences=8))
     with LiveServer(create_app(engine, frontend, MODEL, 4096, max_concurrency=1, max_queue=1)) as live:
@@ -191,6 +198,16 @@ def test_models(server):
     assert httpx.get(f"{server.url}/v1/models/{MODEL}").json()["id"] == MODEL
     missing = httpx.get(f"{server.url}/v1/models/other")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_speculative_server_gives_the_greedy_text_and_counts_drafts(speculating, frontend, oracle):
+    ids, completion_tokens = oracle(chat_prompt(frontend, USER, enable_thinking=False), 12)
+    kwargs = dict(model=MODEL, messages=USER, max_tokens=12, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    response = speculating.client().chat.completions.create(**kwargs)
+    assert response.choices[0].message.content == frontend.decode(ids, skip_special_tokens=True)
+    usage = response.usage.model_dump()
+    assert usage["completion_tokens"] == completion_tokens
+    assert usage["speculation"]["rounds"] > 0 and usage["speculation"]["drafted"] >= usage["speculation"]["accepted"]
 
 
 def test_chat_equals_engine_greedy(server, frontend, oracle):

@@ -57,10 +57,14 @@ class TextGeneration:
             self.handle.cancel()
             self._log()
 
-    def usage(self) -> dict[str, int]:
-        """The OpenAI `usage` object."""
+    def usage(self) -> dict:
+        """The OpenAI `usage` object (with `speculation` counts when the request decoded speculatively)."""
         total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+        finished = self.handle.finished
+        if finished is not None and finished.speculation:
+            usage["speculation"] = finished.speculation
+        return usage
 
     def _log(self) -> None:
         t = self.handle.timings
