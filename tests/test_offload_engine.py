@@ -126,3 +126,30 @@ def test_not_enough_host_memory_names_the_fix():
 def test_resident_engine_keeps_no_host_copy(resident):
     assert resident.store.host == [] and resident.store.cache is None
     assert np.all(resident.store.pinned)
+
+
+def test_a_resident_load_keeps_no_packing_buffer(tiny_artifact_official, monkeypatch):
+    """Each layer's records are packed into a host buffer; once copied into the arena, a resident load
+    must not hold on to it (on CUDA these are pinned: holding them all would pin the whole model)."""
+    import gc
+    import weakref
+
+    from ninfer_offload.runtime.expert_store import ExpertStore
+
+    buffers = []
+    original = ExpertStore.host_buffer
+
+    def tracked(self, layer):
+        buffer = original(self, layer)
+        buffers.append(weakref.ref(buffer))
+        return buffer
+
+    monkeypatch.setattr(ExpertStore, "host_buffer", tracked)
+    engine = Engine.load(tiny_artifact_official)
+    gc.collect()
+    assert buffers and all(ref() is None for ref in buffers)
+    offloaded = Engine.load(tiny_artifact_official, experts="host", num_slots=4)
+    gc.collect()
+    assert sum(ref() is not None for ref in buffers) == engine.config.num_layers  # the host pool keeps them
+    engine.close()
+    offloaded.close()

@@ -8,6 +8,7 @@ into its VRAM arena.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -107,12 +108,13 @@ def load_model(
         return records
 
     with ThreadPoolExecutor(PACK_THREADS) as pool:
-        pending = [pool.submit(pack, i) for i in range(min(PACK_THREADS, len(prefixes)))]
+        pending = deque(pool.submit(pack, i) for i in range(min(PACK_THREADS, len(prefixes))))
         for i in steps:
-            records = pending[i].result()
+            records = pending.popleft().result()  # popped: a buffer the store does not keep is freed after its copy
             if i + PACK_THREADS < len(prefixes):
                 pending.append(pool.submit(pack, i + PACK_THREADS))
             store.fill(i, records)
+            del records
     if store.cache is not None:
         store.cache.fill_initial()
     reader = WeightReader(artifact, device, dtype)
