@@ -96,6 +96,25 @@ def test_mtp_one_shot_equals_step_by_step(engine):
     assert target.length == len(PROMPT)
 
 
+def test_batched_mtp_step_equals_each_sessions_own(engine):
+    """Two sequences of different lengths draft one MTP position together: the logits and hidden states
+    each would get alone."""
+    _, hidden = engine.session().forward(PROMPT)
+    short, long = engine.session(), engine.session()
+    short.mtp(hidden[:9], PROMPT[1:10])
+    long.mtp(hidden[:29], PROMPT[1:30])
+    alone = [engine.session(), engine.session()]
+    alone[0].mtp(hidden[:9], PROMPT[1:10])
+    alone[1].mtp(hidden[:29], PROMPT[1:30])
+    rows = torch.stack([hidden[9], hidden[29]])
+    logits, out = engine.mtp_step([short, long], rows, [PROMPT[10], PROMPT[30]])
+    for i, session in enumerate(alone):
+        own_logits, own_out = session.mtp(rows[i : i + 1], [PROMPT[10 + 20 * i]])
+        assert torch.allclose(logits[i], own_logits[0], atol=1e-4)
+        assert torch.allclose(out[i], own_out[0], atol=1e-5)
+    assert (short.mtp_length, long.mtp_length) == (10, 30)
+
+
 def test_prompt_longer_than_context_is_one_line_error(tiny_artifact):
     small = Engine.load(tiny_artifact, max_context=16)
     with pytest.raises(NinferError, match="context limit of 16") as err:

@@ -179,6 +179,7 @@ def test_batched_verification_keeps_each_sequences_own_accepted_drafts(tiny_arti
     three sequences: one batched verify step keeps 0, 1 and 2 drafts of them, and every output is still
     the solo greedy one."""
     from ninfer_offload.runtime import speculative
+    from ninfer_offload.serve import scheduler as scheduler_module
 
     prompts = [[11, 12, 13], [21, 22], [42, 7, 300, 5]]
     expected = {tuple(p): solo(engine, p, 20) for p in prompts}
@@ -194,6 +195,9 @@ def test_batched_verification_keeps_each_sequences_own_accepted_drafts(tiny_arti
             drafts[at] = (drafts[at] + 1) % 512
         return drafts, [torch.nn.functional.one_hot(torch.tensor(d), 512).float() for d in drafts]
 
+    def oracle_together(speculators, k, histories):
+        return [oracle_draft(s, k, h) for s, h in zip(speculators, histories)]
+
     settle = speculative.MtpSpeculator.settle
 
     def recording_settle(self, logits, hidden, drafts, probs, history):
@@ -201,7 +205,7 @@ def test_batched_verification_keeps_each_sequences_own_accepted_drafts(tiny_arti
         accepted[tuple(self.prompt)].append(len(out) - 1)
         return out
 
-    monkeypatch.setattr(speculative.MtpSpeculator, "draft", oracle_draft)
+    monkeypatch.setattr(scheduler_module, "draft_together", oracle_together)
     monkeypatch.setattr(speculative.MtpSpeculator, "settle", recording_settle)
     spec_engine = Engine.load(tiny_artifact, spec="mtp", draft_tokens=3, max_sequences=3)
 

@@ -316,6 +316,24 @@ class Engine:
         session.mtp_length += len(ids)
         return self.logits_of(out), out
 
+    def mtp_step(self, sessions: list[Session], hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP position for each of `sessions` at once (drafting): hidden [B, H] and one next token
+        each -> (draft logits [B, vocab], MTP hidden [B, H]); the batched decode kernels, no host sync."""
+        if self.mtp is None:
+            raise NinferError("the engine was loaded without the MTP module (Engine.load(..., mtp=True))")
+        ids = self._token_list(next_ids)
+        slots = [s.live_slot() for s in sessions]
+        if len(ids) != len(sessions) or hidden.shape[0] != len(sessions) or any(s.mtp_length >= self.max_context for s in sessions):
+            raise NinferError(
+                f"an MTP step needs one hidden state and one next token per session within the context limit {self.max_context}"
+            )
+        tokens, ctx = step_inputs(ids, slots, [s.mtp_length for s in sessions], 1, self.max_context, self.device)
+        with torch.no_grad(), self.store.forward():
+            out = self.mtp(self.backend, self.text, hidden.to(self.dtype), tokens, ctx, self.state)
+        for session in sessions:
+            session.mtp_length += 1
+        return self.logits_of(out), out
+
     def generate(self, prompt_ids: Iterable[int], max_tokens: int = 256, sampling=None, stop_ids=None):
         """Generate after `prompt_ids` (see `ninfer_offload.runtime.generate.generate`)."""
         from ninfer_offload.runtime.generate import generate

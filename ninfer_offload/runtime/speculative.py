@@ -64,6 +64,27 @@ def accept_drafts(
     return accepted, sampler.draw(p)
 
 
+def draft_together(speculators: list["MtpSpeculator"], k: int, histories: list[list[int]]) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """`k` drafts for each speculator (its drafted tokens and their distributions), the MTP steps of
+    all of them batched into one forward per draft position."""
+    for speculator in speculators:
+        speculator._mtp_start = speculator.session.mtp_length
+    drafts: list[list[int]] = [[] for _ in speculators]
+    probs: list[list[torch.Tensor]] = [[] for _ in speculators]
+    logits = [s._draft_logits for s in speculators]
+    hidden = torch.cat([s._draft_hidden for s in speculators]) if speculators else None
+    for i in range(k):
+        for j, speculator in enumerate(speculators):
+            q = speculator.sampler.probabilities(logits[j], histories[j] + drafts[j], speculator.prompt)
+            drafts[j].append(speculator.sampler.draw(q))
+            probs[j].append(q)
+        if i + 1 < k:
+            engine = speculators[0].engine
+            step_logits, hidden = engine.mtp_step([s.session for s in speculators], hidden, [d[-1] for d in drafts])
+            logits = list(step_logits)
+    return list(zip(drafts, probs))
+
+
 class MtpSpeculator:
     """Speculative decoding of one session with `draft_tokens` MTP drafts per round.
 
@@ -120,17 +141,7 @@ class MtpSpeculator:
 
     def draft(self, k: int, history: list[int]) -> tuple[list[int], list[torch.Tensor]]:
         """`k` drafted tokens and the distributions they were drawn from."""
-        self._mtp_start = self.session.mtp_length
-        drafts, probs = [], []
-        logits, hidden = self._draft_logits, self._draft_hidden
-        for i in range(k):
-            q = self.sampler.probabilities(logits, history + drafts, self.prompt)
-            drafts.append(self.sampler.draw(q))
-            probs.append(q)
-            if i + 1 < k:
-                step_logits, hidden = self.session.mtp(hidden, [drafts[-1]])
-                logits = step_logits[0]
-        return drafts, probs
+        return draft_together([self], k, [history])[0]
 
     def settle(
         self, logits: torch.Tensor, hidden: torch.Tensor, drafts: list[int], probs: list[torch.Tensor], history: list[int]

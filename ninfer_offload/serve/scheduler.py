@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ninfer_offload.runtime.speculative import MtpSpeculator
+from ninfer_offload.runtime.speculative import MtpSpeculator, draft_together
 
 log = logging.getLogger("ninfer.serve")
 
@@ -299,7 +299,7 @@ class Scheduler:
                 sequence.speculator.start(sequence.next_token)
                 sequence.started = True
         k = max(0, min(s.speculator.room() for s in batch))
-        drafted = [s.speculator.draft(k, s.output) for s in batch]
+        drafted = draft_together([s.speculator for s in batch], k, [s.output for s in batch])
         tokens = [[s.next_token] + drafts for s, (drafts, _) in zip(batch, drafted)]
         logits, hidden = self.engine.step([s.session for s in batch], tokens, with_hidden=True)
         for i, (sequence, (drafts, probs)) in enumerate(zip(batch, drafted)):
