@@ -123,3 +123,18 @@ def test_speculative_greedy_on_cuda_equals_plain_greedy(tiny_artifact_official, 
     got = generate(spec, PROMPT, max_tokens=24, sampling=greedy).run()
     assert got.token_ids == want.token_ids
     assert spec.graphs is not None and any(t == 4 for _, t in spec.graphs.graphs)  # the verify step was captured
+
+
+def test_batched_mtp_step_on_cuda_equals_each_sessions_own(tiny_artifact_official):
+    """The MTP layer through the Triton decode kernels for two sequences at once (float32) gives what
+    each gets alone."""
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", mtp=True, max_sequences=4)
+    _, hidden = engine.session().forward(PROMPT)
+    together, alone = [engine.session(), engine.session()], [engine.session()]
+    together[0].mtp(hidden[:5], PROMPT[1:6])
+    together[1].mtp(hidden[:11], PROMPT[1:12])
+    alone[0].mtp(hidden[:11], PROMPT[1:12])
+    rows = torch.stack([hidden[5], hidden[11]])
+    logits, out = engine.mtp_step(together, rows, [PROMPT[6], PROMPT[12]])
+    own_logits, own_out = alone[0].mtp(rows[1:], [PROMPT[12]])
+    assert torch.allclose(logits[1], own_logits[0], atol=1e-4) and torch.allclose(out[1], own_out[0], atol=1e-4)
