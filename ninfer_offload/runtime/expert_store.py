@@ -31,6 +31,7 @@ import torch
 from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.model.experts import RECORD_ALIGN, ExpertBank
+from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
 
 MODES = ("auto", "resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
@@ -117,10 +118,10 @@ class ExpertStore:
         placement: ExpertPlacement,
         device: torch.device,
         miss_path: str | None = None,
-        cache_policy: str = "decayed",
+        cache_policy: str = DEFAULT_POLICY,
     ):
         if miss_path not in MISS_PATHS:
-            raise NinferError(f"miss path must be zero-copy, cpu or auto (--miss-path; miss_path=None, 'cpu' or 'auto'), got {miss_path!r}")
+            raise NinferError(f"miss path must be pcie, cpu or auto (--miss-path; miss_path=None, 'cpu' or 'auto'), got {miss_path!r}")
         if miss_path is not None and not placement.offloaded:
             raise NinferError(f"--miss-path {miss_path}: a miss path needs host-resident experts; add --experts host or a --vram-budget")
         self.layouts = layouts
@@ -152,8 +153,6 @@ class ExpertStore:
             from ninfer_offload.runtime.cpu_experts import CpuMissPath
 
             self.cpu_path = CpuMissPath(miss_path, device)
-        from ninfer_offload.runtime.expert_cache import ExpertCache
-
         self.cache = ExpertCache(self, cache_policy) if placement.offloaded else None
 
     @property
