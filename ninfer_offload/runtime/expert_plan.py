@@ -93,8 +93,9 @@ def expert_load_plan(inventory: Inventory, device: torch.device, request: Expert
     scores = np.vstack([np.array(stats.hits), np.full((len(mtp_banks), experts), top_k / experts)])
     all_ids = list(range(experts))
     mtp_pinned = [all_ids for _ in mtp_banks]
+    everything = ExpertPlacement([all_ids] * (layers + len(mtp_banks)), 0, scores)
     if request.experts == "resident":
-        return LoadPlan(ExpertPlacement([all_ids] * (layers + len(mtp_banks)), 0, scores), None, expert_bytes)
+        return LoadPlan(everything, None, expert_bytes)
     if request.experts == "host":
         slots = staging_slots(experts, top_k, request.sequences * (1 + request.draft_tokens), request.num_slots)
         return LoadPlan(ExpertPlacement([[] for _ in range(layers)] + mtp_pinned, slots, scores), None, expert_bytes)
@@ -102,9 +103,9 @@ def expert_load_plan(inventory: Inventory, device: torch.device, request: Expert
         raise NinferError(f"experts must be auto, resident or host (--experts), got {request.experts!r}")
     planned = request.profile is not None or request.vram_budget is not None
     if not planned:
-        everything = LoadPlan(ExpertPlacement([all_ids] * (layers + len(mtp_banks)), 0, scores), None, expert_bytes)
-        if free_vram is None or everything.arena_bytes <= free_vram:
-            return everything
+        fits = LoadPlan(everything, None, expert_bytes)
+        if free_vram is None or fits.arena_bytes <= free_vram:
+            return fits
     profile = _profile(request.profile, device)
     options = PlanOptions(
         max_context=request.capacity, concurrency=request.sequences, kv_dtype=request.kv_dtype,
@@ -122,7 +123,7 @@ def expert_load_plan(inventory: Inventory, device: torch.device, request: Expert
                 f"{total / GiB:.1f} GiB; use --profile auto or --vram-budget {total // GiB}GiB"
             )
     if placement.components["routed_experts"].host_bytes == 0:
-        return LoadPlan(ExpertPlacement([all_ids] * (layers + len(mtp_banks)), 0, scores), placement, expert_bytes)
+        return LoadPlan(everything, placement, expert_bytes)
     pinned, cache_slots = _hand_to_cache(placement, scores[:layers], expert_bytes[:layers])
     return LoadPlan(ExpertPlacement(pinned + mtp_pinned, cache_slots, scores), placement, expert_bytes)
 
