@@ -13,9 +13,9 @@ Everything resident (all experts in VRAM), bf16 activations, batch 1. Measured i
 * a per-stage breakdown of one captured decode step (torch profiler kernel times by stage);
 * peak VRAM (torch allocator) against the planner's prediction for the same options;
 * transformers' `Qwen3_5MoeForCausalLM` (bf16, same GPU, its default attention and kernels on
-  this image) built at a reduced depth (two depths, per-layer cost by difference, extrapolated to
-  40 layers), decode after the same contexts and prefill of the same lengths;
-  `speedup_vs_transformers` per point.
+  this image), by default the full 40-layer model (66.6 GiB: it fits an H200; `--hf-layers A B`
+  measures two reduced depths and extrapolates instead), decode after the same contexts and
+  prefill of the same lengths; `speedup_vs_transformers` per point.
 Results are rewritten to --out after every stage, so a partial run still reports.
 """
 
@@ -200,8 +200,9 @@ def planner_prediction(engine: Engine, max_context: int) -> dict:
             "options": options.to_json(), "predicted_decode_tok_s": placement.predicted.decode_tok_s if placement.predicted else None}
 
 
-def bench_transformers(config: dict, layers: tuple[int, int], contexts: list[int], prefills: list[int], report: dict, save) -> None:
-    """transformers' model at two reduced depths; 40-layer times extrapolated from the per-layer difference."""
+def bench_transformers(config: dict, layers: tuple[int, ...], contexts: list[int], prefills: list[int], report: dict, save) -> None:
+    """transformers' model at its full depth (one entry in `layers`), or at two reduced depths with the
+    full-depth times extrapolated from the per-layer difference (for GPUs the full model does not fit)."""
     from transformers import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
@@ -238,15 +239,24 @@ def bench_transformers(config: dict, layers: tuple[int, int], contexts: list[int
         torch.cuda.empty_cache()
         report["transformers_measured"] = {str(d): r for d, r in measured.items()}
         save()
-    lo, hi = layers
+    if layers == (full_layers,):
+        method = f"measured at all {full_layers} layers"
 
-    def extrapolate(a: float, b: float) -> float:
-        if b <= a:  # no measurable per-layer cost: scale the deeper model proportionally instead
-            return b * full_layers / hi
-        return a + (b - a) * (full_layers - lo) / (hi - lo)
+        def extrapolate(_: float, b: float) -> float:
+            return b
+
+        lo = hi = full_layers
+    else:
+        lo, hi = layers
+        method = f"measured at {lo} and {hi} layers, per-layer cost by difference, extrapolated to {full_layers}"
+
+        def extrapolate(a: float, b: float) -> float:
+            if b <= a:  # no measurable per-layer cost: scale the deeper model proportionally instead
+                return b * full_layers / hi
+            return a + (b - a) * (full_layers - lo) / (hi - lo)
 
     report["transformers"] = {
-        "method": f"measured at {lo} and {hi} layers, per-layer cost by difference, extrapolated to {full_layers}",
+        "method": method,
         "decode": [{"context": c, "tok_s": 1 / extrapolate(measured[lo]["decode_s"][c], measured[hi]["decode_s"][c])} for c in contexts],
         "prefill": [{"tokens": n, "tok_s": n / extrapolate(measured[lo]["prefill_s"][n], measured[hi]["prefill_s"][n])} for n in prefills],
     }
@@ -259,7 +269,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--prefills", type=int, nargs="+", default=[512, 4096, 16384])
-    parser.add_argument("--hf-layers", type=int, nargs=2, default=[4, 8])
+    parser.add_argument(
+        "--hf-layers", type=int, nargs="+", default=None,
+        help="transformers depths: none = the full model (fits an H200); two = extrapolate from them (smaller GPUs)",
+    )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
@@ -290,7 +303,10 @@ def main() -> None:
     del engine
     torch.cuda.empty_cache()
     if not args.skip_transformers:
-        bench_transformers(config, tuple(args.hf_layers), args.contexts, args.prefills, report, save)
+        depths = tuple(args.hf_layers) if args.hf_layers else (config["num_hidden_layers"],)
+        if len(depths) not in (1, 2) or (len(depths) == 1 and depths[0] != config["num_hidden_layers"]):
+            raise SystemExit("--hf-layers takes two reduced depths (or leave it out for the full model)")
+        bench_transformers(config, depths, args.contexts, args.prefills, report, save)
         hf = {p["context"]: p["tok_s"] for p in report["transformers"]["decode"]}
         for point in report["decode"]:
             point["speedup_vs_transformers"] = point["tok_s"] / hf[point["context"]]
