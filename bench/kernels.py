@@ -14,8 +14,6 @@ import argparse
 import dataclasses
 import json
 import platform
-import subprocess
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from ninfer_offload.artifact.formats import RowSplitGeometry, grouped_format
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels import attention, gdn, moe, quant_linear
+from provenance import gpu_report_header
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
 
@@ -144,10 +143,7 @@ def main() -> None:
         for kv in (torch.bfloat16, torch.float8_e4m3fn):
             results.append(bench_attention(context, kv, bandwidth))
     results.append(bench_gdn(bandwidth))
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {"command": "python bench/kernels.py --out " + str(args.out), "commit": commit or None,
-              "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "torch": torch.__version__, "triton": triton.__version__, "host": platform.node(),
+    report = {**gpu_report_header(args.commit), "triton": triton.__version__, "host": platform.node(),
               "device_bandwidth_GBps": bandwidth / 1e9, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
 from ninfer_offload.runtime.engine import PREFILL_CHUNK, Engine
-from provenance import git_commit
+from provenance import gpu_report_header
 
 GiB = 2**30
 PROMPT_TOKENS = 64
@@ -205,11 +204,7 @@ def main() -> None:
     bandwidths = measure_bandwidths()
     h2d = bandwidths["h2d_bandwidth_gbs"] * 1e9
     report = {
-        "command": "python bench/offload.py " + " ".join(sys.argv[1:]),
-        "commit": args.commit or git_commit(),
-        "gpu": torch.cuda.get_device_name(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": torch.__version__,
+        **gpu_report_header(args.commit),
         "h2d_bandwidth_gbs": bandwidths["h2d_bandwidth_gbs"],
         "device_copy_gbs": bandwidths["device_copy_gbs"],
         "trace": {"seed": args.seed, "tokens": length, "generator": "planner.trace.routing_trace (shipped counts)"},

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.planner import PlanOptions, plan
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.runtime.engine import Engine
+from provenance import gpu_report_header
 
 STAGES = (  # kernel-name fragment -> stage of the per-step breakdown (first match wins)
     ("gate_up_swiglu", "routed experts"),
@@ -276,10 +276,7 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report: dict = {"command": "python bench/resident.py " + " ".join(map(str, [args.artifact, "--out", args.out])),
-                    "commit": commit or None, "gpu": torch.cuda.get_device_name(),
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__}
+    report: dict = gpu_report_header(args.commit)
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

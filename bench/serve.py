@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from provenance import git_commit
+from provenance import gpu_report_header
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
@@ -151,13 +151,8 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
 
-    import torch
-
     report = {
-        "command": "python bench/serve.py " + " ".join(sys.argv[1:]),
-        "commit": args.commit or git_commit(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **gpu_report_header(args.commit),
         "generate_tok_s": generate_tok_s(args.artifact, args.device, args.max_tokens, args.serve_arg),
         "levels": [],
     }

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.runtime.generate import generate
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 from ninfer_offload.runtime.speculative import MtpSpeculator
-from provenance import git_commit
+from provenance import gpu_report_header
 
 PROMPT = list(range(1, 65))
 GREEDY = SamplingParams(greedy=True)
@@ -142,10 +141,7 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
     report = {
-        "command": "python bench/spec.py " + " ".join(sys.argv[1:]),
-        "commit": args.commit or git_commit(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **gpu_report_header(args.commit),
         "runs": [],
     }
     modes = [("resident", {"experts": "resident"})] + [
