@@ -8,9 +8,7 @@ import typer
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_policy import POLICIES
-from ninfer_offload.planner.options import MISS_PATHS, parse_size
-
-EXPERTS = ("auto", "resident", "host")
+from ninfer_offload.planner.options import MAX_DRAFTS, MISS_PATHS, SPECULATIVE_MODES, parse_size
 
 EXPERTS_OPTION = typer.Option(
     "auto", "--experts",
@@ -41,17 +39,19 @@ DRAFT_TOKENS_OPTION = typer.Option(3, "--draft-tokens", help="MTP drafts verifie
 
 def engine_speculation(spec: str, draft_tokens: int) -> dict:
     """`Engine.load` keyword arguments of the speculation options, or a NinferError naming the bad flag."""
-    if spec not in ("none", "mtp"):
-        raise NinferError(f"--spec must be none or mtp, got {spec!r}")
-    if spec == "mtp" and not 1 <= draft_tokens <= 5:
-        raise NinferError(f"--draft-tokens must be 1..5, got {draft_tokens}")
+    if spec not in SPECULATIVE_MODES:
+        raise NinferError(f"--spec must be {' or '.join(SPECULATIVE_MODES)}, got {spec!r}")
+    if spec == "mtp" and not 1 <= draft_tokens <= MAX_DRAFTS:
+        raise NinferError(f"--draft-tokens must be 1..{MAX_DRAFTS}, got {draft_tokens}")
     return {"spec": spec, "draft_tokens": draft_tokens if spec == "mtp" else 0}
 
 
 def engine_placement(experts: str, profile: str | None, vram_budget: str | None, cache_policy: str, miss_path: str) -> dict:
     """`Engine.load` keyword arguments of the placement options, or a NinferError naming the bad flag."""
-    if experts not in EXPERTS:
-        raise NinferError(f"--experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
+    from ninfer_offload.runtime.expert_store import MODES
+
+    if experts not in MODES:
+        raise NinferError(f"--experts must be one of {', '.join(MODES)}, got {experts!r}")
     if miss_path not in MISS_PATHS:
         raise NinferError(f"--miss-path must be one of {', '.join(MISS_PATHS)}, got {miss_path!r}")
     if cache_policy not in POLICIES:

@@ -24,6 +24,7 @@ from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.planner.memory import LoadOptions, load_footprint
+from ninfer_offload.planner.options import SPECULATIVE_MODES
 from ninfer_offload.profiles import DeviceProfile
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
 from ninfer_offload.runtime.expert_plan import ExpertRequest, LoadPlan, expert_load_plan
@@ -37,7 +38,6 @@ from ninfer_offload.runtime.step_inputs import step_inputs
 DEFAULT_MAX_CONTEXT = 32768
 MAX_DRAFT_TOKENS = 5  # most drafts a multi-token step verifies (and may roll back)
 DEFAULT_DRAFT_TOKENS = 3
-SPEC_MODES = ("none", "mtp")
 PREFILL_CHUNK = 1024  # tokens per forward of a long prefill (bounds attention scores and expert temporaries)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -161,8 +161,8 @@ class Engine:
         cache_dtype = _resolve_kv_dtype(kv_dtype, resolved_dtype)
         if experts not in MODES:
             raise NinferError(f"experts must be one of {', '.join(MODES)} (--experts), got {experts!r}")
-        if spec not in SPEC_MODES:
-            raise NinferError(f"spec must be one of {', '.join(SPEC_MODES)} (--spec), got {spec!r}")
+        if spec not in SPECULATIVE_MODES:
+            raise NinferError(f"spec must be one of {', '.join(SPECULATIVE_MODES)} (--spec), got {spec!r}")
         if spec == "mtp":
             mtp, draft_tokens = True, draft_tokens or DEFAULT_DRAFT_TOKENS
         if max_sequences < 1 or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
@@ -283,7 +283,7 @@ class Engine:
             if t == 1:
                 session.commit(1)
         logits = logits.view(len(sessions), t, -1)
-        return (logits, hidden) if with_hidden else logits
+        return (logits, hidden.clone()) if with_hidden else logits
 
     def step_batch(self, sessions: list[Session], token_ids: list[int]) -> torch.Tensor:
         """One decode step appending token_ids[i] to sessions[i] (sequences of any lengths): logits [B, vocab]."""

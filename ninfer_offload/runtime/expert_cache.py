@@ -104,7 +104,6 @@ class ExpertCache:
         if not delta.any():
             return
         stats, in_vram = self.store.counters, self.in_vram
-        stats.steps += 1
         stats.tokens += int(delta[0].sum()) // self.store.top_k
         stats.uses += int(delta.sum())
         stats.hits += int(delta[in_vram].sum())

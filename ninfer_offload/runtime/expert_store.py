@@ -62,7 +62,6 @@ class StoreStats:
     hits: int = 0  # of them to an expert in VRAM
     pcie_bytes: int = 0  # record bytes read from host memory by the device (one read per assignment)
     promotions: int = 0
-    steps: int = 0  # cache observations (one per forward)
     cpu_assignments: int = 0
     miss_path: dict = field(default_factory=dict)  # the CPU miss path's rates and split
 

@@ -32,7 +32,8 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def run(self, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B * T, vocab], hidden states [B * T, H]) of one decode step (T tokens per sequence), by graph replay."""
+        """(logits [B * T, vocab], hidden states [B * T, H]) of one decode step (T tokens per sequence), by graph
+        replay. The hidden states are a view of the graph's output: valid until the next replay."""
         batch, t = len(slots), tokens_per_sequence
         bucket = next(b for b in self.buckets if b >= batch)
         graph, packed, (logits, hidden) = self.graphs.get((bucket, t)) or self._capture(bucket, t)
@@ -43,7 +44,7 @@ class StepGraphs:
         )
         packed.copy_(host, non_blocking=True)
         graph.replay()
-        return logits[: batch * t].clone(), hidden[: batch * t].clone()
+        return logits[: batch * t].clone(), hidden[: batch * t]
 
     def _capture(self, bucket: int, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         engine = self.engine
