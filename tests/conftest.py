@@ -58,6 +58,27 @@ def tiny_artifact_q8(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_card(tmp_path_factory):
+    """A device profile file (the RTX 5060 Ti without a VRAM reserve) that tiny models can be planned on."""
+    path = tmp_path_factory.mktemp("profiles") / "small_card.toml"
+    path.write_text('base = "rtx5060ti"\n[gpu]\nreserve_bytes = 0\n')
+    return path
+
+
+@pytest.fixture(scope="session")
+def half_expert_budget(tiny_artifact_official, small_card) -> int:
+    """A VRAM budget on `small_card` that holds everything of the official tiny artifact but half of the
+    routed experts (and the embedding)."""
+    from ninfer_offload import Engine
+
+    full = Engine.load(tiny_artifact_official, profile=str(small_card))
+    plan = full.expert_plan.plan
+    full.close()
+    assert plan.components["routed_experts"].host_bytes == 0
+    return plan.vram_used_bytes - plan.components["token_embedding"].bytes - plan.components["routed_experts"].bytes // 2
+
+
+@pytest.fixture(scope="session")
 def frontend(tiny_artifact):
     """The bf16-recipe artifact's text frontend: tokenizer, chat template, stop ids."""
     from ninfer_offload import open_artifact

@@ -113,17 +113,10 @@ def test_cuda_without_a_cuda_device(tiny_artifact):
     one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--device", "cuda"), "no CUDA GPU")
 
 
-def test_a_vram_budget_offloads_experts_and_reports_the_cache(tiny_artifact_official, tmp_path):
+def test_a_vram_budget_offloads_experts_and_reports_the_cache(tiny_artifact_official, small_card, half_expert_budget):
     """`--profile FILE --vram-budget SIZE` plans the load: half the experts stay on the host, the greedy
     output is the all-resident one, and the expert cache reports in --json and on stderr."""
-    from ninfer_offload import Engine
-
-    profile = tmp_path / "card.toml"
-    profile.write_text('base = "rtx5060ti"\n[gpu]\nreserve_bytes = 0\n')
-    full = Engine.load(tiny_artifact_official, profile=str(profile))
-    plan = full.expert_plan.plan
-    full.close()
-    budget = plan.vram_used_bytes - plan.components["token_embedding"].bytes - plan.components["routed_experts"].bytes // 2
+    profile, budget = small_card, half_expert_budget
     ids = ",".join(map(str, PROMPT))
     want = ninfer(tiny_artifact_official, "--prompt-ids", ids, "--greedy", "--max-tokens", 8, "--json")
     got = ninfer(
@@ -134,6 +127,6 @@ def test_a_vram_budget_offloads_experts_and_reports_the_cache(tiny_artifact_offi
     out = json.loads(got.stdout)
     assert out["ids"] == json.loads(want.stdout)["ids"]
     assert 0 < out["experts"]["hit_rate"] < 1 and out["experts"]["pcie_bytes_per_token"] > 0
-    assert "plan card" in got.stderr and "experts pinned in VRAM" in got.stderr
+    assert "plan small_card" in got.stderr and "experts pinned in VRAM" in got.stderr
     small = ninfer(tiny_artifact_official, "--prompt-ids", ids, "--profile", profile, "--vram-budget", "1KiB")
     one_line_error(small, "budget")

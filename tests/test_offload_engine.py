@@ -4,19 +4,16 @@ all-resident engine whatever the placement."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
 from ninfer_offload import Engine, NinferError
-from ninfer_offload.profiles import load_profile
 from ninfer_offload.runtime.memory_check import check_host_memory
 
 PROMPT = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(11)).tolist()
 STEPS = [3, 99, 250, 7, 61, 300, 12, 8, 444, 17, 42, 5]
-PROFILE = dataclasses.replace(load_profile("rtx5060ti"), reserve_bytes=0)
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +21,6 @@ def resident(tiny_artifact_official):
     engine = Engine.load(tiny_artifact_official)
     yield engine
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def half_budget(tiny_artifact_official) -> int:
-    """A VRAM budget that holds everything but half of the routed experts (and the embedding)."""
-    full = Engine.load(tiny_artifact_official, profile=PROFILE)
-    plan = full.expert_plan.plan
-    full.close()
-    assert plan.components["routed_experts"].host_bytes == 0
-    return plan.vram_used_bytes - plan.components["token_embedding"].bytes - plan.components["routed_experts"].bytes // 2
 
 
 def _run(engine: Engine) -> list[torch.Tensor]:
@@ -44,8 +31,8 @@ def _run(engine: Engine) -> list[torch.Tensor]:
     return out
 
 
-def test_plan_decides_where_each_expert_lives(tiny_artifact_official, resident, half_budget):
-    engine = Engine.load(tiny_artifact_official, profile=PROFILE, vram_budget=half_budget)
+def test_plan_decides_where_each_expert_lives(tiny_artifact_official, resident, small_card, half_expert_budget):
+    engine = Engine.load(tiny_artifact_official, profile=str(small_card), vram_budget=half_expert_budget)
     plan, store = engine.expert_plan.plan, engine.store
     assert plan.feasible and 0 < plan.experts_resident < plan.experts_total
     pinned = engine.expert_plan.placement.pinned
@@ -73,7 +60,7 @@ def test_plan_decides_where_each_expert_lives(tiny_artifact_official, resident, 
         assert torch.equal(got, want)
     stats = store.stats
     assert 0 < stats.hit_rate < 1 and stats.pcie_bytes > 0
-    assert "plan rtx5060ti" in engine.placement_report()
+    assert "plan small_card" in engine.placement_report()
 
 
 @pytest.mark.parametrize("policy", ["static", "lru", "decayed"])
@@ -105,11 +92,11 @@ def test_adaptive_cache_follows_the_traffic(tiny_artifact_official):
     assert engine.store.cache.cached[:, [6, 7]].all()
 
 
-def test_a_budget_below_what_the_plan_needs_is_one_line(tiny_artifact_official):
+def test_a_budget_below_what_the_plan_needs_is_one_line(tiny_artifact_official, small_card):
     with pytest.raises(NinferError) as err:
-        Engine.load(tiny_artifact_official, profile=PROFILE, vram_budget=4096)
+        Engine.load(tiny_artifact_official, profile=str(small_card), vram_budget=4096)
     message = str(err.value)
-    assert "\n" not in message and "rtx5060ti" in message and "budget" in message
+    assert "\n" not in message and "small_card" in message and "budget" in message
 
 
 def test_a_budget_without_a_profile_on_the_cpu_is_refused(tiny_artifact_official):

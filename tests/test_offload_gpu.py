@@ -3,20 +3,17 @@ between steps, and every logit equals the all-resident engine's. Skipped without
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 from ninfer_offload import Engine
-from ninfer_offload.profiles import load_profile
 from ninfer_offload.runtime.expert_cache import ExpertCache
 from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PROMPT = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(3)).tolist()
-PROFILE = dataclasses.replace(load_profile("rtx5060ti"), reserve_bytes=0)
 
 
 def _decode(engine: Engine, steps: int, routing: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -50,12 +47,8 @@ def test_offloaded_graph_steps_equal_resident(tiny_artifact_official, dtype):
     assert stats.hits < stats.uses and stats.promotions > 0 and stats.pcie_bytes > 0
 
 
-def test_planned_split_equals_resident(tiny_artifact_official, resident):
-    full = Engine.load(tiny_artifact_official, device="cuda", profile=PROFILE)
-    plan = full.expert_plan.plan
-    full.close()
-    budget = plan.vram_used_bytes - plan.components["token_embedding"].bytes - plan.components["routed_experts"].bytes // 2
-    split = Engine.load(tiny_artifact_official, device="cuda", profile=PROFILE, vram_budget=budget)
+def test_planned_split_equals_resident(tiny_artifact_official, resident, small_card, half_expert_budget):
+    split = Engine.load(tiny_artifact_official, device="cuda", profile=str(small_card), vram_budget=half_expert_budget)
     assert 0 < sum(map(len, split.expert_plan.placement.pinned)) < split.config.num_layers * split.config.num_experts
     for got, want in zip(_decode(split, 10), _decode(resident, 10)):
         assert torch.equal(got, want)
