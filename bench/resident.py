@@ -112,8 +112,9 @@ def random_ids(count: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def stage_breakdown(session, steps: int = 5) -> dict:
-    """Per-stage GPU microseconds of one captured decode step (torch profiler kernel records)."""
+def stage_breakdown(session, steps: int = 5) -> tuple[dict, list[dict]]:
+    """Per-stage GPU microseconds of one captured decode step, and its kernels by name (calls and
+    microseconds per step, most expensive first), from torch profiler kernel records."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -121,6 +122,7 @@ def stage_breakdown(session, steps: int = 5) -> dict:
             session.step(1)
         torch.cuda.synchronize()
     stages: dict[str, float] = {}
+    kernels = []
     for event in prof.key_averages():
         if event.device_type.name != "CUDA" and not getattr(event, "self_device_time_total", 0):
             continue
@@ -128,7 +130,9 @@ def stage_breakdown(session, steps: int = 5) -> dict:
         name = event.key.lower()
         stage = next((s for frag, s in STAGES if frag in name), "other elementwise")
         stages[stage] = stages.get(stage, 0.0) + micros / steps
-    return dict(sorted(stages.items(), key=lambda kv: -kv[1]))
+        kernels.append({"kernel": event.key[:120], "calls": event.count / steps, "us": micros / steps})
+    kernels.sort(key=lambda k: -k["us"])
+    return dict(sorted(stages.items(), key=lambda kv: -kv[1])), kernels
 
 
 def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandwidth: float, report: dict, save) -> None:
@@ -166,7 +170,7 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
                  "achieved_GBps": moved["total"] / seconds / 1e9}
         if context == contexts[0] and engine.graphs is not None:
             try:
-                report["decode_stage_us"] = stage_breakdown(session)
+                report["decode_stage_us"], report["decode_kernels"] = stage_breakdown(session)
             except Exception as err:
                 report.setdefault("errors", []).append(f"profiler: {err!r}")
         report["decode"].append(point)
