@@ -288,7 +288,7 @@ def main() -> None:
 
     bandwidth = device_bandwidth()
     report["device_bandwidth_GBps"] = bandwidth / 1e9
-    max_context = max(args.contexts) + 512
+    max_context = max(args.contexts + args.prefills) + 512
     began = time.perf_counter()
     engine = Engine.load(args.artifact, device="cuda", max_context=max_context, max_sequences=2)
     report["load_seconds"] = time.perf_counter() - began
