@@ -123,16 +123,19 @@ def main() -> None:
             results.append(bench_linear(name, fmt, n, k, tokens, bandwidth))
     for name, fmt, n, k in shapes[:3]:
         results.append(bench_linear(name, fmt, n, k, 4096, bandwidth))
-    for block_n, warps in ((16, 2), (32, 4), (64, 4), (32, 8)):  # decode tile sweep of the fused linear
-        quant_linear.DECODE_BLOCK_N, quant_linear.DECODE_WARPS = block_n, warps
-        for name, fmt, n, k in (shapes[0], shapes[2], shapes[5]):
-            results.append(dict(bench_linear(name, fmt, n, k, 1, bandwidth), tile=[block_n, warps]))
-    quant_linear.DECODE_BLOCK_N, quant_linear.DECODE_WARPS = 32, 4
-    for tiles in (moe.Tiles(16, 32, 64, 4), moe.Tiles(16, 16, 32, 4), moe.Tiles(16, 64, 128, 4), moe.Tiles(16, 32, 64, 8)):
-        moe.DECODE_TILES = tiles
-        for tokens in (1, 8):
-            results.append(dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=dataclasses.astuple(tiles)))
-    moe.DECODE_TILES = moe.Tiles(16, 32, 64, 4)
+    defaults = (quant_linear.GEMV_BLOCK_N, quant_linear.GEMV_BLOCK_K, quant_linear.GEMV_WARPS)
+    for tile in ((4, 1024, 4), (8, 1024, 4), (8, 2048, 8), (16, 512, 4), (16, 1024, 8), (2, 2048, 4), (4, 2048, 8), (32, 256, 4)):
+        quant_linear.GEMV_BLOCK_N, quant_linear.GEMV_BLOCK_K, quant_linear.GEMV_WARPS = tile  # one-token tile sweep
+        for name, fmt, n, k in (shapes[0], shapes[2], shapes[4], shapes[5]):
+            results.append(dict(bench_linear(name, fmt, n, k, 1, bandwidth), tile=list(tile)))
+    quant_linear.GEMV_BLOCK_N, quant_linear.GEMV_BLOCK_K, quant_linear.GEMV_WARPS = defaults
+    defaults = (moe.GEMV_TILES, moe.GEMV_BLOCK_K)
+    for tiles, block_k in ((moe.Tiles(1, 16, 16, 4), 1024), (moe.Tiles(1, 8, 8, 4), 1024), (moe.Tiles(1, 32, 32, 4), 1024),
+                           (moe.Tiles(1, 16, 16, 8), 2048), (moe.Tiles(1, 8, 16, 2), 512), (moe.Tiles(1, 4, 8, 4), 2048)):
+        moe.GEMV_TILES, moe.GEMV_BLOCK_K = tiles, block_k  # matrix-vector tile sweep: one token, and a 3-draft verification
+        for tokens in (1, 4):
+            results.append(dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=[*dataclasses.astuple(tiles), block_k]))
+    moe.GEMV_TILES, moe.GEMV_BLOCK_K = defaults
     for tiles in (moe.Tiles(64, 32, 64, 4), moe.Tiles(64, 64, 64, 8), moe.Tiles(128, 64, 128, 8), moe.Tiles(128, 128, 128, 8)):
         moe.PREFILL_TILES = tiles
         for tokens in (512, 4096):

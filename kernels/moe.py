@@ -12,16 +12,20 @@ table differs. Offsets from an aligned base argument, rather than raw addresses,
 compiler prove alignment and issue 16-byte pipelined loads (raw int-to-pointer addresses
 compile to one-byte loads).
 
-Work is planned on the device without host syncs (so it can be captured in a CUDA graph): the
-(token, slot) pairs are sorted by expert and cut into blocks of at most BLOCK_M pairs of one
-expert. Kernel 1 computes gate and up rows for a block and applies SwiGLU; kernel 2 applies the
-down rows and the routing weight. The per-token sum over the k slots is a fixed-order reduction.
+Two paths, both free of host syncs (so they can be captured in a CUDA graph):
+* few (token, slot) pairs (decode, verification): matrix-vector kernels. Kernel 1 computes a
+  slice of one pair's gate and up rows and applies SwiGLU; kernel 2 computes a slice of one
+  token's output rows, walking its k experts in slot order (down rows, rounding, routing weight,
+  fp32 sum), so no partial outputs are written and no reduction is launched.
+* many pairs (prefill): the pairs are sorted by expert and cut into blocks of at most BLOCK_M
+  pairs of one expert. Kernel 1 computes gate and up rows for a block with `tl.dot` and applies
+  SwiGLU; kernel 2 applies the down rows and the routing weight. The per-token sum over the k
+  slots is a fixed-order reduction.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
@@ -29,7 +33,14 @@ import triton.language as tl
 
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import TileGeometry, block_k_for, load_weight_tile
+from ninfer_offload.kernels.rowsplit import (
+    TileGeometry,
+    block_k_for,
+    gemv_block_k,
+    gemv_weight_tile,
+    load_weight_tile,
+    split_even_odd,
+)
 
 
 @dataclass(frozen=True)
@@ -42,12 +53,14 @@ class Tiles:
     warps: int
 
 
-# Decode / verification (few pairs per expert) and prefill (many). Module-level so benchmarks can sweep them.
-DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
+# Up to this many (token, slot) pairs: the matrix-vector kernels (block_m unused; widest column tile in BLOCK_K).
+GEMV_MAX_PAIRS = 64
+GEMV_TILES = Tiles(1, 16, 16, 4)
+GEMV_BLOCK_K = 1024
+# Tiled kernels: few pairs per expert and prefill. Module-level so benchmarks can sweep them.
+DECODE_TILES = Tiles(16, 32, 64, 4)
 PREFILL_TILES = Tiles(64, 32, 64, 4)
 PREFILL_MIN_PAIRS = 256
-# Up to this many (token, slot) pairs each pair is its own block: no sort, no scatter (decode).
-PAIR_PLAN_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -57,19 +70,6 @@ class WorkPlan:
     block_expert: torch.Tensor  # [max_blocks] int64
     block_pairs: torch.Tensor  # [max_blocks, block_m] int64, pair index = token * top_k + slot
     block_m: int
-
-
-@lru_cache(maxsize=64)
-def _one_pair_per_block(pairs: int, block_m: int, device: torch.device) -> torch.Tensor:
-    rows = torch.full((pairs, block_m), -1, dtype=torch.int64, device=device)
-    rows[:, 0] = torch.arange(pairs, device=device)
-    return rows
-
-
-def plan_pairs(topk_ids: torch.Tensor, block_m: int) -> WorkPlan:
-    """Each (token, slot) pair in its own block (few pairs: planning costs one reshape, no sort)."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    return WorkPlan(flat, _one_pair_per_block(flat.numel(), block_m, flat.device), block_m)
 
 
 def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPlan:
@@ -90,6 +90,95 @@ def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPla
     block_expert = torch.full((max_blocks,), -1, dtype=torch.int64, device=device)
     block_expert[block] = sorted_e
     return WorkPlan(block_expert, block_pairs.view(max_blocks, block_m), block_m)
+
+
+@triton.jit
+def _gate_up_swiglu_gemv_kernel(
+    x,
+    arena,
+    table,
+    topk_ids,
+    act,
+    stride_x,
+    H,
+    I,
+    high_offset,
+    scale_offset,
+    TOP_K: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    record = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256)
+    xrow = x + (pair // TOP_K) * stride_x
+    cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    col_mask = cols_i < I
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(xrow + cols, mask=cols < H, other=0.0).to(tl.float32)
+        if BITS == 8:
+            x_even = xk
+            x_odd = xk
+        else:
+            x_even, x_odd = split_even_odd(xk, BLOCK_K)
+        acc_gate += gemv_weight_tile(
+            record, cols_i, col_mask, k0, x_even, x_odd, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+        )
+        acc_up += gemv_weight_tile(
+            record, cols_i + I, col_mask, k0, x_even, x_odd, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+        )
+    gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(x.dtype.element_ty).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act + pair * I + cols_i, y.to(act.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    act,
+    arena,
+    table,
+    topk_ids,
+    weights,
+    out,
+    H,
+    I,
+    down_offset,
+    high_offset,
+    scale_offset,
+    TOP_K: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tok = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_mask = rows < H
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = tok * TOP_K + j
+        down = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256) + down_offset
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K_PAD, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            ak = tl.load(act + pair * I + cols, mask=cols < I, other=0.0).to(tl.float32)
+            if BITS == 8:
+                a_even = ak
+                a_odd = ak
+            else:
+                a_even, a_odd = split_even_odd(ak, BLOCK_K)
+            acc += gemv_weight_tile(
+                down, rows, row_mask, k0, a_even, a_odd, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+            )
+        total += acc.to(act.dtype.element_ty).to(tl.float32) * tl.load(weights + pair).to(tl.float32)
+    tl.store(out + tok * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -207,14 +296,26 @@ def routed_experts(
         )
     x = x.contiguous()
     pairs = t * top_k
+    act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
+    if pairs <= GEMV_MAX_PAIRS:
+        ids = topk_ids.contiguous()
+        tiles = GEMV_TILES
+        _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, tiles.gate_up_n))](
+            x, arena, table, ids, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
+            TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=tiles.gate_up_n,
+            BLOCK_K=gemv_block_k(gu.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+        )
+        out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
+        _down_gemv_kernel[(triton.cdiv(hidden, tiles.down_n), t)](
+            act, arena, table, ids, topk_weights.contiguous(), out, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
+            TOP_K=top_k, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=tiles.down_n,
+            BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+        )
+        return out
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
-    if pairs <= PAIR_PLAN_MAX:
-        plan = plan_pairs(topk_ids, tiles.block_m)
-    else:
-        plan = plan_work(topk_ids, table.numel(), tiles.block_m)
+    plan = plan_work(topk_ids, table.numel(), tiles.block_m)
     blocks = plan.block_expert.numel()
     ieee = x.dtype == torch.float32
-    act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
         x, arena, table, plan.block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
         TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n,

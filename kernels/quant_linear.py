@@ -1,13 +1,16 @@
 """Quantized linear `y = x @ W^T` straight from `row_split_k128_v1` planes (q4/q5/q6/q8).
 
 Reference op: `ReferenceBackend.linear(x, w)` with `w` a `QuantizedMatrix`, i.e. `x @
-w.dequantize().T`. One Triton kernel serves every token count: each program decodes a weight
-tile in registers and multiplies it with `tl.dot` (the token block is padded to 16 rows, which
-costs nothing in a memory-bound decode step). Few-token products split K across programs so that
-even a [2048, 4096] projection fills the GPU; their partial sums are added in a fixed order, so
-results are deterministic. Large token counts (prefill) dequantize the weight once per call into
-a transient buffer and use cuBLAS, which beats an in-kernel tile decode once the product is
-compute-bound.
+w.dequantize().T`. Three paths by token count:
+* up to `GEMV_MAX_TOKENS` (one-token decode): a matrix-vector kernel. Each program owns a few
+  rows and walks the whole row in wide tiles, multiplying codes by x in registers
+  (`gemv_weight_tile`): no tensor-core padding, no split-K partial sums, one launch.
+* up to `FUSED_MAX_TOKENS` (verification, batched decode): each program decodes a weight tile in
+  registers and multiplies it with `tl.dot` (the token block is padded to 16 rows). Few-token
+  products split K across programs so that even a [2048, 4096] projection fills the GPU; their
+  partial sums are added in a fixed order, so results are deterministic.
+* above (prefill): the weight is dequantized once per call into a transient buffer and multiplied
+  with cuBLAS, which beats an in-kernel tile decode once the product is compute-bound.
 """
 
 from __future__ import annotations
@@ -18,10 +21,23 @@ import triton.language as tl
 
 from ninfer_offload.artifact.formats import RowSplitGeometry
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import TileGeometry, block_k_for, load_weight_tile
+from ninfer_offload.kernels.rowsplit import (
+    TileGeometry,
+    block_k_for,
+    gemv_block_k,
+    gemv_weight_tile,
+    load_weight_tile,
+    split_even_odd,
+)
 
-# Token counts up to this use the fused kernel; above it, transient dequantization + cuBLAS.
+# Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled one;
+# above it, transient dequantization + cuBLAS.
+GEMV_MAX_TOKENS = 1
 FUSED_MAX_TOKENS = 64
+# Matrix-vector kernel: rows per program, widest column tile, warps (module-level so benchmarks can sweep them).
+GEMV_BLOCK_N = 8
+GEMV_BLOCK_K = 1024
+GEMV_WARPS = 4
 # Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
@@ -68,6 +84,37 @@ def _rowsplit_matmul_kernel(
             acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
     optr = out + pid_k.to(tl.int64) * T * N + toks[:, None].to(tl.int64) * N + rows[None, :]
     tl.store(optr, acc.to(out.dtype.element_ty), mask=tok_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _rowsplit_gemv_kernel(
+    x,
+    w,
+    out,
+    N,
+    K,
+    stride_x,
+    high_offset,
+    scale_offset,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_mask = rows < N
+    xrow = x + tl.program_id(1).to(tl.int64) * stride_x
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(xrow + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if BITS == 8:
+            acc += gemv_weight_tile(w, rows, row_mask, k0, xk, xk, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        else:
+            x_even, x_odd = split_even_odd(xk, BLOCK_K)
+            acc += gemv_weight_tile(w, rows, row_mask, k0, x_even, x_odd, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    tl.store(out + tl.program_id(1).to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -121,6 +168,14 @@ def rowsplit_linear(x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeome
     x = x.contiguous()
     g = TileGeometry.of(geometry)
     n = geometry.n
+    if t <= GEMV_MAX_TOKENS:
+        out = torch.empty(t, n, device=x.device, dtype=x.dtype)
+        _rowsplit_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N), t)](
+            x, data, out, n, k, x.stride(0), g.high_offset, g.scale_offset,
+            BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=gemv_block_k(g.k_pad, GEMV_BLOCK_K),
+            num_warps=GEMV_WARPS,
+        )
+        return out
     block_m = 16 if t <= 16 else (32 if t <= 32 else 64)
     block_n = DECODE_BLOCK_N
     block_k = block_k_for(g.k_pad)

@@ -77,3 +77,75 @@ def load_weight_tile(
     scales = tl.load(sptr, mask=mask, other=0.0).to(tl.float32)
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP]), [BLOCK_N, BLOCK_K])
     return codes.to(tl.float32) * scales
+
+
+def gemv_block_k(k_pad: int, preferred: int) -> int:
+    """Largest power-of-two tile width <= preferred (>= 128) that divides the padded row."""
+    block = preferred
+    while k_pad % block:
+        block //= 2
+    return block
+
+
+@triton.jit
+def split_even_odd(xk, BLOCK_K: tl.constexpr):
+    """x columns [BLOCK_K] -> (even columns, odd columns), each [BLOCK_K // 2]: the low and high
+    nibbles of the packed plane's bytes."""
+    return tl.split(tl.reshape(xk, [BLOCK_K // 2, 2]))
+
+
+@triton.jit
+def gemv_weight_tile(
+    obj,  # pointer to uint8: start of the row-split object
+    rows,  # [BLOCK_N] int64 row indices
+    row_mask,  # [BLOCK_N] bool
+    k0,  # first column of the tile (multiple of BLOCK_K)
+    x_even,  # [BLOCK_K] float32 x columns (8-bit) or [BLOCK_K // 2] even columns (4-6 bit)
+    x_odd,  # [BLOCK_K // 2] float32 odd columns (4-6 bit; ignored for 8-bit)
+    high_offset,
+    scale_offset,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_N] float32: sum over the tile's columns of W[rows, k] * x[k], with W decoded in registers.
+
+    The matrix-vector form of `load_weight_tile`: codes are multiplied by x in their stored order
+    (low nibbles by even columns, high nibbles by odd ones), summed per scale group and only then
+    scaled, so no dequantized tile is ever laid out and no tensor-core padding is paid."""
+    mask = row_mask[:, None]
+    if BITS == 8:
+        ptr = obj + rows[:, None] * K_PAD + k0 + tl.arange(0, BLOCK_K)[None, :]
+        codes = tl.load(ptr.to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32)
+        per_group = tl.sum(tl.reshape(codes * x_even[None, :], [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
+    else:
+        HALF: tl.constexpr = BLOCK_K // 2
+        ptr = obj + rows[:, None] * (K_PAD // 2) + k0 // 2 + tl.arange(0, HALF)[None, :]
+        packed = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+        lo = packed & 15
+        hi = packed >> 4
+        if BITS == 5:  # element k's fifth bit: bit k % 8 of high byte k // 8
+            hptr = obj + high_offset + rows[:, None] * (K_PAD // 8) + k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
+            hb = tl.load(hptr, mask=mask, other=0).to(tl.int32)
+            hx = tl.reshape(tl.broadcast_to(hb[:, :, None], [BLOCK_N, BLOCK_K // 8, 4]), [BLOCK_N, HALF])
+            shift = (2 * (tl.arange(0, HALF) % 4))[None, :]
+            lo = lo | (((hx >> shift) & 1) << 4)
+            hi = hi | (((hx >> (shift + 1)) & 1) << 4)
+        if BITS == 6:  # element k's top two bits: bits 2 (k % 4) of high byte k // 4
+            hptr = obj + high_offset + rows[:, None] * (K_PAD // 4) + k0 // 4 + tl.arange(0, BLOCK_K // 4)[None, :]
+            hb = tl.load(hptr, mask=mask, other=0).to(tl.int32)
+            hx = tl.reshape(tl.broadcast_to(hb[:, :, None], [BLOCK_N, BLOCK_K // 4, 2]), [BLOCK_N, HALF])
+            shift = (4 * (tl.arange(0, HALF) % 2))[None, :]
+            lo = lo | (((hx >> shift) & 3) << 4)
+            hi = hi | (((hx >> (shift + 2)) & 3) << 4)
+        half: tl.constexpr = 1 << (BITS - 1)
+        lo = tl.where(lo >= half, lo - 2 * half, lo).to(tl.float32)
+        hi = tl.where(hi >= half, hi - 2 * half, hi).to(tl.float32)
+        products = lo * x_even[None, :] + hi * x_odd[None, :]
+        per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)
+    sptr = (obj + scale_offset).to(tl.pointer_type(tl.float16))
+    sptr = sptr + rows[:, None] * (K_PAD // GROUP) + k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
+    scales = tl.load(sptr, mask=mask, other=0.0).to(tl.float32)
+    return tl.sum(per_group * scales, axis=1)

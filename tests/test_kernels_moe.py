@@ -53,7 +53,7 @@ def test_routed_experts_match_reference(gate_up_fmt, down_fmt):
     layout, records, weights = _records(gate_up_fmt, down_fmt, seed=3)
     table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
     gen = torch.Generator().manual_seed(0)
-    for t in (1, 2, 5, 8, 30, 90):  # one pair per block up to 64 pairs; 30 x 3: sorted blocks; 90 x 3: prefill tiles
+    for t in (1, 2, 5, 8, 30, 90):  # matrix-vector kernels up to 64 pairs; 30 x 3: sorted blocks; 90 x 3: prefill tiles
         x = torch.randn(t, HIDDEN, generator=gen)
         ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(t)])
         ids[-1] = ids[0]  # experts repeated within the batch

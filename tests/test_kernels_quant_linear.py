@@ -47,8 +47,20 @@ def test_split_k_and_dequantize_paths():
     x = torch.randn(FUSED_MAX_TOKENS + 5, 900, generator=torch.Generator().manual_seed(1))
     out = rowsplit_linear(x.to(DEVICE), data, geometry)
     assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
-    one = rowsplit_linear(x[:1].to(DEVICE), data, geometry)  # K = 1024 padded: split across programs
-    assert _relative_error(one, x[:1].double() @ weight.double().T) < 1e-5
+    two = rowsplit_linear(x[:2].to(DEVICE), data, geometry)  # K = 1024 padded: split across programs
+    assert _relative_error(two, x[:2].double() @ weight.double().T) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", sorted(GROUPED_FORMATS))
+def test_matrix_vector_kernel_walks_rows_in_several_tiles(fmt, monkeypatch):
+    from ninfer_offload.kernels import quant_linear
+
+    monkeypatch.setattr(quant_linear, "GEMV_BLOCK_K", 256)  # K = 900 -> 1024 padded: four column tiles
+    data, weight, geometry = _random_object(fmt, 21, 900, seed=11)
+    x = torch.randn(1, 900, generator=torch.Generator().manual_seed(2))
+    out = quant_linear.rowsplit_linear(x.to(DEVICE), data, geometry)
+    assert out.shape == (1, 21)
+    assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
 
 
 def test_sum_middle_is_a_float32_sum_then_cast():
