@@ -40,6 +40,7 @@ def random_object(geometry: RowSplitGeometry, count: int = 1) -> torch.Tensor:
 
 def median_ms(fn, graph: bool) -> float:
     """Median milliseconds of fn: replayed from a CUDA graph (decode-sized calls, as the engine runs them) or launched."""
+    torch.cuda.synchronize()  # the inputs were written on the default stream; the graph bench runs on its own
     if graph:
         return do_bench_cudagraph(fn, rep=100, return_mode="median")
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
