@@ -108,6 +108,20 @@ def bench_gdn(bandwidth: float) -> dict:
     return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 
 
+def record(results: list[dict], measure) -> None:
+    """Append and print one measurement; a configuration that cannot run is recorded with its error."""
+    try:
+        r = measure()
+    except Exception as err:  # e.g. a tile sweep entry needing more shared memory than the GPU has
+        results.append({"error": repr(err)[:300]})
+        print("error:", results[-1]["error"], flush=True)
+        return
+    results.append(r)
+    label = " ".join(str(r[k]) for k in ("op", "format", "down_format", "kv_dtype", "shape", "context", "tokens", "tile") if k in r)
+    print(f"{label:60s} {r['ms'] * 1e3:9.1f} us {r['GBps']:8.0f} GB/s ({100 * r['bandwidth_fraction']:5.1f}%)"
+          + (f" {r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else ""), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -121,43 +135,37 @@ def main() -> None:
               ("output_head", "q6_g64_fp16", 248320, 2048)]
     for name, fmt, n, k in shapes:
         for tokens in (1, 8):
-            results.append(bench_linear(name, fmt, n, k, tokens, bandwidth))
+            record(results, lambda: bench_linear(name, fmt, n, k, tokens, bandwidth))
     for name, fmt, n, k in shapes[:3]:
-        results.append(bench_linear(name, fmt, n, k, 4096, bandwidth))
+        record(results, lambda: bench_linear(name, fmt, n, k, 4096, bandwidth))
     defaults = (quant_linear.GEMV_BLOCK_N, quant_linear.GEMV_BLOCK_K, quant_linear.GEMV_WARPS)
     for tile in ((4, 1024, 4), (8, 1024, 4), (8, 2048, 8), (16, 512, 4), (16, 1024, 8), (2, 2048, 4), (4, 2048, 8), (32, 256, 4)):
         quant_linear.GEMV_BLOCK_N, quant_linear.GEMV_BLOCK_K, quant_linear.GEMV_WARPS = tile  # one-token tile sweep
         for name, fmt, n, k in (shapes[0], shapes[2], shapes[4], shapes[5]):
-            results.append(dict(bench_linear(name, fmt, n, k, 1, bandwidth), tile=list(tile)))
+            record(results, lambda: dict(bench_linear(name, fmt, n, k, 1, bandwidth), tile=list(tile)))
     quant_linear.GEMV_BLOCK_N, quant_linear.GEMV_BLOCK_K, quant_linear.GEMV_WARPS = defaults
     defaults = (moe.GEMV_TILES, moe.GEMV_BLOCK_K)
     for tiles, block_k in ((moe.Tiles(1, 16, 16, 4), 1024), (moe.Tiles(1, 8, 8, 4), 1024), (moe.Tiles(1, 32, 32, 4), 1024),
                            (moe.Tiles(1, 16, 16, 8), 2048), (moe.Tiles(1, 8, 16, 2), 512), (moe.Tiles(1, 4, 8, 4), 2048)):
         moe.GEMV_TILES, moe.GEMV_BLOCK_K = tiles, block_k  # matrix-vector tile sweep: one token, and a 3-draft verification
         for tokens in (1, 4):
-            results.append(dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=[*dataclasses.astuple(tiles), block_k]))
+            record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=[*dataclasses.astuple(tiles), block_k]))
     moe.GEMV_TILES, moe.GEMV_BLOCK_K = defaults
     for tiles in (moe.Tiles(64, 32, 64, 4), moe.Tiles(64, 64, 64, 8), moe.Tiles(128, 64, 128, 8), moe.Tiles(128, 128, 128, 8)):
         moe.PREFILL_TILES = tiles
         for tokens in (512, 4096):
-            results.append(dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=dataclasses.astuple(tiles)))
+            record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=dataclasses.astuple(tiles)))
     moe.PREFILL_TILES = moe.Tiles(64, 32, 64, 4)
-    results.append(bench_moe(1, "q6_g64_fp16", bandwidth))
+    record(results, lambda: bench_moe(1, "q6_g64_fp16", bandwidth))
     for context in (1024, 8192, 32768):
         for kv in (torch.bfloat16, torch.float8_e4m3fn):
-            results.append(bench_attention(context, kv, bandwidth))
-    results.append(bench_gdn(bandwidth))
+            record(results, lambda: bench_attention(context, kv, bandwidth))
+    record(results, lambda: bench_gdn(bandwidth))
     report = {**gpu_report_header(args.commit), "triton": triton.__version__, "host": platform.node(),
               "device_bandwidth_GBps": bandwidth / 1e9, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    for r in results:
-        label = " ".join(str(r[k]) for k in ("op", "format", "down_format", "kv_dtype", "shape", "context", "tokens", "tile") if k in r)
-        print(
-            f"{label:60s} {r['ms'] * 1e3:9.1f} us {r['GBps']:8.0f} GB/s ({100 * r['bandwidth_fraction']:5.1f}%)"
-            + (f" {r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else "")
-        )
 
 
 if __name__ == "__main__":
