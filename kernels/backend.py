@@ -70,8 +70,8 @@ class TritonBackend(ReferenceBackend):
     def add_gated(self, routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         return shared_expert.add_gated(routed, score, shared)
 
-    def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return router.softmax_topk(self.linear(x, w), top_k, x.dtype)
+    def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return router.softmax_topk(logits, top_k, dtype)
 
     def routed_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank

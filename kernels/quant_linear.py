@@ -35,9 +35,9 @@ from ninfer_offload.kernels.rowsplit import (
 GEMV_MAX_TOKENS = 1
 FUSED_MAX_TOKENS = 64
 # Matrix-vector kernel: rows per program, widest column tile, warps (module-level so benchmarks can sweep them).
-GEMV_BLOCK_N = 8
-GEMV_BLOCK_K = 1024
-GEMV_WARPS = 4
+GEMV_BLOCK_N = 8  # H200 sweep (bench/kernels.py): 8 rows x 2048 columns x 8 warps led on [12288, 2048] and [2048, 4096] Q8
+GEMV_BLOCK_K = 2048
+GEMV_WARPS = 8
 # Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4

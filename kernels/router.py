@@ -1,6 +1,6 @@
 """Router head in one kernel: fp32 softmax over expert logits, top-k, renormalised weights.
 
-Reference op: `ReferenceBackend.router` (after the logits product, which is a plain linear).
+Reference op: `ReferenceBackend.route` (the logits product before it is a plain linear).
 Top-k is taken by k rounds of arg-max (ties go to the lowest expert id, like `torch.topk` on
 distinct values); the renormalisation divides by the sum of the chosen probabilities.
 """

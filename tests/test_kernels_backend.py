@@ -73,10 +73,10 @@ def test_gated_rmsnorm(dtype, tol):
 
 
 def test_router_softmax_topk():
-    x, w = torch.randn(4, 64, generator=_gen(4)), torch.randn(10, 64, generator=_gen(5))
-    ids, weights = _backend().router(x.to(DEVICE), w.to(DEVICE), 3)
-    ref_ids, ref_weights = REF.router(x, w, 3)
-    assert torch.equal(ids.cpu(), ref_ids) and _close(weights, ref_weights)
+    logits = torch.randn(4, 10, generator=_gen(4)).to(torch.bfloat16)
+    ids, weights = _backend().route(logits.to(DEVICE), 3, torch.bfloat16)
+    ref_ids, ref_weights = REF.route(logits, 3, torch.bfloat16)
+    assert torch.equal(ids.cpu(), ref_ids) and _close(weights, ref_weights, 8e-3)  # one bf16 rounding
 
 
 def test_routed_experts_through_bank_slots():

@@ -10,6 +10,7 @@ from ninfer_offload.model.backend import Backend
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
+from ninfer_offload.model.stacked import StackedLinear
 from ninfer_offload.model.weights import Weight, WeightReader
 
 
@@ -38,10 +39,7 @@ class GatedAttention:
     key: int  # state key of this layer
     config: ModelConfig
     rotary: Rotary
-    query: Weight
-    gate: Weight
-    key_proj: Weight
-    value: Weight
+    projections: StackedLinear  # query, key, value, gate
     output: Weight
     query_norm: torch.Tensor
     key_norm: torch.Tensor
@@ -54,10 +52,12 @@ class GatedAttention:
             key,
             config,
             rotary,
-            query=reader.matrix(f"{prefix}/attention/query", (q, h)),
-            gate=reader.matrix(f"{prefix}/attention/gate", (q, h)),
-            key_proj=reader.matrix(f"{prefix}/attention/key", (kv, h)),
-            value=reader.matrix(f"{prefix}/attention/value", (kv, h)),
+            projections=StackedLinear.of(
+                [
+                    reader.matrix(f"{prefix}/attention/{name}", (rows, h))
+                    for name, rows in (("query", q), ("key", kv), ("value", kv), ("gate", q))
+                ]
+            ),
             output=reader.matrix(f"{prefix}/attention/output", (h, q)),
             query_norm=reader.dense(f"{prefix}/attention/query_norm", (d,)),
             key_norm=reader.dense(f"{prefix}/attention/key_norm", (d,)),
@@ -80,10 +80,10 @@ class GatedAttention:
         """q [T, Hq, D] and k [T, Hkv, D] normed and rotated, v [T, Hkv, D], gate [T, Hq*D]."""
         c = self.config
         t = x.shape[0]
-        q = backend.linear(x, self.query).view(t, c.num_attention_heads, c.head_dim)
-        k = backend.linear(x, self.key_proj).view(t, c.num_kv_heads, c.head_dim)
-        v = backend.linear(x, self.value).view(t, c.num_kv_heads, c.head_dim)
-        gate = backend.linear(x, self.gate)
+        q, k, v, gate = self.projections(backend, x)
+        q = q.reshape(t, c.num_attention_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
         q = backend.qk_norm_rotary(q, self.query_norm, c.rms_norm_eps, self.rotary, positions)
         k = backend.qk_norm_rotary(k, self.key_norm, c.rms_norm_eps, self.rotary, positions)
         return q, k, v, gate

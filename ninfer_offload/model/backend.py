@@ -39,7 +39,7 @@ class Backend(Protocol):
     def qk_norm_rotary(self, x: torch.Tensor, w: torch.Tensor, eps: float, rotary, positions: torch.Tensor) -> torch.Tensor: ...
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
     def add_gated(self, routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -> torch.Tensor: ...
-    def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
     def routed_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank
     ) -> torch.Tensor: ...
@@ -117,12 +117,12 @@ class ReferenceBackend:
         """routed + sigmoid(score) * shared: the shared expert [T, H] scaled by its score [T, 1], added to the routed output."""
         return routed + torch.sigmoid(score) * shared
 
-    def router(self, x: torch.Tensor, w: Weight, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 softmax over expert logits, top-k, renormalised: (ids int64 [T, k], weights [T, k] in x.dtype)."""
-        probs = torch.softmax(self.linear(x, w).float(), dim=-1)
+    def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 softmax over expert logits, top-k, renormalised: (ids int64 [T, k], weights [T, k] in `dtype`)."""
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        return ids, weights.to(dtype)
 
     def routed_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank

@@ -9,6 +9,7 @@ import torch
 from ninfer_offload.model.backend import Backend
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.context import StepContext
+from ninfer_offload.model.stacked import StackedLinear
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.model.weights import Weight, WeightReader
 
@@ -17,12 +18,8 @@ from ninfer_offload.model.weights import Weight, WeightReader
 class GatedDeltaNet:
     key: int  # state key of this layer
     config: ModelConfig
-    query: Weight
-    key_proj: Weight
-    value: Weight
-    z: Weight
-    a: Weight
-    b: Weight
+    projections: StackedLinear  # query, key, value, z
+    gates: StackedLinear  # a, b
     a_log: torch.Tensor  # fp32 [Hv]
     dt_bias: torch.Tensor  # fp32 [Hv]
     convolution: torch.Tensor  # [W, C] tap-major
@@ -39,12 +36,10 @@ class GatedDeltaNet:
         return cls(
             key,
             config,
-            query=reader.matrix(f"{p}/query", (qk, h)),
-            key_proj=reader.matrix(f"{p}/key", (qk, h)),
-            value=reader.matrix(f"{p}/value", (v, h)),
-            z=reader.matrix(f"{p}/z", (v, h)),
-            a=reader.matrix(f"{p}/a_projection", (heads, h)),
-            b=reader.matrix(f"{p}/b_projection", (heads, h)),
+            projections=StackedLinear.of(
+                [reader.matrix(f"{p}/{name}", (rows, h)) for name, rows in (("query", qk), ("key", qk), ("value", v), ("z", v))]
+            ),
+            gates=StackedLinear.of([reader.matrix(f"{p}/{name}", (heads, h)) for name in ("a_projection", "b_projection")]),
             a_log=reader.dense(f"{p}/a_log", (heads,), torch.float32),
             dt_bias=reader.dense(f"{p}/dt_bias", (heads,), torch.float32),
             convolution=reader.dense(f"{p}/convolution", (config.linear_conv_kernel, config.conv_channels)),
@@ -57,9 +52,10 @@ class GatedDeltaNet:
         t = x.shape[0]
         nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
         nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-        mixed = torch.cat([backend.linear(x, w) for w in (self.query, self.key_proj, self.value)], dim=-1)
-        z = backend.linear(x, self.z).view(t, nv, dv)
-        g, beta = backend.gdn_gating(backend.linear(x, self.a), backend.linear(x, self.b), self.a_log, self.dt_bias)
+        q, k, v, z = self.projections(backend, x)
+        mixed = torch.cat([q, k, v], dim=-1)
+        z = z.reshape(t, nv, dv)
+        g, beta = backend.gdn_gating(*self.gates(backend, x), self.a_log, self.dt_bias)
         conv = backend.conv_update(mixed, state.conv[self.key], self.convolution, ctx, state.conv_snapshots.get(self.key))
         q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q, k, v = q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv)

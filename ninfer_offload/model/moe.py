@@ -10,6 +10,7 @@ import torch
 
 from ninfer_offload.model.backend import Backend
 from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.model.stacked import StackedLinear
 from ninfer_offload.model.weights import Weight, WeightReader
 
 
@@ -23,10 +24,8 @@ class RoutedExperts(Protocol):
 class SparseMoe:
     layer: int  # expert-store layer index
     top_k: int
-    router: Weight
-    shared_score: Weight
-    shared_gate: Weight
-    shared_up: Weight
+    gates: StackedLinear  # router, shared-expert score
+    shared_in: StackedLinear  # shared expert gate, up
     shared_down: Weight
     experts: RoutedExperts
 
@@ -37,16 +36,15 @@ class SparseMoe:
         return cls(
             layer,
             config.top_k,
-            router=reader.matrix(f"{p}/router", (config.num_experts, h)),
-            shared_score=reader.matrix(f"{p}/shared_score", (1, h)),
-            shared_gate=reader.matrix(f"{p}/shared/gate", (s, h)),
-            shared_up=reader.matrix(f"{p}/shared/up", (s, h)),
+            gates=StackedLinear.of([reader.matrix(f"{p}/router", (config.num_experts, h)), reader.matrix(f"{p}/shared_score", (1, h))]),
+            shared_in=StackedLinear.of([reader.matrix(f"{p}/shared/{name}", (s, h)) for name in ("gate", "up")]),
             shared_down=reader.matrix(f"{p}/shared/down", (h, s)),
             experts=experts,
         )
 
     def __call__(self, backend: Backend, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = backend.router(x, self.router, self.top_k)
+        logits, score = self.gates(backend, x)
+        topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
         routed = self.experts.routed(backend, self.layer, x, topk_ids, topk_weights)
-        shared = backend.linear(backend.swiglu(backend.linear(x, self.shared_gate), backend.linear(x, self.shared_up)), self.shared_down)
-        return backend.add_gated(routed, backend.linear(x, self.shared_score), shared)
+        shared = backend.linear(backend.swiglu(*self.shared_in(backend, x)), self.shared_down)
+        return backend.add_gated(routed, score, shared)

@@ -1,0 +1,69 @@
+"""Products that read the same input: their weights stacked by rows at load, one product, outputs split.
+
+A decode step is bound by how many weight bytes each launch reads and how many launches there
+are; the layers read the same normalised input with several matrices (GDN q/k/v/z and a/b,
+attention q/k/v/gate, the shared expert's gate/up, the router and the shared-expert score), so
+each such set becomes one matrix and one launch. Quantized parts are stacked plane by plane
+(row-split planes are row-major, so the stacked object is exactly the object of the stacked
+matrix); parts of different formats stay separate products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_offload.artifact.formats import RowSplitGeometry
+from ninfer_offload.model.backend import Backend
+from ninfer_offload.model.quant import QuantizedMatrix
+from ninfer_offload.model.weights import Weight
+
+
+def _planes(geometry: RowSplitGeometry) -> tuple[tuple[int, int], ...]:
+    """(offset, bytes) of the base, high and scale planes."""
+    return ((0, geometry.base_bytes), (geometry.high_offset, geometry.high_bytes), (geometry.scale_offset, geometry.scale_bytes))
+
+
+def stack_quantized(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
+    """One row-split matrix holding the rows of `parts` in order (same format and width)."""
+    fmt, k, n = parts[0].fmt, parts[0].k, sum(p.n for p in parts)
+    geometry = RowSplitGeometry(fmt, n, k)
+    data = torch.zeros(geometry.encoded_size, dtype=torch.uint8, device=parts[0].device)
+    row = 0
+    for part in parts:
+        for (dst, dst_bytes), (src, src_bytes) in zip(_planes(geometry), _planes(part.geometry)):
+            if src_bytes:
+                at = dst + row * (dst_bytes // n)
+                data[at : at + src_bytes] = part.data[src : src + src_bytes]
+        row += part.n
+    return QuantizedMatrix(fmt, n, k, data)
+
+
+def _stackable(parts: list[Weight]) -> bool:
+    first = parts[0]
+    if isinstance(first, QuantizedMatrix):
+        return all(isinstance(p, QuantizedMatrix) and p.fmt == first.fmt and p.k == first.k for p in parts)
+    return all(isinstance(p, torch.Tensor) and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts)
+
+
+@dataclass
+class StackedLinear:
+    """x @ [W_1; W_2; ...]^T split back into x @ W_i^T, as one product where the formats allow."""
+
+    weights: tuple[Weight, ...]  # one stacked matrix, or the parts when they cannot be stacked
+    sizes: tuple[int, ...]  # output columns of each part
+
+    @classmethod
+    def of(cls, parts: list[Weight]) -> "StackedLinear":
+        sizes = tuple(int(p.shape[0]) for p in parts)
+        if len(parts) == 1 or not _stackable(parts):
+            return cls(tuple(parts), sizes)
+        if isinstance(parts[0], QuantizedMatrix):
+            return cls((stack_quantized(parts),), sizes)
+        return cls((torch.cat(parts, dim=0),), sizes)
+
+    def __call__(self, backend: Backend, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(self.weights) == 1:
+            return backend.linear(x, self.weights[0]).split(self.sizes, dim=-1)
+        return tuple(backend.linear(x, w) for w in self.weights)
