@@ -59,6 +59,8 @@ def _bytes(value) -> int:
         return value.data.numel()
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):  # e.g. the parts of a stacked product
+        return sum(_bytes(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return sum(_bytes(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name not in ("config", "experts"))
     return 0

@@ -2,10 +2,12 @@
 
 Reference op: `ReferenceBackend.linear(x, w)` with `w` a `QuantizedMatrix`, i.e. `x @
 w.dequantize().T`. Three paths by token count:
-* up to `GEMV_MAX_TOKENS` (one-token decode): a matrix-vector kernel. Each program owns a few
-  rows and walks the whole row in wide tiles, multiplying codes by x in registers
-  (`gemv_weight_tile`): no tensor-core padding, no split-K partial sums, one launch.
-* up to `FUSED_MAX_TOKENS` (verification, batched decode): each program decodes a weight tile in
+* up to `GEMV_MAX_TOKENS` (decode, verification of a few drafts, small decode batches): a
+  matrix-vector kernel. Each program owns a few rows and walks the whole row in wide tiles,
+  decoding each tile once (`load_code_tile`) and multiplying the codes by every token's x in
+  registers (`dot_code_tile`): no tensor-core padding, no split-K partial sums, one launch, and
+  every token count up to the limit gets the same per-token arithmetic.
+* up to `FUSED_MAX_TOKENS` (larger batches): each program decodes a weight tile in
   registers and multiplies it with `tl.dot` (the token block is padded to 16 rows). Few-token
   products split K across programs so that even a [2048, 4096] projection fills the GPU; their
   partial sums are added in a fixed order, so results are deterministic.
@@ -24,15 +26,16 @@ from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import (
     TileGeometry,
     block_k_for,
+    dot_code_tile,
     gemv_block_k,
-    gemv_weight_tile,
+    load_code_tile,
     load_weight_tile,
     split_even_odd,
 )
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled one;
 # above it, transient dequantization + cuBLAS.
-GEMV_MAX_TOKENS = 1
+GEMV_MAX_TOKENS = 8
 FUSED_MAX_TOKENS = 64
 # Matrix-vector kernel: rows per program, widest column tile, warps (module-level so benchmarks can sweep them).
 GEMV_BLOCK_N = 8  # H200 sweep (bench/kernels.py): 8 rows x 2048 columns x 8 warps led on [12288, 2048] and [2048, 4096] Q8
@@ -91,6 +94,7 @@ def _rowsplit_gemv_kernel(
     x,
     w,
     out,
+    T,
     N,
     K,
     stride_x,
@@ -99,22 +103,29 @@ def _rowsplit_gemv_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < N
-    xrow = x + tl.program_id(1).to(tl.int64) * stride_x
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    toks = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
+        low, high, scales = load_code_tile(w, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(xrow + cols, mask=cols < K, other=0.0).to(tl.float32)
-        if BITS == 8:
-            acc += gemv_weight_tile(w, rows, row_mask, k0, xk, xk, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-        else:
-            x_even, x_odd = split_even_odd(xk, BLOCK_K)
-            acc += gemv_weight_tile(w, rows, row_mask, k0, x_even, x_odd, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    tl.store(out + tl.program_id(1).to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=row_mask)
+        for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
+            xrow = x + tl.minimum(t, T - 1).to(tl.int64) * stride_x  # rows past T repeat the last (never stored)
+            xk = tl.load(xrow + cols, mask=cols < K, other=0.0).to(tl.float32)
+            if BITS == 8:
+                x_even = xk
+                x_odd = xk
+            else:
+                x_even, x_odd = split_even_odd(xk, BLOCK_K)
+            part = dot_code_tile(low, high, scales, x_even, x_odd, BITS, GROUP, BLOCK_N, BLOCK_K)
+            acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+    optr = out + toks[:, None].to(tl.int64) * N + rows[None, :]
+    tl.store(optr, acc.to(out.dtype.element_ty), mask=(toks < T)[:, None] & row_mask[None, :])
 
 
 @triton.jit
@@ -170,10 +181,10 @@ def rowsplit_linear(x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeome
     n = geometry.n
     if t <= GEMV_MAX_TOKENS:
         out = torch.empty(t, n, device=x.device, dtype=x.dtype)
-        _rowsplit_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N), t)](
-            x, data, out, n, k, x.stride(0), g.high_offset, g.scale_offset,
-            BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=gemv_block_k(g.k_pad, GEMV_BLOCK_K),
-            num_warps=GEMV_WARPS,
+        _rowsplit_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+            x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset,
+            BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=GEMV_BLOCK_N,
+            BLOCK_K=gemv_block_k(g.k_pad, GEMV_BLOCK_K), num_warps=GEMV_WARPS,
         )
         return out
     block_m = 16 if t <= 16 else (32 if t <= 32 else 64)

@@ -106,13 +106,11 @@ def signed_code_float(u, HALF_RANGE: tl.constexpr):
 
 
 @triton.jit
-def gemv_weight_tile(
+def load_code_tile(
     obj,  # pointer to uint8: start of the row-split object
     rows,  # [BLOCK_N] int64 row indices
     row_mask,  # [BLOCK_N] bool
     k0,  # first column of the tile (multiple of BLOCK_K)
-    x_even,  # [BLOCK_K] float32 x columns (8-bit) or [BLOCK_K // 2] even columns (4-6 bit)
-    x_odd,  # [BLOCK_K // 2] float32 odd columns (4-6 bit; ignored for 8-bit)
     high_offset,
     scale_offset,
     BITS: tl.constexpr,
@@ -121,16 +119,17 @@ def gemv_weight_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """[BLOCK_N] float32: sum over the tile's columns of W[rows, k] * x[k], with W decoded in registers.
+    """The tile's codes as exact float32 in stored order, and its scales: (low, high, scales).
 
-    The matrix-vector form of `load_weight_tile`: codes are multiplied by x in their stored order
-    (low nibbles by even columns, high nibbles by odd ones), summed per scale group and only then
-    scaled, so no dequantized tile is ever laid out and no tensor-core padding is paid."""
+    8-bit: low = high = codes [BLOCK_N, BLOCK_K]. 4-6 bit: low = codes of the even columns, high =
+    codes of the odd columns (the low and high nibbles of the packed plane), each
+    [BLOCK_N, BLOCK_K // 2]. scales [BLOCK_N, BLOCK_K // GROUP]. Nothing is interleaved or laid out
+    as a dequantized tile: `dot_code_tile` multiplies the codes by x in this order."""
     mask = row_mask[:, None]
     if BITS == 8:
         ptr = obj + rows[:, None] * K_PAD + k0 + tl.arange(0, BLOCK_K)[None, :]
-        codes = signed_code_float(tl.load(ptr, mask=mask, other=0).to(tl.int32), 128)
-        per_group = tl.sum(tl.reshape(codes * x_even[None, :], [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
+        low = signed_code_float(tl.load(ptr, mask=mask, other=0).to(tl.int32), 128)
+        high = low
     else:
         HALF: tl.constexpr = BLOCK_K // 2
         ptr = obj + rows[:, None] * (K_PAD // 2) + k0 // 2 + tl.arange(0, HALF)[None, :]
@@ -151,9 +150,44 @@ def gemv_weight_tile(
             shift = (4 * (tl.arange(0, HALF) % 2))[None, :]
             lo = lo | (((hx >> shift) & 3) << 4)
             hi = hi | (((hx >> (shift + 2)) & 3) << 4)
-        products = signed_code_float(lo, 1 << (BITS - 1)) * x_even[None, :] + signed_code_float(hi, 1 << (BITS - 1)) * x_odd[None, :]
-        per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)
+        low = signed_code_float(lo, 1 << (BITS - 1))
+        high = signed_code_float(hi, 1 << (BITS - 1))
     sptr = (obj + scale_offset).to(tl.pointer_type(tl.float16))
     sptr = sptr + rows[:, None] * (K_PAD // GROUP) + k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
     scales = tl.load(sptr, mask=mask, other=0.0).to(tl.float32)
+    return low, high, scales
+
+
+@triton.jit
+def dot_code_tile(low, high, scales, x_even, x_odd, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] float32: sum over a tile's columns of W[rows, k] * x[k] from `load_code_tile`'s
+    output. x_even is x [BLOCK_K] for 8-bit, the even columns [BLOCK_K // 2] otherwise; x_odd the
+    odd columns (ignored for 8-bit). Products are summed per scale group and only then scaled."""
+    if BITS == 8:
+        per_group = tl.sum(tl.reshape(low * x_even[None, :], [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
+    else:
+        products = low * x_even[None, :] + high * x_odd[None, :]
+        per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)
     return tl.sum(per_group * scales, axis=1)
+
+
+@triton.jit
+def gemv_weight_tile(
+    obj,  # pointer to uint8: start of the row-split object
+    rows,  # [BLOCK_N] int64 row indices
+    row_mask,  # [BLOCK_N] bool
+    k0,  # first column of the tile (multiple of BLOCK_K)
+    x_even,  # [BLOCK_K] float32 x columns (8-bit) or [BLOCK_K // 2] even columns (4-6 bit)
+    x_odd,  # [BLOCK_K // 2] float32 odd columns (4-6 bit; ignored for 8-bit)
+    high_offset,
+    scale_offset,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_N] float32: sum over the tile's columns of W[rows, k] * x[k], with W decoded in registers
+    (the matrix-vector form of `load_weight_tile`; no tensor-core padding is paid)."""
+    low, high, scales = load_code_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    return dot_code_tile(low, high, scales, x_even, x_odd, BITS, GROUP, BLOCK_N, BLOCK_K)

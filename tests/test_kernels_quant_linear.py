@@ -47,8 +47,8 @@ def test_split_k_and_dequantize_paths():
     x = torch.randn(FUSED_MAX_TOKENS + 5, 900, generator=torch.Generator().manual_seed(1))
     out = rowsplit_linear(x.to(DEVICE), data, geometry)
     assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
-    two = rowsplit_linear(x[:2].to(DEVICE), data, geometry)  # K = 1024 padded: split across programs
-    assert _relative_error(two, x[:2].double() @ weight.double().T) < 1e-5
+    few = rowsplit_linear(x[:20].to(DEVICE), data, geometry)  # tiled kernel, K = 1024 padded: split across programs
+    assert _relative_error(few, x[:20].double() @ weight.double().T) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", sorted(GROUPED_FORMATS))
@@ -57,10 +57,12 @@ def test_matrix_vector_kernel_walks_rows_in_several_tiles(fmt, monkeypatch):
 
     monkeypatch.setattr(quant_linear, "GEMV_BLOCK_K", 256)  # K = 900 -> 1024 padded: four column tiles
     data, weight, geometry = _random_object(fmt, 21, 900, seed=11)
-    x = torch.randn(1, 900, generator=torch.Generator().manual_seed(2))
-    out = quant_linear.rowsplit_linear(x.to(DEVICE), data, geometry)
-    assert out.shape == (1, 21)
+    x = torch.randn(5, 900, generator=torch.Generator().manual_seed(2))
+    out = quant_linear.rowsplit_linear(x.to(DEVICE), data, geometry)  # five tokens in a block of eight
+    assert out.shape == (5, 21)
     assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
+    for t in range(5):  # each token's row is what it gets alone
+        torch.testing.assert_close(quant_linear.rowsplit_linear(x[t : t + 1].to(DEVICE), data, geometry), out[t : t + 1])
 
 
 def test_sum_middle_is_a_float32_sum_then_cast():
