@@ -80,13 +80,8 @@ def nvfp4_config():
 
 
 @pytest.fixture(scope="module")
-def bf16_source(tmp_path_factory, nvfp4_config):
-    return write_checkpoint(tmp_path_factory.mktemp("ct_bf16") / "ckpt", nvfp4_config, "per_expert")
-
-
-@pytest.fixture(scope="module")
-def compressed_source(tmp_path_factory, bf16_source, nvfp4_config):
-    return compress(bf16_source, tmp_path_factory.mktemp("ct") / "ckpt", nvfp4_config)
+def compressed_source(tmp_path_factory, tiny_nvfp4_checkpoint, nvfp4_config):
+    return compress(tiny_nvfp4_checkpoint, tmp_path_factory.mktemp("ct") / "ckpt", nvfp4_config)
 
 
 def _binding(prefix: str) -> str:
@@ -97,12 +92,11 @@ def _binding(prefix: str) -> str:
     return f"text/layers/{layer}/moe/shared/{rest[1].removesuffix('_proj')}"
 
 
-def test_import_copies_codes_scales_and_divisors(compressed_source, bf16_source, nvfp4_config, tmp_path):
+def test_import_copies_codes_scales_and_divisors(compressed_source, tiny_artifact_nvfp4, nvfp4_config, tmp_path):
     path = convert(compressed_source, tmp_path / "ct.ninfer", recipe="nvfp4", progress=False)
-    reference = convert(bf16_source, tmp_path / "bf16.ninfer", recipe="nvfp4", progress=False)
     stored = load_file(compressed_source / "model.safetensors")
     linears = [p for p in _quantized_linears(nvfp4_config) if p != QUERY]
-    with open_artifact(path) as artifact, open_artifact(reference) as quantized:
+    with open_artifact(path) as artifact, open_artifact(tiny_artifact_nvfp4) as quantized:
         for prefix in linears:
             name = _binding(prefix)
             object_id, r0, r1 = artifact.rows(name)
@@ -151,15 +145,15 @@ def _group(**changes) -> dict:
         (_group(input_activations={"num_bits": 8, "type": "float", "strategy": "token"}), "input activations are .*num_bits 8"),
     ],
 )
-def test_other_quantization_configs_are_refused(quantization, message, bf16_source, nvfp4_config, tmp_path):
-    src = compress(bf16_source, tmp_path / "src", nvfp4_config, quantization=quantization)
+def test_other_quantization_configs_are_refused(quantization, message, tiny_nvfp4_checkpoint, nvfp4_config, tmp_path):
+    src = compress(tiny_nvfp4_checkpoint, tmp_path / "src", nvfp4_config, quantization=quantization)
     with pytest.raises(NinferError, match=message) as info:
         convert(src, tmp_path / "a.ninfer", recipe="nvfp4", progress=False)
     assert "\n" not in str(info.value)
 
 
-def test_w4a16_config_converts(bf16_source, nvfp4_config, tmp_path):
-    src = compress(bf16_source, tmp_path / "src", nvfp4_config, quantization=_group(input_activations=None))
+def test_w4a16_config_converts(tiny_nvfp4_checkpoint, nvfp4_config, tmp_path):
+    src = compress(tiny_nvfp4_checkpoint, tmp_path / "src", nvfp4_config, quantization=_group(input_activations=None))
     with open_artifact(convert(src, tmp_path / "a.ninfer", recipe="nvfp4", progress=False)) as artifact:
         assert artifact.object(artifact.rows("text/layers/0/moe/experts/0/up")[0]).format == "nvfp4"
 
@@ -192,8 +186,8 @@ def _nan_scale(state):
         (_set(f"{EXPERT}weight_packed", torch.zeros(128, 32, dtype=torch.uint8)), rf"'{EXPERT}weight_packed' has shape \[128, 32\]"),
     ],
 )
-def test_bad_planes_fail_with_one_line_naming_the_tensor(edit, message, bf16_source, nvfp4_config, tmp_path):
-    src = compress(bf16_source, tmp_path / "src", nvfp4_config, edit=edit)
+def test_bad_planes_fail_with_one_line_naming_the_tensor(edit, message, tiny_nvfp4_checkpoint, nvfp4_config, tmp_path):
+    src = compress(tiny_nvfp4_checkpoint, tmp_path / "src", nvfp4_config, edit=edit)
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(NinferError, match=message) as info:
@@ -219,8 +213,8 @@ def test_matrices_that_do_not_tile_are_refused(dims, message, tmp_path):
         convert(src, tmp_path / "a.ninfer", recipe="nvfp4", progress=False)
 
 
-def test_cli_reports_one_line(bf16_source, nvfp4_config, tmp_path):
-    src = compress(bf16_source, tmp_path / "src", nvfp4_config, edit=_set(f"{EXPERT}weight_global_scale", torch.tensor([0.0])))
+def test_cli_reports_one_line(tiny_nvfp4_checkpoint, nvfp4_config, tmp_path):
+    src = compress(tiny_nvfp4_checkpoint, tmp_path / "src", nvfp4_config, edit=_set(f"{EXPERT}weight_global_scale", torch.tensor([0.0])))
     done = subprocess.run(
         [sys.executable, "-m", "ninfer_offload", "convert", str(src), str(tmp_path / "a.ninfer"), "--recipe", "nvfp4", "--no-progress"],
         capture_output=True, text=True, timeout=300,
