@@ -1,7 +1,8 @@
 """Numeric codecs: decode stored words to codes/scales/float32, and the canonical encoder.
 
 Row-split objects (docs/format.md §6.2) decode to int8 codes [N, K] and float16 scales
-[N, ceil(K/G)]; the canonical encoder MAXABS_F16_RECIP_RNE_V1 (§7) is bit-exact. Everything is
+[N, ceil(K/G)]; the canonical encoder MAXABS_F16_RECIP_RNE_V1 (§7) is bit-exact, and so is the
+NVFP4 encoder of §7.1 (`quantize_nvfp4`, with the m128x4 scale order of §6.3). Everything is
 vectorised numpy and works in row chunks so memory stays bounded for full-size banks.
 """
 
@@ -279,6 +280,7 @@ _E4M3FN_POSITIVE = E4M3FN_VALUES[:0x7F]
 # Midpoints between neighbouring E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, and which magnitude a
 # tie goes to: the neighbour with an even code (round half to even).
 _E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+_E2M1_TIES = np.append(_E2M1_MIDPOINTS, np.inf).astype(np.float32)  # the midpoint above each magnitude index
 
 
 def unswizzle_scales(plane: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -303,8 +305,11 @@ def round_e4m3fn(values: np.ndarray) -> np.ndarray:
 
 def round_e2m1(values: np.ndarray) -> np.ndarray:
     """E2M1 codes (sign in bit 3) of float32 values: nearest magnitude, ties to the even code, clamped to 6."""
-    magnitude = np.searchsorted(_E2M1_MIDPOINTS, np.abs(values), side="left").astype(np.uint8)  # a tie lands below
-    magnitude[np.isin(np.abs(values), _E2M1_MIDPOINTS) & (magnitude % 2 == 1)] += 1
+    size = np.abs(values)
+    magnitude = np.zeros(size.shape, dtype=np.uint8)
+    for midpoint in _E2M1_MIDPOINTS:  # the number of midpoints below: a tie lands on the lower magnitude
+        magnitude += size > midpoint
+    magnitude += (size == _E2M1_TIES[magnitude]) & (magnitude % 2 == 1)
     return magnitude | (np.signbit(values).astype(np.uint8) << 3)
 
 
