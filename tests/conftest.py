@@ -58,6 +58,21 @@ def tiny_artifact_q8(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_nvfp4_checkpoint(tmp_path_factory):
+    """A tiny checkpoint whose experts NVFP4 can store (`tiny_config(nvfp4=True)`: hidden size and expert widths
+    128, 4 experts), with per-expert tensors like the published NVFP4 checkpoints."""
+    from ninfer_offload.convert.tiny import tiny_config, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_nvfp4_checkpoint"), tiny_config(nvfp4=True), "per_expert", seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_nvfp4(tiny_nvfp4_checkpoint, tmp_path_factory):
+    """`tiny_nvfp4_checkpoint` converted with the `nvfp4` recipe (NVFP4 routed and shared experts)."""
+    return _convert(tiny_nvfp4_checkpoint, tmp_path_factory, "nvfp4")
+
+
+@pytest.fixture(scope="session")
 def small_card(tmp_path_factory):
     """A device profile file (the RTX 5060 Ti without a VRAM reserve) that tiny models can be planned on."""
     path = tmp_path_factory.mktemp("profiles") / "small_card.toml"

@@ -145,6 +145,55 @@ class RowSplitGeometry:
         return spans
 
 
+@dataclass(frozen=True)
+class BlockScaleGeometry:
+    """Plane offsets of one `block_scale_k16_m128x4_v1` nvfp4 object [n, k] with `divisors` FP32 divisors (§6.3)."""
+
+    n: int
+    k: int
+    divisors: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n <= 0 or self.k <= 0 or self.n % 128 or self.k % 64:
+            raise ArtifactError(f"nvfp4 needs N % 128 == 0 and K % 64 == 0, got {[self.n, self.k]}")
+        if self.divisors <= 0 or (self.n // 128) % self.divisors:
+            raise ArtifactError(f"nvfp4 divisors {self.divisors} must split the {self.n // 128} row tiles evenly")
+
+    @property
+    def code_bytes(self) -> int:
+        return self.n * self.k // 2
+
+    @property
+    def scale_offset(self) -> int:
+        return align_up(self.code_bytes, 256)
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.n * self.k // 16
+
+    @property
+    def divisor_offset(self) -> int:
+        return self.scale_offset + self.scale_bytes
+
+    @property
+    def encoded_size(self) -> int:
+        return self.divisor_offset + 4 * self.divisors
+
+    @property
+    def rows_per_divisor(self) -> int:
+        return self.n // self.divisors
+
+    def row_spans(self, r0: int, count: int) -> list[tuple[int, int]]:
+        """Byte spans (offset, length) of the codes and of the scales of rows [r0, r0+count), whole 128-row tiles only.
+
+        The swizzled scales of a run of whole row tiles are one contiguous span, so such rows copied
+        to the plane offsets of a `count`-row object form a valid object of their own.
+        """
+        if r0 < 0 or count <= 0 or r0 + count > self.n or r0 % 128 or count % 128:
+            raise ArtifactError(f"nvfp4 row range [{r0}, {r0 + count}) is not whole 128-row tiles of [0, {self.n})")
+        return [(r0 * self.k // 2, count * self.k // 2), (self.scale_offset + r0 * self.k // 16, count * self.k // 16)]
+
+
 def grouped_format(name: str) -> GroupedFormat:
     """The grouped format called `name`, or an ArtifactError."""
     try:
@@ -170,9 +219,5 @@ def encoded_size(layout: str, fmt: str, shape: tuple[int, ...] | list[int], divi
     if layout == ROW_SPLIT:
         return RowSplitGeometry(GROUPED_FORMATS[fmt], n, k).encoded_size
     if layout == BLOCK_SCALE:
-        if n % 128 or k % 64:
-            raise ArtifactError(f"nvfp4 needs N % 128 == 0 and K % 64 == 0, got {list(shape)}")
-        if (n // 128) % divisors:
-            raise ArtifactError(f"nvfp4 divisors {divisors} must split the {n // 128} row tiles evenly")
-        return align_up(n * k // 2, 256) + n * k // 16 + 4 * divisors
+        return BlockScaleGeometry(n, k, divisors).encoded_size
     return align_up(n * k, 256) + 2 * n  # ROW_SCALE
