@@ -69,6 +69,14 @@ def _fp32_words(values: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(values.to(torch.float32).numpy(), dtype="<f4").view(np.uint8).reshape(-1)
 
 
+def _int32_words(values: torch.Tensor) -> np.ndarray:
+    """int32 bytes of integer values (the proposal token ids)."""
+    return np.ascontiguousarray(values.numpy(), dtype="<i4").view(np.uint8).reshape(-1)
+
+
+_DIRECT_WORDS = {"bf16": _bf16_words, "fp32": _fp32_words, "int32": _int32_words}
+
+
 def encode_parent(parent: Parent, read: Reader) -> np.ndarray:
     """The encoded bytes of `parent` (exactly `encoded_size`), reading each source through `read`."""
     fmt = parent.format
@@ -80,7 +88,7 @@ def encode_parent(parent: Parent, read: Reader) -> np.ndarray:
         for values in source_rows(source, read):
             count = values.shape[0]
             if geometry is None:
-                data = _bf16_words(values) if fmt == "bf16" else _fp32_words(values)
+                data = _DIRECT_WORDS[fmt](values)
                 start = row * parent.row_elements * DIRECT_FORMATS[fmt]
                 out[start : start + data.size] = data
             else:
