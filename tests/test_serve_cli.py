@@ -119,7 +119,7 @@ def test_host_experts_with_the_cpu_miss_path_serve_the_resident_greedy_text(tiny
 
     server = ServeProcess(str(tiny_artifact_official), "--served-model-name", "tiny", "--experts", "host", "--miss-path", "cpu")
     try:
-        assert server.wait_for(r"0 of 48 experts pinned in VRAM, .*; misses cpu")
+        assert server.wait_for(r"8 of 56 experts pinned in VRAM, .*; misses cpu")  # the MTP layer's: it speculates by default
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200

@@ -201,3 +201,17 @@ def test_speculation_is_the_default_where_the_artifact_has_mtp(tiny_artifact, no
     plain.close()
     with pytest.raises(NinferError, match="no_mtp.ninfer has no MTP weights to draft with; use --spec none"):
         Engine.load(no_mtp_artifact, spec="mtp")
+
+
+def test_the_load_plan_drafts_with_the_proposal_head(tiny_artifact_proposal, small_card):
+    """A planned load that drafts with the proposal head keeps it on the device and prices drafting by its bytes."""
+    plans = {}
+    for proposal_head in (False, True):
+        engine = Engine.load(tiny_artifact_proposal, profile=str(small_card), proposal_head=proposal_head)
+        plans[proposal_head] = engine.expert_plan.plan
+        engine.close()
+    with_head, without = plans[True], plans[False]
+    assert with_head.options.proposal_head and not without.options.proposal_head
+    assert (with_head.components["proposal"].placement, without.components["proposal"].placement) == ("vram", "unused")
+    assert with_head.vram_used_bytes - without.vram_used_bytes == with_head.components["proposal"].bytes
+    assert any("drafting with the proposal head" in a for a in with_head.predicted.assumptions)
