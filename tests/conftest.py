@@ -82,7 +82,7 @@ def half_expert_budget(tiny_artifact_official, small_card) -> int:
     routed experts (and the embedding)."""
     from ninfer_offload import Engine
 
-    full = Engine.load(tiny_artifact_official, profile=str(small_card))
+    full = Engine.load(tiny_artifact_official, profile=str(small_card), spec="none")
     plan = full.expert_plan.plan
     full.close()
     assert plan.components["routed_experts"].host_bytes == 0
