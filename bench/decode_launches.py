@@ -99,7 +99,7 @@ def tiny_artifact(directory: Path) -> Path:
 
 
 def count_step(artifact: Path, dtype: str) -> dict:
-    engine = Engine.load(artifact, device="cpu", dtype=dtype, backend="triton")
+    engine = Engine.load(artifact, device="cpu", dtype=dtype, backend="triton", spec="none")
     session = engine.session()
     session.prefill(PROMPT)
     packed = pack_inputs([11], [session.slot], [session.length], 1, engine.max_context)

@@ -292,7 +292,7 @@ def main() -> None:
     report["device_bandwidth_GBps"] = bandwidth / 1e9
     max_context = max(args.contexts + args.prefills) + 512
     began = time.perf_counter()
-    engine = Engine.load(args.artifact, device="cuda", max_context=max_context, max_sequences=2)
+    engine = Engine.load(args.artifact, device="cuda", max_context=max_context, max_sequences=2, spec="none")
     report["load_seconds"] = time.perf_counter() - began
     report["vram_after_load_bytes"] = torch.cuda.memory_allocated()
     report["planner"] = planner_prediction(engine, max_context)

@@ -9,7 +9,8 @@ then N clients each stream one greedy `/v1/completions` request of `--max-tokens
 content chunk) and decode tok/s (tokens after the first over the time after the first chunk).
 Reported per level: mean per-client tok/s, aggregate tok/s (all tokens over the wall time from the
 first request to the last end), TTFT p50 and p95. Extra server options (`--serve-arg`, repeatable)
-are passed through, e.g. `--serve-arg=--vram-budget=15GiB`.
+are passed through, e.g. `--serve-arg=--vram-budget=15GiB`. Both decode plainly (`--spec none`)
+unless such an option says otherwise (`--serve-arg=--spec=mtp`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Server:
         self.port = free_port()
         command = [
             sys.executable, "-m", "ninfer_offload", "serve", str(artifact), "--device", device, "--port", str(self.port),
-            "--max-concurrency", str(concurrency), "--served-model-name", "bench", *extra,
+            "--max-concurrency", str(concurrency), "--served-model-name", "bench", "--spec", "none", *extra,
         ]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
@@ -130,10 +131,11 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
 
 def generate_tok_s(artifact: Path, device: str, max_tokens: int, extra: list[str]) -> float:
     """Decode tok/s of `ninfer generate --json` with the same artifact, device and placement options."""
-    placement = [arg for arg in extra if re.match(r"--(experts|profile|vram-budget|cache-policy|miss-path)", arg)]
+    shared = r"--(experts|profile|vram-budget|cache-policy|miss-path|spec|draft-tokens|proposal-head)"
+    placement = [arg for arg in extra if re.match(shared, arg)]
     run = subprocess.run(
         [sys.executable, "-m", "ninfer_offload", "generate", str(artifact), "--device", device, "--prompt", PROMPT, "--greedy",
-         "--max-tokens", str(max_tokens), "--json", *placement],
+         "--max-tokens", str(max_tokens), "--json", "--spec", "none", *placement],
         capture_output=True, text=True, check=True,
     )
     return json.loads(run.stdout)["decode_tokens_per_s"]

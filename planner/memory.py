@@ -15,7 +15,7 @@ from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.options import PlanOptions
 
-FP32, BF16 = 4, 2
+FP32, BF16, INT64 = 4, 2, 8
 KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1}
 INT8_SCALE_BYTES = 2  # int8 KV keeps one fp16 scale per (token, KV head) for K and for V
 ROUTED_ROLES = ("routed_gate_up", "routed_down")
@@ -131,8 +131,9 @@ def staging_slots(num_experts: int, top_k: int, tokens_per_step: int, requested:
 
 def loaded_weight_bytes(inventory: Inventory, components: tuple[str, ...], element_bytes: int) -> int:
     """Device bytes of the non-routed weights of `components` as the loader keeps them: quantized
-    objects (every layout but contiguous: row-split, nvfp4 block-scale) in their stored bytes, FP32 objects (the GDN decay
-    parameters) in FP32, every other contiguous object in the compute dtype."""
+    objects (every layout but contiguous: row-split, nvfp4 block-scale) in their stored bytes, FP32
+    objects (the GDN decay parameters) in FP32, INT32 objects (the proposal token ids) as int64
+    indices, every other contiguous object in the compute dtype."""
     total = 0
     for t in inventory.tensors:
         if t.component not in components or t.role in ROUTED_ROLES:
@@ -140,7 +141,7 @@ def loaded_weight_bytes(inventory: Inventory, components: tuple[str, ...], eleme
         if t.layout != CONTIGUOUS:
             total += t.bytes
         else:
-            total += elements(t.shape) * (FP32 if t.format == "fp32" else element_bytes)
+            total += elements(t.shape) * {"fp32": FP32, "int32": INT64}.get(t.format, element_bytes)
     return total
 
 
@@ -156,6 +157,7 @@ class LoadOptions:
     mtp: bool
     element_bytes: int  # compute dtype
     kv_dtype: str  # a KV_ELEMENT_BYTES key
+    proposal_head: bool = False  # the proposal head is loaded (it drafts instead of the output head)
 
 
 def expert_arena_bytes(expert_bytes: list[int], pinned_experts: tuple[int, ...], cache_slots: int) -> int:
@@ -169,8 +171,9 @@ def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]
     shape = ModelShape.from_config(inventory.text_config)
     components = ("text", "mtp") if options.mtp else ("text",)
     banks = [bank for c in components for bank in inventory.banks_of(c)]
+    loaded = components + (("proposal",) if options.proposal_head else ())
     return {
-        "weights": loaded_weight_bytes(inventory, components, options.element_bytes),
+        "weights": loaded_weight_bytes(inventory, loaded, options.element_bytes),
         "experts": expert_arena_bytes([bank.expert_bytes for bank in banks], options.pinned_experts, options.cache_slots),
         **state_pool_bytes(
             shape, options.sequences, options.capacity, options.draft_tokens, options.mtp, options.kv_dtype, options.element_bytes

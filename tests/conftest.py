@@ -19,6 +19,7 @@ if any(importlib.util.find_spec(name) for name in ("fla", "causal_conv1d")):
 
 TINY_SEED = 1  # seed 0 puts a router near-tie in test_engine_steps' fp8 KV prompt (logits move by 16%, 1.5% here)
 GREEDY_PROMPT = [11, 42, 7, 300, 5, 99, 23]
+PROPOSAL_ROWS = 256  # of the tiny vocabulary's 512 ids
 
 
 @pytest.fixture(scope="session")
@@ -33,10 +34,11 @@ def tiny_checkpoint(tmp_path_factory):
     return tiny_hf.save_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"), "fused", seed=TINY_SEED)
 
 
-def _convert(checkpoint, tmp_path_factory, recipe: str):
+def _convert(checkpoint, tmp_path_factory, recipe: str, **options):
     from ninfer_offload.convert import convert
 
-    return convert(checkpoint, tmp_path_factory.mktemp(f"tiny_{recipe}") / f"tiny_{recipe}.ninfer", recipe=recipe, progress=False)
+    out = tmp_path_factory.mktemp(f"tiny_{recipe}") / f"tiny_{recipe}.ninfer"
+    return convert(checkpoint, out, recipe=recipe, progress=False, **options)
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +51,15 @@ def tiny_artifact(tiny_checkpoint, tmp_path_factory):
 def tiny_artifact_official(tiny_checkpoint, tmp_path_factory):
     """`tiny_checkpoint` converted with the `official` recipe (Q4/Q5/Q6/Q8 groupwise)."""
     return _convert(tiny_checkpoint, tmp_path_factory, "official")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_proposal(tiny_checkpoint, tmp_path_factory):
+    """`tiny_checkpoint` converted with the `official` recipe and a proposal head (Q4, like the
+    official file's) over the 256 most frequent of its 512 token ids by the checkpoint's ranking."""
+    from ninfer_offload.convert.tiny import RANKING_FILE
+
+    return _convert(tiny_checkpoint, tmp_path_factory, "official", proposal=tiny_checkpoint / RANKING_FILE, proposal_rows=PROPOSAL_ROWS)
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +97,7 @@ def half_expert_budget(tiny_artifact_official, small_card) -> int:
     routed experts (and the embedding)."""
     from ninfer_offload import Engine
 
-    full = Engine.load(tiny_artifact_official, profile=str(small_card))
+    full = Engine.load(tiny_artifact_official, profile=str(small_card), spec="none")
     plan = full.expert_plan.plan
     full.close()
     assert plan.components["routed_experts"].host_bytes == 0
@@ -105,10 +116,11 @@ def frontend(tiny_artifact):
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_artifact):
-    """The bf16-recipe artifact loaded on the CPU (an Engine holds no per-sequence state: safe to share)."""
+    """The bf16-recipe artifact loaded on the CPU, decoding plainly (an Engine holds no per-sequence
+    state: safe to share)."""
     from ninfer_offload import Engine
 
-    engine = Engine.load(tiny_artifact, max_sequences=8)
+    engine = Engine.load(tiny_artifact, max_sequences=8, spec="none")
     yield engine
     engine.close()
 

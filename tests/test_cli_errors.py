@@ -65,7 +65,7 @@ def no_load(monkeypatch):
         (["--prompt", "a", "--miss-path", "cpu"], "--miss-path cpu computes experts kept in host memory: add --experts host"),
         (["--prompt", "a", "--miss-path", "disk"], "--miss-path must be one of pcie, cpu, auto"),
         (["--prompt", "a", "--experts", "gpu"], "--experts must be one of auto, resident, host"),
-        (["--prompt", "a", "--spec", "eagle"], "--spec must be none or mtp"),
+        (["--prompt", "a", "--spec", "eagle"], "--spec must be one of auto, none, mtp"),
         (["--prompt", "a", "--spec", "dflash2"], "--spec dflash2: drafting with a DFlash model is not supported"),
         (["--prompt", "a", "--spec", "mtp", "--draft-tokens", "9"], "--draft-tokens must be 1..5"),
         (["--prompt-ids", "1,600"], "token id 600 is outside the model's vocabulary [0, 512)"),

@@ -18,8 +18,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_cuda_float32_reference_engine_matches_cpu(tiny_artifact_official):
-    cpu = Engine.load(tiny_artifact_official).logits(PROMPT)
-    cuda = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend="reference")
+    cpu = Engine.load(tiny_artifact_official, spec="none").logits(PROMPT)
+    cuda = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend="reference", spec="none")
     assert _relative(cuda.logits(PROMPT), cpu) < 1e-5
 
 
@@ -28,8 +28,8 @@ def test_cuda_bfloat16_reference_engine_is_close_to_cpu_float32(tiny_artifact):
     enough a tie to flip in bf16 (later ones and the quantized recipes' weights do have such ties,
     which legitimately move logits by O(1)); on CPU in bf16 these positions are within 3% of fp32."""
     ids = PROMPT[:9]  # position 9 of the TINY_SEED model has a near-tie (CPU bf16 is 12 % off fp32 there too)
-    cpu = Engine.load(tiny_artifact).logits(ids)
-    cuda = Engine.load(tiny_artifact, device="cuda", backend="reference")
+    cpu = Engine.load(tiny_artifact, spec="none").logits(ids)
+    cuda = Engine.load(tiny_artifact, device="cuda", backend="reference", spec="none")
     assert cuda.dtype == torch.bfloat16
     got = cuda.logits(ids).cpu()
     for row in range(len(ids)):
@@ -39,8 +39,8 @@ def test_cuda_bfloat16_reference_engine_is_close_to_cpu_float32(tiny_artifact):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_cuda_pinned_host_experts_equal_resident(tiny_artifact_official, backend):
-    resident = Engine.load(tiny_artifact_official, device="cuda", backend=backend)
-    host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=3, backend=backend)
+    resident = Engine.load(tiny_artifact_official, device="cuda", backend=backend, spec="none")
+    host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=3, backend=backend, spec="none")
     assert host.store.host[0].is_pinned()
     assert torch.equal(host.logits(PROMPT), resident.logits(PROMPT))
     sessions = [resident.session(), host.session()]
@@ -52,7 +52,7 @@ def test_cuda_pinned_host_experts_equal_resident(tiny_artifact_official, backend
 
 
 def test_cuda_step_batch_equals_single_steps(tiny_artifact_official):
-    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend="reference", max_sequences=4)
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend="reference", max_sequences=4, spec="none")
     batched, single = [engine.session() for _ in range(2)], [engine.session() for _ in range(2)]
     for sessions in (batched, single):
         sessions[0].prefill(PROMPT[:9])

@@ -135,7 +135,7 @@ def test_pending_steps_and_slots_are_one_line_errors(engine, tiny_artifact_offic
             engine.step([session, engine.session()], [[1], [2, 3]])
     finally:
         session.close()
-    single = Engine.load(tiny_artifact_official, max_context=32)
+    single = Engine.load(tiny_artifact_official, max_context=32, spec="none")
     first = single.session()
     with pytest.raises(NinferError, match="all 1 sequence slots are in use"):
         single.session()

@@ -36,26 +36,38 @@ def frontend(tiny_checkpoint):
 
 
 def test_json_greedy_output_equals_the_engine(tiny_artifact, frontend, reprefill_greedy):
-    run = ninfer(tiny_artifact, "--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 16, "--json")
+    run = ninfer(tiny_artifact, "--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 16, "--spec", "none", "--json")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["prompt_ids"] == PROMPT
     assert out["ids"] == reprefill_greedy
     assert out["text"] == frontend.decode(reprefill_greedy)
     assert out["finish_reason"] == "length" and out["stop_id"] is None
-    assert out["prompt_tokens"] == len(PROMPT) and out["decode_steps"] == 15
+    assert out["prompt_tokens"] == len(PROMPT) and out["decode_steps"] == 15 and out["speculation"] is None
     assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
 
 
-def test_json_greedy_with_mtp_drafts_is_the_same_output(tiny_artifact, reprefill_greedy):
-    ids = ",".join(map(str, PROMPT))
-    run = ninfer(tiny_artifact, "--prompt-ids", ids, "--greedy", "--max-tokens", 16, "--spec", "mtp", "--draft-tokens", 2, "--json")
+@pytest.mark.parametrize("drafts", [[], ["--spec", "mtp", "--draft-tokens", 2]])
+def test_json_greedy_with_mtp_drafts_is_the_same_output(tiny_artifact, reprefill_greedy, drafts):
+    """By default (the artifact has MTP weights) with 3 drafts, or as asked."""
+    run = ninfer(tiny_artifact, "--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 16, *drafts, "--json")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["ids"] == reprefill_greedy
     spec = out["speculation"]
     assert spec["rounds"] == out["decode_steps"] and out["decode_tokens"] == spec["rounds"] + spec["accepted"]
-    assert len(spec["acceptance_at"]) == 2
+    assert len(spec["acceptance_at"]) == (int(drafts[-1]) if drafts else 3)
+
+
+def test_proposal_head_drafts_give_the_plain_output(tiny_artifact, tiny_artifact_proposal):
+    ids = ",".join(map(str, PROMPT))
+    plain = ninfer(tiny_artifact_proposal, "--prompt-ids", ids, "--greedy", "--max-tokens", 12, "--spec", "none", "--json")
+    drafted = ninfer(tiny_artifact_proposal, "--prompt-ids", ids, "--greedy", "--max-tokens", 12, "--proposal-head")
+    assert plain.returncode == drafted.returncode == 0, plain.stderr + drafted.stderr
+    text = json.loads(plain.stdout)["text"].replace("\r\n", "\n").replace("\r", "\n")  # as the text-mode pipe reads it
+    assert drafted.stdout == text + "\n"
+    assert "MTP: " in drafted.stderr and "of drafts accepted" in drafted.stderr
+    one_line_error(ninfer(tiny_artifact, "--prompt-ids", ids, "--proposal-head"), "has no proposal head")
 
 
 def test_streamed_text_is_the_generated_text(tiny_artifact, tiny_engine, frontend):
@@ -81,7 +93,7 @@ def test_messages_file_tools_and_template_override(tmp_path, tiny_artifact, fron
 
 def test_seeded_sampling_reproduces_across_processes(tiny_artifact, tiny_engine, frontend):
     args = ("--temperature", 1.3, "--top-k", 20, "--top-p", 0.9, "--min-p", 0, "--repetition-penalty", 1)
-    run = ninfer(tiny_artifact, "--prompt-ids", "1,2,3", *args, "--seed", 77, "--max-tokens", 8, "--json")
+    run = ninfer(tiny_artifact, "--prompt-ids", "1,2,3", *args, "--seed", 77, "--max-tokens", 8, "--spec", "none", "--json")
     assert run.returncode == 0, run.stderr
     params = SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=77)
     assert json.loads(run.stdout)["ids"] == generate(tiny_engine, [1, 2, 3], 8, params, frontend.stop_ids).run().token_ids
@@ -121,7 +133,7 @@ def test_a_vram_budget_offloads_experts_and_reports_the_cache(tiny_artifact_offi
     want = ninfer(tiny_artifact_official, "--prompt-ids", ids, "--greedy", "--max-tokens", 8, "--json")
     got = ninfer(
         tiny_artifact_official, "--prompt-ids", ids, "--greedy", "--max-tokens", 8, "--json", "--profile", profile,
-        "--vram-budget", f"{budget}B",
+        "--vram-budget", f"{budget}B", "--spec", "none",  # the budget is planned without the MTP layer
     )
     assert want.returncode == got.returncode == 0, got.stderr
     out = json.loads(got.stdout)

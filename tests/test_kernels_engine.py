@@ -36,7 +36,7 @@ def test_triton_backend_engine_matches_reference(tiny_artifact_official):
 @needs_cuda
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_graph_replay_equals_eager(tiny_artifact_official, dtype, tolerance):
-    engine = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype, max_sequences=2)
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype, max_sequences=2, spec="none")
     assert engine.graphs is not None
     eager, captured = engine.session(), engine.session()
     eager.prefill(PROMPT)
@@ -51,7 +51,7 @@ def test_graph_replay_equals_eager(tiny_artifact_official, dtype, tolerance):
 @pytest.mark.gpu
 @needs_cuda
 def test_bf16_greedy_is_stable(tiny_artifact_official):
-    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="bfloat16")
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="bfloat16", spec="none")
 
     def greedy() -> list[int]:
         session, out = engine.session(), []
@@ -76,7 +76,7 @@ def test_cpu_engine_steps_eagerly(tiny_artifact_official):
 @pytest.mark.gpu
 @needs_cuda
 def test_graphs_are_captured_once_per_engine_and_bucket(tiny_artifact_official):
-    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", max_sequences=3)
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", max_sequences=3, spec="none")
     sessions = [engine.session() for _ in range(3)]
     for session in sessions:
         session.prefill(PROMPT)
@@ -124,7 +124,7 @@ def test_captured_step_ops_equal_eager_step(tiny_artifact_official):
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_batched_steps_equal_single_sequence_steps_on_the_gpu(tiny_artifact_official, cuda_graphs):
     """Batches of 1..8 sequences of mixed lengths, eager and captured, against each sequence stepped alone."""
-    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="bfloat16", max_sequences=16, cuda_graphs=cuda_graphs)
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="bfloat16", max_sequences=16, cuda_graphs=cuda_graphs, spec="none")
     assert (engine.graphs is not None) == cuda_graphs
     for batch in range(1, 9):
         batched, single = [engine.session() for _ in range(batch)], [engine.session() for _ in range(batch)]

@@ -18,7 +18,7 @@ STEPS = [3, 99, 250, 7, 61, 300, 12, 8, 444, 17, 42, 5]
 
 @pytest.fixture(scope="module")
 def resident(tiny_artifact_official):
-    engine = Engine.load(tiny_artifact_official)
+    engine = Engine.load(tiny_artifact_official, spec="none")
     yield engine
     engine.close()
 
@@ -32,7 +32,7 @@ def _run(engine: Engine) -> list[torch.Tensor]:
 
 
 def test_plan_decides_where_each_expert_lives(tiny_artifact_official, resident, small_card, half_expert_budget):
-    engine = Engine.load(tiny_artifact_official, profile=str(small_card), vram_budget=half_expert_budget)
+    engine = Engine.load(tiny_artifact_official, profile=str(small_card), vram_budget=half_expert_budget, spec="none")
     plan, store = engine.expert_plan.plan, engine.store
     assert plan.feasible and 0 < plan.experts_resident < plan.experts_total
     pinned = engine.expert_plan.placement.pinned
@@ -65,7 +65,7 @@ def test_plan_decides_where_each_expert_lives(tiny_artifact_official, resident, 
 
 @pytest.mark.parametrize("policy", ["static", "lru", "decayed"])
 def test_every_cache_policy_gives_the_resident_logits(tiny_artifact_official, resident, policy):
-    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy=policy)
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy=policy, spec="none")
     for got, want in zip(_run(engine), _run(resident)):
         assert torch.equal(got, want)
     stats = engine.store.stats
@@ -78,7 +78,7 @@ def test_every_cache_policy_gives_the_resident_logits(tiny_artifact_official, re
 def test_adaptive_cache_follows_the_traffic(tiny_artifact_official):
     """Replayed routing that keeps picking experts 7 and 6 in every layer: once the prefill's counts are
     read, the cache takes those 12 in and every later use hits."""
-    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=12, cache_policy="lru")
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=12, cache_policy="lru", spec="none")
     layers, top_k = engine.config.num_layers, engine.config.top_k
     hot = torch.tensor([[7, 6]] * layers).view(layers, 1, top_k)
     engine.store.replay_routing(hot)

@@ -31,15 +31,15 @@ def _decode(engine: Engine, steps: int, routing: list[torch.Tensor] | None = Non
 
 @pytest.fixture(scope="module")
 def resident(tiny_artifact_official):
-    engine = Engine.load(tiny_artifact_official, device="cuda")
+    engine = Engine.load(tiny_artifact_official, device="cuda", spec="none")
     yield engine
     engine.close()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_offloaded_graph_steps_equal_resident(tiny_artifact_official, dtype):
-    resident = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype)
-    host = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype, experts="host", num_slots=4)
+    resident = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype, spec="none")
+    host = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype, experts="host", num_slots=4, spec="none")
     assert host.graphs is not None and host.store.host[0].is_pinned()  # offloaded steps are captured too
     for got, want in zip(_decode(host, 12), _decode(resident, 12)):
         assert torch.equal(got, want)
@@ -48,7 +48,7 @@ def test_offloaded_graph_steps_equal_resident(tiny_artifact_official, dtype):
 
 
 def test_planned_split_equals_resident(tiny_artifact_official, resident, small_card, half_expert_budget):
-    split = Engine.load(tiny_artifact_official, device="cuda", profile=str(small_card), vram_budget=half_expert_budget)
+    split = Engine.load(tiny_artifact_official, device="cuda", profile=str(small_card), vram_budget=half_expert_budget, spec="none")
     assert 0 < sum(map(len, split.expert_plan.placement.pinned)) < split.config.num_layers * split.config.num_experts
     for got, want in zip(_decode(split, 10), _decode(resident, 10)):
         assert torch.equal(got, want)
@@ -57,7 +57,7 @@ def test_planned_split_equals_resident(tiny_artifact_official, resident, small_c
 def test_an_offloaded_step_has_no_host_sync(tiny_artifact_official):
     """The forward a decode graph records, run eagerly in sync-debug mode: a synchronizing call anywhere
     in it (routing to the host, reading the table, counting uses) raises."""
-    engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4)
+    engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
     packed = pack_inputs([5], [engine.state.scratch_slot], [0], 1, engine.state.capacity).to("cuda")
     tokens, ctx = unpack_inputs(packed, 1, 1, prefill=False, keep_states=False, host=None)
     torch.cuda.synchronize()
@@ -83,8 +83,8 @@ def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_offic
         copy(self, moves)
 
     monkeypatch.setattr(ExpertCache, "_copy", poisoned_copy)
-    engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=3, cache_policy="lru")
-    resident = Engine.load(tiny_artifact_official, device="cuda")  # fresh: its graphs must record the routing hook
+    engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=3, cache_policy="lru", spec="none")
+    resident = Engine.load(tiny_artifact_official, device="cuda", spec="none")  # fresh: its graphs must record the routing hook
     layers, experts, k = engine.config.num_layers, engine.config.num_experts, engine.config.top_k
     gen = torch.Generator().manual_seed(5)
 
@@ -107,7 +107,9 @@ def test_speculative_greedy_on_cuda_equals_plain_greedy(tiny_artifact_official, 
     from ninfer_offload.runtime.sampling import SamplingParams
 
     greedy = SamplingParams(greedy=True)
-    plain = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", experts=experts, num_slots=4 if experts == "host" else None)
+    plain = Engine.load(
+        tiny_artifact_official, device="cuda", dtype="float32", experts=experts, num_slots=4 if experts == "host" else None, spec="none"
+    )
     spec = Engine.load(
         tiny_artifact_official, device="cuda", dtype="float32", experts=experts, spec="mtp", draft_tokens=3,
         num_slots=4 if experts == "host" else None,

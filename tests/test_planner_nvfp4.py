@@ -159,5 +159,5 @@ def test_spec_dflash2_is_refused_in_one_line(command, with_dflash2):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: --spec dflash2: drafting with a DFlash model is not supported; an artifact's dflash2 component is carried "
-        "but never run: use --spec mtp or none"
+        "but never run: use --spec auto, mtp or none"
     ]

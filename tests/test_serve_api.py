@@ -138,7 +138,7 @@ class ScriptedEngine:
 @pytest.fixture(scope="module")
 def oracle(tiny_artifact, frontend):
     """Greedy generation by a separate Engine, one sequence at a time: (token ids, completion tokens)."""
-    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=8)
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=8, spec="none")
 
     def run(prompt_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
         generation = generate(engine, prompt_ids, max_tokens, SamplingParams(greedy=True), frontend.stop_ids)
@@ -150,21 +150,22 @@ def oracle(tiny_artifact, frontend):
 
 @pytest.fixture(scope="module")
 def server(tiny_artifact, frontend):
-    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=8)
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=8, spec="none")
     with LiveServer(create_app(engine, frontend, MODEL, CONTEXT, max_concurrency=8, max_queue=16)) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
 def speculating(tiny_artifact, frontend):
-    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4, spec="mtp", draft_tokens=3)
+    """The default load of an artifact with MTP weights: 3 MTP drafts per step."""
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4)
     with LiveServer(create_app(engine, frontend, MODEL, CONTEXT, max_concurrency=4, max_queue=4)) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
 def scripted(tiny_artifact, frontend):
-    engine = ScriptedEngine(Engine.load(tiny_artifact, device="cpu", max_sequences=8))
+    engine = ScriptedEngine(Engine.load(tiny_artifact, device="cpu", max_sequences=8, spec="none"))
     with LiveServer(create_app(engine, frontend, MODEL, 4096, max_concurrency=1, max_queue=1)) as live:
         live.engine = engine
         yield live
@@ -172,7 +173,7 @@ def scripted(tiny_artifact, frontend):
 
 @pytest.fixture(scope="module")
 def guarded(tiny_artifact, frontend):
-    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=8)
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=8, spec="none")
     with LiveServer(create_app(engine, frontend, MODEL, CONTEXT, api_key="sekret", max_body_bytes=2048)) as live:
         yield live
 

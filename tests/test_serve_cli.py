@@ -59,7 +59,8 @@ def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact):
     server = ServeProcess(str(tiny_artifact), *args)
     try:
         assert server.wait_for(r"loaded .* 6 layers, 8 experts \(top-2\), vocab 512, cpu float32")
-        assert server.wait_for(r"48 of 48 experts pinned in VRAM, 0 cache slots")
+        assert server.wait_for(r"56 of 56 experts pinned in VRAM, 0 cache slots")  # 6 layers and the MTP layer: it speculates
+        assert server.wait_for(r"serving model 'tiny' at /v1 \(2 concurrent sequences, queue 64, 3 MTP drafts per step\)")
         response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert response.status_code == 200
         request_id = response.json()["id"]
@@ -89,6 +90,10 @@ def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact):
         (["/nonexistent/model.ninfer"], "error: no such artifact file: /nonexistent/model.ninfer"),
         (["{artifact}", "--log-level", "loud"], "error: --log-level must be debug, info, warning or error, got 'loud'"),
         (["{artifact}", "--device", "tpu"], "error: unknown device 'tpu': use cpu or cuda"),
+        (
+            ["{artifact}", "--proposal-head"],
+            "error: tiny_bf16.ninfer has no proposal head (proposal/head, proposal/token_ids); drop --proposal-head",
+        ),
     ],
 )
 def test_serve_bad_arguments_one_line_errors(tiny_artifact, args, message):
@@ -114,7 +119,7 @@ def test_host_experts_with_the_cpu_miss_path_serve_the_resident_greedy_text(tiny
 
     server = ServeProcess(str(tiny_artifact_official), "--served-model-name", "tiny", "--experts", "host", "--miss-path", "cpu")
     try:
-        assert server.wait_for(r"0 of 48 experts pinned in VRAM, .*; misses cpu")
+        assert server.wait_for(r"8 of 56 experts pinned in VRAM, .*; misses cpu")  # the MTP layer's: it speculates by default
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200

@@ -19,7 +19,7 @@ from ninfer_offload.serve.guards import LOOPBACK_NAMES
 
 @pytest.fixture(scope="module")
 def engine(tiny_artifact):
-    return Engine.load(tiny_artifact, device="cpu", max_sequences=2)
+    return Engine.load(tiny_artifact, device="cpu", max_sequences=2, spec="none")
 
 
 @pytest.fixture(scope="module")

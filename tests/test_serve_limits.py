@@ -27,7 +27,8 @@ COMPLETIONS = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def engine(tiny_artifact):
-    return Engine.load(tiny_artifact, device="cpu", max_sequences=8)
+    """Plain decoding: the wrappers below act on its one-token steps."""
+    return Engine.load(tiny_artifact, device="cpu", max_sequences=8, spec="none")
 
 
 class FailingEngine:

@@ -53,7 +53,8 @@ class RecordingEngine:
 
 @pytest.fixture(scope="module")
 def engine(tiny_artifact):
-    return Engine.load(tiny_artifact, device="cpu", max_sequences=8)
+    """Plain decoding: `RecordingEngine` records its one-token steps."""
+    return Engine.load(tiny_artifact, device="cpu", max_sequences=8, spec="none")
 
 
 async def collect(handle) -> list[int]:

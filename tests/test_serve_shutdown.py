@@ -37,7 +37,7 @@ def assert_ended_by_shutdown(stream_lines: list[str], plain: httpx.Response) -> 
 
 
 def test_requests_running_at_the_deadline_get_a_last_event_or_a_503(tiny_artifact, frontend):
-    engine = ScriptedEngine(Engine.load(tiny_artifact, device="cpu", max_sequences=2))
+    engine = ScriptedEngine(Engine.load(tiny_artifact, device="cpu", max_sequences=2, spec="none"))
     engine.scripts.extend([frontend.encode(" a") * 3000] * 2)
     window = 0.5
     app = create_app(engine, frontend, MODEL, 4096, max_concurrency=2, max_queue=2)

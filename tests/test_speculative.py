@@ -1,15 +1,18 @@
 """Speculative decoding with the MTP layer (CPU, tiny model, float32): greedy output identical to
-plain greedy for K = 1..5, with drafts rejected at every position, at the end of the context; the
-state after a rejected round equals a run that never saw the rejected tokens; the acceptance rule
-samples the target's distribution."""
+plain greedy for K = 1..5, with drafts rejected at every position, at the end of the context, and
+with the proposal head drafting; the state after a rejected round equals a run that never saw the
+rejected tokens; the acceptance rule samples the target's distribution, also from a proposal
+head's q (zero outside its token ids); speculation is the default where the artifact has MTP."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GREEDY_PROMPT
+from conftest import GREEDY_PROMPT, PROPOSAL_ROWS
 
 from ninfer_offload import Engine, NinferError
+from ninfer_offload.model.backend import ReferenceBackend
+from ninfer_offload.model.proposal import ProposalHead
 from ninfer_offload.runtime import speculative
 from ninfer_offload.runtime.generate import generate
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
@@ -93,25 +96,122 @@ def test_state_after_a_rejected_round_is_a_clean_run(tiny_artifact):
     assert torch.allclose(spec.step(9), clean.step(9), atol=1e-5)
 
 
-def test_acceptance_rule_samples_the_target_distribution():
-    """Over a 6-token vocabulary: drafts from q, verification against p; the first token a round
-    emits is distributed as p (within sampling noise), whatever q is."""
-    p = torch.tensor([0.05, 0.4, 0.1, 0.25, 0.15, 0.05])
-    q = torch.tensor([0.3, 0.05, 0.3, 0.05, 0.2, 0.1])
+P_TARGET = torch.tensor([0.05, 0.4, 0.1, 0.25, 0.15, 0.05])
+
+
+def first_tokens(q: torch.Tensor, trials: int = 20000) -> torch.Tensor:
+    """Frequencies of the first token a one-draft round emits: draft from q, verify against P_TARGET."""
     sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
-    logits = torch.log(p).expand(2, -1)
+    logits = torch.log(P_TARGET).expand(2, -1)
     gen = torch.Generator().manual_seed(3)
-    counts = torch.zeros(6)
-    trials = 20000
+    counts = torch.zeros(len(P_TARGET))
     for _ in range(trials):
         draft = int(torch.multinomial(q, 1, generator=gen))
         accepted, following = speculative.accept_drafts(sampler, logits, [draft], [q], [], [])
         counts[accepted[0] if accepted else following] += 1
-    assert torch.allclose(counts / trials, p, atol=0.015)
+    return counts / trials
 
 
-def test_bad_spec_options_are_one_line(tiny_artifact):
-    with pytest.raises(NinferError, match="spec must be one of none, mtp"):
+def test_acceptance_rule_samples_the_target_distribution():
+    """Over a 6-token vocabulary: drafts from q, verification against p; the first token a round
+    emits is distributed as p (within sampling noise), whatever q is."""
+    q = torch.tensor([0.3, 0.05, 0.3, 0.05, 0.2, 0.1])
+    assert torch.allclose(first_tokens(q), P_TARGET, atol=0.015)
+
+
+def test_acceptance_rule_with_a_proposal_head_q():
+    """q from a proposal head over 4 of the 6 tokens is zero at the other two, which only the
+    residual resampling can emit: the output is still distributed as p."""
+    gen = torch.Generator().manual_seed(11)
+    head = ProposalHead(torch.randn(4, 8, generator=gen), torch.tensor([4, 1, 3, 0]), len(P_TARGET))
+    logits = head.logits(ReferenceBackend(), torch.randn(1, 8, generator=gen))[0]
+    q = Sampler(SamplingParams(temperature=1.0)).probabilities(logits, [], [])
+    assert q[2] == q[5] == 0 and torch.isclose(q.sum(), torch.tensor(1.0))
+    assert torch.allclose(first_tokens(q), P_TARGET, atol=0.015)
+
+
+@pytest.fixture(scope="module")
+def proposal_engines(tiny_artifact_proposal):
+    """The proposal artifact decoding plainly, and speculating with 3 drafts from its proposal head."""
+    plain = Engine.load(tiny_artifact_proposal, spec="none")
+    drafting = Engine.load(tiny_artifact_proposal, spec="mtp", draft_tokens=3, proposal_head=True)
+    yield plain, drafting
+    plain.close()
+    drafting.close()
+
+
+def test_greedy_with_the_proposal_head_equals_greedy_without(proposal_engines):
+    plain, drafting = proposal_engines
+    want = generate(plain, GREEDY_PROMPT, max_tokens=TOKENS, sampling=GREEDY).run()
+    got = generate(drafting, GREEDY_PROMPT, max_tokens=TOKENS, sampling=GREEDY).run()
+    assert got.token_ids == want.token_ids and want.speculation is None
+    spec = got.speculation
+    assert spec["rounds"] == got.decode_steps and spec["drafted"] == 3 * spec["rounds"] and len(spec["acceptance_at"]) == 3
+    assert got.decode_tokens == spec["rounds"] + spec["accepted"]
+
+
+def test_sampling_with_the_proposal_head_reports_its_drafts(proposal_engines):
+    _, drafting = proposal_engines
+    result = generate(drafting, GREEDY_PROMPT, max_tokens=TOKENS, sampling=SamplingParams(temperature=1.0, seed=4)).run()
+    spec = result.speculation
+    assert len(result.token_ids) == TOKENS and spec["drafted"] == 3 * spec["rounds"] > 0
+    assert 0 <= spec["accepted"] <= spec["drafted"] and result.decode_tokens == spec["rounds"] + spec["accepted"]
+
+
+def test_proposal_head_drafts_over_its_token_ids(proposal_engines):
+    """Draft logits are finite exactly at the head's token ids and there follow the output head's
+    logits of the same ids (the head holds those rows, Q4 where the output head is Q6)."""
+    _, drafting = proposal_engines
+    hidden = torch.randn(3, drafting.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    drafts, full = drafting.draft_logits(hidden), drafting.logits_of(hidden)
+    ids = drafting.proposal.token_ids
+    assert ids.numel() == PROPOSAL_ROWS
+    assert set(torch.isfinite(drafts).nonzero()[:, 1].tolist()) == set(ids.tolist())
+    for row in range(3):
+        assert torch.corrcoef(torch.stack([drafts[row, ids], full[row, ids]]))[0, 1] > 0.98
+
+
+def test_bad_spec_options_are_one_line(tiny_artifact, tiny_artifact_proposal):
+    with pytest.raises(NinferError, match="spec must be one of auto, none, mtp"):
         Engine.load(tiny_artifact, spec="dflash")
     with pytest.raises(NinferError, match="--draft-tokens"):
         Engine.load(tiny_artifact, spec="mtp", draft_tokens=6)
+    with pytest.raises(NinferError, match=r"tiny_bf16.ninfer has no proposal head \(proposal/head, proposal/token_ids\); drop --proposal"):
+        Engine.load(tiny_artifact, proposal_head=True)
+    with pytest.raises(NinferError, match="drop --proposal-head or use --spec mtp"):
+        Engine.load(tiny_artifact_proposal, spec="none", proposal_head=True)
+
+
+@pytest.fixture(scope="module")
+def no_mtp_artifact(tmp_path_factory):
+    from ninfer_offload.convert import convert
+    from ninfer_offload.convert.tiny import write_checkpoint
+
+    root = tmp_path_factory.mktemp("no_mtp")
+    return convert(write_checkpoint(root / "src", mtp=False), root / "no_mtp.ninfer", recipe="bf16", progress=False)
+
+
+def test_speculation_is_the_default_where_the_artifact_has_mtp(tiny_artifact, no_mtp_artifact):
+    engine = Engine.load(tiny_artifact)
+    assert (engine.speculation.mode, engine.spec_tokens, engine.proposal) == ("mtp", 3, None) and engine.mtp is not None
+    engine.close()
+    plain = Engine.load(no_mtp_artifact, draft_tokens=4)  # no MTP weights: plain decoding, without rollback room
+    assert (plain.speculation.mode, plain.spec_tokens, plain.state.step_tokens, plain.mtp) == ("none", 0, 1, None)
+    assert generate(plain, GREEDY_PROMPT, max_tokens=3, sampling=GREEDY).run().speculation is None
+    plain.close()
+    with pytest.raises(NinferError, match="no_mtp.ninfer has no MTP weights to draft with; use --spec none"):
+        Engine.load(no_mtp_artifact, spec="mtp")
+
+
+def test_the_load_plan_drafts_with_the_proposal_head(tiny_artifact_proposal, small_card):
+    """A planned load that drafts with the proposal head keeps it on the device and prices drafting by its bytes."""
+    plans = {}
+    for proposal_head in (False, True):
+        engine = Engine.load(tiny_artifact_proposal, profile=str(small_card), proposal_head=proposal_head)
+        plans[proposal_head] = engine.expert_plan.plan
+        engine.close()
+    with_head, without = plans[True], plans[False]
+    assert with_head.options.proposal_head and not without.options.proposal_head
+    assert (with_head.components["proposal"].placement, without.components["proposal"].placement) == ("vram", "unused")
+    assert with_head.vram_used_bytes - without.vram_used_bytes == with_head.components["proposal"].bytes
+    assert any("drafting with the proposal head" in a for a in with_head.predicted.assumptions)

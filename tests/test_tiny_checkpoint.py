@@ -11,7 +11,10 @@ from safetensors.torch import load_file
 
 from ninfer_offload.convert.tiny import checkpoint_tensors, tiny_config
 
-FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"}
+FILES = {
+    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+    "ranking.counts.i64",
+}
 
 # `ninfer tiny` with transformers unimportable (it is only in the test extra).
 WITHOUT_TRANSFORMERS = (

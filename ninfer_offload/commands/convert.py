@@ -1,4 +1,5 @@
-"""`ninfer convert SRC_DIR OUT.ninfer [--recipe official|nvfp4|bf16|q8] [--text-only] [--max-file-bytes N]`.
+"""`ninfer convert SRC_DIR OUT.ninfer [--recipe official|nvfp4|bf16|q8] [--text-only] [--max-file-bytes N]
+[--proposal RANKING]`.
 
 The checkpoint's safetensors files are chosen as transformers chooses them (the shards its index
 lists, else `model.safetensors`); any other `*.safetensors` file in SRC_DIR is named in a warning.
@@ -9,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+
+from ninfer_offload.artifact.contract import PROPOSAL_ROWS
 
 
 def convert(
@@ -22,6 +25,10 @@ def convert(
     text_only: bool = typer.Option(False, "--text-only", help="Leave the vision tower out."),
     max_file_bytes: int | None = typer.Option(None, "--max-file-bytes", help="Split into continuation parts of at most this many bytes."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
+    proposal: Path | None = typer.Option(
+        None, "--proposal", help="Add a proposal head: a ranking file of int64 token counts picks its token ids."
+    ),
+    proposal_rows: int = typer.Option(PROPOSAL_ROWS, "--proposal-rows", help="Token ids (rows) of the proposal head."),
 ) -> None:
     """Convert a Qwen3.5/3.6-MoE Hugging Face checkpoint into a .ninfer artifact."""
     from ninfer_offload.artifact.reader import open_artifact
@@ -32,7 +39,10 @@ def convert(
     if ignored:
         why = f"not listed in {INDEX}" if (src_dir / INDEX).exists() else f"without {INDEX} only {SINGLE_FILE} is read"
         typer.echo(f"warning: ignoring {', '.join(p.name for p in ignored)} ({why})", err=True)
-    path = run_conversion(src_dir, out_path, recipe=recipe, text_only=text_only, max_file_bytes=max_file_bytes, progress=progress)
+    path = run_conversion(
+        src_dir, out_path, recipe=recipe, text_only=text_only, max_file_bytes=max_file_bytes, progress=progress,
+        proposal=proposal, proposal_rows=proposal_rows,
+    )
     with open_artifact(path) as artifact:
         files = len(artifact.directory["files"])
         tensors = sum(1 for o in artifact.objects if o.kind == "tensor")

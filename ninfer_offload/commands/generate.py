@@ -18,8 +18,8 @@ import typer
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.commands.load_options import (
-    CACHE_POLICY_OPTION, DRAFT_TOKENS_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, SPEC_OPTION, VRAM_BUDGET_OPTION,
-    engine_placement, engine_speculation,
+    CACHE_POLICY_OPTION, DRAFT_TOKENS_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, PROPOSAL_HEAD_OPTION, SPEC_OPTION,
+    VRAM_BUDGET_OPTION, engine_placement, engine_speculation,
 )
 
 
@@ -131,6 +131,7 @@ def generate(
     miss_path: str = MISS_PATH_OPTION,
     spec: str = SPEC_OPTION,
     draft_tokens: int = DRAFT_TOKENS_OPTION,
+    proposal_head: bool = PROPOSAL_HEAD_OPTION,
     max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -153,7 +154,8 @@ def generate(
 
     if greedy and temperature is not None:
         raise NinferError("--greedy and --temperature contradict each other (--greedy always takes the most likely token); give one")
-    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path) | engine_speculation(spec, draft_tokens)
+    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path)
+    placement |= engine_speculation(spec, draft_tokens, proposal_head)
     if not artifact.is_file():
         raise NinferError(f"no such artifact file: {artifact}")
     template = _read_text(chat_template, "chat template") if chat_template is not None else None
@@ -163,8 +165,6 @@ def generate(
         if "text" not in opened.components:
             raise ArtifactError(f"{artifact.name} has no text component")
         text_config = opened.components["text"].config
-        if spec == "mtp" and "mtp" not in opened.components:
-            raise ArtifactError(f"{artifact.name} has no MTP weights to draft with; use --spec none")
         frontend = Frontend.from_artifact(opened, chat_template=template)
     if ids is None:
         if prompt is not None and raw:

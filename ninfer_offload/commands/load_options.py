@@ -8,7 +8,8 @@ import typer
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_policy import POLICIES
-from ninfer_offload.planner.options import MAX_DRAFTS, MISS_PATHS, SPECULATIVE_MODES, parse_size
+from ninfer_offload.planner.options import MAX_DRAFTS, MISS_PATHS, parse_size
+from ninfer_offload.runtime.spec_choice import SPEC_CHOICES
 
 EXPERTS_OPTION = typer.Option(
     "auto", "--experts",
@@ -31,29 +32,34 @@ MISS_PATH_OPTION = typer.Option(
 
 
 SPEC_OPTION = typer.Option(
-    "none", "--spec",
-    help="mtp: decode speculatively, drafting with the model's MTP layer (server: requests without a grammar or logprobs); none. "
-    "An artifact's DFlash/DFlash2 drafter is never run.",
+    "auto", "--spec",
+    help="mtp: decode speculatively, drafting with the model's MTP layer (server: requests without a grammar or logprobs); "
+    "none: one token per step; auto: mtp when the artifact has MTP weights, else none. An artifact's DFlash/DFlash2 drafter "
+    "is never run.",
 )
-DRAFT_TOKENS_OPTION = typer.Option(3, "--draft-tokens", help="MTP drafts verified per step with --spec mtp (1..5).")
+DRAFT_TOKENS_OPTION = typer.Option(3, "--draft-tokens", help="MTP drafts verified per step when speculating (1..5).")
+PROPOSAL_HEAD_OPTION = typer.Option(
+    False, "--proposal-head", help="Draft with the artifact's proposal head (a subset of the vocabulary) instead of the output head."
+)
 
 
 # Draft models some artifacts carry (components of these names) that this engine never runs.
 DRAFT_MODELS = ("dflash", "dflash2")
 
 
-def engine_speculation(spec: str, draft_tokens: int) -> dict:
-    """`Engine.load` keyword arguments of the speculation options, or a NinferError naming the bad flag."""
+def engine_speculation(spec: str, draft_tokens: int, proposal_head: bool) -> dict:
+    """`Engine.load` keyword arguments of the speculation options, or a NinferError naming the bad flag
+    (what depends on the artifact, such as its MTP weights, is checked by the load)."""
     if spec in DRAFT_MODELS:
         raise NinferError(
             f"--spec {spec}: drafting with a DFlash model is not supported; an artifact's {spec} component is carried "
-            "but never run: use --spec mtp or none"
+            "but never run: use --spec auto, mtp or none"
         )
-    if spec not in SPECULATIVE_MODES:
-        raise NinferError(f"--spec must be {' or '.join(SPECULATIVE_MODES)}, got {spec!r}")
-    if spec == "mtp" and not 1 <= draft_tokens <= MAX_DRAFTS:
+    if spec not in SPEC_CHOICES:
+        raise NinferError(f"--spec must be one of {', '.join(SPEC_CHOICES)}, got {spec!r}")
+    if spec != "none" and not 1 <= draft_tokens <= MAX_DRAFTS:
         raise NinferError(f"--draft-tokens must be 1..{MAX_DRAFTS}, got {draft_tokens}")
-    return {"spec": spec, "draft_tokens": draft_tokens if spec == "mtp" else 0}
+    return {"spec": spec, "draft_tokens": draft_tokens if spec != "none" else 0, "proposal_head": proposal_head}
 
 
 def engine_placement(experts: str, profile: str | None, vram_budget: str | None, cache_policy: str, miss_path: str) -> dict:

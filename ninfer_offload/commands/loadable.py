@@ -3,8 +3,8 @@
 Nothing here lists what a load needs: the frontend parses the resources as a load does (tokenizer
 with `tokenizers`, its config and the generation config as JSON, the chat template compiled by
 jinja2) and the loader itself (`runtime.loader.load_model`) runs on the meta device, so it reads
-every binding `Engine.load` reads (the MTP module's too when the artifact has one) and applies its
-own shape checks, while no weight is kept.
+every binding `Engine.load` reads (the MTP module's and the proposal head's too when the artifact
+has them) and applies its own shape checks, while no weight is kept.
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ def load_problems(artifact, progress: bool = False) -> list[str]:
         config = ModelConfig.from_component(artifact.components["text"].config)
         mtp = "mtp" in artifact.components
         placement = ExpertPlacement.resident(config.num_layers + mtp, config.num_experts)
-        load_model(artifact, config, torch.device("meta"), torch.float32, placement, with_mtp=mtp, progress=progress)
+        proposal = mtp and artifact.components["text"].proposal is not None
+        load_model(
+            artifact, config, torch.device("meta"), torch.float32, placement, with_mtp=mtp, progress=progress, with_proposal=proposal
+        )
     except (NinferError, ValueError) as err:
         return [f"load: {err}"]
     return []

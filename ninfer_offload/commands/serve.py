@@ -12,8 +12,8 @@ from pathlib import Path
 import typer
 
 from ninfer_offload.commands.load_options import (
-    CACHE_POLICY_OPTION, DRAFT_TOKENS_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, SPEC_OPTION, VRAM_BUDGET_OPTION,
-    engine_placement, engine_speculation,
+    CACHE_POLICY_OPTION, DRAFT_TOKENS_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, PROPOSAL_HEAD_OPTION, SPEC_OPTION,
+    VRAM_BUDGET_OPTION, engine_placement, engine_speculation,
 )
 from ninfer_offload.errors import NinferError
 
@@ -54,6 +54,7 @@ def serve(
     miss_path: str = MISS_PATH_OPTION,
     spec: str = SPEC_OPTION,
     draft_tokens: int = DRAFT_TOKENS_OPTION,
+    proposal_head: bool = PROPOSAL_HEAD_OPTION,
     max_concurrency: int = typer.Option(4, min=1, help="Sequences decoded together in one batched forward pass."),
     max_queue: int = typer.Option(64, min=0, help="Requests allowed to wait for a slot; beyond it: 429."),
     max_context: int | None = typer.Option(None, min=1, help="Tokens per sequence, prompt + completion (default: min(model's, 32768))."),
@@ -98,7 +99,8 @@ def serve(
     extra_hosts = list(allowed_host or [])
     allowed_hosts = [*LOOPBACK_NAMES, *extra_hosts] if is_loopback(host) or extra_hosts else None
     _check_can_listen(host, port)
-    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path) | engine_speculation(spec, draft_tokens)
+    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path)
+    placement |= engine_speculation(spec, draft_tokens, proposal_head)
     start = time.perf_counter()
     engine = Engine.load(artifact, device=device, max_context=max_context, max_sequences=max_concurrency, **placement)
     frontend = Frontend.from_artifact(engine.artifact, chat_template=template)
@@ -118,7 +120,7 @@ def serve(
         allowed_hosts=allowed_hosts,
     )
     log.info(
-        "serving model '%s' at /v1 (%d concurrent sequences, queue %d%s)",
-        name, max_concurrency, max_queue, ", API key required" if api_key else "",
+        "serving model '%s' at /v1 (%d concurrent sequences, queue %d, %s%s)",
+        name, max_concurrency, max_queue, engine.speculation.describe(), ", API key required" if api_key else "",
     )
     graceful_server(app, host, port, log_level.lower(), shutdown_timeout).run()

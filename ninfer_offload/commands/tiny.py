@@ -17,7 +17,7 @@ def tiny(
     """Write a tiny random Qwen3.5/3.6-MoE checkpoint (6 layers, 8 experts, MTP, 512-token vocabulary) for `ninfer convert`."""
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise NinferError(f"{directory} already exists and is not an empty directory; choose a new one")
-    from ninfer_offload.convert.tiny import tiny_config, write_checkpoint
+    from ninfer_offload.convert.tiny import RANKING_FILE, tiny_config, write_checkpoint
 
     config = tiny_config(nvfp4=nvfp4)
     write_checkpoint(directory, config, seed=seed)
@@ -25,5 +25,6 @@ def tiny(
     typer.echo(
         f"wrote {directory}: a random Qwen3_5MoeForCausalLM with {config['num_hidden_layers']} layers, "
         f"{config['num_experts']} experts (top-{config['num_experts_per_tok']}), hidden size {config['hidden_size']}, "
-        f"vocabulary {config['vocab_size']}, MTP ({size / 2**20:.1f} MiB); next: ninfer convert {directory} tiny.ninfer"
+        f"vocabulary {config['vocab_size']}, MTP ({size / 2**20:.1f} MiB); next: ninfer convert {directory} tiny.ninfer "
+        f"(a proposal head: add --proposal {directory / RANKING_FILE} --proposal-rows 256)"
     )

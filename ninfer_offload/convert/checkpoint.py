@@ -168,6 +168,12 @@ class Checkpoint:
         )
         return compressed_nvfp4.check_matrix(prefix, matrix)
 
+    def read_rows(self, name: str, ids: list[int]) -> torch.Tensor:
+        """Rows `ids` (any order) of a rank-2 tensor, in its stored dtype; one mapping of the file."""
+        with safe_open(str(self._file[name]), framework="pt") as f:
+            rows = f.get_slice(name)
+            return torch.cat([rows[i : i + 1] for i in ids])
+
     def resource(self, filename: str) -> bytes | None:
         """Bytes of a resource file in the checkpoint directory, or None if absent."""
         path = self.directory / filename

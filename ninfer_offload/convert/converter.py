@@ -20,12 +20,13 @@ from ninfer_offload import __version__
 from ninfer_offload.artifact.formats import NVFP4, encoded_size
 from ninfer_offload.artifact.writer import ArtifactWriter
 from ninfer_offload.convert.checkpoint import TEXT_RESOURCES, VISION_RESOURCES, Checkpoint
-from ninfer_offload.convert.encode import encode_parent, storage_layout
+from ninfer_offload.convert.encode import Tensors, encode_parent, storage_layout
 from ninfer_offload.convert.hf_config import ModelSpec, read_model_config
-from ninfer_offload.convert.layout import Layout, Parent, plan_layout
+from ninfer_offload.convert.layout import Layout, Parent, output_head_tensor, plan_layout
+from ninfer_offload.convert.proposal import ProposalReader, proposal_ids, read_ranking, tokenizer_domain
 from ninfer_offload.convert.recipes import check_recipe
 from ninfer_offload.errors import NinferError
-from ninfer_offload.artifact.contract import MTP_CONFIG
+from ninfer_offload.artifact.contract import MTP_CONFIG, PROPOSAL_ROWS
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 VISION_PREFIX = "model.visual."
@@ -55,7 +56,8 @@ def _check_tensors(checkpoint: Checkpoint, layout: Layout, vision: bool) -> None
     """Every planned source exists with its shape; no text/mtp (or converted vision) tensor is left over."""
     for parent in layout.parents:
         for source in parent.sources:
-            checkpoint.check(source.tensor, source.shape)
+            if not source.virtual:
+                checkpoint.check(source.tensor, source.shape)
         problem = parent.nvfp4_problem() if parent.format == NVFP4 else None
         if problem:
             raise NinferError(f"tensor {checkpoint.stored_name(parent.sources[0].tensor)!r}: {problem}; choose another --recipe")
@@ -86,11 +88,14 @@ def convert(
     text_only: bool = False,
     max_file_bytes: int | None = None,
     progress: bool = True,
+    proposal: str | Path | None = None,
+    proposal_rows: int = PROPOSAL_ROWS,
 ) -> Path:
     """Convert the checkpoint in `src_dir` to the artifact `out_path` (v3); returns the entry path.
 
     Components: `text` always, `mtp` when the checkpoint has `mtp.*` tensors, `vision` when it has
-    a vision tower and `text_only` is false. Nothing is written under `out_path` unless the whole
+    a vision tower and `text_only` is false; with a `proposal` ranking file, a proposal head of
+    `proposal_rows` rows (`convert.proposal`, it needs the MTP layer it drafts from). Nothing is written under `out_path` unless the whole
     conversion succeeds (temporary names, then rename); an existing `out_path` is never replaced.
     """
     check_recipe(recipe)
@@ -104,11 +109,14 @@ def convert(
     names = checkpoint.names
     has_mtp = "mtp.fc.weight" in names
     has_vision = spec.vision is not None and any(n.startswith(VISION_PREFIX) for n in names) and not text_only
-    layout = plan_layout(spec, recipe, names.__contains__, text_prefix(names), has_mtp, has_vision)
+    prefix = text_prefix(names)
+    ids = _proposal_ids(checkpoint, Path(proposal), proposal_rows, has_mtp) if proposal is not None else None
+    layout = plan_layout(spec, recipe, names.__contains__, prefix, has_mtp, has_vision, 0 if ids is None else len(ids))
     _check_tensors(checkpoint, layout, has_vision)
+    tensors = ProposalReader(checkpoint, output_head_tensor(spec, names.__contains__, prefix), ids) if ids is not None else checkpoint
     writer = ArtifactWriter(out_path, max_file_bytes=max_file_bytes, metadata={"name": checkpoint.directory.resolve().name},
-                            provenance=_provenance(checkpoint, recipe, text_only))
-    _add_components(writer, spec, has_mtp, has_vision)
+                            provenance=_provenance(checkpoint, recipe, text_only, proposal))
+    _add_components(writer, spec, has_mtp, has_vision, None if ids is None else len(ids))
     for component, role, data in _resources(checkpoint, has_vision):
         writer.add_resource(f"resource/{component}/{role}", data, component=component, role=role)
     with _progress_bar(progress) as bar:
@@ -118,7 +126,7 @@ def convert(
             size = encoded_size(layout_name, parent.format, parent.shape, parent.divisors)
             bar.update(task, total=bar.tasks[0].total + size)
             writer.add_tensor(object_id, parent.shape, parent.format, layout_name,
-                              _encoder(checkpoint, parent, lambda size=size: bar.advance(task, size)), parent.divisors)
+                              _encoder(tensors, parent, lambda size=size: bar.advance(task, size)), parent.divisors)
             for binding, begin, end in ranges:
                 if len(ranges) == 1:
                     writer.bind(binding, object_id)
@@ -129,32 +137,47 @@ def convert(
         return writer.write()
 
 
-def _encoder(checkpoint: Checkpoint, parent: Parent, done):
-    """The writer's source callable for `parent`: encodes it, then reports progress."""
+def _proposal_ids(checkpoint: Checkpoint, ranking: Path, rows: int, has_mtp: bool):
+    """The proposal head's token ids from the ranking file and the checkpoint's tokenizer."""
+    if not has_mtp:
+        raise NinferError("--proposal needs the checkpoint's MTP layer (mtp.* tensors): the proposal head drafts from it")
+    tokenizer = checkpoint.resource("tokenizer.json")
+    if tokenizer is None:
+        raise NinferError(f"{checkpoint.directory}: missing tokenizer.json")
+    domain, specials = tokenizer_domain(tokenizer)
+    return proposal_ids(read_ranking(ranking), domain, specials, rows)
+
+
+def _encoder(tensors: Tensors, parent: Parent, done):
+    """The writer's source callable for `parent`: encodes it (its sources from `tensors`), then reports progress."""
 
     def encode():
-        data = encode_parent(parent, checkpoint)
+        data = encode_parent(parent, tensors)
         done()
         return data
 
     return encode
 
 
-def _add_components(writer: ArtifactWriter, spec: ModelSpec, mtp: bool, vision: bool) -> None:
-    writer.add_component("text", spec.text_config)
+def _add_components(writer: ArtifactWriter, spec: ModelSpec, mtp: bool, vision: bool, proposal_rows: int | None) -> None:
+    proposal = {"domain": "indexed", "rows": proposal_rows} if proposal_rows else None
+    writer.add_component("text", spec.text_config, proposal=proposal)
     if mtp:
         writer.add_component("mtp", MTP_CONFIG, target="text")
     if vision:
         writer.add_component("vision", spec.vision_config, target="text")
 
 
-def _provenance(checkpoint: Checkpoint, recipe: str, text_only: bool) -> dict:
-    return {
+def _provenance(checkpoint: Checkpoint, recipe: str, text_only: bool, ranking: str | Path | None) -> dict:
+    provenance = {
         "converter": f"ninfer-offload {__version__}",
         "recipe": recipe,
         "text_only": text_only,
         "sources": {"checkpoint": {"path": str(checkpoint.directory.resolve())}},
     }
+    if ranking is not None:
+        provenance["ranking"] = str(Path(ranking).resolve())
+    return provenance
 
 
 def _progress_bar(enabled: bool) -> Progress:

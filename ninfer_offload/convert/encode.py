@@ -45,7 +45,8 @@ Reader = Callable[[str, int, int], torch.Tensor]
 
 
 class Tensors(Protocol):
-    """What encoding reads from a checkpoint (`convert.checkpoint.Checkpoint`)."""
+    """What encoding reads from a checkpoint (`convert.checkpoint.Checkpoint`, or
+    `convert.proposal.ProposalReader` when a proposal head is written)."""
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor: ...
 
@@ -95,6 +96,14 @@ def _fp32_words(values: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(values.to(torch.float32).numpy(), dtype="<f4").view(np.uint8).reshape(-1)
 
 
+def _int32_words(values: torch.Tensor) -> np.ndarray:
+    """int32 bytes of integer values (the proposal token ids)."""
+    return np.ascontiguousarray(values.numpy(), dtype="<i4").view(np.uint8).reshape(-1)
+
+
+_DIRECT_WORDS = {"bf16": _bf16_words, "fp32": _fp32_words, "int32": _int32_words}
+
+
 def _member_matrices(parent: Parent, tensors: Tensors) -> Iterator[Nvfp4Matrix]:
     """Each member of an nvfp4 parent as one NVFP4 matrix, in order: copied when stored so, else quantized."""
     rows = parent.members[0].rows
@@ -142,7 +151,7 @@ def encode_parent(parent: Parent, tensors: Tensors) -> np.ndarray:
         for values in source_rows(source, tensors.read):
             count = values.shape[0]
             if geometry is None:
-                data = _bf16_words(values) if fmt == "bf16" else _fp32_words(values)
+                data = _DIRECT_WORDS[fmt](values)
                 start = row * parent.row_elements * DIRECT_FORMATS[fmt]
                 out[start : start + data.size] = data
             else:

@@ -24,6 +24,10 @@ GATE_HALF = "gate_half"  # per-head rows [d, 2d)
 TAPS_MAJOR = "taps_major"  # conv1d [C, 1, W] -> [W, C]
 FLATTEN = "flatten"  # C-order reshape to [shape[0] * ..., last] (fused banks) or [N, rest] (patch)
 
+# Sources that are not checkpoint tensors: the proposal head's gathered output-head rows and its
+# token ids, read through `convert.proposal.ProposalReader`.
+PROPOSAL_HEAD, PROPOSAL_IDS = "proposal:head", "proposal:token_ids"
+
 
 @dataclass(frozen=True)
 class Source:
@@ -34,6 +38,11 @@ class Source:
     transform: str = NONE
     heads: int = 0  # QUERY_HALF / GATE_HALF only
     rows: int = 0  # rows (rank 2) or elements (rank 1) contributed to the parent
+
+    @property
+    def virtual(self) -> bool:
+        """Made by the converter (the proposal's), not read from the checkpoint."""
+        return self.tensor in (PROPOSAL_HEAD, PROPOSAL_IDS)
 
 
 @dataclass(frozen=True)
@@ -232,8 +241,7 @@ class LayoutBuilder:
 
     def text(self) -> None:
         d, tp = self.spec.text, self.tp
-        tied_only = d.tied and not self.has("lm_head.weight")  # tied checkpoints may omit lm_head
-        head = f"{tp}embed_tokens.weight" if tied_only else "lm_head.weight"
+        head = output_head_tensor(self.spec, self.has, tp)
         head_inputs = ("text/final_hidden", "mtp/final_hidden") if self.with_mtp else ("text/final_hidden",)
         self.singles += [
             _single(self.fmt("token_embedding"), _source(f"{tp}embed_tokens.weight", (d.vocab, d.hidden)), "text/token_embedding"),
@@ -257,6 +265,13 @@ class LayoutBuilder:
         self.attention("mtp.layers.0.", "mtp/layers/0", d)
         routed = self.fmt("mtp_routed")
         self.moe("mtp.layers.0.", "mtp/layers/0", d, routed, routed, self.fmt("projection"))
+
+    def proposal(self, rows: int) -> None:
+        """The proposal head over `rows` token ids (rows of the output head) and the ids themselves."""
+        self.singles += [
+            _single(self.fmt("proposal_head"), _source(PROPOSAL_HEAD, (rows, self.spec.text.hidden)), "proposal/head", "mtp/final_hidden"),
+            _single("int32", _source(PROPOSAL_IDS, (rows,)), "proposal/token_ids"),
+        ]
 
     def vision(self, v: VisionDims) -> None:
         vp = "model.visual."
@@ -326,11 +341,21 @@ class Layout:
     parents: list[Parent]
 
     def tensors(self) -> set[str]:
-        return {s.tensor for p in self.parents for s in p.sources}
+        """The checkpoint tensors it reads."""
+        return {s.tensor for p in self.parents for s in p.sources if not s.virtual}
 
 
-def plan_layout(spec: ModelSpec, recipe: str, has: Callable[[str], bool], text_prefix: str, mtp: bool, vision: bool) -> Layout:
-    """Every parent of the artifact, components text (+ mtp) (+ vision), in converter order.
+def output_head_tensor(spec: ModelSpec, has: Callable[[str], bool], text_prefix: str) -> str:
+    """The checkpoint tensor of the output head: `lm_head.weight`, or the embedding of a tied checkpoint without it."""
+    tied_only = spec.text.tied and not has("lm_head.weight")
+    return f"{text_prefix}embed_tokens.weight" if tied_only else "lm_head.weight"
+
+
+def plan_layout(
+    spec: ModelSpec, recipe: str, has: Callable[[str], bool], text_prefix: str, mtp: bool, vision: bool, proposal_rows: int = 0
+) -> Layout:
+    """Every parent of the artifact, components text (+ mtp) (+ vision) (+ a proposal head of
+    `proposal_rows` rows), in converter order.
 
     `has(name)` tells whether the checkpoint holds a tensor (it selects fused or per-expert banks).
     """
@@ -340,4 +365,6 @@ def plan_layout(spec: ModelSpec, recipe: str, has: Callable[[str], bool], text_p
         builder.mtp()
     if vision:
         builder.vision(spec.vision)
+    if proposal_rows:
+        builder.proposal(proposal_rows)
     return Layout(builder.groups + builder.singles)

@@ -2,10 +2,10 @@
 
 `official` is the published Qwen3.6-35B-A3B assignment: routed gate/up Q4, routed down Q5 with
 Q6 on a set of late layers, Q8 projections, shared experts and embedding, Q6 output head, all MTP
-projections (its routed experts included) Q8, vision patch Q6 / attention q,k,v and fc1 Q4 /
-attention output and fc2 Q5 / merger Q8. `nvfp4` is the assignment of the published NVFP4 file:
-routed and shared experts of the text layers NVFP4, everything else as in `official` (the MTP
-layer, its experts included, stays Q8). `q8` stores every one of those matrices as Q8; `bf16`
+projections (its routed experts included) Q8, proposal head Q4, vision patch Q6 / attention q,k,v
+and fc1 Q4 / attention output and fc2 Q5 / merger Q8. `nvfp4` is the assignment of the published
+NVFP4 file: routed and shared experts of the text layers NVFP4, everything else as in `official`
+(the MTP layer, its experts included, stays Q8). `q8` stores every one of those matrices as Q8; `bf16`
 stores them losslessly. In every recipe the control matrices (router, shared-expert score, GDN
 a/b projections), norms, convolution taps, biases and position embeddings are BF16 and the GDN
 A_log/dt_bias are FP32 (their binder-required formats).
@@ -30,6 +30,7 @@ _OFFICIAL = {
     "routed_gate_up": Q4,
     "routed_down": Q5,  # Q6 on `q6_down_layers`
     "mtp_routed": Q8,
+    "proposal_head": Q4,
     "vision_patch": Q6,
     "vision_qkv": Q4,
     "vision_fc1": Q4,

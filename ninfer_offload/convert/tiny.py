@@ -15,6 +15,7 @@ The text prefix follows the config: `model.language_model.` for a nested (Condit
 config, whatever the expert form.
 
 The tests load the same tensors into transformers' models, their oracle (tests/tiny_hf.py).
+Next to the tensors lies a token ranking (`RANKING_FILE`) for `ninfer convert --proposal`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ninfer_offload.convert.layout import plan_layout
 from ninfer_offload.convert.tiny_tokenizer import write_tokenizer_files
 
 LAYOUTS = ("fused", "per_expert", "conditional")
+RANKING_FILE = "ranking.counts.i64"  # int64 token counts, the ranking `convert --proposal` reads
 CAUSAL_PREFIX, CONDITIONAL_PREFIX = "model.", "model.language_model."
 
 # Both layer kinds, head_dim != hidden / heads, distinct GDN key and value dims: the conventions
@@ -177,7 +179,7 @@ def write_checkpoint(
     config.json (default `tiny_config(layout)`), the tensors in `dtype` (bfloat16 like the published
     checkpoints) in `model.safetensors` or, with `shards > 1`, `model-0000i-of-0000n.safetensors`
     files and `model.safetensors.index.json`, the tokenizer files and generation_config.json, and
-    for "conditional" the two preprocessor configs. Shards are generated one at a time, so memory
+    for "conditional" the two preprocessor configs, and the token ranking `RANKING_FILE`. Shards are generated one at a time, so memory
     holds one shard.
     """
     directory = Path(directory)
@@ -202,9 +204,16 @@ def write_checkpoint(
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     text = config.get("text_config", config)
     write_tokenizer_files(directory, vocab_size=text["vocab_size"])
+    write_ranking(directory / RANKING_FILE, text["vocab_size"], seed)
     if "vision_config" in config:
         _write_preprocessor_configs(directory, config["vision_config"])
     return directory
+
+
+def write_ranking(path: Path, vocab_size: int, seed: int) -> None:
+    """Zipf-like token counts (count 10^6 / rank) over a random order of the `vocab_size` ids."""
+    ranks = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed)) + 1
+    (1_000_000 // ranks).to(torch.int64).numpy().astype("<i8").tofile(path)
 
 
 def _write_preprocessor_configs(directory: Path, vision: dict) -> None:

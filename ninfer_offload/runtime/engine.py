@@ -24,7 +24,6 @@ from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.planner.memory import LoadOptions, load_footprint
-from ninfer_offload.planner.options import SPECULATIVE_MODES
 from ninfer_offload.profiles import DeviceProfile
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
 from ninfer_offload.runtime.expert_plan import ExpertRequest, LoadPlan, expert_load_plan
@@ -33,11 +32,10 @@ from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
 from ninfer_offload.runtime.graphs import StepGraphs
 from ninfer_offload.runtime.session import Session
+from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
 
 DEFAULT_MAX_CONTEXT = 32768
-MAX_DRAFT_TOKENS = 5  # most drafts a multi-token step verifies (and may roll back)
-DEFAULT_DRAFT_TOKENS = 3
 PREFILL_CHUNK = 1024  # tokens per forward of a long prefill (bounds attention scores and expert temporaries)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -98,12 +96,13 @@ class Engine:
 
     def __init__(
         self, artifact, loaded, backend, device: torch.device, dtype: torch.dtype, state: StatePool, cuda_graphs: bool = True,
-        expert_plan: LoadPlan | None = None, spec_tokens: int = 0,
+        expert_plan: LoadPlan | None = None, speculation: Speculation = Speculation("none", 0, False),
     ):
         self.artifact = artifact
         self.config = loaded.config
         self.text = loaded.text
         self.mtp = loaded.mtp
+        self.proposal = loaded.proposal  # the proposal head drafts when loaded, else the output head
         self.store = loaded.store
         self.backend = backend
         self.device = device
@@ -111,7 +110,8 @@ class Engine:
         self.state = state
         self.max_context = state.capacity
         self.expert_plan = expert_plan  # where the routed experts went, and the plan behind it
-        self.spec_tokens = spec_tokens  # MTP drafts per speculative step of `generate` (0: plain decode)
+        self.speculation = speculation  # what the load resolved `spec`/`draft_tokens`/`proposal_head` to
+        self.spec_tokens = speculation.spec_tokens  # MTP drafts per speculative step of `generate` (0: plain decode)
         self._free_slots = list(range(state.sequences - 1, -1, -1))
         capturable = cuda_graphs and device.type == "cuda" and backend.capturable and self.store.capturable
         self.graphs = StepGraphs(self) if capturable else None
@@ -134,7 +134,8 @@ class Engine:
         cache_policy: str = DEFAULT_POLICY,
         miss_path: str | None = None,
         mtp: bool = False,
-        spec: str = "none",
+        spec: str = "auto",
+        proposal_head: bool = False,
         backend: str = "auto",
         cuda_graphs: bool = True,
         progress: bool = False,
@@ -149,10 +150,13 @@ class Engine:
         cache (`cache_policy`: decayed, lru or static). miss_path: "cpu" computes experts missing
         from VRAM on the host, "auto" splits them between host compute and PCIe by measured rates.
         max_context: per-sequence capacity (default min(model maximum, 32768)). max_sequences:
-        sequences open at once (state slots). draft_tokens: most tokens a multi-token step may roll
-        back (per-token GDN states are kept for them). kv_dtype: "fp8" for an e4m3 KV cache (default:
-        the compute dtype). mtp: also load the MTP draft module. spec: "mtp" decodes speculatively
-        (`generate`): `draft_tokens` MTP drafts (default 3) verified per target step. backend: "auto" (Triton on CUDA,
+        sequences open at once (state slots). spec: "mtp" decodes speculatively (`generate`, the
+        server): `draft_tokens` MTP drafts (default 3) verified per target step; "none" decodes one
+        token per step; "auto" (default) is mtp when the artifact has MTP weights, else none.
+        draft_tokens without speculation: most tokens a multi-token step may roll back (per-token GDN
+        states are kept for them). proposal_head: draft with the artifact's proposal head instead of
+        the output head. kv_dtype: "fp8" for an e4m3 KV cache (default: the compute dtype). mtp:
+        also load the MTP draft module (implied by speculation). backend: "auto" (Triton on CUDA,
         reference on CPU), "reference", "triton". cuda_graphs: replay decode steps as CUDA graphs where
         the backend and the expert store allow it (False: every step runs eagerly).
         """
@@ -161,45 +165,45 @@ class Engine:
         cache_dtype = _resolve_kv_dtype(kv_dtype, resolved_dtype)
         if experts not in MODES:
             raise NinferError(f"experts must be one of {', '.join(MODES)} (--experts), got {experts!r}")
-        if spec not in SPECULATIVE_MODES:
-            raise NinferError(f"spec must be one of {', '.join(SPECULATIVE_MODES)} (--spec), got {spec!r}")
-        if spec == "mtp":
-            mtp, draft_tokens = True, draft_tokens or DEFAULT_DRAFT_TOKENS
-        if max_sequences < 1 or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
-            raise NinferError(f"max_sequences must be >= 1 and draft tokens in 0..{MAX_DRAFT_TOKENS} (--draft-tokens)")
+        if max_sequences < 1:
+            raise NinferError(f"max_sequences must be >= 1 (--max-concurrency), got {max_sequences}")
         ops = _backend_for(resolved, backend)
         artifact = open_artifact(path)
         try:
             if "text" not in artifact.components:
                 raise ArtifactError(f"{artifact.path.name} has no text component")
             config = ModelConfig.from_component(artifact.components["text"].config)
+            inventory = Inventory.from_artifact(artifact)
+            speculation = resolve_speculation(spec, draft_tokens, proposal_head, inventory, artifact.path.name)
+            draft_tokens, mtp = speculation.draft_tokens, mtp or speculation.mode == "mtp"
             limit = config.max_position_embeddings
             capacity = min(limit, DEFAULT_MAX_CONTEXT) if max_context is None else int(max_context)
             if not 0 < capacity <= limit:
                 raise NinferError(f"max context {capacity} must be between 1 and the model's maximum context of {limit} (--max-context)")
-            inventory = Inventory.from_artifact(artifact)
             options = LoadOptions(
-                (), 0, max_sequences, capacity, draft_tokens, mtp, _element_bytes(resolved_dtype), _KV_NAMES[cache_dtype]
+                (), 0, max_sequences, capacity, draft_tokens, mtp, _element_bytes(resolved_dtype), _KV_NAMES[cache_dtype],
+                proposal_head,
             )
             state_and_weights = load_footprint(inventory, options)
             free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
             request = ExpertRequest(
                 experts, profile, vram_budget, num_slots, max_sequences, capacity, draft_tokens, mtp,
-                "fp8" if kv_dtype == "fp8" else "bf16", PREFILL_CHUNK,
+                "fp8" if kv_dtype == "fp8" else "bf16", PREFILL_CHUNK, proposal_head,
             )
             expert_plan = expert_load_plan(inventory, resolved, request, None if free is None else free - sum(state_and_weights.values()))
             if resolved.type == "cuda":
                 check_fits(state_and_weights | {"experts": expert_plan.arena_bytes}, free, resolved)
             check_host_memory(expert_plan.host_bytes)
             loaded = load_model(
-                artifact, config, resolved, resolved_dtype, expert_plan.placement, miss_path, cache_policy, with_mtp=mtp, progress=progress
+                artifact, config, resolved, resolved_dtype, expert_plan.placement, miss_path, cache_policy, with_mtp=mtp,
+                progress=progress, with_proposal=proposal_head,
             )
             kinds = dict(enumerate(config.layer_types)) | ({config.num_layers: FULL_ATTENTION} if mtp else {})
             state = StatePool(config, kinds, max_sequences, capacity, draft_tokens, resolved, resolved_dtype, cache_dtype)
         except BaseException:
             artifact.close()
             raise
-        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs, expert_plan, draft_tokens if spec == "mtp" else 0)
+        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs, expert_plan, speculation)
 
     def placement_report(self) -> str:
         """One line: where the routed experts went (and the plan behind it), and the VRAM in use against the plan."""
@@ -314,7 +318,7 @@ class Engine:
         with torch.no_grad(), self.store.forward():
             out = self.mtp(self.backend, self.text, hidden.to(self.dtype), tokens, ctx, self.state)
         session.mtp_length += len(ids)
-        return self.logits_of(out), out
+        return self.draft_logits(out), out
 
     def mtp_step(self, sessions: list[Session], hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP position for each of `sessions` at once (drafting): hidden [B, H] and one next token
@@ -332,7 +336,15 @@ class Engine:
             out = self.mtp(self.backend, self.text, hidden.to(self.dtype), tokens, ctx, self.state)
         for session in sessions:
             session.mtp_length += 1
-        return self.logits_of(out), out
+        return self.draft_logits(out), out
+
+    def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [T, vocab] (float32) of MTP hidden states: the proposal head's when the engine
+        drafts with it (-inf outside its token ids), else the output head's."""
+        if self.proposal is None:
+            return self.logits_of(mtp_hidden)
+        with torch.no_grad():
+            return self.proposal.logits(self.backend, mtp_hidden)
 
     def generate(self, prompt_ids: Iterable[int], max_tokens: int = 256, sampling=None, stop_ids=None):
         """Generate after `prompt_ids` (see `ninfer_offload.runtime.generate.generate`)."""

@@ -48,6 +48,7 @@ class ExpertRequest:
     mtp: bool
     kv_dtype: str  # bf16 or fp8 (the planner's names)
     prefill_chunk: int
+    proposal_head: bool = False  # drafting with the proposal head (the plan keeps it on the device)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def expert_load_plan(inventory: Inventory, device: torch.device, request: Expert
     profile = _profile(request.profile, device)
     options = PlanOptions(
         max_context=request.capacity, concurrency=request.sequences, kv_dtype=request.kv_dtype,
-        speculative="mtp" if request.mtp else "none", drafts=max(1, request.draft_tokens), proposal_head=False,
+        speculative="mtp" if request.mtp else "none", drafts=max(1, request.draft_tokens), proposal_head=request.proposal_head,
         prefill_chunk=request.prefill_chunk, vram_budget=request.vram_budget,
     )
     placement = plan(inventory, profile, options, stats)

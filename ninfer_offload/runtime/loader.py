@@ -1,4 +1,4 @@
-"""Build the text model (and optionally the MTP module) and the expert store from an artifact.
+"""Build the text model (and optionally the MTP module and the proposal head) and the expert store from an artifact.
 
 Routed experts are repacked per expert into one record each (`ExpertRecordLayout` for row-split
 banks, `DenseRecordLayout` for lossless ones), straight into the store's host pool (pinned on
@@ -20,6 +20,7 @@ from ninfer_offload.artifact.formats import CONTIGUOUS, ROW_SPLIT
 from ninfer_offload.artifact.records import DenseRecordLayout, ExpertRecordLayout, RecordLayout
 from ninfer_offload.model.attention import Rotary
 from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.model.proposal import ProposalHead
 from ninfer_offload.model.text_model import MTP_PREFIX, DecoderLayer, MtpModule, TextModel
 from ninfer_offload.model.weights import WeightReader
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
@@ -35,6 +36,7 @@ class LoadedModel:
     text: TextModel
     mtp: MtpModule | None
     store: ExpertStore
+    proposal: ProposalHead | None = None
 
 
 def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLayout, str, str]:
@@ -80,9 +82,10 @@ def load_model(
     cache_policy: str = DEFAULT_POLICY,
     with_mtp: bool = False,
     progress: bool = False,
+    with_proposal: bool = False,
 ) -> LoadedModel:
-    """Read every weight the text model of `config` (and the MTP module if `with_mtp`) needs onto `device`,
-    the routed experts where `placement` puts them."""
+    """Read every weight the text model of `config` (and the MTP module if `with_mtp`, the proposal
+    head if `with_proposal`) needs onto `device`, the routed experts where `placement` puts them."""
     if with_mtp and "mtp/input_projection" not in artifact.bindings:
         raise ArtifactError(
             f"{artifact.path.name} has no MTP weights: use --spec none (or convert the checkpoint with its mtp.* tensors)"
@@ -132,4 +135,5 @@ def load_model(
         dtype=dtype,
     )
     mtp = MtpModule.load(reader, config.num_layers, config, rotary, store) if with_mtp else None
-    return LoadedModel(config, text, mtp, store)
+    proposal = ProposalHead.load(reader, artifact.components["text"].proposal, h, v) if with_proposal else None
+    return LoadedModel(config, text, mtp, store, proposal)
