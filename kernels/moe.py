@@ -4,7 +4,9 @@ Reference op: `ReferenceBackend.routed_experts(x, topk_ids, topk_weights, expert
 `out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = topk_ids[t, j]`.
 
 Experts are reached through a per-layer int64 table: `table[e]` is the byte offset of expert e's
-record (`ExpertRecordLayout`: gate/up object, then the down object at `down_offset`) from an
+record (`ExpertRecordLayout`: gate/up object, then the down object at `down_offset`; each
+row-split or nvfp4, decoded by `kernels/tiles.py` per the `NVFP4` constexpr, nvfp4 rows divided by
+their FP32 divisor in the fp32 accumulators) from an
 `arena` base tensor, a multiple of 256. Resident banks (arena = the bank), cache slots
 (arena = the slot pool) and mapped pinned host records (arena = any 256-aligned tensor, offsets
 = address differences in the unified address space) all go through the same kernels; only the
@@ -29,7 +31,8 @@ import triton.language as tl
 
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import TileGeometry, block_k_for, load_weight_tile
+from ninfer_offload.kernels.nvfp4 import load_divisors
+from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, load_tile
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,9 @@ def _gate_up_swiglu_kernel(
     I,
     high_offset,
     scale_offset,
+    divisor_offset,
     TOP_K: tl.constexpr,
+    NVFP4: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -128,14 +133,17 @@ def _gate_up_swiglu_kernel(
         for k0 in range(0, K_PAD, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x + toks[:, None] * stride_x + cols[None, :], mask=pair_mask[:, None] & (cols < H)[None, :], other=0.0)
-            wg = load_weight_tile(record, cols_i, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-            wu = load_weight_tile(record, cols_i + I, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            wg = load_tile(record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            wu = load_tile(record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
             if IEEE:
                 acc_gate = tl.dot(xt, tl.trans(wg), acc_gate, input_precision="ieee")
                 acc_up = tl.dot(xt, tl.trans(wu), acc_up, input_precision="ieee")
             else:
                 acc_gate = tl.dot(xt, tl.trans(wg.to(xt.dtype)), acc_gate)
                 acc_up = tl.dot(xt, tl.trans(wu.to(xt.dtype)), acc_up)
+        if NVFP4:
+            acc_gate = acc_gate / load_divisors(record, cols_i, col_mask, divisor_offset)[None, :]
+            acc_up = acc_up / load_divisors(record, cols_i + I, col_mask, divisor_offset)[None, :]
         gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
         up = acc_up.to(x.dtype.element_ty).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
@@ -156,6 +164,8 @@ def _down_kernel(
     down_offset,
     high_offset,
     scale_offset,
+    divisor_offset,
+    NVFP4: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -177,11 +187,13 @@ def _down_kernel(
         for k0 in range(0, K_PAD, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             at = tl.load(act + safe_pairs[:, None] * I + cols[None, :], mask=pair_mask[:, None] & (cols < I)[None, :], other=0.0)
-            wd = load_weight_tile(down, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            wd = load_tile(down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
             if IEEE:
                 acc = tl.dot(at, tl.trans(wd), acc, input_precision="ieee")
             else:
                 acc = tl.dot(at, tl.trans(wd.to(at.dtype)), acc)
+        if NVFP4:
+            acc = acc / load_divisors(down, rows, row_mask, divisor_offset)[None, :]
         y = acc.to(act.dtype.element_ty).to(tl.float32)
         w = tl.load(weights + safe_pairs, mask=pair_mask, other=0.0).to(tl.float32)
         tl.store(out + safe_pairs[:, None] * H + rows[None, :], y * w[:, None], mask=pair_mask[:, None] & row_mask[None, :])
@@ -217,14 +229,15 @@ def routed_experts(
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
         x, arena, table, plan.block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
-        TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n,
+        gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.gate_up_n,
         BLOCK_K=block_k_for(gu.k_pad), IEEE=ieee, num_warps=tiles.warps,
     )
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
         act, arena, table, plan.block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
-        layout.down_offset, dn.high_offset, dn.scale_offset,
-        BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
+        layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset,
+        NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
         BLOCK_K=block_k_for(dn.k_pad), IEEE=ieee, num_warps=tiles.warps,
     )
     return sum_middle(weighted.view(t, top_k, hidden), x.dtype)

@@ -29,25 +29,25 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("fmt", sorted(GROUPED_FORMATS))
 @pytest.mark.parametrize("n,k", [(40, 200), (33, 256)])
 def test_fused_kernel_matches_reference_for_every_format(fmt, n, k):
-    from ninfer_offload.kernels.quant_linear import rowsplit_linear
+    from ninfer_offload.kernels.quant_linear import quantized_linear
 
     data, weight, geometry = _random_object(fmt, n, k, seed=n + k)
     for t in (1, 3, 8):
         x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
-        out = rowsplit_linear(x.to(DEVICE), data, geometry)
+        out = quantized_linear(x.to(DEVICE), data, geometry)
         assert out.shape == (t, n) and out.dtype == torch.float32
         assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
 
 
 def test_split_k_and_dequantize_paths():
-    from ninfer_offload.kernels.quant_linear import FUSED_MAX_TOKENS, rowsplit_dequantize, rowsplit_linear
+    from ninfer_offload.kernels.quant_linear import FUSED_MAX_TOKENS, dequantize_matrix, quantized_linear
 
     data, weight, geometry = _random_object("q5_g64_fp16", 20, 900, seed=7)
-    assert torch.equal(rowsplit_dequantize(data, geometry, torch.float32).cpu(), weight)
+    assert torch.equal(dequantize_matrix(data, geometry, torch.float32).cpu(), weight)
     x = torch.randn(FUSED_MAX_TOKENS + 5, 900, generator=torch.Generator().manual_seed(1))
-    out = rowsplit_linear(x.to(DEVICE), data, geometry)
+    out = quantized_linear(x.to(DEVICE), data, geometry)
     assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
-    one = rowsplit_linear(x[:1].to(DEVICE), data, geometry)  # K = 1024 padded: split across programs
+    one = quantized_linear(x[:1].to(DEVICE), data, geometry)  # K = 1024 padded: split across programs
     assert _relative_error(one, x[:1].double() @ weight.double().T) < 1e-5
 
 

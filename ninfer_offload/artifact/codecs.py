@@ -1,7 +1,8 @@
 """Numeric codecs: decode stored words to codes/scales/float32, and the canonical encoder.
 
 Row-split objects (docs/format.md §6.2) decode to int8 codes [N, K] and float16 scales
-[N, ceil(K/G)]; the canonical encoder MAXABS_F16_RECIP_RNE_V1 (§7) is bit-exact. Everything is
+[N, ceil(K/G)]; the canonical encoder MAXABS_F16_RECIP_RNE_V1 (§7) is bit-exact. nvfp4 objects
+(§6.3) decode to float32 values. Everything is
 vectorised numpy and works in row chunks so memory stays bounded for full-size banks.
 """
 
@@ -12,6 +13,9 @@ import numpy as np
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.formats import (
     DIRECT_FORMATS,
+    NVFP4,
+    NVFP4_TILE_ROWS,
+    BlockScaleGeometry,
     GroupedFormat,
     RowSplitGeometry,
     elements,
@@ -242,15 +246,24 @@ def encode_codes(codes: np.ndarray, scales: np.ndarray, fmt_name: str) -> np.nda
 
 
 def materialize_rows(buf, fmt_name: str, n: int, k: int, r0: int, count: int) -> np.ndarray:
-    """Copy rows [r0, r0+count) of a row-split object into a standalone valid object (no repacking)."""
-    fmt = grouped_format(fmt_name)
+    """Copy rows [r0, r0+count) of a row-split or nvfp4 object into a standalone valid object (no repacking).
+
+    Row-split: the three plane spans (docs/format.md §6.2 row views). nvfp4: whole 128-row tiles
+    only (their codes and swizzled scales are contiguous runs), and the result carries one divisor
+    per row tile, each the one the parent applies to that tile (`runtime_geometry`).
+    """
     data = _as_bytes(buf)
-    src = RowSplitGeometry(fmt, n, k)
-    dst = RowSplitGeometry(fmt, count, k)
+    if fmt_name == NVFP4:
+        src = BlockScaleGeometry(n, k, _nvfp4_divisor_count(data, n, k))
+        dst = BlockScaleGeometry(count, k, count // NVFP4_TILE_ROWS)
+    else:
+        src, dst = RowSplitGeometry(grouped_format(fmt_name), n, k), RowSplitGeometry(grouped_format(fmt_name), count, k)
     out = np.zeros(dst.encoded_size, dtype=np.uint8)
-    dst_starts = [0] + ([dst.high_offset] if fmt.high_bytes else []) + [dst.scale_offset]
-    for (offset, length), start in zip(src.row_spans(r0, count), dst_starts):
+    for (offset, length), start in zip(src.row_spans(r0, count), dst.plane_offsets):
         out[start : start + length] = data[offset : offset + length]
+    if fmt_name == NVFP4:
+        tiles = range(r0 // NVFP4_TILE_ROWS, (r0 + count) // NVFP4_TILE_ROWS)
+        out[dst.divisor_offset :] = nvfp4_tile_divisors(data, n, k)[tiles.start : tiles.stop].view(np.uint8)
     return out
 
 
@@ -271,24 +284,39 @@ E4M3FN_VALUES = _e4m3fn_table()
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 
 
+def _nvfp4_divisor_count(data: np.ndarray, n: int, k: int) -> int:
+    """How many divisor words an nvfp4 object [n, k] of data.size bytes carries (ArtifactError if none fits)."""
+    geometry = BlockScaleGeometry(n, k)
+    count, rest = divmod(data.size - geometry.divisor_offset, 4)
+    if count <= 0 or rest or geometry.row_tiles % count:
+        raise ArtifactError(f"nvfp4 object [{n}, {k}] cannot be {data.size} bytes long")
+    return count
+
+
+def nvfp4_tile_divisors(buf, n: int, k: int) -> np.ndarray:
+    """float32 [n / 128]: the divisor each 128-row tile of an nvfp4 object [n, k] is decoded with (the
+    object's divisor count follows from its length)."""
+    data = _as_bytes(buf)
+    geometry = BlockScaleGeometry(n, k, _nvfp4_divisor_count(data, n, k))
+    words = data[geometry.divisor_offset :].view("<f4").astype(np.float32)
+    return words[geometry.tile_divisor_index()]
+
+
 def decode_nvfp4(buf, n: int, k: int, divisors: int = 1) -> np.ndarray:
     """Decode a `block_scale_k16_m128x4_v1` nvfp4 object to float32 [n, k] (docs/format.md §6.3)."""
     data = _as_bytes(buf)
-    codes_bytes, groups = n * k // 2, n * k // 16
-    scale_offset = -(-codes_bytes // 256) * 256
-    if data.size != scale_offset + groups + 4 * divisors:
-        raise ArtifactError(f"nvfp4 object [{n}, {k}] needs {scale_offset + groups + 4 * divisors} bytes, got {data.size}")
-    packed = data[:codes_bytes]
+    geometry = BlockScaleGeometry(n, k, divisors)
+    if data.size != geometry.encoded_size:
+        raise ArtifactError(f"nvfp4 object [{n}, {k}] needs {geometry.encoded_size} bytes, got {data.size}")
+    packed = data[: geometry.code_bytes]
     values = np.empty((n, k), dtype=np.float32)
     flat = values.reshape(-1)
     flat[0::2] = E2M1_VALUES[packed & 0x0F]
     flat[1::2] = E2M1_VALUES[packed >> 4]
-    k_tiles = k // 64
-    stored = data[scale_offset : scale_offset + groups].reshape(n // 128, k_tiles, 32, 4, 4)
+    stored = data[geometry.scale_offset : geometry.divisor_offset].reshape(n // 128, geometry.k_tiles, 32, 4, 4)
     natural = stored.transpose(0, 3, 2, 1, 4).reshape(n, k // 16)  # [tile][row/32][row%32][k tile][lane]
     values.reshape(n, k // 16, 16)[:] *= E4M3FN_VALUES[natural][:, :, None]
-    divisor = data[scale_offset + groups :].view("<f4")
-    values /= np.repeat(divisor, n // divisors)[:, None]
+    values /= np.repeat(nvfp4_tile_divisors(data, n, k), NVFP4_TILE_ROWS)[:, None]
     return values
 
 

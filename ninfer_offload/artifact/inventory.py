@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ninfer_offload.artifact.errors import ArtifactError
-from ninfer_offload.artifact.formats import CONTIGUOUS, GROUPED_FORMATS, ROW_SPLIT, align_up
+from ninfer_offload.artifact.formats import BLOCK_SCALE, CONTIGUOUS, GROUPED_FORMATS, NVFP4, NVFP4_TILE_ROWS, ROW_SPLIT, align_up
 from ninfer_offload.artifact.records import DenseRecordLayout, ExpertRecordLayout
 
 COMPONENTS = ("text", "mtp", "proposal", "vision", "dflash")
@@ -225,12 +225,20 @@ class Inventory:
         return self.configs["text"]
 
 
+def _quantized(t: TensorInfo, rows_per_expert: int) -> bool:
+    """A row-split parent, or an nvfp4 one whose experts are whole 128-row scale tiles."""
+    return (t.layout == ROW_SPLIT and t.format in GROUPED_FORMATS) or (
+        t.layout == BLOCK_SCALE and t.format == NVFP4 and rows_per_expert % NVFP4_TILE_ROWS == 0
+    )
+
+
 def _record_ready(gate_up: TensorInfo, down: TensorInfo, count: int) -> bool:
-    """True when both banks are grouped row-split parents that cut into ExpertRecordLayout records."""
-    grouped = all(t.layout == ROW_SPLIT and t.format in GROUPED_FORMATS and len(t.shape) == 2 for t in (gate_up, down))
+    """True when both banks are quantized parents shaped to cut into ExpertRecordLayout records."""
+    if len(gate_up.shape) != 2 or len(down.shape) != 2 or gate_up.shape[0] % count:
+        return False
     return (
-        grouped
-        and gate_up.shape[0] % count == 0
+        _quantized(gate_up, gate_up.shape[0] // count)
+        and _quantized(down, down.shape[0] // count)
         and down.shape[0] == count * gate_up.shape[1]
         and gate_up.shape[0] == count * 2 * down.shape[1]
     )

@@ -78,14 +78,19 @@ class ArtifactWriter:
         self._objects.append(_PendingObject(record, len(data), data))
         self._resource_roles.append((component, role, object_id))
 
-    def add_tensor(self, object_id: str, shape: Sequence[int], format: str, layout: str, source: Source | None) -> None:
+    def add_tensor(
+        self, object_id: str, shape: Sequence[int], format: str, layout: str, source: Source | None, divisors: int = 1
+    ) -> None:
+        """A tensor object; `divisors` > 1 (nvfp4 only) writes the optional `divisors` member (§4.3)."""
         shape = [int(d) for d in shape]
         self._new_id(object_id)
         try:
-            size = encoded_size(layout, format, shape)
+            size = encoded_size(layout, format, shape, divisors)
         except ArtifactError as err:
             raise ArtifactError(f"object {object_id!r}: {err}") from None
         record = {"id": object_id, "shape": shape, "format": format, "layout": layout, "bytes": size, "kind": "tensor"}
+        if divisors != 1:
+            record["divisors"] = divisors
         self._objects.append(_PendingObject(record, size, source))
 
     def bind(self, name: str, object_id: str) -> None:
@@ -216,7 +221,7 @@ def write_directory(
             writer.add_resource(obj["id"], resource_bytes.get(role, bytes(obj["bytes"])), component=cid, role=role)
         else:
             source = tensor_source(obj) if tensor_source is not None else None
-            writer.add_tensor(obj["id"], obj["shape"], obj["format"], obj["layout"], source)
+            writer.add_tensor(obj["id"], obj["shape"], obj["format"], obj["layout"], source, obj.get("divisors", 1))
     for name, binding in root["bindings"].items():
         if "object" in binding:
             writer.bind(name, binding["object"])
@@ -257,10 +262,10 @@ def _object_bytes(obj: _PendingObject) -> np.ndarray | None:
     return np.ascontiguousarray(data).reshape(-1)
 
 
-_TENSOR_ORDER = ("id", "shape", "format", "layout", "offset", "bytes", "kind")
+_TENSOR_ORDER = ("id", "shape", "format", "layout", "offset", "bytes", "kind", "divisors")
 _RESOURCE_ORDER = ("id", "encoding", "offset", "bytes", "kind")
 
 
 def _ordered(record: dict) -> dict:
     order = _TENSOR_ORDER if record["kind"] == "tensor" else _RESOURCE_ORDER
-    return {key: record[key] for key in order}
+    return {key: record[key] for key in order if key in record}
