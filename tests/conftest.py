@@ -58,6 +58,15 @@ def tiny_artifact_q8(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_artifact_nvfp4(tmp_path_factory):
+    """A tiny model at nvfp4-friendly dimensions with its routed and shared experts, attention outputs,
+    embedding and output head stored as nvfp4 (`nvfp4_support.build_nvfp4_artifact`)."""
+    from nvfp4_support import build_nvfp4_artifact
+
+    return build_nvfp4_artifact(tmp_path_factory.mktemp("tiny_nvfp4"), seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
 def small_card(tmp_path_factory):
     """A device profile file (the RTX 5060 Ti without a VRAM reserve) that tiny models can be planned on."""
     path = tmp_path_factory.mktemp("profiles") / "small_card.toml"
