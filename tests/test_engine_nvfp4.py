@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiny_hf
 import torch
-from kernels_support import HAS_CUDA, needs_triton_device
+from kernels_support import HAS_CUDA, needs_cuda, needs_triton_device
 from nvfp4_support import build_nvfp4_artifact, tiny_nvfp4_config
 
 from ninfer_offload import ArtifactError, Engine, open_artifact
@@ -97,6 +97,24 @@ def test_triton_backend_matches_the_reference_engine(tiny_artifact_nvfp4, reside
     for got, want in zip(_run(engine, [3, 99]), _run(resident, [3, 99])):
         assert float((got.cpu().double() - want.double()).norm() / want.double().norm()) < 1e-4
     engine.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_engines_with_graphs(tiny_artifact_nvfp4, resident):
+    """On CUDA (Triton kernels, decode steps replayed as CUDA graphs): float32 matches the CPU reference
+    engine, and bf16 with every expert in pinned host memory equals bf16 resident bit for bit."""
+    steps = [3, 99, 250, 7]
+    fp32 = Engine.load(tiny_artifact_nvfp4, device="cuda", dtype="float32")
+    for got, want in zip(_run(fp32, steps), _run(resident, steps)):
+        assert float((got.cpu().double() - want.double()).norm() / want.double().norm()) < 1e-4
+    bf16 = Engine.load(tiny_artifact_nvfp4, device="cuda")
+    host = Engine.load(tiny_artifact_nvfp4, device="cuda", experts="host", num_slots=3)
+    for got, want in zip(_run(host, steps), _run(bf16, steps)):
+        assert torch.equal(got, want)
+    assert host.store.stats.pcie_bytes > 0
+    for engine in (fp32, bf16, host):
+        engine.close()
 
 
 def _corrupt(binding: str, where: str, value: bytes):

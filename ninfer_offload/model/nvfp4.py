@@ -9,20 +9,24 @@ value = e2m1(code) * e4m3fn(scale) / divisor, in float32, on any leading batch o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from ninfer_offload.artifact.codecs import E2M1_VALUES, E4M3FN_VALUES
 from ninfer_offload.artifact.formats import NVFP4, NVFP4_TILE_ROWS, BlockScaleGeometry, runtime_geometry
 
-_E2M1 = torch.from_numpy(E2M1_VALUES)
-_E4M3FN = torch.from_numpy(E4M3FN_VALUES)
+@lru_cache(maxsize=8)
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The E2M1 and E4M3FN value tables on `device`, copied there once (a step captured in a CUDA graph
+    must not copy from the host)."""
+    return torch.from_numpy(E2M1_VALUES).to(device), torch.from_numpy(E4M3FN_VALUES).to(device)
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
     """E2M1 values [..., 2m] of packed code bytes [..., m] (low nibble first)."""
     nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
-    return _E2M1.to(packed.device)[nibbles.long()]
+    return _tables(packed.device)[0][nibbles.long()]
 
 
 def _divisors(data: torch.Tensor, geometry: BlockScaleGeometry) -> torch.Tensor:
@@ -40,7 +44,7 @@ def dequantize_nvfp4(data: torch.Tensor, geometry: BlockScaleGeometry, dtype: to
     stored = data[..., geometry.scale_offset : geometry.divisor_offset].reshape(*lead, geometry.row_tiles, geometry.k_tiles, 32, 4, 4)
     d = len(lead)
     natural = stored.permute(*range(d), d, d + 3, d + 2, d + 1, d + 4).reshape(*lead, n, k // 16)  # undo the tile swizzle
-    values = values.reshape(*lead, n, k // 16, 16) * _E4M3FN.to(data.device)[natural.long()].unsqueeze(-1)
+    values = values.reshape(*lead, n, k // 16, 16) * _tables(data.device)[1][natural.long()].unsqueeze(-1)
     divisors = _divisors(data, geometry).repeat_interleave(NVFP4_TILE_ROWS, dim=-1)
     return (values.reshape(*lead, n, k) / divisors.unsqueeze(-1)).to(dtype)
 
@@ -86,7 +90,7 @@ class Nvfp4Matrix:
         rows = rows.long()
         packed = self.data[: geometry.code_bytes].view(self.n, self.k // 2)[rows]
         scales = self.data[geometry.scale_offset : geometry.divisor_offset][scale_index(rows, geometry)]
-        values = _codes(packed).view(-1, self.k // 16, 16) * _E4M3FN.to(self.device)[scales.long()].unsqueeze(-1)
+        values = _codes(packed).view(-1, self.k // 16, 16) * _tables(self.device)[1][scales.long()].unsqueeze(-1)
         divisors = _divisors(self.data, geometry)[rows // NVFP4_TILE_ROWS]
         return (values.view(-1, self.k) / divisors[:, None]).to(dtype)
 
