@@ -1,15 +1,19 @@
 """Write a synthetic full-size Qwen3.6-35B-A3B artifact: the official v3 directory, random valid weights.
 
-    python bench/make_synthetic.py /tmp/qwen36-synthetic.ninfer [--seed 0]
+    python bench/make_synthetic.py /tmp/qwen36-synthetic.ninfer [--seed 0] [--recipe official|nvfp4]
 
 The directory (components, 940 objects, bindings, uses, formats) is
-`ninfer_offload.artifact.contract.official_directory()`, so sizes, formats and the placement the
-planner computes are those of the official artifact. Weights are random but valid:
+`ninfer_offload.artifact.contract.official_directory()` (`--recipe nvfp4`: `nvfp4_directory()`,
+routed and shared experts NVFP4), so sizes, formats and the placement the planner computes are those
+of that artifact. Weights are random but valid:
 
 * row-split objects (q4/q5/q6/q8): random code planes (q8 never uses the illegal byte 0x80) and
   positive fp16 group scales of about sqrt(3) / (qmax * sqrt(K)), so every product keeps the
   scale of its input and activations stay finite through all 40 layers; embedding rows have
   unit scale;
+* nvfp4 objects: random codes (every nibble is a valid E2M1 code), E4M3FN block scales drawn from
+  [NVFP4_SCALE / 2, 1.5 NVFP4_SCALE] and positive divisors near NVFP4_SCALE * RMS_E2M1 * sqrt(K),
+  which again keeps each product at the scale of its input;
 * bf16/fp32 vectors: offset-RMSNorm weights near 0, the plain GDN norm at 1, router and GDN a/b
   projections ~ N(0, 1/H), conv taps ~ N(0, 0.3), A_log = log U(1, 16), dt_bias = 1;
 * proposal token ids: a random permutation of the public vocabulary, first 131,072;
@@ -31,12 +35,20 @@ from pathlib import Path
 
 import numpy as np
 
-from ninfer_offload.artifact.formats import CONTIGUOUS, RowSplitGeometry, grouped_format
+from ninfer_offload.artifact.codecs import E2M1_VALUES, E4M3FN_VALUES
+from ninfer_offload.artifact.formats import BLOCK_SCALE, CONTIGUOUS, BlockScaleGeometry, RowSplitGeometry, grouped_format
 from ninfer_offload.artifact.writer import write_directory
-from ninfer_offload.artifact.contract import HIDDEN, official_directory
+from ninfer_offload.artifact.contract import HIDDEN, nvfp4_directory, official_directory
 
 POOL_BYTES = 1 << 29
 PUBLIC_VOCAB = 248077
+DIRECTORIES = {"official": official_directory, "nvfp4": nvfp4_directory}
+# Typical E4M3FN block scale of the random nvfp4 objects (a normal number, far from 0 and 448),
+# and the RMS of a uniformly random E2M1 code.
+NVFP4_SCALE = 16.0
+RMS_E2M1 = float(np.sqrt(np.mean(E2M1_VALUES**2)))
+# E4M3FN bytes of the values in [NVFP4_SCALE / 2, 1.5 NVFP4_SCALE]: the block scales drawn from.
+NVFP4_SCALE_BYTES = np.flatnonzero((E4M3FN_VALUES >= NVFP4_SCALE / 2) & (E4M3FN_VALUES <= 1.5 * NVFP4_SCALE)).astype(np.uint8)
 # Components whose weights the text engine never reads: left as holes.
 HOLE_COMPONENTS = ("vision/", "dflash/")
 
@@ -71,6 +83,18 @@ class RandomWeights:
         data[geometry.scale_offset :] = scales.view(np.uint8)
         return data
 
+    def nvfp4(self, shape: list[int], divisors: int) -> np.ndarray:
+        """A random valid nvfp4 object: any codes, scales from NVFP4_SCALE_BYTES, divisors about NVFP4_SCALE * RMS_E2M1 * sqrt(K)."""
+        geometry = BlockScaleGeometry(*shape, divisors)
+        data = np.empty(geometry.encoded_size, dtype=np.uint8)
+        data[: geometry.code_bytes] = self._random_bytes(geometry.code_bytes)
+        data[geometry.code_bytes : geometry.scale_offset] = 0
+        picks = self._random_bytes(geometry.scale_bytes)
+        data[geometry.scale_offset : geometry.divisor_offset] = NVFP4_SCALE_BYTES[picks % NVFP4_SCALE_BYTES.size]
+        gain = NVFP4_SCALE * RMS_E2M1 * np.sqrt(geometry.k)
+        data[geometry.divisor_offset :] = (self.rng.uniform(0.9, 1.1, divisors) * gain).astype("<f4").view(np.uint8)
+        return data
+
     def vector(self, fmt: str, shape: list[int], names: list[str]) -> np.ndarray:
         count = int(np.prod(shape))
         name = names[0]
@@ -99,6 +123,8 @@ class RandomWeights:
             return None
         if obj["layout"] == CONTIGUOUS:
             return lambda: self.vector(obj["format"], obj["shape"], names)
+        if obj["layout"] == BLOCK_SCALE:
+            return lambda: self.nvfp4(obj["shape"], obj.get("divisors", 1))
         unit_rows = names == ["text/token_embedding"]
         return lambda: self.row_split(obj["format"], obj["shape"], unit_rows)
 
@@ -111,12 +137,12 @@ def _resources() -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in Path(tmp).iterdir()}
 
 
-def write_synthetic(path: Path, seed: int = 0) -> Path:
-    """Write the artifact to `path`; returns the entry path."""
+def write_synthetic(path: Path, seed: int = 0, recipe: str = "official") -> Path:
+    """Write the artifact of `recipe` ("official" or "nvfp4") to `path`; returns the entry path."""
     root = {
-        **official_directory(),
-        "metadata": {"name": "qwen3.6-35b-a3b-synthetic"},
-        "provenance": {"generator": "bench/make_synthetic.py", "seed": seed},
+        **DIRECTORIES[recipe](),
+        "metadata": {"name": f"qwen3.6-35b-a3b-{recipe}-synthetic"},
+        "provenance": {"generator": "bench/make_synthetic.py", "seed": seed, "recipe": recipe},
     }
     weights = RandomWeights(seed)
     names: dict[str, list[str]] = {}
@@ -131,9 +157,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Write a synthetic full-size Qwen3.6-35B-A3B .ninfer artifact.")
     parser.add_argument("path", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--recipe", choices=tuple(DIRECTORIES), default="official", help="official (groupwise) or nvfp4 experts")
     args = parser.parse_args()
     began = time.perf_counter()
-    entry = write_synthetic(args.path, args.seed)
+    entry = write_synthetic(args.path, args.seed, args.recipe)
     print(f"wrote {entry} ({entry.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - began:.0f} s")
 
 

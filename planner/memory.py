@@ -132,7 +132,8 @@ def staging_slots(num_experts: int, top_k: int, tokens_per_step: int, requested:
 def loaded_weight_bytes(inventory: Inventory, components: tuple[str, ...], element_bytes: int) -> int:
     """Device bytes of the non-routed weights of `components` as the loader keeps them: row-split
     objects in their stored bytes, nvfp4 objects with one divisor per row tile (`runtime_geometry`),
-    FP32 objects (the GDN decay parameters) in FP32, every other contiguous object in the compute dtype."""
+    FP32 objects (the GDN decay parameters) in FP32, every other object (FP8-row ones decoded) in the
+    compute dtype."""
     total = 0
     for t in inventory.tensors:
         if t.component not in components or t.role in ROUTED_ROLES:

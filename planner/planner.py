@@ -8,7 +8,7 @@ Order of claims on the VRAM budget (min(card, --vram-budget) minus the reserve):
    first and the rest live in pinned host memory;
 3. the token embedding, only once every expert is resident (a token needs one row of it, which
    costs nothing over PCIe; an expert in VRAM saves a transfer on almost every token).
-DFlash weights are never loaded (speculation uses MTP).
+DFlash and DFlash2 weights are never loaded (speculation uses MTP); they are reported as unused.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def plan(
     embedding = _bytes(t for t in text if t.role == "token_embedding")
     head = _bytes(t for t in text if t.role == "output_head")
     mtp, proposal = _bytes(inventory.select("mtp")), _bytes(inventory.select("proposal"))
-    vision, dflash = _bytes(inventory.select("vision")), _bytes(inventory.select("dflash"))
+    vision, dflash, dflash2 = (_bytes(inventory.select(c)) for c in ("vision", "dflash", "dflash2"))
     other = _bytes(t for t in inventory.tensors if t.component not in COMPONENTS)
     use_proposal = options.speculating and options.proposal_head
 
@@ -119,6 +119,8 @@ def plan(
         "vision": on_device(vision) if options.vision else unused(vision),
         "dflash": unused(dflash),
     }
+    if dflash2:
+        components["dflash2"] = unused(dflash2)
     if other:
         components["other"] = unused(other)
 

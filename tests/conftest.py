@@ -58,12 +58,27 @@ def tiny_artifact_q8(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_artifact_nvfp4(tmp_path_factory):
-    """A tiny model at nvfp4-friendly dimensions with its routed and shared experts, attention outputs,
-    embedding and output head stored as nvfp4 (`nvfp4_support.build_nvfp4_artifact`)."""
+def tiny_nvfp4_checkpoint(tmp_path_factory):
+    """A tiny checkpoint whose experts NVFP4 can store (`tiny_config(nvfp4=True)`: hidden size and expert widths
+    128, 4 experts), with per-expert tensors like the published NVFP4 checkpoints."""
+    from ninfer_offload.convert.tiny import tiny_config, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_nvfp4_checkpoint"), tiny_config(nvfp4=True), "per_expert", seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_nvfp4(tiny_nvfp4_checkpoint, tmp_path_factory):
+    """`tiny_nvfp4_checkpoint` converted with the `nvfp4` recipe (NVFP4 routed and shared experts)."""
+    return _convert(tiny_nvfp4_checkpoint, tmp_path_factory, "nvfp4")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_nvfp4_matrices(tiny_nvfp4_checkpoint, tmp_path_factory):
+    """`tiny_nvfp4_checkpoint` with its routed and shared experts, attention outputs, embedding and output
+    head stored as nvfp4 with various divisor counts, the rest bf16 (`nvfp4_support.build_nvfp4_artifact`)."""
     from nvfp4_support import build_nvfp4_artifact
 
-    return build_nvfp4_artifact(tmp_path_factory.mktemp("tiny_nvfp4"), seed=TINY_SEED)
+    return build_nvfp4_artifact(tiny_nvfp4_checkpoint, tmp_path_factory.mktemp("tiny_nvfp4_matrices"))
 
 
 @pytest.fixture(scope="session")

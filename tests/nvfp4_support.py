@@ -1,6 +1,6 @@
-"""nvfp4 test objects: E2M1 codes, E4M3FN block-scale bytes and FP32 divisors packed into a
-`block_scale_k16_m128x4_v1` object exactly as docs/format.md §6.3 lays it out, a test encoder, and
-artifacts with chosen tensors re-encoded as nvfp4."""
+"""nvfp4 test objects and artifacts: E2M1 codes, E4M3FN block-scale bytes and FP32 divisors packed
+into a `block_scale_k16_m128x4_v1` object exactly as docs/format.md §6.3 lays it out, and artifacts
+with chosen tensors re-encoded as nvfp4 (by the codec's encoder, §7.1)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from ninfer_offload import open_artifact
-from ninfer_offload.artifact.codecs import E2M1_VALUES, E4M3FN_VALUES
+from ninfer_offload.artifact.codecs import quantize_nvfp4, swizzle_scales
 from ninfer_offload.artifact.formats import BLOCK_SCALE, NVFP4, BlockScaleGeometry
 from ninfer_offload.artifact.writer import ArtifactWriter
-from ninfer_offload.convert import tiny
 
 
 def pack_nvfp4(codes: np.ndarray, scales: np.ndarray, divisors: np.ndarray) -> np.ndarray:
@@ -22,8 +21,7 @@ def pack_nvfp4(codes: np.ndarray, scales: np.ndarray, divisors: np.ndarray) -> n
     out = np.zeros(geometry.encoded_size, dtype=np.uint8)
     codes = codes.astype(np.uint8)
     out[: geometry.code_bytes] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(-1)
-    swizzled = scales.astype(np.uint8).reshape(n // 128, 4, 32, k // 64, 4).transpose(0, 3, 2, 1, 4)
-    out[geometry.scale_offset : geometry.divisor_offset] = swizzled.reshape(-1)
+    out[geometry.scale_offset : geometry.divisor_offset] = swizzle_scales(scales.astype(np.uint8))
     out[geometry.divisor_offset :] = np.asarray(divisors, dtype="<f4").view(np.uint8)
     return out
 
@@ -37,28 +35,13 @@ def random_nvfp4(rng: np.random.Generator, n: int, k: int, divisors: int = 1) ->
     return pack_nvfp4(codes, scales, rng.uniform(1.0, 4.0, size=divisors) * np.sqrt(k))
 
 
-_E4M3 = E4M3FN_VALUES[:0x7F]  # the sign-0, non-NaN scale bytes, values increasing
-_E2M1 = E2M1_VALUES[:8]  # code magnitudes, increasing
-
-
-def _nearest(table: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Index of the entry of the increasing `table` nearest to each x >= 0."""
-    i = np.clip(np.searchsorted(table, x), 1, len(table) - 1)
-    return np.where(x - table[i - 1] <= table[i] - x, i - 1, i)
-
-
-def quantize_nvfp4(values: np.ndarray, divisors: int = 1) -> np.ndarray:
-    """An nvfp4 object [n, k] near `values`: each divisor maps its rows' largest value to 6 x 448,
-    block scales and codes round to nearest (a test encoder; any valid object would do)."""
+def encode_nvfp4(values: np.ndarray, divisors: int) -> np.ndarray:
+    """An nvfp4 object of `values` [n, k] whose `divisors` equal runs of rows are each encoded as one matrix."""
     n, k = values.shape
-    amax = np.abs(values.reshape(divisors, -1)).max(axis=1)
-    d = (6 * 448 / np.where(amax > 0, amax, 1)).astype(np.float32)
-    blocks = (values * np.repeat(d, n // divisors)[:, None]).reshape(n, k // 16, 16)
-    scale_bytes = _nearest(_E4M3, np.abs(blocks).max(-1) / 6)
-    scales = _E4M3[scale_bytes]
-    magnitudes = np.minimum(np.abs(blocks) / np.where(scales > 0, scales, 1)[..., None], 6)
-    codes = _nearest(_E2M1, magnitudes) | np.where(blocks < 0, 8, 0)
-    return pack_nvfp4(codes.reshape(n, k), scale_bytes, d)
+    parts = [quantize_nvfp4(rows) for rows in values.reshape(divisors, n // divisors, k)]
+    codes = np.concatenate([packed for packed, _, _ in parts])
+    codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(n, k)
+    return pack_nvfp4(codes, np.concatenate([scales for _, scales, _ in parts]), np.array([d for _, _, d in parts]))
 
 
 def nvfp4_artifact(src: Path, dst: Path, divisors: dict[str, int], edit=None) -> Path:
@@ -76,10 +59,10 @@ def nvfp4_artifact(src: Path, dst: Path, divisors: dict[str, int], edit=None) ->
             if obj["kind"] == "resource":
                 writer.add_resource(oid, artifact.payload(oid).tobytes(), *roles[oid])
                 continue
-            fmt, layout, count = obj["format"], obj["layout"], 1
+            fmt, layout, count = obj["format"], obj["layout"], obj.get("divisors", 1)
             if oid in divisors:
                 fmt, layout, count = NVFP4, BLOCK_SCALE, divisors[oid]
-                data = quantize_nvfp4(artifact.tensor(oid).numpy(), count)
+                data = encode_nvfp4(artifact.tensor(oid).numpy(), count)
             else:
                 data = artifact.payload(oid).copy()
             if edit is not None:
@@ -95,20 +78,10 @@ def nvfp4_artifact(src: Path, dst: Path, divisors: dict[str, int], edit=None) ->
         return writer.write()
 
 
-# The tiny model at dimensions nvfp4 can hold: every expert, shared-expert and attention-output
-# matrix is whole 128-row tiles with K a multiple of 64.
-NVFP4_DIMENSIONS = {"hidden_size": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128}
-
-
-def tiny_nvfp4_config() -> dict:
-    """config.json of the tiny nvfp4 test model (4 layers: three GDN, one attention)."""
-    return {**tiny.tiny_config("fused", num_layers=4), **NVFP4_DIMENSIONS}
-
-
 def nvfp4_divisors(artifact) -> dict[str, int]:
-    """Object id -> divisor count of every tensor the nvfp4 test artifact stores as nvfp4: routed banks
-    (gate/up: one divisor per four experts; down: one per expert), the shared expert (gate/up: one per
-    half), attention outputs, the embedding and the output head (several divisors)."""
+    """Object id -> divisor count of every tensor `build_nvfp4_artifact` stores as nvfp4: routed banks
+    (gate/up: one divisor per two experts; down: one per 128-row tile), the shared expert (gate/up: one
+    per half), attention outputs, the embedding and the output head (several divisors)."""
     def object_of(name: str) -> str:
         return artifact.bindings[name].parts[0].object
 
@@ -125,13 +98,12 @@ def nvfp4_divisors(artifact) -> dict[str, int]:
     return chosen
 
 
-def build_nvfp4_artifact(directory: Path, seed: int = 1, edit=None) -> Path:
-    """The tiny nvfp4 test artifact: the `bf16` conversion of a tiny checkpoint at `NVFP4_DIMENSIONS`
-    (with its MTP layer), the tensors of `nvfp4_divisors` re-encoded as nvfp4."""
+def build_nvfp4_artifact(checkpoint: Path, directory: Path) -> Path:
+    """The `bf16` conversion of a checkpoint at NVFP4 dimensions (`tiny_config(nvfp4=True)`) with
+    the tensors of `nvfp4_divisors` re-encoded as nvfp4: every kind of nvfp4 matrix the engine reads."""
     from ninfer_offload.convert import convert
 
-    checkpoint = tiny.write_checkpoint(directory / "checkpoint", tiny_nvfp4_config(), seed=seed)
     lossless = convert(checkpoint, directory / "bf16.ninfer", recipe="bf16", progress=False)
     with open_artifact(lossless) as artifact:
         chosen = nvfp4_divisors(artifact)
-    return nvfp4_artifact(lossless, directory / "nvfp4.ninfer", chosen, edit)
+    return nvfp4_artifact(lossless, directory / "nvfp4_matrices.ninfer", chosen)

@@ -16,7 +16,7 @@ from ninfer_offload.convert.hf_config import read_model_config
 from ninfer_offload.convert.layout import plan_layout
 from ninfer_offload.convert.recipes import RECIPES, q6_down_layers, role_format
 from ninfer_offload.errors import NinferError
-from ninfer_offload.artifact.contract import TEXT_CONFIG, VISION_CONFIG, official_directory
+from ninfer_offload.artifact.contract import TEXT_CONFIG, VISION_CONFIG, nvfp4_directory, official_directory
 
 FULL_HF_CONFIG = {
     "architectures": ["Qwen3_5MoeForConditionalGeneration"],
@@ -56,7 +56,7 @@ def _converter_directory(recipe: str) -> dict:
     layout = plan_layout(spec, recipe, lambda name: True, "model.language_model.", mtp=True, vision=True)
     objects, bindings, uses = [], {}, []
     for oid, parent, ranges, parent_uses in directory_entries(layout):
-        objects.append({"id": oid, "shape": list(parent.shape), "format": parent.format})
+        objects.append({"id": oid, "shape": list(parent.shape), "format": parent.format, "divisors": parent.divisors})
         for name, begin, end in ranges:
             bindings[name] = {"object": oid} if len(ranges) == 1 else {"parts": [{"object": oid, "range": [begin, end]}]}
         uses += [{"parameter": p, "input": i} for p, i in parent_uses]
@@ -95,6 +95,22 @@ def test_official_parents_have_the_official_formats_and_sizes():
         got[fmt][1] += encoded_size(CONTIGUOUS if fmt in ("bf16", "fp32") else ROW_SPLIT, fmt, parent.shape)
     assert got == want
     assert got["q6_g64_fp16"][0] == 5 and got["q5_g64_fp16"][0] == 91 and got["fp32"][0] == 60
+
+
+def test_nvfp4_recipe_layout_matches_the_nvfp4_directory():
+    ours = _converter_directory("nvfp4")
+    reference = nvfp4_directory()
+    assert _describe(ours) == _describe(reference)
+    divisors = {o["id"]: o.get("divisors", 1) for o in reference["objects"]}
+    ref_ids = [o["id"] for o in reference["objects"] if o["kind"] == "tensor"]
+    ours_divisors = {o["id"]: o["divisors"] for o in ours["objects"]}
+    assert all(ours_divisors[oid] == divisors[oid] for oid in ours_divisors)
+    assert set(ours_divisors) <= set(ref_ids)
+    assert sorted(set(divisors.values())) == [1, 2, 256, 512]  # shared gate/up, down banks, gate/up banks
+    formats = {n: f for n, (_, f, _) in _describe(ours)[0].items()}
+    assert formats["text/layers/39/moe/experts/255/down"] == formats["text/layers/0/moe/shared/down"] == "nvfp4"
+    assert formats["mtp/layers/0/moe/experts/0/gate"] == formats["mtp/layers/0/moe/shared/gate"] == "q8_g32_fp16"
+    assert formats["text/layers/3/attention/key"] == formats["text/layers/0/gdn/z"] == "q8_g32_fp16"
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "q8"])

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ninfer_offload.artifact.codecs import decode_row_split, decode_row_split_values
+from ninfer_offload.artifact.codecs import E4M3FN_VALUES, decode_nvfp4, decode_row_split, decode_row_split_values, unswizzle_scales
+from ninfer_offload.artifact.formats import BlockScaleGeometry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import make_synthetic  # noqa: E402
@@ -24,6 +25,23 @@ def test_random_row_split_objects_are_valid_and_keep_unit_gain(monkeypatch):
         y = decode_row_split_values(data, fmt, 256, 1024) @ x
         gain = np.sqrt(np.mean(y**2) / np.mean(x**2))  # rms out / rms in
         assert 0.8 < gain < 1.4, (fmt, gain)
+
+
+def test_random_nvfp4_objects_are_valid_and_keep_unit_gain(monkeypatch):
+    monkeypatch.setattr(make_synthetic, "POOL_BYTES", 1 << 20)
+    weights = make_synthetic.RandomWeights(seed=1)
+    x = np.random.default_rng(2).standard_normal(1024).astype(np.float32)
+    obj = {"format": "nvfp4", "layout": "block_scale_k16_m128x4_v1", "shape": [512, 1024], "divisors": 4}
+    data = weights.source(obj, ["text/layers/0/moe/experts/0/gate"])()
+    geometry = BlockScaleGeometry(512, 1024, 4)
+    scales = E4M3FN_VALUES[unswizzle_scales(data[geometry.scale_offset : geometry.divisor_offset], 512, 1024)]
+    divisors = data[geometry.divisor_offset :].view("<f4")
+    assert np.all(np.isfinite(scales)) and scales.min() >= 8 and scales.max() <= 24
+    assert np.all(np.isfinite(divisors) & (divisors > 0))
+    assert len(np.unique(data[: geometry.code_bytes] & 0x0F)) == 16  # every code occurs
+    y = decode_nvfp4(data, 512, 1024, divisors=4) @ x
+    gain = np.sqrt(np.mean(y**2) / np.mean(x**2))
+    assert 0.8 < gain < 1.4, gain
 
 
 def test_vectors_follow_their_role():

@@ -1,8 +1,9 @@
 """Numeric codecs: decode stored words to codes/scales/float32, and the canonical encoder.
 
 Row-split objects (docs/format.md §6.2) decode to int8 codes [N, K] and float16 scales
-[N, ceil(K/G)]; the canonical encoder MAXABS_F16_RECIP_RNE_V1 (§7) is bit-exact. nvfp4 objects
-(§6.3) decode to float32 values. Everything is
+[N, ceil(K/G)]; the canonical encoder MAXABS_F16_RECIP_RNE_V1 (§7) is bit-exact, and so is the
+NVFP4 encoder of §7.1 (`quantize_nvfp4`, with the m128x4 scale order of §6.3); nvfp4 objects
+decode to float32 values. Everything is
 vectorised numpy and works in row chunks so memory stays bounded for full-size banks.
 """
 
@@ -284,6 +285,67 @@ E4M3FN_VALUES = _e4m3fn_table()
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 
 
+# Largest E2M1 magnitude and largest finite E4M3FN value.
+E2M1_MAX, E4M3FN_MAX = 6.0, 448.0
+# The 127 non-negative finite E4M3FN values in byte order (bytes 0x00 ... 0x7E ascend with the value).
+_E4M3FN_POSITIVE = E4M3FN_VALUES[:0x7F]
+# Midpoints between neighbouring E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, and which magnitude a
+# tie goes to: the neighbour with an even code (round half to even).
+_E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+_E2M1_TIES = np.append(_E2M1_MIDPOINTS, np.inf).astype(np.float32)  # the midpoint above each magnitude index
+
+
+def unswizzle_scales(plane: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Natural [n, k/16] scale bytes from a swizzled m128x4 scale plane (docs/format.md §6.3)."""
+    return plane.reshape(n // 128, k // 64, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(n, k // 16)
+
+
+def swizzle_scales(natural: np.ndarray) -> np.ndarray:
+    """The m128x4 scale plane (flat bytes) of natural scale bytes [n, k/16], n % 128 == 0, k % 64 == 0."""
+    n, groups = natural.shape
+    return np.ascontiguousarray(natural.reshape(n // 128, 4, 32, groups // 4, 4).transpose(0, 3, 2, 1, 4)).reshape(-1)
+
+
+def round_e4m3fn(values: np.ndarray) -> np.ndarray:
+    """E4M3FN bytes of non-negative finite float32 values, rounded to nearest even, saturating at 448."""
+    v = np.minimum(np.asarray(values, dtype=np.float64), E4M3FN_MAX)
+    _, exponent = np.frexp(v)  # v = m * 2**exponent, m in [0.5, 1)
+    quantum = np.exp2(np.maximum(exponent - 1, -6) - 3.0)  # spacing of the 3-bit mantissa (subnormals: 2**-9)
+    rounded = np.minimum(np.rint(v / quantum) * quantum, E4M3FN_MAX)
+    return np.searchsorted(_E4M3FN_POSITIVE, rounded.astype(np.float32)).astype(np.uint8)
+
+
+def round_e2m1(values: np.ndarray) -> np.ndarray:
+    """E2M1 codes (sign in bit 3) of float32 values: nearest magnitude, ties to the even code, clamped to 6."""
+    size = np.abs(values)
+    magnitude = np.zeros(size.shape, dtype=np.uint8)
+    for midpoint in _E2M1_MIDPOINTS:  # the number of midpoints below: a tie lands on the lower magnitude
+        magnitude += size > midpoint
+    magnitude += (size == _E2M1_TIES[magnitude]) & (magnitude % 2 == 1)
+    return magnitude | (np.signbit(values).astype(np.uint8) << 3)
+
+
+def quantize_nvfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """NVFP4-encode one matrix (docs/format.md §7.1): (packed codes [n, k/2], natural E4M3FN scale bytes [n, k/16], divisor)."""
+    x = np.ascontiguousarray(values, dtype=np.float32)
+    n, k = x.shape
+    if k % 16:
+        raise ArtifactError(f"nvfp4 needs K % 16 == 0, got {[n, k]}")
+    if not np.all(np.isfinite(x)):
+        raise ArtifactError("cannot encode non-finite values")
+    blocks = x.reshape(n, k // 16, 16)
+    block_amax = np.max(np.abs(blocks), axis=-1)
+    amax = np.float32(block_amax.max(initial=0.0))
+    with np.errstate(over="ignore"):
+        divisor = np.float32(E4M3FN_MAX * E2M1_MAX / np.float64(amax)) if amax > 0 else np.float32(1.0)
+    if not np.isfinite(divisor):
+        raise ArtifactError(f"matrix maximum {float(amax)!r} is too small for a float32 nvfp4 divisor")
+    scales = round_e4m3fn((block_amax * divisor) / np.float32(E2M1_MAX))
+    scale_values = E4M3FN_VALUES[scales][..., None]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        ratio = np.where(scale_values > 0, (blocks * divisor) / scale_values, np.float32(0.0))
+    codes = round_e2m1(ratio).reshape(n, k)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), scales, divisor
 def _nvfp4_divisor_count(data: np.ndarray, n: int, k: int) -> int:
     """How many divisor words an nvfp4 object [n, k] of data.size bytes carries (ArtifactError if none fits)."""
     geometry = BlockScaleGeometry(n, k)
@@ -305,18 +367,18 @@ def nvfp4_tile_divisors(buf, n: int, k: int) -> np.ndarray:
 def decode_nvfp4(buf, n: int, k: int, divisors: int = 1) -> np.ndarray:
     """Decode a `block_scale_k16_m128x4_v1` nvfp4 object to float32 [n, k] (docs/format.md §6.3)."""
     data = _as_bytes(buf)
-    geometry = BlockScaleGeometry(n, k, divisors)
-    if data.size != geometry.encoded_size:
-        raise ArtifactError(f"nvfp4 object [{n}, {k}] needs {geometry.encoded_size} bytes, got {data.size}")
-    packed = data[: geometry.code_bytes]
+    geo = BlockScaleGeometry(n, k, divisors)
+    if data.size != geo.encoded_size:
+        raise ArtifactError(f"nvfp4 object [{n}, {k}] needs {geo.encoded_size} bytes, got {data.size}")
+    packed = data[: geo.code_bytes]
     values = np.empty((n, k), dtype=np.float32)
     flat = values.reshape(-1)
     flat[0::2] = E2M1_VALUES[packed & 0x0F]
     flat[1::2] = E2M1_VALUES[packed >> 4]
-    stored = data[geometry.scale_offset : geometry.divisor_offset].reshape(n // 128, geometry.k_tiles, 32, 4, 4)
-    natural = stored.transpose(0, 3, 2, 1, 4).reshape(n, k // 16)  # [tile][row/32][row%32][k tile][lane]
+    natural = unswizzle_scales(data[geo.scale_offset : geo.divisor_offset], n, k)
     values.reshape(n, k // 16, 16)[:] *= E4M3FN_VALUES[natural][:, :, None]
-    values /= np.repeat(nvfp4_tile_divisors(data, n, k), NVFP4_TILE_ROWS)[:, None]
+    divisor = data[geo.divisor_offset :].view("<f4")
+    values /= np.repeat(divisor, geo.rows_per_divisor)[:, None]
     return values
 
 

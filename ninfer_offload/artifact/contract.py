@@ -9,11 +9,14 @@ Placeholders (the official file was never inspected, docs/format.md §11.1): the
 (RESOURCE_BYTES), `metadata` and `provenance`. The resource lengths are chosen so that the
 payload ends at 22,783,095,296 bytes, the value inferred in docs/format.md §10.3; only the offsets of
 the tensors depend on them, never their sizes.
+
+`nvfp4_directory()` is the same directory with the formats of the `nvfp4` recipe (docs/format.md
+§8.5): the routed and shared experts of the 40 text layers NVFP4, one divisor per member matrix.
 """
 
 from __future__ import annotations
 
-from ninfer_offload.artifact.formats import CONTIGUOUS, RAW_BYTES, ROW_SPLIT, align_up, elements, encoded_size
+from ninfer_offload.artifact.formats import BLOCK_SCALE, CONTIGUOUS, NVFP4, RAW_BYTES, ROW_SPLIT, align_up, elements, encoded_size
 
 HIDDEN = 2048
 VOCAB_ROWS = 248320
@@ -107,7 +110,7 @@ def _is_attention(layer: int) -> bool:
     return (layer + 1) % 4 == 0
 
 
-def _moe_groups(prefix: str, expert_fmt: str, down_fmt: str) -> list[list[Param]]:
+def _moe_groups(prefix: str, expert_fmt: str, down_fmt: str, shared_fmt: str) -> list[list[Param]]:
     ffn = f"{prefix}/ffn_input"
     gate_up: list[Param] = []
     down: list[Param] = []
@@ -120,8 +123,8 @@ def _moe_groups(prefix: str, expert_fmt: str, down_fmt: str) -> list[list[Param]
         gate_up,
         down,
         [
-            _p(f"{prefix}/moe/shared/gate", (EXPERT_WIDTH, HIDDEN), Q8, ffn),
-            _p(f"{prefix}/moe/shared/up", (EXPERT_WIDTH, HIDDEN), Q8, ffn),
+            _p(f"{prefix}/moe/shared/gate", (EXPERT_WIDTH, HIDDEN), shared_fmt, ffn),
+            _p(f"{prefix}/moe/shared/up", (EXPERT_WIDTH, HIDDEN), shared_fmt, ffn),
         ],
     ]
 
@@ -136,23 +139,30 @@ def _attention_group(prefix: str) -> list[Param]:
     ]
 
 
-def _attention_singles(prefix: str) -> list[Param]:
+def _attention_singles(prefix: str, shared_fmt: str) -> list[Param]:
     return [
         _p(f"{prefix}/input_norm", (HIDDEN,)),
         _p(f"{prefix}/attention/query_norm", (256,)),
         _p(f"{prefix}/attention/key_norm", (256,)),
         _p(f"{prefix}/attention/output", (HIDDEN, 4096), Q8, f"{prefix}/attention/gated_output"),
         _p(f"{prefix}/post_attention_norm", (HIDDEN,)),
-        _p(f"{prefix}/moe/shared/down", (HIDDEN, EXPERT_WIDTH), Q8, f"{prefix}/moe/shared/product"),
+        _p(f"{prefix}/moe/shared/down", (HIDDEN, EXPERT_WIDTH), shared_fmt, f"{prefix}/moe/shared/product"),
     ]
 
 
-def _text_layer(layer: int) -> tuple[list[list[Param]], list[Param]]:
+def _expert_formats(recipe: str, layer: int) -> tuple[str, str, str]:
+    """Formats of a text layer's routed gate/up bank, routed down bank and shared expert."""
+    if recipe == NVFP4:
+        return NVFP4, NVFP4, NVFP4
+    return Q4, Q6 if layer in Q6_DOWN_LAYERS else Q5, Q8
+
+
+def _text_layer(layer: int, recipe: str) -> tuple[list[list[Param]], list[Param]]:
     prefix = f"text/layers/{layer}"
-    down_fmt = Q6 if layer in Q6_DOWN_LAYERS else Q5
-    moe = _moe_groups(prefix, Q4, down_fmt)
+    gate_up_fmt, down_fmt, shared_fmt = _expert_formats(recipe, layer)
+    moe = _moe_groups(prefix, gate_up_fmt, down_fmt, shared_fmt)
     if _is_attention(layer):
-        return [_attention_group(prefix), *moe], _attention_singles(prefix)
+        return [_attention_group(prefix), *moe], _attention_singles(prefix, shared_fmt)
     mix = f"{prefix}/mixer_input"
     groups = [
         [
@@ -172,7 +182,7 @@ def _text_layer(layer: int) -> tuple[list[list[Param]], list[Param]]:
         _p(f"{prefix}/gdn/norm", (128,)),
         _p(f"{prefix}/gdn/output", (HIDDEN, 4096), Q8, f"{prefix}/gdn/gated_output"),
         _p(f"{prefix}/post_attention_norm", (HIDDEN,)),
-        _p(f"{prefix}/moe/shared/down", (HIDDEN, EXPERT_WIDTH), Q8, f"{prefix}/moe/shared/product"),
+        _p(f"{prefix}/moe/shared/down", (HIDDEN, EXPERT_WIDTH), shared_fmt, f"{prefix}/moe/shared/product"),
     ]
     return groups, singles
 
@@ -216,7 +226,7 @@ def _dflash_layer(j: int) -> tuple[list[list[Param]], list[Param]]:
     return [qkv, gate_up], singles
 
 
-def _emission_order() -> list[list[Param]]:
+def _emission_order(recipe: str) -> list[list[Param]]:
     """All parents in converter order: every multi-member group first, then every single (§8.6)."""
     groups: list[list[Param]] = []
     singles: list[Param] = [
@@ -225,17 +235,17 @@ def _emission_order() -> list[list[Param]]:
         _p("text/final_norm", (HIDDEN,)),
     ]
     for layer in range(TEXT_LAYERS):
-        g, s = _text_layer(layer)
+        g, s = _text_layer(layer, recipe)
         groups += g
         singles += s
     mtp = "mtp/layers/0"
-    groups += [_attention_group(mtp), *_moe_groups(mtp, Q8, Q8)]
+    groups += [_attention_group(mtp), *_moe_groups(mtp, Q8, Q8, Q8)]
     singles += [
         _p("mtp/input_projection", (HIDDEN, 4096), Q8, "mtp/stem_input"),
         _p("mtp/embedding_norm", (HIDDEN,)),
         _p("mtp/hidden_norm", (HIDDEN,)),
         _p("mtp/final_norm", (HIDDEN,)),
-        *_attention_singles(mtp),
+        *_attention_singles(mtp, Q8),
     ]
     singles += [
         _p("vision/patch_embedding", (VISION_HIDDEN, 1536), Q6, "vision/patch_input"),
@@ -281,6 +291,16 @@ def _parent_shape(group: list[Param]) -> tuple[int, ...]:
 
 def official_directory() -> dict:
     """The official Qwen3.6-35B-A3B v3 JSON root (docs/format.md §8), with placeholder resource sizes."""
+    return _directory("official", "Qwen3.6-35B-A3B")
+
+
+def nvfp4_directory() -> dict:
+    """`official_directory()` with the `nvfp4` recipe's formats (docs/format.md §8.5, §10.4)."""
+    return _directory(NVFP4, "Qwen3.6-35B-A3B-NVFP4")
+
+
+def _directory(recipe: str, name: str) -> dict:
+    """The JSON root of the 35B model with the formats of `recipe` ("official" or "nvfp4")."""
     objects: list[dict] = []
     offset = 0
     resources: dict[str, dict[str, str]] = {"text": {}, "vision": {}}
@@ -291,16 +311,16 @@ def official_directory() -> dict:
         offset += size
     bindings: dict[str, dict] = {}
     uses: list[dict] = []
-    for index, group in enumerate(_emission_order()):
+    for index, group in enumerate(_emission_order(recipe)):
         oid = f"weight/{index:06d}"
         shape = _parent_shape(group)
         fmt = group[0][2]
-        layout = CONTIGUOUS if fmt in (BF16, FP32, INT32) else ROW_SPLIT
-        size = encoded_size(layout, fmt, shape)
+        layout = CONTIGUOUS if fmt in (BF16, FP32, INT32) else BLOCK_SCALE if fmt == NVFP4 else ROW_SPLIT
+        divisors = len(group) if fmt == NVFP4 else 1  # one per member matrix (§7.1)
+        size = encoded_size(layout, fmt, shape, divisors)
         offset = align_up(offset, 256)
-        objects.append(
-            {"id": oid, "shape": list(shape), "format": fmt, "layout": layout, "offset": offset, "bytes": size, "kind": "tensor"}
-        )
+        record = {"id": oid, "shape": list(shape), "format": fmt, "layout": layout, "offset": offset, "bytes": size}
+        objects.append({**record, **({"divisors": divisors} if divisors > 1 else {}), "kind": "tensor"})
         offset += size
         begin = 0
         for name, pshape, _, inputs in group:
@@ -324,8 +344,8 @@ def official_directory() -> dict:
         "bindings": bindings,
         "uses": uses,
         "files": [{"path": None, "payload_bytes": offset}],
-        "metadata": {"name": "Qwen3.6-35B-A3B"},  # placeholder: the official value is unknown
-        "provenance": {"converter": "ninfer-v3", "recipe": "qwen3_6_35b_a3b"},  # placeholder
+        "metadata": {"name": name},  # placeholder: the official value is unknown
+        "provenance": {"converter": "ninfer-v3", "recipe": "qwen3_6_35b_a3b" if recipe == "official" else recipe},  # placeholder
     }
 
 

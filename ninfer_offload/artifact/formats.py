@@ -207,6 +207,10 @@ class BlockScaleGeometry:
         return self.divisor_offset + 4 * self.divisors
 
     @property
+    def rows_per_divisor(self) -> int:
+        return self.n // self.divisors
+
+    @property
     def plane_offsets(self) -> list[int]:
         """Where the code and scale planes start (the order of `row_spans`)."""
         return [0, self.scale_offset]

@@ -18,7 +18,9 @@ from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.formats import BLOCK_SCALE, CONTIGUOUS, GROUPED_FORMATS, NVFP4, NVFP4_TILE_ROWS, ROW_SPLIT, align_up
 from ninfer_offload.artifact.records import DenseRecordLayout, ExpertRecordLayout
 
-COMPONENTS = ("text", "mtp", "proposal", "vision", "dflash")
+COMPONENTS = ("text", "mtp", "proposal", "vision", "dflash", "dflash2")
+# Components this engine runs; the others are accounted for and left unused.
+EXECUTED = ("text", "mtp")
 UNBOUND = "unbound"
 
 _LAYER = re.compile(r"^(?P<component>[a-z0-9_]+)/layers/(?P<layer>\d+)/(?P<rest>.+)$")

@@ -81,7 +81,7 @@ class ArtifactWriter:
     def add_tensor(
         self, object_id: str, shape: Sequence[int], format: str, layout: str, source: Source | None, divisors: int = 1
     ) -> None:
-        """A tensor object; `divisors` > 1 (nvfp4 only) writes the optional `divisors` member (§4.3)."""
+        """A tensor object; `divisors` > 1 (nvfp4 only) is written as the optional `divisors` member (§4.3)."""
         shape = [int(d) for d in shape]
         self._new_id(object_id)
         try:
@@ -262,7 +262,7 @@ def _object_bytes(obj: _PendingObject) -> np.ndarray | None:
     return np.ascontiguousarray(data).reshape(-1)
 
 
-_TENSOR_ORDER = ("id", "shape", "format", "layout", "offset", "bytes", "kind", "divisors")
+_TENSOR_ORDER = ("id", "shape", "format", "layout", "offset", "bytes", "divisors", "kind")
 _RESOURCE_ORDER = ("id", "encoding", "offset", "bytes", "kind")
 
 

@@ -1,4 +1,4 @@
-"""`ninfer convert SRC_DIR OUT.ninfer [--recipe official|bf16|q8] [--text-only] [--max-file-bytes N]`.
+"""`ninfer convert SRC_DIR OUT.ninfer [--recipe official|nvfp4|bf16|q8] [--text-only] [--max-file-bytes N]`.
 
 The checkpoint's safetensors files are chosen as transformers chooses them (the shards its index
 lists, else `model.safetensors`); any other `*.safetensors` file in SRC_DIR is named in a warning.
@@ -14,7 +14,11 @@ import typer
 def convert(
     src_dir: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)."),
     out_path: Path = typer.Argument(..., help="Artifact to write (entry file; must not exist)."),
-    recipe: str = typer.Option("official", "--recipe", help="official (Q4/Q5/Q6/Q8 groupwise), bf16 (lossless) or q8."),
+    recipe: str = typer.Option(
+        "official", "--recipe",
+        help="official (Q4/Q5/Q6/Q8 groupwise), nvfp4 (NVFP4 experts, copied from a compressed-tensors NVFP4 checkpoint "
+        "or quantized), bf16 (lossless) or q8.",
+    ),
     text_only: bool = typer.Option(False, "--text-only", help="Leave the vision tower out."),
     max_file_bytes: int | None = typer.Option(None, "--max-file-bytes", help="Split into continuation parts of at most this many bytes."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),

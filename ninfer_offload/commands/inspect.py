@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ninfer_offload.artifact.errors import ArtifactError
-from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.artifact.inventory import EXECUTED, Inventory
 from ninfer_offload.artifact.reader import Artifact, open_artifact
 from ninfer_offload.artifact.verify import verify_artifact
 
@@ -47,7 +47,7 @@ def summarize(artifact: Artifact) -> dict:
         "payload_bytes": artifact.payload_bytes,
         "objects": {"total": len(artifact.objects), "tensors": len(inventory.tensors), "resources": len(inventory.resources)},
         "components": {
-            cid: {"config": c.config, "target": c.target, "resources": c.resources, "proposal": c.proposal}
+            cid: {"config": c.config, "target": c.target, "resources": c.resources, "proposal": c.proposal, "run": cid in EXECUTED}
             for cid, c in artifact.components.items()
         },
         "bytes_by_format": {f: {"objects": counts[f], "bytes": b} for f, b in sorted(inventory.bytes_by_format().items())},
@@ -101,11 +101,12 @@ def _print_report(console: Console, report: dict) -> None:
         soft_wrap=True,
     )
     comps = Table(title="components", title_justify="left")
-    for col in ("component", "target", "proposal", "config"):
+    for col in ("component", "run", "target", "proposal", "config"):
         comps.add_column(col, overflow="fold")
     for cid, c in report["components"].items():
         proposal = json.dumps(c["proposal"]) if c["proposal"] else "-"
-        comps.add_row(cid, c["target"] or "-", proposal, json.dumps(c["config"], separators=(",", ":")))
+        run = "yes" if c["run"] else "no (carried, unused)"
+        comps.add_row(cid, run, c["target"] or "-", proposal, json.dumps(c["config"], separators=(",", ":")))
     console.print(comps)
     fmt = Table(title="bytes by format", title_justify="left")
     for col, just in (("format", "left"), ("objects", "right"), ("bytes", "right"), ("size", "right")):

@@ -32,13 +32,23 @@ MISS_PATH_OPTION = typer.Option(
 
 SPEC_OPTION = typer.Option(
     "none", "--spec",
-    help="mtp: decode speculatively, drafting with the model's MTP layer (server: requests without a grammar or logprobs); none.",
+    help="mtp: decode speculatively, drafting with the model's MTP layer (server: requests without a grammar or logprobs); none. "
+    "An artifact's DFlash/DFlash2 drafter is never run.",
 )
 DRAFT_TOKENS_OPTION = typer.Option(3, "--draft-tokens", help="MTP drafts verified per step with --spec mtp (1..5).")
 
 
+# Draft models some artifacts carry (components of these names) that this engine never runs.
+DRAFT_MODELS = ("dflash", "dflash2")
+
+
 def engine_speculation(spec: str, draft_tokens: int) -> dict:
     """`Engine.load` keyword arguments of the speculation options, or a NinferError naming the bad flag."""
+    if spec in DRAFT_MODELS:
+        raise NinferError(
+            f"--spec {spec}: drafting with a DFlash model is not supported; an artifact's {spec} component is carried "
+            "but never run: use --spec mtp or none"
+        )
     if spec not in SPECULATIVE_MODES:
         raise NinferError(f"--spec must be {' or '.join(SPECULATIVE_MODES)}, got {spec!r}")
     if spec == "mtp" and not 1 <= draft_tokens <= MAX_DRAFTS:

@@ -12,13 +12,14 @@ from ninfer_offload.errors import NinferError
 def tiny(
     directory: Path = typer.Argument(..., help="Directory to write the checkpoint to (new or empty)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    nvfp4: bool = typer.Option(False, "--nvfp4", help="Hidden size and expert widths 128 and 4 experts, which --recipe nvfp4 accepts."),
 ) -> None:
     """Write a tiny random Qwen3.5/3.6-MoE checkpoint (6 layers, 8 experts, MTP, 512-token vocabulary) for `ninfer convert`."""
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise NinferError(f"{directory} already exists and is not an empty directory; choose a new one")
     from ninfer_offload.convert.tiny import tiny_config, write_checkpoint
 
-    config = tiny_config()
+    config = tiny_config(nvfp4=nvfp4)
     write_checkpoint(directory, config, seed=seed)
     size = sum(p.stat().st_size for p in directory.iterdir())
     typer.echo(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ninfer_offload.convert import compressed as compressed_nvfp4
 from ninfer_offload.errors import NinferError
 
 # Text resources (role -> file) every artifact carries (docs/format.md §8.3); the chat template may
@@ -52,7 +54,9 @@ class Checkpoint:
     """Tensor names, shapes and dtypes from the safetensors headers; tensors read on demand.
 
     Reads the files `select_files` chooses: the shards of `model.safetensors.index.json`, else
-    `model.safetensors`; any other `*.safetensors` file is left alone.
+    `model.safetensors`; any other `*.safetensors` file is left alone. In a compressed-tensors NVFP4
+    checkpoint each quantized Linear `X` appears as the one tensor `X.weight` (`convert.compressed`):
+    `nvfp4()` gives its stored planes, `read()` its decoded values.
     """
 
     def __init__(self, directory: str | Path):
@@ -64,6 +68,10 @@ class Checkpoint:
         self._dtype: dict[str, str] = {}
         for path in files:
             self._scan(path)
+        compressed = isinstance(self.config, dict) and compressed_nvfp4.is_compressed_nvfp4(self.config)
+        self._linears = compressed_nvfp4.linear_prefixes(set(self._file)) if compressed else set()
+        planes = {f"{prefix}{plane}" for prefix in self._linears for plane in compressed_nvfp4.PLANES}
+        self._names = frozenset((set(self._file) - planes) | {f"{prefix}weight" for prefix in self._linears})
 
     def _scan(self, path: Path) -> None:
         try:
@@ -81,17 +89,29 @@ class Checkpoint:
             raise NinferError(f"{path}: not a valid safetensors file ({err})") from None
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file
+        return name in self._names
 
     @property
     def names(self) -> set[str]:
-        return set(self._file)
+        """Tensor names; a quantized Linear's planes count as its one `X.weight`."""
+        return set(self._names)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shape[name]
+    def _linear(self, name: str) -> str | None:
+        """`X.` when `name` is the `X.weight` of a quantized Linear, else None."""
+        prefix = name.removesuffix("weight")
+        return prefix if name.endswith(".weight") and prefix in self._linears else None
+
+    def stored_name(self, name: str) -> str:
+        """The name of the stored tensor behind `name` (the packed codes of a quantized Linear)."""
+        prefix = self._linear(name)
+        return name if prefix is None else f"{prefix}{compressed_nvfp4.PACKED}"
 
     def check(self, name: str, shape: tuple[int, ...]) -> None:
-        """Fail with the tensor's name unless it exists with `shape` and a float dtype we read."""
+        """Fail with the tensor's name unless it exists with `shape` and a dtype we read."""
+        prefix = self._linear(name)
+        if prefix is not None:
+            self._check_linear(prefix, tuple(shape))
+            return
         if name not in self._file:
             raise NinferError(f"checkpoint is missing tensor {name!r}")
         if self._shape[name] != tuple(shape):
@@ -99,16 +119,54 @@ class Checkpoint:
         if self._dtype[name] not in _DTYPES:
             raise NinferError(f"tensor {name!r} has dtype {self._dtype[name]}; only BF16, F16 and F32 are converted")
 
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """The tensor (or its slice [start, stop) along the first axis) in its stored dtype.
+    def _check_linear(self, prefix: str, shape: tuple[int, ...]) -> None:
+        """The planes of a quantized Linear exist with the dtypes and shapes of a [N, K] NVFP4 matrix."""
+        n, k = shape
+        expected = {
+            compressed_nvfp4.PACKED: [(n, k // 2)],
+            compressed_nvfp4.SCALE: [(n, k // 16)],
+            compressed_nvfp4.GLOBAL_SCALE: [(1,), ()],
+        }
+        for plane, shapes in expected.items():
+            name = f"{prefix}{plane}"
+            if name not in self._file:
+                raise NinferError(f"checkpoint is missing tensor {name!r}")
+            if self._dtype[name] != compressed_nvfp4.PLANE_DTYPES[plane]:
+                raise NinferError(f"tensor {name!r} has dtype {self._dtype[name]}, expected {compressed_nvfp4.PLANE_DTYPES[plane]}")
+            if k % 16 or self._shape[name] not in shapes:
+                want = f"{list(shapes[0])} for an NVFP4 matrix {list(shape)}"
+                raise NinferError(f"tensor {name!r} has shape {list(self._shape[name])}, expected {want}")
 
-        The file is mapped only for the duration of the call, so reading a large tensor in
-        slices keeps the resident memory at one slice.
-        """
+    def _get(self, name: str, start: int | None, stop: int | None) -> torch.Tensor:
         with safe_open(str(self._file[name]), framework="pt") as f:
             if start is None:
                 return f.get_tensor(name)
             return f.get_slice(name)[start:stop]
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """The tensor (or its slice [start, stop) along the first axis) in its stored dtype; the
+        float32 decoded values for a quantized Linear.
+
+        The file is mapped only for the duration of the call, so reading a large tensor in
+        slices keeps the resident memory at one slice.
+        """
+        if self._linear(name) is None:
+            return self._get(name, start, stop)
+        return torch.from_numpy(compressed_nvfp4.dequantize(self.nvfp4(name, start, stop)))
+
+    def nvfp4(self, name: str, start: int | None = None, stop: int | None = None) -> compressed_nvfp4.Nvfp4Matrix | None:
+        """The stored NVFP4 planes of a quantized Linear's rows [start, stop) (all rows by default), checked
+        (`compressed.check_matrix`); None for a tensor stored unquantized."""
+        prefix = self._linear(name)
+        if prefix is None:
+            return None
+        codes = self._get(f"{prefix}{compressed_nvfp4.PACKED}", start, stop)
+        scales = self._get(f"{prefix}{compressed_nvfp4.SCALE}", start, stop)
+        divisor = self._get(f"{prefix}{compressed_nvfp4.GLOBAL_SCALE}", None, None)
+        matrix = compressed_nvfp4.Nvfp4Matrix(
+            codes.numpy(), scales.view(torch.uint8).numpy(), np.float32(divisor.reshape(-1)[0].item())
+        )
+        return compressed_nvfp4.check_matrix(prefix, matrix)
 
     def resource(self, filename: str) -> bytes | None:
         """Bytes of a resource file in the checkpoint directory, or None if absent."""

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ninfer_offload import __version__
-from ninfer_offload.artifact.formats import encoded_size
+from ninfer_offload.artifact.formats import NVFP4, encoded_size
 from ninfer_offload.artifact.writer import ArtifactWriter
 from ninfer_offload.convert.checkpoint import TEXT_RESOURCES, VISION_RESOURCES, Checkpoint
 from ninfer_offload.convert.encode import encode_parent, storage_layout
@@ -56,6 +56,9 @@ def _check_tensors(checkpoint: Checkpoint, layout: Layout, vision: bool) -> None
     for parent in layout.parents:
         for source in parent.sources:
             checkpoint.check(source.tensor, source.shape)
+        problem = parent.nvfp4_problem() if parent.format == NVFP4 else None
+        if problem:
+            raise NinferError(f"tensor {checkpoint.stored_name(parent.sources[0].tensor)!r}: {problem}; choose another --recipe")
     used = layout.tensors()
     for name in sorted(checkpoint.names - used):
         if not name.startswith(VISION_PREFIX) or vision:
@@ -112,10 +115,10 @@ def convert(
         task = bar.add_task(f"convert ({recipe})", total=0)
         for object_id, parent, ranges, uses in directory_entries(layout):
             layout_name = storage_layout(parent.format)
-            size = encoded_size(layout_name, parent.format, parent.shape)
+            size = encoded_size(layout_name, parent.format, parent.shape, parent.divisors)
             bar.update(task, total=bar.tasks[0].total + size)
             writer.add_tensor(object_id, parent.shape, parent.format, layout_name,
-                              _encoder(checkpoint, parent, lambda size=size: bar.advance(task, size)))
+                              _encoder(checkpoint, parent, lambda size=size: bar.advance(task, size)), parent.divisors)
             for binding, begin, end in ranges:
                 if len(ranges) == 1:
                     writer.bind(binding, object_id)
@@ -130,7 +133,7 @@ def _encoder(checkpoint: Checkpoint, parent: Parent, done):
     """The writer's source callable for `parent`: encodes it, then reports progress."""
 
     def encode():
-        data = encode_parent(parent, checkpoint.read)
+        data = encode_parent(parent, checkpoint)
         done()
         return data
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from math import prod
 
 from ninfer_offload.convert.hf_config import ModelSpec, TextDims, VisionDims
-from ninfer_offload.convert.recipes import BF16, FP32, role_format
+from ninfer_offload.convert.recipes import BF16, FP32, NVFP4, role_format
 
 # Source transforms (docs/format.md §9).
 NONE = "none"
@@ -58,6 +58,19 @@ class Parent:
     def row_elements(self) -> int:
         """Elements per row (1 for rank 1): binding ranges are rows times this."""
         return prod(self.shape[1:])
+
+    @property
+    def divisors(self) -> int:
+        """FP32 divisors of an nvfp4 parent: one per member, each member its own matrix (docs/format.md §7.1); else 1."""
+        return len(self.members) if self.format == NVFP4 else 1
+
+    def nvfp4_problem(self) -> str | None:
+        """Why this nvfp4 parent cannot be stored (members must be equal runs of whole 128-row tiles, K % 64 == 0), or None."""
+        rows = {m.rows for m in self.members}
+        k = self.shape[-1]
+        if len(self.shape) != 2 or len(rows) != 1 or min(rows) % 128 or k % 64:
+            return f"nvfp4 needs matrices of a multiple of 128 rows and of 64 columns, got {sorted(rows)} rows x {k} columns"
+        return None
 
 
 def _source(tensor: str, shape: tuple[int, ...], transform: str = NONE, heads: int = 0) -> Source:
@@ -178,7 +191,7 @@ class LayoutBuilder:
             _single(BF16, _source(f"{p}post_attention_layernorm.weight", (d.hidden,)), f"{name}/post_attention_norm"),
         ]
 
-    def moe(self, p: str, name: str, d: TextDims, gate_up_fmt: str, down_fmt: str) -> None:
+    def moe(self, p: str, name: str, d: TextDims, gate_up_fmt: str, down_fmt: str, shared_fmt: str) -> None:
         """Router + shared score, routed banks, shared expert of layer prefix `p` / binding prefix `name`."""
         ffn = f"{name}/ffn_input"
         e_count, h, i, s = d.experts, d.hidden, d.expert_width, d.shared_width
@@ -206,16 +219,15 @@ class LayoutBuilder:
         self.groups.append(_parent(gate_up_fmt, gate_up_sources, gate_up_members))
         self.groups.append(_parent(down_fmt, down_sources, down_members))
         shared = f"{p}mlp.shared_expert."
-        fmt = self.fmt("projection")
         self.groups.append(
             _parent(
-                fmt,
+                shared_fmt,
                 [_source(f"{shared}gate_proj.weight", (s, h)), _source(f"{shared}up_proj.weight", (s, h))],
                 [Member(f"{name}/moe/shared/gate", s, (ffn,)), Member(f"{name}/moe/shared/up", s, (ffn,))],
             )
         )
         self.singles.append(
-            _single(fmt, _source(f"{shared}down_proj.weight", (h, s)), f"{name}/moe/shared/down", f"{name}/moe/shared/product")
+            _single(shared_fmt, _source(f"{shared}down_proj.weight", (h, s)), f"{name}/moe/shared/down", f"{name}/moe/shared/product")
         )
 
     def text(self) -> None:
@@ -231,7 +243,7 @@ class LayoutBuilder:
         for layer in range(d.layers):
             p, name = f"{tp}layers.{layer}.", f"text/layers/{layer}"
             (self.attention if d.is_attention(layer) else self.gdn)(p, name, d)
-            self.moe(p, name, d, self.fmt("routed_gate_up", layer), self.fmt("routed_down", layer))
+            self.moe(p, name, d, self.fmt("routed_gate_up", layer), self.fmt("routed_down", layer), self.fmt("shared_expert"))
 
     def mtp(self) -> None:
         d = self.spec.text
@@ -244,7 +256,7 @@ class LayoutBuilder:
         ]
         self.attention("mtp.layers.0.", "mtp/layers/0", d)
         routed = self.fmt("mtp_routed")
-        self.moe("mtp.layers.0.", "mtp/layers/0", d, routed, routed)
+        self.moe("mtp.layers.0.", "mtp/layers/0", d, routed, routed, self.fmt("projection"))
 
     def vision(self, v: VisionDims) -> None:
         vp = "model.visual."

@@ -61,6 +61,9 @@ TEXT_CONFIG = {
     "eos_token_id": None,
     "pad_token_id": None,
 }
+# Dimensions that NVFP4 expert matrices accept (rows a multiple of 128, columns of 64): hidden size,
+# expert and shared-expert widths 128, and 4 experts to keep the model small.
+NVFP4_DIMS = {"hidden_size": 128, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "num_experts": 4}
 VISION_CONFIG = {
     "depth": 2,
     "hidden_size": 32,
@@ -74,18 +77,20 @@ VISION_CONFIG = {
 }
 
 
-def tiny_config(layout: str = "fused", num_layers: int = 6, full_attention_interval: int = 3) -> dict:
+def tiny_config(layout: str = "fused", num_layers: int = 6, full_attention_interval: int = 3, nvfp4: bool = False) -> dict:
     """The config.json of a tiny model: flat (CausalLM) or nested with a vision tower ("conditional").
 
     Layer i is full attention iff (i + 1) % full_attention_interval == 0 (the real model uses 4), so
-    the last of the default 6 layers is full attention like layer 39 of the real model.
+    the last of the default 6 layers is full attention like layer 39 of the real model. `nvfp4`
+    selects NVFP4_DIMS, so that `ninfer convert --recipe nvfp4` accepts the model.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     kinds = ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(num_layers)]
     if len(set(kinds)) != 2:
         raise ValueError(f"{num_layers} layers with interval {full_attention_interval} do not give both layer kinds")
-    text = {"model_type": "qwen3_5_moe_text", **TEXT_CONFIG, "num_hidden_layers": num_layers, "layer_types": kinds}
+    text = {"model_type": "qwen3_5_moe_text", **TEXT_CONFIG, **(NVFP4_DIMS if nvfp4 else {}), "num_hidden_layers": num_layers,
+            "layer_types": kinds}
     if layout != "conditional":
         return {"architectures": [CAUSAL], **text}
     vision = {"model_type": "qwen3_5_moe_vision", **VISION_CONFIG, "out_hidden_size": text["hidden_size"]}

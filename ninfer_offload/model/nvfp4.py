@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from ninfer_offload.artifact.codecs import E2M1_VALUES, E4M3FN_VALUES
@@ -18,15 +19,16 @@ from ninfer_offload.artifact.formats import NVFP4, NVFP4_TILE_ROWS, BlockScaleGe
 
 @lru_cache(maxsize=8)
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The E2M1 and E4M3FN value tables on `device`, copied there once (a step captured in a CUDA graph
-    must not copy from the host)."""
-    return torch.from_numpy(E2M1_VALUES).to(device), torch.from_numpy(E4M3FN_VALUES).to(device)
+    """On `device`, copied there once (a step captured in a CUDA graph must not copy from the host): the
+    E2M1 values of both codes of every code byte [256, 2] (low nibble first), and the E4M3FN values."""
+    byte = np.arange(256)
+    pairs = np.stack([E2M1_VALUES[byte & 0x0F], E2M1_VALUES[byte >> 4]], axis=-1)
+    return torch.from_numpy(pairs).to(device), torch.from_numpy(E4M3FN_VALUES).to(device)
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
     """E2M1 values [..., 2m] of packed code bytes [..., m] (low nibble first)."""
-    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
-    return _tables(packed.device)[0][nibbles.long()]
+    return _tables(packed.device)[0][packed.long()].reshape(*packed.shape[:-1], -1)
 
 
 def _divisors(data: torch.Tensor, geometry: BlockScaleGeometry) -> torch.Tensor:
