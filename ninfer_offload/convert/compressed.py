@@ -83,11 +83,6 @@ def linear_prefixes(names: set[str]) -> set[str]:
     return {name[: -len(PACKED)] for name in names if name.endswith(suffix)}
 
 
-def logical_shape(packed_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """[N, K] of a Linear whose packed codes are [N, K/2]."""
-    return (packed_shape[0], 2 * packed_shape[1]) if len(packed_shape) == 2 else packed_shape
-
-
 def check_matrix(prefix: str, matrix: Nvfp4Matrix) -> Nvfp4Matrix:
     """The matrix if its divisor is finite and > 0 and its scales are sign-0 and not NaN; else a NinferError naming the tensor."""
     if not (np.isfinite(matrix.divisor) and matrix.divisor > 0):
