@@ -225,10 +225,9 @@ class BlockScaleGeometry:
         row_code, row_scale = self.k // 2, self.k // 16
         return [(r0 * row_code, count * row_code), (self.scale_offset + r0 * row_scale, count * row_scale)]
 
-    def tile_divisor_index(self, tiles: range | None = None) -> list[int]:
-        """Index of the divisor word of each row tile (all tiles, or `tiles`)."""
-        per_divisor = self.row_tiles // self.divisors
-        return [t // per_divisor for t in (tiles if tiles is not None else range(self.row_tiles))]
+    def tile_divisor_index(self) -> list[int]:
+        """Index of the divisor word of each row tile."""
+        return [t * NVFP4_TILE_ROWS // self.rows_per_divisor for t in range(self.row_tiles)]
 
 
 ObjectGeometry = RowSplitGeometry | BlockScaleGeometry
