@@ -58,7 +58,7 @@ def bench_linear(name: str, fmt: str, n: int, k: int, tokens: int, bandwidth: fl
     geometry = RowSplitGeometry(grouped_format(fmt), n, k)
     data = random_object(geometry)[0]
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: quant_linear.rowsplit_linear(x, data, geometry), graph=tokens <= 8)
+    ms = median_ms(lambda: quant_linear.quantized_linear(x, data, geometry), graph=tokens <= 8)
     moved = geometry.encoded_size + x.numel() * 2 + tokens * n * 2
     flops = 2 * tokens * n * k
     return {"op": name, "format": fmt, "shape": [n, k], "tokens": tokens, "ms": ms, "bytes": moved,

@@ -14,11 +14,10 @@ import torch
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, rotary, router, shared_expert
-from ninfer_offload.kernels.quant_linear import rowsplit_linear
+from ninfer_offload.kernels.quant_linear import quantized_linear
 from ninfer_offload.model.backend import ReferenceBackend, Weight
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank
-from ninfer_offload.model.quant import QuantizedMatrix
 
 
 # bf16 tensor-core products (tl.dot on bf16) need Ampere (sm_80) or newer; sm_90 and sm_120 are the targets.
@@ -44,10 +43,10 @@ class TritonBackend(ReferenceBackend):
         self.fla = gdn.fla_available()
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        if not isinstance(w, QuantizedMatrix):
+        if isinstance(w, torch.Tensor):
             return x @ w.T
         lead = x.shape[:-1]
-        out = rowsplit_linear(x.reshape(-1, x.shape[-1]), w.data, w.geometry)
+        out = quantized_linear(x.reshape(-1, x.shape[-1]), w.data, w.geometry)
         return out.reshape(*lead, w.n)
 
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:

@@ -4,7 +4,9 @@ Reference op: `ReferenceBackend.routed_experts(x, topk_ids, topk_weights, expert
 `out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = topk_ids[t, j]`.
 
 Experts are reached through a per-layer int64 table: `table[e]` is the byte offset of expert e's
-record (`ExpertRecordLayout`: gate/up object, then the down object at `down_offset`) from an
+record (`ExpertRecordLayout`: gate/up object, then the down object at `down_offset`; each
+row-split or nvfp4, decoded by `kernels/tiles.py` per the `NVFP4` constexpr, nvfp4 rows divided by
+their FP32 divisor in the fp32 accumulators) from an
 `arena` base tensor, a multiple of 256. Resident banks (arena = the bank), cache slots
 (arena = the slot pool) and mapped pinned host records (arena = any 256-aligned tensor, offsets
 = address differences in the unified address space) all go through the same kernels; only the
@@ -13,19 +15,20 @@ compiler prove alignment and issue 16-byte pipelined loads (raw int-to-pointer a
 compile to one-byte loads).
 
 Two paths, both free of host syncs (so they can be captured in a CUDA graph):
-* few (token, slot) pairs (decode, verification): matrix-vector kernels. Kernel 1 computes a
-  slice of one pair's gate and up rows and applies SwiGLU; kernel 2 computes a slice of one
-  token's output rows, walking its k experts in slot order (down rows, rounding, routing weight,
-  fp32 sum), so no partial outputs are written and no reduction is launched.
-* many pairs (prefill): the pairs are sorted by expert and cut into blocks of at most BLOCK_M
-  pairs of one expert. Kernel 1 computes gate and up rows for a block with `tl.dot` and applies
-  SwiGLU; kernel 2 applies the down rows and the routing weight. The per-token sum over the k
-  slots is a fixed-order reduction.
+* few (token, slot) pairs of row-split records (decode, verification): matrix-vector kernels.
+  Kernel 1 computes a slice of one pair's gate and up rows and applies SwiGLU; kernel 2 computes a
+  slice of one token's output rows, walking its k experts in slot order (down rows, rounding,
+  routing weight, fp32 sum), so no partial outputs are written and no reduction is launched.
+* otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
+  own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
+  block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
+  The per-token sum over the k slots is a fixed-order reduction.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -33,14 +36,9 @@ import triton.language as tl
 
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import (
-    TileGeometry,
-    block_k_for,
-    gemv_block_k,
-    gemv_weight_tile,
-    load_weight_tile,
-    split_even_odd,
-)
+from ninfer_offload.kernels.nvfp4 import load_divisors
+from ninfer_offload.kernels.rowsplit import gemv_block_k, gemv_weight_tile, split_even_odd
+from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, load_tile
 
 
 @dataclass(frozen=True)
@@ -53,14 +51,18 @@ class Tiles:
     warps: int
 
 
-# Up to this many (token, slot) pairs: the matrix-vector kernels (block_m unused; widest column tile in BLOCK_K).
+# Up to this many (token, slot) pairs of row-split records: the matrix-vector kernels (block_m unused;
+# widest column tile in GEMV_BLOCK_K). H200 sweep (bench/kernels.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide.
 GEMV_MAX_PAIRS = 64
-GEMV_TILES = Tiles(1, 16, 16, 8)  # H200 sweep (bench/kernels.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide
+GEMV_TILES = Tiles(1, 16, 16, 8)
 GEMV_BLOCK_K = 2048
-# Tiled kernels: few pairs per expert and prefill. Module-level so benchmarks can sweep them.
-DECODE_TILES = Tiles(16, 32, 64, 4)
+# Tiled kernels: decode / verification of nvfp4 records (few pairs per expert) and prefill (many).
+# Module-level so benchmarks can sweep them.
+DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
 PREFILL_TILES = Tiles(64, 32, 64, 4)
 PREFILL_MIN_PAIRS = 256
+# Up to this many (token, slot) pairs each pair is its own block: no sort, no scatter (decode).
+PAIR_PLAN_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,19 @@ class WorkPlan:
     block_expert: torch.Tensor  # [max_blocks] int64
     block_pairs: torch.Tensor  # [max_blocks, block_m] int64, pair index = token * top_k + slot
     block_m: int
+
+
+@lru_cache(maxsize=64)
+def _one_pair_per_block(pairs: int, block_m: int, device: torch.device) -> torch.Tensor:
+    rows = torch.full((pairs, block_m), -1, dtype=torch.int64, device=device)
+    rows[:, 0] = torch.arange(pairs, device=device)
+    return rows
+
+
+def plan_pairs(topk_ids: torch.Tensor, block_m: int) -> WorkPlan:
+    """Each (token, slot) pair in its own block (few pairs: planning costs one reshape, no sort)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    return WorkPlan(flat, _one_pair_per_block(flat.numel(), block_m, flat.device), block_m)
 
 
 def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPlan:
@@ -194,7 +209,9 @@ def _gate_up_swiglu_kernel(
     I,
     high_offset,
     scale_offset,
+    divisor_offset,
     TOP_K: tl.constexpr,
+    NVFP4: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -217,14 +234,17 @@ def _gate_up_swiglu_kernel(
         for k0 in range(0, K_PAD, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x + toks[:, None] * stride_x + cols[None, :], mask=pair_mask[:, None] & (cols < H)[None, :], other=0.0)
-            wg = load_weight_tile(record, cols_i, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-            wu = load_weight_tile(record, cols_i + I, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            wg = load_tile(record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            wu = load_tile(record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
             if IEEE:
                 acc_gate = tl.dot(xt, tl.trans(wg), acc_gate, input_precision="ieee")
                 acc_up = tl.dot(xt, tl.trans(wu), acc_up, input_precision="ieee")
             else:
                 acc_gate = tl.dot(xt, tl.trans(wg.to(xt.dtype)), acc_gate)
                 acc_up = tl.dot(xt, tl.trans(wu.to(xt.dtype)), acc_up)
+        if NVFP4:
+            acc_gate = acc_gate / load_divisors(record, cols_i, col_mask, divisor_offset)[None, :]
+            acc_up = acc_up / load_divisors(record, cols_i + I, col_mask, divisor_offset)[None, :]
         gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
         up = acc_up.to(x.dtype.element_ty).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
@@ -245,6 +265,8 @@ def _down_kernel(
     down_offset,
     high_offset,
     scale_offset,
+    divisor_offset,
+    NVFP4: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -266,11 +288,13 @@ def _down_kernel(
         for k0 in range(0, K_PAD, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             at = tl.load(act + safe_pairs[:, None] * I + cols[None, :], mask=pair_mask[:, None] & (cols < I)[None, :], other=0.0)
-            wd = load_weight_tile(down, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            wd = load_tile(down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
             if IEEE:
                 acc = tl.dot(at, tl.trans(wd), acc, input_precision="ieee")
             else:
                 acc = tl.dot(at, tl.trans(wd.to(at.dtype)), acc)
+        if NVFP4:
+            acc = acc / load_divisors(down, rows, row_mask, divisor_offset)[None, :]
         y = acc.to(act.dtype.element_ty).to(tl.float32)
         w = tl.load(weights + safe_pairs, mask=pair_mask, other=0.0).to(tl.float32)
         tl.store(out + safe_pairs[:, None] * H + rows[None, :], y * w[:, None], mask=pair_mask[:, None] & row_mask[None, :])
@@ -296,39 +320,58 @@ def routed_experts(
         )
     x = x.contiguous()
     pairs = t * top_k
-    act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
-    if pairs <= GEMV_MAX_PAIRS:
-        ids = topk_ids.contiguous()
-        tiles = GEMV_TILES
-        _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, tiles.gate_up_n))](
-            x, arena, table, ids, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
-            TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=tiles.gate_up_n,
-            BLOCK_K=gemv_block_k(gu.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
-        )
-        out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
-        _down_gemv_kernel[(triton.cdiv(hidden, tiles.down_n), t)](
-            act, arena, table, ids, topk_weights.contiguous(), out, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
-            TOP_K=top_k, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=tiles.down_n,
-            BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
-        )
-        return out
+    if pairs <= GEMV_MAX_PAIRS and not (gu.nvfp4 or dn.nvfp4):
+        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn)
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
-    plan = plan_work(topk_ids, table.numel(), tiles.block_m)
+    if pairs <= PAIR_PLAN_MAX:
+        plan = plan_pairs(topk_ids, tiles.block_m)
+    else:
+        plan = plan_work(topk_ids, table.numel(), tiles.block_m)
     blocks = plan.block_expert.numel()
     ieee = x.dtype == torch.float32
+    act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
         x, arena, table, plan.block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
-        TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n,
+        gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.gate_up_n,
         BLOCK_K=block_k_for(gu.k_pad), IEEE=ieee, num_warps=tiles.warps,
     )
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
         act, arena, table, plan.block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
-        layout.down_offset, dn.high_offset, dn.scale_offset,
-        BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
+        layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset,
+        NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
         BLOCK_K=block_k_for(dn.k_pad), IEEE=ieee, num_warps=tiles.warps,
     )
     return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
+
+
+def _routed_experts_gemv(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    arena: torch.Tensor,
+    table: torch.Tensor,
+    layout: ExpertRecordLayout,
+    gu: TileGeometry,
+    dn: TileGeometry,
+) -> torch.Tensor:
+    """The matrix-vector path of `routed_experts` (row-split records, few pairs)."""
+    (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
+    ids, tiles = topk_ids.contiguous(), GEMV_TILES
+    act = torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
+    _gate_up_swiglu_gemv_kernel[(t * top_k, triton.cdiv(inter, tiles.gate_up_n))](
+        x, arena, table, ids, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
+        TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=tiles.gate_up_n,
+        BLOCK_K=gemv_block_k(gu.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+    )
+    out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
+    _down_gemv_kernel[(triton.cdiv(hidden, tiles.down_n), t)](
+        act, arena, table, ids, topk_weights.contiguous(), out, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
+        TOP_K=top_k, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=tiles.down_n,
+        BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+    )
+    return out
 
 
 def record_table(slots: torch.Tensor, stride: int) -> torch.Tensor:

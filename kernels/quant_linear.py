@@ -1,18 +1,21 @@
-"""Quantized linear `y = x @ W^T` straight from `row_split_k128_v1` planes (q4/q5/q6/q8).
+"""Quantized linear `y = x @ W^T` straight from the stored planes: row-split (q4/q5/q6/q8) or nvfp4.
 
-Reference op: `ReferenceBackend.linear(x, w)` with `w` a `QuantizedMatrix`, i.e. `x @
-w.dequantize().T`. Three paths by token count:
-* up to `GEMV_MAX_TOKENS` (decode, verification of a few drafts, small decode batches): a
-  matrix-vector kernel. Each program owns a few rows and walks the whole row in wide tiles,
-  decoding each tile once (`load_code_tile`) and multiplying the codes by every token's x in
-  registers (`dot_code_tile`): no tensor-core padding, no split-K partial sums, one launch, and
-  every token count up to the limit gets the same per-token arithmetic.
-* up to `FUSED_MAX_TOKENS` (larger batches): each program decodes a weight tile in
-  registers and multiplies it with `tl.dot` (the token block is padded to 16 rows). Few-token
-  products split K across programs so that even a [2048, 4096] projection fills the GPU; their
-  partial sums are added in a fixed order, so results are deterministic.
-* above (prefill): the weight is dequantized once per call into a transient buffer and multiplied
-  with cuBLAS, which beats an in-kernel tile decode once the product is compute-bound.
+Reference op: `ReferenceBackend.linear(x, w)` with `w` a `QuantizedMatrix` or `Nvfp4Matrix`, i.e.
+`x @ w.dequantize().T`. Three paths by token count:
+* up to `GEMV_MAX_TOKENS` tokens of a row-split matrix (decode, verification of a few drafts,
+  small decode batches): a matrix-vector kernel. Each program owns a few rows and walks the whole
+  row in wide tiles, decoding each tile once (`load_code_tile`) and multiplying the codes by every
+  token's x in registers (`dot_code_tile`): no tensor-core padding, no split-K partial sums, one
+  launch, and every token count up to the limit gets the same per-token arithmetic.
+* up to `FUSED_MAX_TOKENS` (and nvfp4 decode): one tiled kernel for both formats (the `NVFP4`
+  constexpr picks the tile decoder, `kernels/tiles.py`): each program decodes a weight tile in
+  registers and multiplies it with `tl.dot` (the token block is padded to 16 rows); nvfp4 rows are
+  divided by their FP32 divisor in the fp32 accumulator. Few-token products split K across
+  programs so that even a [2048, 4096] projection fills the GPU; their partial sums are added in a
+  fixed order, so results are deterministic.
+* above (prefill): the weight is dequantized once per call into a transient buffer (the same tile
+  decoders) and multiplied with cuBLAS, which beats an in-kernel tile decode once the product is
+  compute-bound.
 """
 
 from __future__ import annotations
@@ -21,20 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer_offload.artifact.formats import RowSplitGeometry
+from ninfer_offload.artifact.formats import ObjectGeometry
+from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import (
-    TileGeometry,
-    block_k_for,
-    dot_code_tile,
-    gemv_block_k,
-    load_code_tile,
-    load_weight_tile,
-    split_even_odd,
-)
+from ninfer_offload.kernels.rowsplit import dot_code_tile, gemv_block_k, load_code_tile, split_even_odd
+from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, load_tile
 
-# Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled one;
-# above it, transient dequantization + cuBLAS.
+# Token counts up to this use the matrix-vector kernel (row-split), up to FUSED_MAX_TOKENS the tiled
+# one; above it, transient dequantization + cuBLAS.
 GEMV_MAX_TOKENS = 8
 FUSED_MAX_TOKENS = 64
 # Matrix-vector kernel: rows per program, widest column tile, warps (module-level so benchmarks can sweep them).
@@ -44,49 +41,6 @@ GEMV_WARPS = 8
 # Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
-
-
-@triton.jit
-def _rowsplit_matmul_kernel(
-    x,
-    w,
-    out,
-    T,
-    N,
-    K,
-    stride_x,
-    high_offset,
-    scale_offset,
-    K_BLOCKS_PER_SPLIT,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    row_mask = rows < N
-    toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok_mask = toks < T
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    kb_begin = pid_k * K_BLOCKS_PER_SPLIT
-    kb_end = tl.minimum(kb_begin + K_BLOCKS_PER_SPLIT, K_PAD // BLOCK_K)
-    for kb in range(kb_begin, kb_end):
-        k0 = kb * BLOCK_K
-        cols = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x + toks[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tok_mask[:, None] & (cols < K)[None, :], other=0.0)
-        wt = load_weight_tile(w, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-        if IEEE:
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
-    optr = out + pid_k.to(tl.int64) * T * N + toks[:, None].to(tl.int64) * N + rows[None, :]
-    tl.store(optr, acc.to(out.dtype.element_ty), mask=tok_mask[:, None] & row_mask[None, :])
 
 
 @triton.jit
@@ -129,13 +83,62 @@ def _rowsplit_gemv_kernel(
 
 
 @triton.jit
-def _rowsplit_dequantize_kernel(
+def _quantized_matmul_kernel(
+    x,
+    w,
+    out,
+    T,
+    N,
+    K,
+    stride_x,
+    high_offset,
+    scale_offset,
+    divisor_offset,
+    K_BLOCKS_PER_SPLIT,
+    NVFP4: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_mask = rows < N
+    toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok_mask = toks < T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    kb_begin = pid_k * K_BLOCKS_PER_SPLIT
+    kb_end = tl.minimum(kb_begin + K_BLOCKS_PER_SPLIT, K_PAD // BLOCK_K)
+    for kb in range(kb_begin, kb_end):
+        k0 = kb * BLOCK_K
+        cols = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x + toks[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tok_mask[:, None] & (cols < K)[None, :], other=0.0)
+        wt = load_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        if IEEE:
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
+    if NVFP4:
+        acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
+    optr = out + pid_k.to(tl.int64) * T * N + toks[:, None].to(tl.int64) * N + rows[None, :]
+    tl.store(optr, acc.to(out.dtype.element_ty), mask=tok_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(
     w,
     out,
     N,
     K,
     high_offset,
     scale_offset,
+    divisor_offset,
+    NVFP4: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -146,7 +149,9 @@ def _rowsplit_dequantize_kernel(
     k0 = tl.program_id(1) * BLOCK_K
     cols = k0 + tl.arange(0, BLOCK_K)
     row_mask = rows < N
-    wt = load_weight_tile(w, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    wt = load_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    if NVFP4:
+        wt = tl.math.div_rn(wt, load_divisors(w, rows, row_mask, divisor_offset)[:, None])  # correctly rounded, as the reference
     tl.store(out + rows[:, None] * K + cols[None, :], wt.to(out.dtype.element_ty), mask=row_mask[:, None] & (cols < K)[None, :])
 
 
@@ -156,30 +161,30 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def rowsplit_dequantize(data: torch.Tensor, geometry: RowSplitGeometry, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_matrix(data: torch.Tensor, geometry: ObjectGeometry, dtype: torch.dtype) -> torch.Tensor:
     """The whole matrix [n, k] in `dtype`, decoded on the device (a transient buffer)."""
     g = TileGeometry.of(geometry)
     out = torch.empty(geometry.n, geometry.k, device=data.device, dtype=dtype)
-    block_n, block_k = 32, 128
-    grid = (triton.cdiv(geometry.n, block_n), geometry.k_pad // block_k)
-    _rowsplit_dequantize_kernel[grid](
-        data, out, geometry.n, geometry.k, g.high_offset, g.scale_offset,
-        BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_N=block_n, BLOCK_K=block_k,
+    block_n, block_k = 32, block_k_for(g.k_pad, 128)
+    grid = (triton.cdiv(geometry.n, block_n), g.k_pad // block_k)
+    _dequantize_kernel[grid](
+        data, out, geometry.n, geometry.k, g.high_offset, g.scale_offset, g.divisor_offset,
+        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return out
 
 
-def rowsplit_linear(x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeometry) -> torch.Tensor:
-    """x [T, k] @ W^T -> [T, n] in x's dtype, W given as raw row-split bytes `data` on x's device."""
+def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
+    """x [T, k] @ W^T -> [T, n] in x's dtype, W given as its raw object bytes `data` on x's device."""
     t, k = x.shape
     if k != geometry.k:
         raise ValueError(f"input has {k} columns, weight expects {geometry.k}")
     if t > FUSED_MAX_TOKENS:
-        return x @ rowsplit_dequantize(data, geometry, x.dtype).T
+        return x @ dequantize_matrix(data, geometry, x.dtype).T
     x = x.contiguous()
     g = TileGeometry.of(geometry)
     n = geometry.n
-    if t <= GEMV_MAX_TOKENS:
+    if t <= GEMV_MAX_TOKENS and not g.nvfp4:
         out = torch.empty(t, n, device=x.device, dtype=x.dtype)
         _rowsplit_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
             x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset,
@@ -197,9 +202,9 @@ def rowsplit_linear(x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeome
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)
     out = torch.empty((split, t, n) if split > 1 else (t, n), device=x.device, dtype=torch.float32 if split > 1 else x.dtype)
-    _rowsplit_matmul_kernel[(n_blocks, m_blocks, split)](
-        x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset, per_split,
-        BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    _quantized_matmul_kernel[(n_blocks, m_blocks, split)](
+        x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset, g.divisor_offset, per_split,
+        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32, num_warps=DECODE_WARPS,
     )
     return sum_middle(out.view(1, split, t * n), x.dtype).view(t, n) if split > 1 else out

@@ -1,40 +1,16 @@
 """Triton building block: decode a tile of a `row_split_k128_v1` object in registers.
 
-Every quantized kernel (dense linear, routed MoE) reads weights through `load_weight_tile`, which
-takes the object's base address and its plane offsets (docs/format.md §6.2) and returns the
-dequantized values `fp32(scale) * code` of rows `rows`, columns `[k0, k0 + BLOCK_K)`. Nothing is
-dequantized in memory. `BLOCK_K` is a multiple of 128, so a tile never crosses a row's padded end
+Every quantized kernel (dense linear, routed MoE) reads row-split weights through `load_weight_tile`
+(by way of `kernels/tiles.py`), which takes the object's base address and its plane offsets
+(docs/format.md §6.2) and returns the dequantized values `fp32(scale) * code` of rows `rows`,
+columns `[k0, k0 + BLOCK_K)`. Nothing is dequantized in memory. `BLOCK_K` is a multiple of 128, so a tile never crosses a row's padded end
 and padding lanes (code 0, scale 0) need no mask.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import triton
 import triton.language as tl
-
-from ninfer_offload.artifact.formats import RowSplitGeometry
-
-
-@dataclass(frozen=True)
-class TileGeometry:
-    """The constants a kernel needs to address one row-split object (or every record of a bank)."""
-
-    bits: int
-    group: int
-    k_pad: int
-    high_offset: int
-    scale_offset: int
-
-    @classmethod
-    def of(cls, geometry: RowSplitGeometry) -> "TileGeometry":
-        return cls(geometry.fmt.bits, geometry.fmt.group, geometry.k_pad, geometry.high_offset, geometry.scale_offset)
-
-
-def block_k_for(k_pad: int, preferred: int = 256) -> int:
-    """Largest tile width <= preferred (128 or 256) that divides the padded row."""
-    return preferred if k_pad % preferred == 0 else 128
 
 
 @triton.jit

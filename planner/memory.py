@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ninfer_offload.artifact.formats import CONTIGUOUS, elements
+from ninfer_offload.artifact.formats import BLOCK_SCALE, NVFP4, ROW_SPLIT, elements, runtime_geometry
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.options import PlanOptions
@@ -130,16 +130,18 @@ def staging_slots(num_experts: int, top_k: int, tokens_per_step: int, requested:
 
 
 def loaded_weight_bytes(inventory: Inventory, components: tuple[str, ...], element_bytes: int) -> int:
-    """Device bytes of the non-routed weights of `components` as the loader keeps them: quantized
-    objects (every layout but contiguous: row-split, nvfp4 block-scale) in their stored bytes, FP32
-    objects (the GDN decay parameters) in FP32, INT32 objects (the proposal token ids) as int64
-    indices, every other contiguous object in the compute dtype."""
+    """Device bytes of the non-routed weights of `components` as the loader keeps them: row-split
+    objects in their stored bytes, nvfp4 objects with one divisor per row tile (`runtime_geometry`),
+    FP32 objects (the GDN decay parameters) in FP32, INT32 objects (the proposal token ids) as int64
+    indices, every other object (FP8-row ones decoded) in the compute dtype."""
     total = 0
     for t in inventory.tensors:
         if t.component not in components or t.role in ROUTED_ROLES:
             continue
-        if t.layout != CONTIGUOUS:
+        if t.layout == ROW_SPLIT:
             total += t.bytes
+        elif t.layout == BLOCK_SCALE:
+            total += runtime_geometry(NVFP4, *t.shape).encoded_size
         else:
             total += elements(t.shape) * {"fp32": FP32, "int32": INT64}.get(t.format, element_bytes)
     return total

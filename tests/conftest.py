@@ -84,6 +84,15 @@ def tiny_artifact_nvfp4(tiny_nvfp4_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_artifact_nvfp4_matrices(tiny_nvfp4_checkpoint, tmp_path_factory):
+    """`tiny_nvfp4_checkpoint` with its routed and shared experts, attention outputs, embedding and output
+    head stored as nvfp4 with various divisor counts, the rest bf16 (`nvfp4_support.build_nvfp4_artifact`)."""
+    from nvfp4_support import build_nvfp4_artifact
+
+    return build_nvfp4_artifact(tiny_nvfp4_checkpoint, tmp_path_factory.mktemp("tiny_nvfp4_matrices"))
+
+
+@pytest.fixture(scope="session")
 def small_card(tmp_path_factory):
     """A device profile file (the RTX 5060 Ti without a VRAM reserve) that tiny models can be planned on."""
     path = tmp_path_factory.mktemp("profiles") / "small_card.toml"

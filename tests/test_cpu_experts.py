@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from nvfp4_support import random_nvfp4
+
 from ninfer_offload.artifact.codecs import encode_row_split
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
@@ -137,6 +139,32 @@ def test_reference_expert_is_the_dequantized_matrix_math():
     np.testing.assert_allclose(ck.reference_expert(layout, rec, x)[0], w_dn @ act, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("down_fmt", ["nvfp4", "q6_g64_fp16"])
+def test_nvfp4_records_match_reference(down_fmt):
+    """Records cut from nvfp4 banks (one divisor per two experts, so the tiles' divisors differ), at
+    reversed offsets with gaps; two row tiles per gate/up object."""
+    hidden, inter, experts = 128, 128, 4
+    rng = np.random.default_rng(21)
+    gate_up = random_nvfp4(rng, experts * 2 * inter, hidden, divisors=2)
+    if down_fmt == "nvfp4":
+        down = random_nvfp4(rng, experts * hidden, inter, divisors=2)
+    else:
+        down = encode_row_split(rng.standard_normal((experts * hidden, inter)).astype(np.float32) / np.sqrt(inter), down_fmt)
+    layout = ExpertRecordLayout.create("nvfp4", down_fmt, hidden, inter)
+    packed = np.empty((experts, layout.nbytes), dtype=np.uint8)
+    layout.pack_all(gate_up, down, experts, packed)
+    stride = layout.nbytes + 256
+    records = np.full(experts * stride, 0xA5, dtype=np.uint8)
+    offsets = np.arange(experts, dtype=np.int64)[::-1] * stride
+    for e in range(experts):
+        records[offsets[e] : offsets[e] + layout.nbytes] = packed[e]
+    rng = np.random.default_rng(3)
+    ids = np.stack([rng.choice(experts, 2, replace=False) for _ in range(5)])
+    x, weights = rng.standard_normal((5, hidden)).astype(np.float32), rng.random((5, 2)).astype(np.float32)
+    got = ck.routed_experts_cpu(ck.RecordKernelPlan.create(layout), records, offsets, x, ids, weights)
+    assert_close(got, ck.reference_routed(layout, records, offsets, x, ids, weights))
+
+
 def test_selected_assignments_only():
     layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
     x, ids, weights = routing(tokens=4, k=3, seed=11)
@@ -256,8 +284,8 @@ assert not parallel._is_initialized
 executor = ce.CpuExpertExecutor()
 assert parallel._is_initialized, "thread pool not started by the executor"
 compiled = len(ck._routed_kernel.signatures)
-for fmt in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"):
-    layout = ExpertRecordLayout.create(fmt, "q5_g64_fp16", 128, 64)
+for fmt, down in [(f, "q5_g64_fp16") for f in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16")] + [("nvfp4", "nvfp4")]:
+    layout = ExpertRecordLayout.create(fmt, down, 128, 64)
     records = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
     for t in range(1, 9):
         ids = torch.tensor([[0, 1]] * t)

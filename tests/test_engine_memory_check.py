@@ -12,6 +12,7 @@ import torch
 
 from ninfer_offload import Engine, NinferError, open_artifact
 from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.model.nvfp4 import Nvfp4Matrix
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.planner import PlanOptions, plan
 from ninfer_offload.planner.memory import LoadOptions, load_footprint
@@ -30,9 +31,9 @@ def weight_tensors(module, seen: dict[int, int]) -> dict[int, int]:
     """data_ptr -> bytes of every weight reachable from a model dataclass (not its expert store or rotary table)."""
     if isinstance(module, torch.Tensor):
         seen[module.data_ptr()] = module.nbytes
-    elif isinstance(module, QuantizedMatrix):
+    elif isinstance(module, (QuantizedMatrix, Nvfp4Matrix)):
         seen[module.data.data_ptr()] = module.data.nbytes
-    elif isinstance(module, list):
+    elif isinstance(module, (list, tuple)):  # layers; the parts of a stacked product
         for item in module:
             weight_tensors(item, seen)
     elif dataclasses.is_dataclass(module):
@@ -42,10 +43,10 @@ def weight_tensors(module, seen: dict[int, int]) -> dict[int, int]:
     return seen
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "official"])
+@pytest.mark.parametrize("artifact", ["tiny_artifact", "tiny_artifact_official", "tiny_artifact_nvfp4"])
 @pytest.mark.parametrize("experts", ["resident", "host"])
-def test_footprint_equals_what_a_load_allocates(recipe, experts, request):
-    path = request.getfixturevalue("tiny_artifact" if recipe == "bf16" else "tiny_artifact_official")
+def test_footprint_equals_what_a_load_allocates(artifact, experts, request):
+    path = request.getfixturevalue(artifact)
     engine = Engine.load(path, experts=experts, max_context=CAPACITY, max_sequences=3, draft_tokens=2, mtp=True)
     try:
         layers, count, top_k = engine.config.num_layers, engine.config.num_experts, engine.config.top_k

@@ -29,25 +29,25 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("fmt", sorted(GROUPED_FORMATS))
 @pytest.mark.parametrize("n,k", [(40, 200), (33, 256)])
 def test_fused_kernel_matches_reference_for_every_format(fmt, n, k):
-    from ninfer_offload.kernels.quant_linear import rowsplit_linear
+    from ninfer_offload.kernels.quant_linear import quantized_linear
 
     data, weight, geometry = _random_object(fmt, n, k, seed=n + k)
     for t in (1, 3, 8):
         x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
-        out = rowsplit_linear(x.to(DEVICE), data, geometry)
+        out = quantized_linear(x.to(DEVICE), data, geometry)
         assert out.shape == (t, n) and out.dtype == torch.float32
         assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
 
 
 def test_split_k_and_dequantize_paths():
-    from ninfer_offload.kernels.quant_linear import FUSED_MAX_TOKENS, rowsplit_dequantize, rowsplit_linear
+    from ninfer_offload.kernels.quant_linear import FUSED_MAX_TOKENS, dequantize_matrix, quantized_linear
 
     data, weight, geometry = _random_object("q5_g64_fp16", 20, 900, seed=7)
-    assert torch.equal(rowsplit_dequantize(data, geometry, torch.float32).cpu(), weight)
+    assert torch.equal(dequantize_matrix(data, geometry, torch.float32).cpu(), weight)
     x = torch.randn(FUSED_MAX_TOKENS + 5, 900, generator=torch.Generator().manual_seed(1))
-    out = rowsplit_linear(x.to(DEVICE), data, geometry)
+    out = quantized_linear(x.to(DEVICE), data, geometry)
     assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
-    few = rowsplit_linear(x[:20].to(DEVICE), data, geometry)  # tiled kernel, K = 1024 padded: split across programs
+    few = quantized_linear(x[:20].to(DEVICE), data, geometry)  # tiled kernel, K = 1024 padded: split across programs
     assert _relative_error(few, x[:20].double() @ weight.double().T) < 1e-5
 
 
@@ -58,11 +58,11 @@ def test_matrix_vector_kernel_walks_rows_in_several_tiles(fmt, monkeypatch):
     monkeypatch.setattr(quant_linear, "GEMV_BLOCK_K", 256)  # K = 900 -> 1024 padded: four column tiles
     data, weight, geometry = _random_object(fmt, 21, 900, seed=11)
     x = torch.randn(5, 900, generator=torch.Generator().manual_seed(2))
-    out = quant_linear.rowsplit_linear(x.to(DEVICE), data, geometry)  # five tokens in a block of eight
+    out = quant_linear.quantized_linear(x.to(DEVICE), data, geometry)  # five tokens in a block of eight
     assert out.shape == (5, 21)
     assert _relative_error(out, x.double() @ weight.double().T) < 1e-5
     for t in range(5):  # each token's row is what it gets alone
-        torch.testing.assert_close(quant_linear.rowsplit_linear(x[t : t + 1].to(DEVICE), data, geometry), out[t : t + 1])
+        torch.testing.assert_close(quant_linear.quantized_linear(x[t : t + 1].to(DEVICE), data, geometry), out[t : t + 1])
 
 
 def test_sum_middle_is_a_float32_sum_then_cast():

@@ -14,7 +14,8 @@ from ninfer_offload import open_artifact
 from ninfer_offload.artifact.codecs import decode_nvfp4
 from ninfer_offload.artifact.contract import nvfp4_directory, official_directory
 from ninfer_offload.artifact.formats import BlockScaleGeometry, encoded_size
-from ninfer_offload.artifact.inventory import Inventory, nvfp4_record_bytes
+from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.artifact.verify import verify_artifact
 from ninfer_offload.artifact.writer import write_directory
 from ninfer_offload.commands.inspect import summarize
@@ -27,9 +28,13 @@ def _ninfer(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ninfer_offload", *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
+def nvfp4_record_bytes(hidden: int, width: int) -> int:
+    return ExpertRecordLayout.create("nvfp4", "nvfp4", hidden, width).nbytes
+
+
 def test_record_bytes_of_the_35b_model():
-    # gate/up [1024, 2048] with 2 divisors: 1,048,576 code + 131,072 scale + 8 -> 1,179,656, next 256: 1,179,904;
-    # down [2048, 512]: 524,288 + 65,536 + 4 = 589,828; total 1,769,732, padded to 1,769,984
+    # gate/up [1024, 2048] with 8 divisors (one per row tile): 1,048,576 code + 131,072 scale + 32 -> 1,179,680,
+    # next 256: 1,179,904; down [2048, 512] with 16: 524,288 + 65,536 + 64 = 589,888; total 1,769,792, padded to 1,769,984
     assert nvfp4_record_bytes(2048, 512) == 1_769_984
 
 
@@ -55,30 +60,21 @@ def test_nvfp4_directory_plans_with_nvfp4_records():
     assert plan(inventory, load_profile("h200"), options).experts_resident == 40 * 256
 
 
-def test_nvfp4_record_cut_from_a_bank_is_a_valid_pair_of_objects(tiny_artifact_nvfp4):
-    """A record as the planner counts it (gate/up rows with two divisors, down rows with one) holds exactly
-    the expert's weights: its size is `nvfp4_record_bytes`, and it decodes to the bank's rows."""
+def test_nvfp4_record_cut_from_a_bank_holds_the_experts_weights(tiny_artifact_nvfp4):
+    """A record as the planner counts it and the loader cuts it (`ExpertRecordLayout`) holds exactly the
+    expert's weights: its size is the planned one, and it decodes to the bank's rows."""
     with open_artifact(tiny_artifact_nvfp4) as artifact:
-        gate_id, g0, _ = artifact.rows("text/layers/3/moe/experts/2/gate")
+        gate_id, _, _ = artifact.rows("text/layers/3/moe/experts/2/gate")
         down_id, d0, d1 = artifact.rows("text/layers/3/moe/experts/2/down")
-        gate_bank, down_bank = artifact.object(gate_id), artifact.object(down_id)
-        width, hidden = d1 - d0, gate_bank.shape[1]
-        parts = []
-        for bank, first, rows, divisors in ((gate_bank, g0, 2 * width, 2), (down_bank, d0, hidden, 1)):
-            source = BlockScaleGeometry(*bank.shape, bank.divisors)
-            target = BlockScaleGeometry(rows, bank.shape[1], divisors)
-            data = artifact.payload(bank.id)
-            out = np.zeros(target.encoded_size, dtype=np.uint8)
-            for (src, length), dst in zip(source.row_spans(first, rows), (0, target.scale_offset)):
-                out[dst : dst + length] = data[src : src + length]
-            index = first // source.rows_per_divisor
-            out[target.divisor_offset :] = data[source.divisor_offset :].view("<f4")[index : index + divisors].view(np.uint8)
-            parts.append((out, rows, bank.shape[1], divisors))
-        gate_up, down = (decode_nvfp4(*p) for p in parts)
+        width, hidden, experts = d1 - d0, artifact.object(gate_id).shape[1], artifact.object(gate_id).shape[0] // (2 * (d1 - d0))
+        layout = ExpertRecordLayout.create("nvfp4", "nvfp4", hidden, width)
+        record = layout.pack(artifact.payload(gate_id), artifact.payload(down_id), experts, 2)
+        gate_up = decode_nvfp4(record[: layout.gate_up.encoded_size], 2 * width, hidden, layout.gate_up.divisors)
+        down = decode_nvfp4(record[layout.down_offset : layout.down_offset + layout.down.encoded_size], hidden, width, layout.down.divisors)
         expected = [artifact.tensor(f"text/layers/3/moe/experts/2/{k}").numpy() for k in ("gate", "up", "down")]
-        size = -(-parts[0][0].size // 256) * 256 + parts[1][0].size
+        planned = Inventory.from_artifact(artifact).banks_of("text")[3].expert_bytes
     assert np.array_equal(gate_up, np.concatenate(expected[:2])) and np.array_equal(down, expected[2])
-    assert -(-size // 256) * 256 == nvfp4_record_bytes(hidden, width)
+    assert record.size == planned == nvfp4_record_bytes(hidden, width)
 
 
 def test_plan_and_inspect_a_converted_nvfp4_artifact(tiny_artifact_nvfp4, small_card):

@@ -1,12 +1,14 @@
-"""Routed experts computed on the host: numba kernels that read the stored row-split records.
+"""Routed experts computed on the host: numba kernels that read the stored quantized records.
 
 A routed expert is `y = W_down (silu(W_gate x) * W_up x)` weighted by its router weight and added
 into the layer output. The kernels read the record bytes (`ExpertRecordLayout`: gate/up object
 [2I, H] then down object [H, I]) directly, group by group; no dequantized copy of a matrix is ever
 made. Q4 and Q5 (the official expert formats) take an integer path (activations split into
 signed-byte parts, exact int32 dots over 128-lane blocks, see "Q4/Q5: integer dots" below); Q6
-and Q8 a float path (codes unpacked in the inner loop into fp32 accumulators). Rows go two per
-pass (gate row i with up row i, down rows h and h + 1) so each activation load feeds both.
+and Q8 a float path (codes unpacked in the inner loop into fp32 accumulators), and so does nvfp4
+(E2M1 codes and E4M3FN block scales through lookup tables, the scale of each 16-lane block read at
+its swizzled offset, the row's sum divided by its tile's FP32 divisor). Rows go two per pass (gate
+row i with up row i, down rows h and h + 1) so each activation load feeds both.
 
 One call (one numba dispatch) computes every (token, expert, weight) assignment of a layer; each
 projection is split into work items of consecutive rows of one expert, which the threads claim
@@ -30,8 +32,8 @@ import numba
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ninfer_offload.artifact.codecs import decode_row_split_values
-from ninfer_offload.artifact.formats import RowSplitGeometry
+from ninfer_offload.artifact.codecs import E2M1_VALUES, E4M3FN_VALUES, decode_nvfp4, decode_row_split_values
+from ninfer_offload.artifact.formats import BlockScaleGeometry, ObjectGeometry
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels.cpu import simd
@@ -49,15 +51,20 @@ OUT_ITEM = 32
 COUNTER_STRIDE = 16
 
 
-def geometry_vector(geo: RowSplitGeometry, object_offset: int) -> np.ndarray:
-    """The int64 description of one row-split object inside a record that the kernels take:
-    [bits, groups per row, base bytes per group, high bytes per group, high plane offset,
-    scale plane offset, object offset in the record, rows]."""
-    f = geo.fmt
-    return np.array(
-        [f.bits, geo.groups_per_row, f.base_bytes, f.high_bytes, geo.high_offset, geo.scale_offset, object_offset, geo.n],
-        dtype=np.int64,
-    )
+# `geometry_vector`'s bits field of an nvfp4 object (no row-split format has 0 bits).
+NVFP4_BITS = 0
+
+
+def geometry_vector(geo: ObjectGeometry, object_offset: int) -> np.ndarray:
+    """The int64 description of one quantized object inside a record that the kernels take:
+    [bits (NVFP4_BITS for nvfp4), groups per row, base bytes per group, high bytes per group, high
+    plane offset, scale plane offset, object offset in the record, rows, divisor offset (nvfp4)]."""
+    if isinstance(geo, BlockScaleGeometry):
+        fields = [NVFP4_BITS, geo.k // 16, 8, 0, 0, geo.scale_offset, object_offset, geo.n, geo.divisor_offset]
+    else:
+        f = geo.fmt
+        fields = [f.bits, geo.groups_per_row, f.base_bytes, f.high_bytes, geo.high_offset, geo.scale_offset, object_offset, geo.n, 0]
+    return np.array(fields, dtype=np.int64)
 
 
 def lane_permutation(group: int, k_pad: int) -> np.ndarray:
@@ -164,6 +171,29 @@ def _row_dot(u8, i8, u32, u16, lut, geo, record_at, row, x, tok):
     if geo[0] == 8:
         return _row_dot_q8(i8, u16, lut, base_at, scale_at, gpr, x, tok)
     return _row_dot_q6(u8, u32, u16, lut, base_at, (at + geo[4] + row * gpr * geo[3]) // 4, scale_at, gpr, x, tok)
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _row_dot_nvfp4(u8, f32, e2m1, e4m3, geo, record_at, row, x, tok):
+    """dot(row `row` of the nvfp4 object described by geo inside the record at record_at, x[tok]):
+    per 16-lane block its codes (natural lane order, low nibble first) times its scale, which sits
+    at the block's swizzled offset (docs/format.md §6.3); the sum divided by the row tile's divisor."""
+    at = record_at + geo[6]
+    k_tiles = geo[1] // 4
+    inner = row % 128
+    base_at = at + row * geo[1] * 8
+    scale_at = at + geo[5] + (row // 128) * k_tiles * 512 + (inner % 32) * 16 + (inner // 32) * 4
+    acc = _F32(0.0)
+    for tile in range(k_tiles):
+        for lane in range(4):  # the tile's four 16-lane blocks: scale bytes side by side
+            q = base_at + 32 * tile + 8 * lane
+            col = 64 * tile + 16 * lane
+            d = _F32(0.0)
+            for j in range(8):
+                b = u8[q + j]
+                d += e2m1[b & 15] * x[tok, col + 2 * j] + e2m1[b >> 4] * x[tok, col + 2 * j + 1]
+            acc += e4m3[u8[scale_at + 512 * tile + lane]] * d
+    return acc / f32[(at + geo[8]) // 4 + row // 128]
 
 
 # ----------------------------------------------------------------------------- Q4/Q5: integer dots
@@ -304,10 +334,15 @@ _q5_two, _q5_three = _rows_dot_integer(_q5_block, _two_part_ints), _rows_dot_int
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _rows_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, row_b, x, parts, units, zero_sums, tok):
+def _rows_dot(u8, i8, u32, u16, f32, lut, fp4, fp8, geo, record_at, row_a, row_b, x, parts, units, zero_sums, tok):
     """(dot(row row_a, x[tok]), dot(row row_b, x[tok])): Q4/Q5 through the integer path (x as
-    parts, the variant for the format and the number of parts), Q6/Q8 through the float path (x
-    permuted and pre-scaled)."""
+    parts, the variant for the format and the number of parts), Q6/Q8 and nvfp4 through the float
+    path (x permuted and pre-scaled; nvfp4: natural order)."""
+    if geo[0] == NVFP4_BITS:
+        return (
+            _row_dot_nvfp4(u8, f32, fp4, fp8, geo, record_at, row_a, x, tok),
+            _row_dot_nvfp4(u8, f32, fp4, fp8, geo, record_at, row_b, x, tok),
+        )
     if geo[0] == 4:
         if parts.shape[1] == 2:
             return _q4_two(u8, u16, lut, geo, record_at, row_a, row_b, parts, units, zero_sums, tok)
@@ -361,12 +396,13 @@ def _chunk(remaining, workers):
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _routed_kernel(
-    records, lut, geometry, gate_up_perm, gate_up_scale, down_perm, down_scale, record_offsets, record_bytes, ids, weights, selected, x,
-    out, nparts, workers,
+    records, lut, fp4, fp8, geometry, gate_up_perm, gate_up_scale, down_perm, down_scale, record_offsets, record_bytes, ids, weights,
+    selected, x, out, nparts, workers,
 ):
     """out[t] += sum over selected (t, j) of weights[t, j] * expert_{ids[t, j]}(x[t]); False when a
     selected expert has no record inside `records` (nothing is computed then). `workers`: the
-    number of numba threads (one counter-draining loop each).
+    number of numba threads (one counter-draining loop each). lut, fp4, fp8: the float32 values of
+    every FP16 word, E2M1 code and E4M3FN byte.
 
     Serial set-up: assignments grouped by expert (CSR, experts ascending), activations permuted
     and pre-scaled into the gate/up object's lane order. Then both projections run over work items
@@ -441,6 +477,7 @@ def _routed_kernel(
     partial = np.empty((pos, hidden), dtype=np.float32)
     n = records.shape[0]
     u8, i8, u32, u16 = records, records.view(np.int8), records[: n - n % 4].view(np.uint32), records[: n - n % 2].view(np.uint16)
+    f32 = records[: n - n % 4].view(np.float32)
 
     items = (inter + ACT_ITEM - 1) // ACT_ITEM
     blocks = (hidden + OUT_ITEM - 1) // OUT_ITEM
@@ -461,7 +498,7 @@ def _routed_kernel(
                         for a in range(starts[s], starts[s + 1]):
                             tok = tokens[a]
                             gate, up = _rows_dot(
-                                u8, i8, u32, u16, lut, gate_up, record_at[s], i, inter + i, xp, x_parts, x_units, x_sums, tok
+                                u8, i8, u32, u16, f32, lut, fp4, fp8, gate_up, record_at[s], i, inter + i, xp, x_parts, x_units, x_sums, tok
                             )
                             act[a, down_perm[i]] = gate / (_F32(1.0) + np.exp(-gate)) * up * down_scale[down_perm[i]]
                     if dn_integer:
@@ -479,7 +516,7 @@ def _routed_kernel(
                         h1 = min(h + 1, hidden - 1)
                         for a in range(starts[s], starts[s + 1]):
                             partial[a, h], partial[a, h1] = _rows_dot(
-                                u8, i8, u32, u16, lut, down, record_at[s], h, h1, act, act_parts, act_units, act_sums, a
+                                u8, i8, u32, u16, f32, lut, fp4, fp8, down, record_at[s], h, h1, act, act_parts, act_units, act_sums, a
                             )
             size = _chunk(total - first - size, workers)
             first = _fetch_add(sync, 0, size)
@@ -494,11 +531,13 @@ def _routed_kernel(
 # ----------------------------------------------------------------------------- host-side entry
 
 
-def lane_order(geo: RowSplitGeometry) -> tuple[np.ndarray, np.ndarray]:
+def lane_order(geo: ObjectGeometry) -> tuple[np.ndarray, np.ndarray]:
     """(permutation, per-permuted-lane scale) of the activations an object's rows are dotted with:
     the 128-lane block order (`lane_permutation`); no scale on the integer path (Q4/Q5), on the
     float path the exact power of two that turns the kernels' top-of-word codes back into codes
-    (Q6 codes sit at the top of the word, Q8 bytes are the codes)."""
+    (Q6 codes sit at the top of the word, Q8 bytes are the codes). nvfp4: natural order, no scale."""
+    if isinstance(geo, BlockScaleGeometry):
+        return np.arange(geo.k, dtype=np.int64), np.ones(geo.k, dtype=np.float32)
     bits = geo.fmt.bits
     scale = 2.0 ** -(32 - bits) if bits == 6 else 1.0
     return lane_permutation(geo.fmt.group, geo.k_pad), np.full(geo.k_pad, scale, dtype=np.float32)
@@ -509,7 +548,7 @@ class RecordKernelPlan:
     """Per-layout constants the kernel needs (built once per record layout)."""
 
     layout: ExpertRecordLayout
-    geometry: np.ndarray  # [2, 8]: gate/up, down (`geometry_vector`)
+    geometry: np.ndarray  # [2, 9]: gate/up, down (`geometry_vector`)
     gate_up_perm: np.ndarray  # natural hidden lane -> permuted position
     gate_up_scale: np.ndarray  # per permuted position (`lane_order`)
     down_perm: np.ndarray  # natural intermediate lane -> permuted position
@@ -556,9 +595,10 @@ def routed_experts_cpu(
     mask = np.ones(ids.shape, dtype=np.bool_) if selected is None else np.ascontiguousarray(selected, dtype=np.bool_)
     out = np.zeros(x.shape, dtype=np.float32)
     ok = _routed_kernel(
-        np.ascontiguousarray(records).reshape(-1).view(np.uint8), F16_TO_F32, plan.geometry, plan.gate_up_perm, plan.gate_up_scale,
-        plan.down_perm, plan.down_scale, np.ascontiguousarray(record_offsets, dtype=np.int64), plan.layout.nbytes, ids,
-        np.ascontiguousarray(topk_weights, dtype=np.float32), mask, x, out, activation_parts, numba.get_num_threads(),
+        np.ascontiguousarray(records).reshape(-1).view(np.uint8), F16_TO_F32, E2M1_VALUES, E4M3FN_VALUES, plan.geometry,
+        plan.gate_up_perm, plan.gate_up_scale, plan.down_perm, plan.down_scale, np.ascontiguousarray(record_offsets, dtype=np.int64),
+        plan.layout.nbytes, ids, np.ascontiguousarray(topk_weights, dtype=np.float32), mask, x, out, activation_parts,
+        numba.get_num_threads(),
     )
     if not ok:
         raise NinferError("a routed expert selected for CPU compute has no host record")
@@ -587,11 +627,17 @@ def warm_up() -> None:
 # ----------------------------------------------------------------------------- reference op
 
 
+def _decode(data: np.ndarray, geo: ObjectGeometry) -> np.ndarray:
+    if isinstance(geo, BlockScaleGeometry):
+        return decode_nvfp4(data, geo.n, geo.k, geo.divisors)
+    return decode_row_split_values(data, geo.format, geo.n, geo.k)
+
+
 def reference_expert(layout: ExpertRecordLayout, record: np.ndarray, x: np.ndarray) -> np.ndarray:
     """One expert on tokens x [T, H] -> [T, H]: decode the record with the codecs, then numpy fp32."""
     gu, dn = layout.gate_up, layout.down
-    w_gu = decode_row_split_values(record[: gu.encoded_size], gu.fmt.name, gu.n, gu.k)
-    w_dn = decode_row_split_values(record[layout.down_offset : layout.down_offset + dn.encoded_size], dn.fmt.name, dn.n, dn.k)
+    w_gu = _decode(record[: gu.encoded_size], gu)
+    w_dn = _decode(record[layout.down_offset : layout.down_offset + dn.encoded_size], dn)
     h = np.asarray(x, dtype=np.float32) @ w_gu.T
     gate, up = h[:, : dn.k], h[:, dn.k :]
     return ((gate / (1.0 + np.exp(-gate))) * up) @ w_dn.T

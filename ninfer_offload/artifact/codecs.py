@@ -2,7 +2,8 @@
 
 Row-split objects (docs/format.md §6.2) decode to int8 codes [N, K] and float16 scales
 [N, ceil(K/G)]; the canonical encoder MAXABS_F16_RECIP_RNE_V1 (§7) is bit-exact, and so is the
-NVFP4 encoder of §7.1 (`quantize_nvfp4`, with the m128x4 scale order of §6.3). Everything is
+NVFP4 encoder of §7.1 (`quantize_nvfp4`, with the m128x4 scale order of §6.3); nvfp4 objects
+decode to float32 values. Everything is
 vectorised numpy and works in row chunks so memory stays bounded for full-size banks.
 """
 
@@ -13,6 +14,8 @@ import numpy as np
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.formats import (
     DIRECT_FORMATS,
+    NVFP4,
+    NVFP4_TILE_ROWS,
     BlockScaleGeometry,
     GroupedFormat,
     RowSplitGeometry,
@@ -244,15 +247,24 @@ def encode_codes(codes: np.ndarray, scales: np.ndarray, fmt_name: str) -> np.nda
 
 
 def materialize_rows(buf, fmt_name: str, n: int, k: int, r0: int, count: int) -> np.ndarray:
-    """Copy rows [r0, r0+count) of a row-split object into a standalone valid object (no repacking)."""
-    fmt = grouped_format(fmt_name)
+    """Copy rows [r0, r0+count) of a row-split or nvfp4 object into a standalone valid object (no repacking).
+
+    Row-split: the three plane spans (docs/format.md §6.2 row views). nvfp4: whole 128-row tiles
+    only (their codes and swizzled scales are contiguous runs), and the result carries one divisor
+    per row tile, each the one the parent applies to that tile (`runtime_geometry`).
+    """
     data = _as_bytes(buf)
-    src = RowSplitGeometry(fmt, n, k)
-    dst = RowSplitGeometry(fmt, count, k)
+    if fmt_name == NVFP4:
+        src = BlockScaleGeometry(n, k, _nvfp4_divisor_count(data, n, k))
+        dst = BlockScaleGeometry(count, k, count // NVFP4_TILE_ROWS)
+    else:
+        src, dst = RowSplitGeometry(grouped_format(fmt_name), n, k), RowSplitGeometry(grouped_format(fmt_name), count, k)
     out = np.zeros(dst.encoded_size, dtype=np.uint8)
-    dst_starts = [0] + ([dst.high_offset] if fmt.high_bytes else []) + [dst.scale_offset]
-    for (offset, length), start in zip(src.row_spans(r0, count), dst_starts):
+    for (offset, length), start in zip(src.row_spans(r0, count), dst.plane_offsets):
         out[start : start + length] = data[offset : offset + length]
+    if fmt_name == NVFP4:
+        tiles = range(r0 // NVFP4_TILE_ROWS, (r0 + count) // NVFP4_TILE_ROWS)
+        out[dst.divisor_offset :] = nvfp4_tile_divisors(data, n, k)[tiles.start : tiles.stop].view(np.uint8)
     return out
 
 
@@ -334,6 +346,22 @@ def quantize_nvfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float
         ratio = np.where(scale_values > 0, (blocks * divisor) / scale_values, np.float32(0.0))
     codes = round_e2m1(ratio).reshape(n, k)
     return codes[:, 0::2] | (codes[:, 1::2] << 4), scales, divisor
+def _nvfp4_divisor_count(data: np.ndarray, n: int, k: int) -> int:
+    """How many divisor words an nvfp4 object [n, k] of data.size bytes carries (ArtifactError if none fits)."""
+    geometry = BlockScaleGeometry(n, k)
+    count, rest = divmod(data.size - geometry.divisor_offset, 4)
+    if count <= 0 or rest or geometry.row_tiles % count:
+        raise ArtifactError(f"nvfp4 object [{n}, {k}] cannot be {data.size} bytes long")
+    return count
+
+
+def nvfp4_tile_divisors(buf, n: int, k: int) -> np.ndarray:
+    """float32 [n / 128]: the divisor each 128-row tile of an nvfp4 object [n, k] is decoded with (the
+    object's divisor count follows from its length)."""
+    data = _as_bytes(buf)
+    geometry = BlockScaleGeometry(n, k, _nvfp4_divisor_count(data, n, k))
+    words = data[geometry.divisor_offset :].view("<f4").astype(np.float32)
+    return words[geometry.tile_divisor_index()]
 
 
 def decode_nvfp4(buf, n: int, k: int, divisors: int = 1) -> np.ndarray:

@@ -122,6 +122,10 @@ class RowSplitGeometry:
         return self.n * self.groups_per_row * 2
 
     @property
+    def format(self) -> str:
+        return self.fmt.name
+
+    @property
     def high_offset(self) -> int:
         return align_up(self.base_bytes, 256)
 
@@ -132,6 +136,11 @@ class RowSplitGeometry:
     @property
     def encoded_size(self) -> int:
         return self.scale_offset + self.scale_bytes
+
+    @property
+    def plane_offsets(self) -> list[int]:
+        """Where each plane starts: base, high (if any), scale (the order of `row_spans`)."""
+        return [0] + ([self.high_offset] if self.fmt.high_bytes else []) + [self.scale_offset]
 
     def row_spans(self, r0: int, count: int) -> list[tuple[int, int]]:
         """Byte spans (offset, length) of rows [r0, r0+count): base, high (if any), scale."""
@@ -145,19 +154,37 @@ class RowSplitGeometry:
         return spans
 
 
+NVFP4_TILE_ROWS = 128  # rows of one scale tile (and the unit a divisor covers)
+NVFP4_TILE_COLS = 64  # columns of one scale tile: 4 blocks of 16
+
+
 @dataclass(frozen=True)
 class BlockScaleGeometry:
-    """Plane offsets of one `block_scale_k16_m128x4_v1` nvfp4 object [n, k] with `divisors` FP32 divisors (§6.3)."""
+    """Plane offsets and sizes of one `block_scale_k16_m128x4_v1` nvfp4 object [n, k] with `divisors`
+    FP32 divisors (docs/format.md §6.3): code plane, scale plane (swizzled in 128 x 4-block tiles),
+    divisor words. Divisor `i` covers the row tiles [i * tiles / divisors, (i + 1) * tiles / divisors)."""
 
     n: int
     k: int
     divisors: int = 1
 
     def __post_init__(self) -> None:
-        if self.n <= 0 or self.k <= 0 or self.n % 128 or self.k % 64:
+        if self.n <= 0 or self.k <= 0 or self.n % NVFP4_TILE_ROWS or self.k % NVFP4_TILE_COLS:
             raise ArtifactError(f"nvfp4 needs N % 128 == 0 and K % 64 == 0, got {[self.n, self.k]}")
-        if self.divisors <= 0 or (self.n // 128) % self.divisors:
-            raise ArtifactError(f"nvfp4 divisors {self.divisors} must split the {self.n // 128} row tiles evenly")
+        if self.divisors <= 0 or self.row_tiles % self.divisors:
+            raise ArtifactError(f"nvfp4 divisors {self.divisors} must split the {self.row_tiles} row tiles evenly")
+
+    @property
+    def format(self) -> str:
+        return NVFP4
+
+    @property
+    def row_tiles(self) -> int:
+        return self.n // NVFP4_TILE_ROWS
+
+    @property
+    def k_tiles(self) -> int:
+        return self.k // NVFP4_TILE_COLS
 
     @property
     def code_bytes(self) -> int:
@@ -183,15 +210,27 @@ class BlockScaleGeometry:
     def rows_per_divisor(self) -> int:
         return self.n // self.divisors
 
-    def row_spans(self, r0: int, count: int) -> list[tuple[int, int]]:
-        """Byte spans (offset, length) of the codes and of the scales of rows [r0, r0+count), whole 128-row tiles only.
+    @property
+    def plane_offsets(self) -> list[int]:
+        """Where the code and scale planes start (the order of `row_spans`)."""
+        return [0, self.scale_offset]
 
-        The swizzled scales of a run of whole row tiles are one contiguous span, so such rows copied
-        to the plane offsets of a `count`-row object form a valid object of their own.
-        """
-        if r0 < 0 or count <= 0 or r0 + count > self.n or r0 % 128 or count % 128:
-            raise ArtifactError(f"nvfp4 row range [{r0}, {r0 + count}) is not whole 128-row tiles of [0, {self.n})")
-        return [(r0 * self.k // 2, count * self.k // 2), (self.scale_offset + r0 * self.k // 16, count * self.k // 16)]
+    def row_spans(self, r0: int, count: int) -> list[tuple[int, int]]:
+        """Byte spans (offset, length) of the whole row tiles [r0, r0+count): codes, scales. A tile's
+        scales are one contiguous run of the swizzled plane, so whole tiles cut out verbatim."""
+        if r0 < 0 or count <= 0 or r0 + count > self.n:
+            raise ArtifactError(f"row range [{r0}, {r0 + count}) outside [0, {self.n})")
+        if r0 % NVFP4_TILE_ROWS or count % NVFP4_TILE_ROWS:
+            raise ArtifactError(f"nvfp4 rows [{r0}, {r0 + count}) are not whole 128-row scale tiles")
+        row_code, row_scale = self.k // 2, self.k // 16
+        return [(r0 * row_code, count * row_code), (self.scale_offset + r0 * row_scale, count * row_scale)]
+
+    def tile_divisor_index(self) -> list[int]:
+        """Index of the divisor word of each row tile."""
+        return [t * NVFP4_TILE_ROWS // self.rows_per_divisor for t in range(self.row_tiles)]
+
+
+ObjectGeometry = RowSplitGeometry | BlockScaleGeometry
 
 
 def grouped_format(name: str) -> GroupedFormat:
@@ -200,6 +239,14 @@ def grouped_format(name: str) -> GroupedFormat:
         return GROUPED_FORMATS[name]
     except KeyError:
         raise ArtifactError(f"unknown grouped format {name!r}") from None
+
+
+def runtime_geometry(fmt: str, n: int, k: int) -> ObjectGeometry:
+    """Geometry of an [n, k] quantized matrix as the runtime keeps it (matrices and expert records):
+    row-split as stored; nvfp4 with one divisor per 128-row tile, so any whole tiles cut out alone."""
+    if fmt == NVFP4:
+        return BlockScaleGeometry(n, k, n // NVFP4_TILE_ROWS)
+    return RowSplitGeometry(grouped_format(fmt), n, k)
 
 
 def encoded_size(layout: str, fmt: str, shape: tuple[int, ...] | list[int], divisors: int = 1) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ninfer_offload.artifact.errors import ArtifactError
-from ninfer_offload.artifact.formats import BLOCK_SCALE, CONTIGUOUS, GROUPED_FORMATS, NVFP4, ROW_SPLIT, BlockScaleGeometry, align_up
+from ninfer_offload.artifact.formats import BLOCK_SCALE, CONTIGUOUS, GROUPED_FORMATS, NVFP4, NVFP4_TILE_ROWS, ROW_SPLIT, align_up
 from ninfer_offload.artifact.records import DenseRecordLayout, ExpertRecordLayout
 
 COMPONENTS = ("text", "mtp", "proposal", "vision", "dflash", "dflash2")
@@ -177,8 +177,6 @@ class Inventory:
             expert_bytes = ExpertRecordLayout.create(gate_up.format, down.format, gate_up.shape[1], down.shape[1]).nbytes
         elif gate_up and down and _dense_record_ready(gate_up, down):
             expert_bytes = DenseRecordLayout(gate_up.format, gate_up.shape[1], down.shape[1]).nbytes
-        elif gate_up and down and _nvfp4_record_ready(gate_up, down, count):
-            expert_bytes = nvfp4_record_bytes(gate_up.shape[1], down.shape[1])
         return ExpertBankInfo(component, layer, count, tuple(data["ids"]), bank_bytes, expert_bytes)
 
     # -- queries -------------------------------------------------------------------------------
@@ -229,12 +227,20 @@ class Inventory:
         return self.configs["text"]
 
 
+def _quantized(t: TensorInfo, rows_per_expert: int) -> bool:
+    """A row-split parent, or an nvfp4 one whose experts are whole 128-row scale tiles."""
+    return (t.layout == ROW_SPLIT and t.format in GROUPED_FORMATS) or (
+        t.layout == BLOCK_SCALE and t.format == NVFP4 and rows_per_expert % NVFP4_TILE_ROWS == 0
+    )
+
+
 def _record_ready(gate_up: TensorInfo, down: TensorInfo, count: int) -> bool:
-    """True when both banks are grouped row-split parents that cut into ExpertRecordLayout records."""
-    grouped = all(t.layout == ROW_SPLIT and t.format in GROUPED_FORMATS and len(t.shape) == 2 for t in (gate_up, down))
+    """True when both banks are quantized parents shaped to cut into ExpertRecordLayout records."""
+    if len(gate_up.shape) != 2 or len(down.shape) != 2 or gate_up.shape[0] % count:
+        return False
     return (
-        grouped
-        and gate_up.shape[0] % count == 0
+        _quantized(gate_up, gate_up.shape[0] // count)
+        and _quantized(down, down.shape[0] // count)
         and down.shape[0] == count * gate_up.shape[1]
         and gate_up.shape[0] == count * 2 * down.shape[1]
     )
@@ -246,25 +252,6 @@ def _dense_record_ready(gate_up: TensorInfo, down: TensorInfo) -> bool:
         all(t.layout == CONTIGUOUS and t.format in ("bf16", "fp32") and len(t.shape) == 2 for t in (gate_up, down))
         and gate_up.format == down.format
     )
-
-
-def _nvfp4_record_ready(gate_up: TensorInfo, down: TensorInfo, count: int) -> bool:
-    """True when both banks are nvfp4 block-scale parents whose experts are whole 128-row tiles."""
-    return (
-        all(t.layout == BLOCK_SCALE and t.format == NVFP4 and len(t.shape) == 2 for t in (gate_up, down))
-        and gate_up.shape[0] == count * 2 * down.shape[1]
-        and down.shape[0] == count * gate_up.shape[1]
-        and down.shape[1] % 128 == 0
-        and gate_up.shape[1] % 128 == 0
-    )
-
-
-def nvfp4_record_bytes(hidden: int, width: int) -> int:
-    """Bytes of one NVFP4 expert as the planner counts it: its gate/up rows [2I, H] as a standalone
-    nvfp4 object with two divisors (gate, up), then from the next 256-byte boundary its down rows
-    [H, I] with one, padded to 256 (docs/format.md §6.6)."""
-    gate_up = align_up(BlockScaleGeometry(2 * width, hidden, 2).encoded_size, 256)
-    return align_up(gate_up + BlockScaleGeometry(hidden, width, 1).encoded_size, 256)
 
 
 def _sum_by(tensors: list[TensorInfo], key) -> dict[str, int]:

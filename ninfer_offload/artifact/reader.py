@@ -242,8 +242,7 @@ class Artifact:
             return self.payload(obj.id)
         dst = RowSplitGeometry(src.fmt, count, src.k)
         out = np.zeros(dst.encoded_size, dtype=np.uint8)
-        starts = [0] + ([dst.high_offset] if src.fmt.high_bytes else []) + [dst.scale_offset]
-        for (offset, length), start in zip(src.row_spans(r0, count), starts):
+        for (offset, length), start in zip(src.row_spans(r0, count), dst.plane_offsets):
             out[start : start + length] = self._storage.read(obj.offset + offset, length)
         return out
 

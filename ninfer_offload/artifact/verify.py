@@ -69,6 +69,14 @@ def verify_tensor(artifact, obj: ObjectInfo, progress: Callable[[int], None] | N
     return [f"{count} {rule}" for rule, count in counts.items()]
 
 
+def require_valid(artifact, obj: ObjectInfo, name: str) -> None:
+    """ArtifactError (one line, naming `name` and the object) when `obj` breaks a payload rule: what a load
+    checks for objects whose bad values no later step would catch (nvfp4 scales and divisors)."""
+    problems = verify_tensor(artifact, obj)
+    if problems:
+        raise ArtifactError(f"{name}: object {obj.id!r} has {', '.join(problems)}")
+
+
 def _read(artifact, obj: ObjectInfo, offset: int, length: int) -> np.ndarray:
     return artifact.read(obj.offset + offset, length)
 

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank, record_weights
-from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.model.weights import Weight
 
 # Expert assignments decoded at once by `routed_experts` (bounds the temporary weight copies).
@@ -75,13 +74,13 @@ class ReferenceBackend:
     # ------------------------------------------------------------------ dense
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """x [..., K] @ w[N, K]^T -> [..., N]; a quantized w is decoded for this call only."""
-        if isinstance(w, QuantizedMatrix):
+        if not isinstance(w, torch.Tensor):
             w = w.dequantize(x.dtype)
         return x @ w.T
 
     def embedding(self, ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` [T] of the embedding table -> [T, H] in `dtype`."""
-        if isinstance(table, QuantizedMatrix):
+        if not isinstance(table, torch.Tensor):
             return table.dequantize_rows(ids, dtype)
         return table[ids].to(dtype)
 

@@ -10,19 +10,27 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer_offload.artifact.formats import BlockScaleGeometry, ObjectGeometry
 from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
+from ninfer_offload.model.nvfp4 import dequantize_nvfp4
 from ninfer_offload.model.quant import dequantize_objects
 
 _TORCH_WORDS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 RECORD_ALIGN = 256  # every record offset in an arena is a multiple of this
 
 
+def _dequantize(data: torch.Tensor, geometry: ObjectGeometry, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(geometry, BlockScaleGeometry):
+        return dequantize_nvfp4(data, geometry, dtype)
+    return dequantize_objects(data, geometry, dtype)
+
+
 def record_weights(records: torch.Tensor, layout: RecordLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode records [M, nbytes] (uint8) to gate/up weights [M, 2I, H] and down weights [M, H, I]."""
     if isinstance(layout, ExpertRecordLayout):
         gu, dn = layout.gate_up, layout.down
-        gate_up = dequantize_objects(records[:, : gu.encoded_size], gu, dtype)
-        down = dequantize_objects(records[:, layout.down_offset : layout.down_offset + dn.encoded_size], dn, dtype)
+        gate_up = _dequantize(records[:, : gu.encoded_size], gu, dtype)
+        down = _dequantize(records[:, layout.down_offset : layout.down_offset + dn.encoded_size], dn, dtype)
         return gate_up, down
     m, words = records.shape[0], _TORCH_WORDS[layout.fmt]
     gate_up = records[:, : layout.gate_up_bytes].contiguous().view(words)

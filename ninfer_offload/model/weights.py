@@ -1,6 +1,7 @@
 """Weights by logical binding name (docs/format.md §8.4), placed on the compute device.
 
-Row-split quantized bindings stay in their stored bytes (`QuantizedMatrix`, decoded per call);
+Row-split quantized bindings stay in their stored bytes (`QuantizedMatrix`, decoded per call),
+nvfp4 ones in their stored codes and scales (`Nvfp4Matrix`, one divisor per 128-row tile);
 contiguous bf16/fp32 bindings become torch tensors in the compute dtype (fp32 where the model
 math needs it: GDN A_log / dt_bias).
 """
@@ -12,10 +13,12 @@ import torch
 
 from ninfer_offload.artifact.codecs import materialize_rows
 from ninfer_offload.artifact.errors import ArtifactError
-from ninfer_offload.artifact.formats import ROW_SPLIT, grouped_format
+from ninfer_offload.artifact.formats import BLOCK_SCALE, NVFP4, ROW_SPLIT, grouped_format
+from ninfer_offload.artifact.verify import require_valid
+from ninfer_offload.model.nvfp4 import Nvfp4Matrix
 from ninfer_offload.model.quant import QuantizedMatrix
 
-Weight = torch.Tensor | QuantizedMatrix
+Weight = torch.Tensor | QuantizedMatrix | Nvfp4Matrix
 
 
 def _to_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -43,15 +46,22 @@ class WeightReader:
     def matrix(self, name: str, shape: tuple[int, int]) -> Weight:
         """A projection or embedding matrix [n, k]: quantized stays encoded, dense becomes `dtype`."""
         obj = self._object_of(name)
+        if obj.layout not in (ROW_SPLIT, BLOCK_SCALE):
+            return self.dense(name, shape)
+        object_id, r0, r1 = self.artifact.rows(name)
+        n, k = obj.shape
+        if (r1 - r0, k) != tuple(shape):
+            raise ArtifactError(f"binding {name!r} has shape {[r1 - r0, k]}, expected {list(shape)}")
+        payload = self.artifact.payload(object_id)
         if obj.layout == ROW_SPLIT:
-            object_id, r0, r1 = self.artifact.rows(name)
-            n, k = obj.shape
-            if (r1 - r0, k) != tuple(shape):
-                raise ArtifactError(f"binding {name!r} has shape {[r1 - r0, k]}, expected {list(shape)}")
-            payload = self.artifact.payload(object_id)
             data = payload if (r0, r1) == (0, n) else materialize_rows(payload, obj.format, n, k, r0, r1 - r0)
             return QuantizedMatrix(grouped_format(obj.format), r1 - r0, k, _to_tensor(data, self.device))
-        return self.dense(name, shape)
+        require_valid(self.artifact, obj, name)
+        try:
+            data = materialize_rows(payload, NVFP4, n, k, r0, r1 - r0)
+        except ArtifactError as err:
+            raise ArtifactError(f"binding {name!r}: {err}") from None
+        return Nvfp4Matrix(r1 - r0, k, _to_tensor(data, self.device))
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """Logical values of a binding, reshaped to `shape`, in `dtype` (default: the compute dtype)."""

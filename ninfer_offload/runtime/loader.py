@@ -1,7 +1,7 @@
 """Build the text model (and optionally the MTP module and the proposal head) and the expert store from an artifact.
 
 Routed experts are repacked per expert into one record each (`ExpertRecordLayout` for row-split
-banks, `DenseRecordLayout` for lossless ones), straight into the store's host pool (pinned on
+and nvfp4 banks, `DenseRecordLayout` for lossless ones), straight into the store's host pool (pinned on
 CUDA) when experts are offloaded, else into a temporary buffer; the store copies the pinned ones
 into its VRAM arena.
 """
@@ -16,8 +16,9 @@ import psutil
 import torch
 
 from ninfer_offload.artifact.errors import ArtifactError
-from ninfer_offload.artifact.formats import CONTIGUOUS, ROW_SPLIT
+from ninfer_offload.artifact.formats import BLOCK_SCALE, CONTIGUOUS, ROW_SPLIT
 from ninfer_offload.artifact.records import DenseRecordLayout, ExpertRecordLayout, RecordLayout
+from ninfer_offload.artifact.verify import require_valid
 from ninfer_offload.model.attention import Rotary
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.proposal import ProposalHead
@@ -43,7 +44,8 @@ def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLa
     """The record layout of the routed experts under `prefix`, and the ids of their two bank objects.
 
     Requires the fused bank arrangement of docs/format.md §8.5: expert e's gate rows [2Ie, 2Ie+I) and up
-    rows [2Ie+I, 2I(e+1)) of one gate/up bank, its down rows [He, H(e+1)) of one down bank.
+    rows [2Ie+I, 2I(e+1)) of one gate/up bank, its down rows [He, H(e+1)) of one down bank. An nvfp4 bank
+    must hold whole 128-row scale tiles per expert and valid scales and divisors.
     """
     e_count, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
     gate_up_id, _, _ = artifact.rows(f"{prefix}/moe/experts/0/gate")
@@ -65,8 +67,15 @@ def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLa
             f"{prefix} expert banks have shapes {list(gate_up.shape)} and {list(down.shape)}, expected "
             f"{[e_count * 2 * inter, hidden]} and {[e_count * hidden, inter]}"
         )
-    if gate_up.layout == ROW_SPLIT and down.layout == ROW_SPLIT:
-        return ExpertRecordLayout.create(gate_up.format, down.format, hidden, inter), gate_up_id, down_id
+    quantized = (ROW_SPLIT, BLOCK_SCALE)
+    if gate_up.layout in quantized and down.layout in quantized:
+        for part, bank in (("gate/up", gate_up), ("down", down)):
+            if bank.layout == BLOCK_SCALE:
+                require_valid(artifact, bank, f"{prefix} routed {part} bank")
+        try:
+            return ExpertRecordLayout.create(gate_up.format, down.format, hidden, inter), gate_up_id, down_id
+        except ArtifactError as err:
+            raise ArtifactError(f"{prefix} routed experts: {err}") from None
     if gate_up.layout == CONTIGUOUS and down.layout == CONTIGUOUS and gate_up.format == down.format != "int32":
         return DenseRecordLayout(gate_up.format, hidden, inter), gate_up_id, down_id
     raise ArtifactError(f"{prefix} expert banks are {gate_up.format}/{down.format}: unsupported for routed experts")

@@ -1,0 +1,69 @@
+"""Triton building block: decode a tile of an nvfp4 object (runtime form) in registers.
+
+`load_nvfp4_tile` returns `e2m1(code) * e4m3fn(scale)` of rows `rows`, columns `[k0, k0 +
+BLOCK_K)`, reading the stored code plane and undoing the scale plane's 128-row x 4-block swizzle
+(docs/format.md §6.3) on the fly; nothing is dequantized in memory. These products carry at most 6
+significant bits, so they are exact in bf16 and the tile feeds `tl.dot` without rounding. The FP32
+divisor (one per 128-row tile in runtime form, §6.6) is not applied to the tile: kernels divide
+their fp32 accumulators by each output row's divisor (`load_divisors`). That split is the seam for
+a tensor-core FP4 path on sm_120, whose block-scaled MMA would consume the stored codes and
+(unswizzled) scales directly and keep the same divisor epilogue.
+
+Reference op: `model.nvfp4.dequantize_nvfp4` (equal to `artifact.codecs.decode_nvfp4`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e2m1(u):
+    """float32 values of 4-bit E2M1 codes (int32): sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    m = u & 7
+    e = m >> 1
+    b = m & 1
+    twice = tl.where(e == 0, b, (2 + b) << tl.maximum(e - 1, 0))  # twice the magnitude, an integer
+    v = twice.to(tl.float32) * 0.5
+    return tl.where((u & 8) != 0, -v, v)
+
+
+@triton.jit
+def _e4m3fn(s):
+    """float32 values of E4M3FN scale bytes (int32; sign 0 and not NaN, which the load checks)."""
+    exp = (s >> 3) & 15
+    man = s & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)  # exponent bias 7 -> 127
+    return tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2^-9
+
+
+@triton.jit
+def load_nvfp4_tile(
+    obj,  # pointer to uint8: start of the nvfp4 object
+    rows,  # [BLOCK_N] int64 row indices
+    row_mask,  # [BLOCK_N] bool
+    k0,  # first column of the tile (multiple of BLOCK_K)
+    scale_offset,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """float32 tile [BLOCK_N, BLOCK_K] of e2m1(code) * e4m3fn(block scale), without the divisor."""
+    mask = row_mask[:, None]
+    ptr = obj + rows[:, None] * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
+    packed = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    codes = _e2m1(tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, BLOCK_K]))  # low nibble first
+    blocks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    inner = rows % 128
+    tile = (rows // 128) * (K // 64)
+    index = (tile[:, None] + (blocks // 4)[None, :]) * 512 + ((inner % 32) * 16 + (inner // 32) * 4)[:, None] + (blocks % 4)[None, :]
+    scales = _e4m3fn(tl.load(obj + scale_offset + index, mask=mask, other=0).to(tl.int32))
+    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]), [BLOCK_N, BLOCK_K])
+    return codes * scales
+
+
+@triton.jit
+def load_divisors(obj, rows, row_mask, divisor_offset):
+    """float32 [BLOCK_N]: the divisor of each row (one FP32 word per 128-row tile)."""
+    return tl.load((obj + divisor_offset).to(tl.pointer_type(tl.float32)) + rows // 128, mask=row_mask, other=1.0)
