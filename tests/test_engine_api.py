@@ -115,6 +115,21 @@ def test_batched_mtp_step_equals_each_sessions_own(engine):
     assert (short.mtp_length, long.mtp_length) == (10, 30)
 
 
+def test_an_mtp_step_of_several_positions_equals_the_prompt_style_forward(engine):
+    """Following a verified round (T positions as one MTP decode step) gives what the chunked MTP
+    forward of the same positions gives, and leaves the MTP cache as long."""
+    _, hidden = engine.session().forward(PROMPT)
+    chunked, stepped = engine.session(), engine.session()
+    chunked.mtp(hidden[:9], PROMPT[1:10])
+    stepped.mtp(hidden[:9], PROMPT[1:10])
+    want, want_out = chunked.mtp(hidden[9:13], PROMPT[10:14])
+    got, got_out = engine.mtp_step([stepped], hidden[9:13], PROMPT[10:14], 4)
+    assert torch.allclose(got, want, atol=1e-4) and torch.allclose(got_out, want_out, atol=1e-5)
+    assert stepped.mtp_length == chunked.mtp_length == 13
+    with pytest.raises(NinferError, match="MTP step needs"):
+        engine.mtp_step([stepped], hidden[:2], PROMPT[:3], 3)
+
+
 def test_prompt_longer_than_context_is_one_line_error(tiny_artifact):
     small = Engine.load(tiny_artifact, max_context=16)
     with pytest.raises(NinferError, match="context limit of 16") as err:

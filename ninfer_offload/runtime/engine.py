@@ -316,26 +316,43 @@ class Engine:
             raise NinferError(f"MTP needs one next token per hidden state within the context limit {self.max_context}")
         tokens, ctx = step_inputs(ids, [slot], [session.mtp_length], len(ids), self.max_context, self.device, prefill=True)
         with torch.no_grad(), self.store.forward():
-            out = self.mtp(self.backend, self.text, hidden.to(self.dtype), tokens, ctx, self.state)
+            logits, out = self.mtp_forward_step(hidden, tokens, ctx)
         session.mtp_length += len(ids)
-        return self.draft_logits(out), out
+        return logits, out
 
-    def mtp_step(self, sessions: list[Session], hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One MTP position for each of `sessions` at once (drafting): hidden [B, H] and one next token
-        each -> (draft logits [B, vocab], MTP hidden [B, H]); the batched decode kernels, no host sync."""
+    def mtp_step(
+        self, sessions: list[Session], hidden: torch.Tensor, next_ids: list[int], tokens_per_sequence: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """T MTP positions for each of `sessions` at once (drafting, and following a verified round):
+        hidden [B * T, H] and the T tokens after them each -> (draft logits [B * T, vocab], MTP hidden
+        [B * T, H]); the decode kernels (a captured graph where the engine replays them), no host sync."""
         if self.mtp is None:
             raise NinferError("the engine was loaded without the MTP module (Engine.load(..., mtp=True))")
+        t = tokens_per_sequence
         ids = self._token_list(next_ids)
         slots = [s.live_slot() for s in sessions]
-        if len(ids) != len(sessions) or hidden.shape[0] != len(sessions) or any(s.mtp_length >= self.max_context for s in sessions):
+        if (
+            len(ids) != len(sessions) * t or hidden.shape[0] != len(ids) or not 1 <= t <= self.state.step_tokens
+            or any(s.mtp_length + t > self.max_context for s in sessions)
+        ):
             raise NinferError(
-                f"an MTP step needs one hidden state and one next token per session within the context limit {self.max_context}"
+                f"an MTP step needs 1..{self.state.step_tokens} hidden states and next tokens per session within the "
+                f"context limit {self.max_context}"
             )
-        tokens, ctx = step_inputs(ids, slots, [s.mtp_length for s in sessions], 1, self.max_context, self.device)
+        starts = [s.mtp_length for s in sessions]
         with torch.no_grad(), self.store.forward():
-            out = self.mtp(self.backend, self.text, hidden.to(self.dtype), tokens, ctx, self.state)
+            if self.graphs is not None:
+                logits, out = self.graphs.run_mtp(hidden, ids, slots, starts, t)
+            else:
+                tokens, ctx = step_inputs(ids, slots, starts, t, self.max_context, self.device)
+                logits, out = self.mtp_forward_step(hidden, tokens, ctx)
         for session in sessions:
-            session.mtp_length += 1
+            session.mtp_length += t
+        return logits, out
+
+    def mtp_forward_step(self, hidden: torch.Tensor, token_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits, MTP hidden states) of one MTP forward described by `ctx` (what a captured MTP step records)."""
+        out = self.mtp(self.backend, self.text, hidden.to(self.dtype), token_ids, ctx, self.state)
         return self.draft_logits(out), out
 
     def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""Decode steps as CUDA graphs: one per (batch bucket, tokens per sequence), captured once per engine
-on first use, all sharing one memory pool.
+"""Decode steps as CUDA graphs: one per (model, batch bucket, tokens per sequence), captured once per
+engine on first use, all sharing one memory pool. The models are the target (`Engine.forward`) and
+the MTP layer drafting (`Engine.mtp_forward_step`).
 
 A graph reads its inputs (token ids and the step context) from one static packed buffer
-(`step_inputs`) and writes its logits and hidden states to static outputs. A batch is padded to its bucket with
-entries on the pool's scratch slot, so padding never touches a live sequence, and capture itself
-runs on scratch entries only.
+(`step_inputs`), the MTP layer also the target hidden states from a static buffer, and writes its
+logits and hidden states to static outputs. A batch is padded to its bucket with entries on the
+pool's scratch slot, so padding never touches a live sequence, and capture itself runs on scratch
+entries only.
 """
 
 from __future__ import annotations
@@ -29,36 +31,60 @@ class StepGraphs:
         self.engine = engine
         self.buckets = batch_buckets(engine.state.sequences)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]] = {}
 
     def run(self, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B * T, vocab], hidden states [B * T, H]) of one decode step (T tokens per sequence), by graph
-        replay. The hidden states are a view of the graph's output: valid until the next replay."""
-        batch, t = len(slots), tokens_per_sequence
+        """(logits [B * T, vocab], hidden states [B * T, H]) of one target decode step (T tokens per
+        sequence), by graph replay. The hidden states are a view of the graph's output: valid until the
+        next replay."""
+        logits, hidden = self._replay("target", tokens, slots, starts, tokens_per_sequence, None)
+        return logits.clone(), hidden
+
+    def run_mtp(
+        self, hidden: torch.Tensor, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits [B * T, vocab], MTP hidden states [B * T, H]) of one MTP step over target hidden
+        states `hidden` [B * T, H] and the tokens that follow them, by graph replay."""
+        logits, out = self._replay("mtp", tokens, slots, starts, tokens_per_sequence, hidden)
+        return logits.clone(), out.clone()
+
+    def _replay(self, model: str, tokens: list[int], slots: list[int], starts: list[int], t: int, hidden: torch.Tensor | None):
+        batch = len(slots)
         bucket = next(b for b in self.buckets if b >= batch)
-        graph, packed, (logits, hidden) = self.graphs.get((bucket, t)) or self._capture(bucket, t)
+        graph, packed, hidden_in, (logits, out) = self.graphs.get((model, bucket, t)) or self._capture(model, bucket, t)
         pad = bucket - batch
         scratch = self.engine.state.scratch_slot
         host = pack_inputs(
             tokens + [0] * (pad * t), slots + [scratch] * pad, starts + [0] * pad, t, self.engine.state.capacity
         )
         packed.copy_(host, non_blocking=True)
+        if hidden_in is not None:
+            hidden_in[: batch * t].copy_(hidden)
         graph.replay()
-        return logits[: batch * t].clone(), hidden[: batch * t]
+        return logits[: batch * t], out[: batch * t]
 
-    def _capture(self, bucket: int, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def _capture(self, model: str, bucket: int, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]:
         engine = self.engine
         scratch = engine.state.scratch_slot
         packed = pack_inputs([0] * (bucket * t), [scratch] * bucket, [0] * bucket, t, engine.state.capacity)
         packed = packed.to(engine.device)
-        tokens, ctx = unpack_inputs(packed, bucket, t, prefill=False, keep_states=t > 1, host=None)
+        tokens, ctx = unpack_inputs(packed, bucket, t, prefill=False, keep_states=model == "target" and t > 1, host=None)
+        hidden_in = None
+        if model == "mtp":
+            hidden_in = torch.zeros(bucket * t, engine.config.hidden_size, device=engine.device, dtype=engine.dtype)
+
+        def forward():
+            if model == "mtp":
+                return engine.mtp_forward_step(hidden_in, tokens, ctx)
+            return engine.forward(tokens, ctx)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(stream):
-            engine.forward(tokens, ctx)  # compiles kernels and settles allocations, on scratch state
+            forward()  # compiles kernels and settles allocations, on scratch state
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
-            outputs = engine.forward(tokens, ctx)
-        self.graphs[(bucket, t)] = (graph, packed, outputs)
-        return graph, packed, outputs
+            outputs = forward()
+        self.graphs[(model, bucket, t)] = (graph, packed, hidden_in, outputs)
+        return self.graphs[(model, bucket, t)]

@@ -161,6 +161,7 @@ class MtpSpeculator:
         return accepted + [following]
 
     def _follow(self, hidden: torch.Tensor, next_ids: list[int]) -> None:
-        """Append target hidden states and their successors to the MTP layer's cache; keep its last prediction."""
-        logits, mtp_hidden = self.session.mtp(hidden, next_ids)
+        """Append target hidden states and their successors (1..K + 1 of them) to the MTP layer's cache as
+        one MTP decode step; keep its last prediction."""
+        logits, mtp_hidden = self.engine.mtp_step([self.session], hidden, next_ids, len(next_ids))
         self._draft_logits, self._draft_hidden = logits[-1], mtp_hidden[-1:]
