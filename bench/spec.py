@@ -12,6 +12,12 @@ Per mode (everything resident, then each VRAM budget in GiB planned with `--prof
   step; `round_s`, a whole speculative round at full acceptance, measured in draft-oracle mode
   (benchmark only: the MTP layer runs as usual but its drafts are replaced by the target's own
   greedy continuation, so every draft is accepted; random weights accept almost nothing);
+* the target's routing: random weights route each token to unrelated experts, so a K + 1 token
+  verification would read about K + 1 times the experts one token reads; real routing reuses
+  experts from token to token. By default (`--routing trace`) every forward is routed by the
+  calibrated routing trace (`planner.trace.routing_trace`, 45 % next-token reuse, as
+  `bench/offload.py` does), consecutive positions getting consecutive trace tokens;
+  `--routing model` keeps the random weights' own routing;
 * `projected_speedup` at per-draft acceptance `a` (`--acceptance`, the chance that a draft is
   accepted given the previous one was): a round yields E = (1 - a^(K+1)) / (1 - a) tokens, so
   speed-up = E * step_s / round_s (a rejected round costs about what a full one does).
@@ -27,8 +33,11 @@ from pathlib import Path
 
 import torch
 
+import numpy as np
+
+from ninfer_offload.planner.routing import shipped_routing_stats
+from ninfer_offload.planner.trace import routing_trace
 from ninfer_offload.runtime.engine import Engine
-from ninfer_offload.runtime.generate import generate
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 from ninfer_offload.runtime.speculative import MtpSpeculator
 from provenance import gpu_report_header
@@ -54,6 +63,30 @@ def median_seconds(run, repeats: int, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+class TraceRouting:
+    """Routes each forward's positions as consecutive tokens of the calibrated routing trace (the
+    expert store's `replay_routing` benchmark hook); with `trace=False`, the model's own routing."""
+
+    def __init__(self, engine: Engine, tokens: int, trace: bool, seed: int = 0):
+        self.engine = engine
+        self.trace = None
+        if trace:
+            hits = np.array(shipped_routing_stats().hits)
+            ids = routing_trace(hits, engine.config.top_k, tokens, seed).astype(np.int64)
+            self.trace = torch.from_numpy(ids).to(engine.device)  # [tokens, layers, k]
+            self.route(0, len(PROMPT))  # the first call sizes the replay buffer: the prompt is the longest forward
+
+    def route(self, position: int, count: int) -> None:
+        """The next forward's `count` positions start at sequence position `position`."""
+        if self.trace is None:
+            return
+        routing = self.trace[position : position + count].transpose(0, 1)  # [layers, count, k]
+        extra = len(self.engine.store.layouts) - routing.shape[0]  # the MTP layer reuses the last layer's ids
+        if extra:
+            routing = torch.cat([routing, routing[-extra:]])
+        self.engine.store.replay_routing(routing)
+
+
 class OracleSpeculator(MtpSpeculator):
     """Drafts as usual (same MTP work), then replaces them with the target's greedy continuation."""
 
@@ -67,23 +100,36 @@ class OracleSpeculator(MtpSpeculator):
         return drafts, [torch.nn.functional.one_hot(torch.tensor(d), vocab).float().to(self.engine.device) for d in drafts]
 
 
-def measure(engine: Engine, repeats: int, acceptance: float, tokens: int) -> list[dict]:
+def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace: bool) -> list[dict]:
     device = engine.device
+    routing = TraceRouting(engine, len(PROMPT) + tokens + 64 * repeats * engine.state.step_tokens, trace)
     session = engine.session()
+    routing.route(0, len(PROMPT))
     session.prefill(PROMPT)
-    step_s = median_seconds(lambda: int(session.step(7).argmax()), repeats, device)
+
+    def step():
+        routing.route(session.length, 1)
+        int(session.step(7).argmax())
+
+    step_s = median_seconds(step, repeats, device)
     runs = []
-    plain = _plain_greedy(engine, tokens)
+    plain = _plain_greedy(engine, routing, tokens)
     for k in range(1, engine.state.step_tokens):
         def verify():
+            routing.route(session.length, k + 1)
             logits = engine.step([session], [[7] * (k + 1)])
             int(logits[0, -1].argmax())
             session.commit(1)
 
+        def draft():
+            routing.route(session.mtp_length, 1)
+            engine.mtp_step([session], torch.zeros(1, engine.config.hidden_size, device=device), [7])
+            session.forget_mtp(1)
+
         verify_s = median_seconds(verify, repeats, device)
-        draft_s = median_seconds(lambda: session.mtp(torch.zeros(1, engine.config.hidden_size, device=device), [7]), repeats, device)
-        _oracle_rounds(engine, k, plain, tokens)  # the first generation compiles the kernels of this K
-        round_s, rounds = _oracle_rounds(engine, k, plain, tokens)
+        draft_s = median_seconds(draft, repeats, device)
+        _oracle_rounds(engine, routing, k, plain, tokens)  # the first generation compiles the kernels of this K
+        round_s, rounds = _oracle_rounds(engine, routing, k, plain, tokens)
         expected = (1 - acceptance ** (k + 1)) / (1 - acceptance)
         runs.append({
             "draft_tokens": k,
@@ -103,23 +149,29 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int) -> lis
     return runs
 
 
-def _plain_greedy(engine: Engine, tokens: int) -> list[int]:
-    spec, engine.spec_tokens = engine.spec_tokens, 0
-    try:
-        return generate(engine, PROMPT, tokens, GREEDY).run().token_ids
-    finally:
-        engine.spec_tokens = spec
+def _plain_greedy(engine: Engine, routing: TraceRouting, tokens: int) -> list[int]:
+    """The target's greedy continuation of PROMPT, one step per token, routed as the rounds will be."""
+    session = engine.session()
+    routing.route(0, len(PROMPT))
+    output = [int(session.prefill(PROMPT).argmax())]
+    while len(output) < tokens:
+        routing.route(session.length, 1)
+        output.append(int(session.step(output[-1]).argmax()))
+    session.close()
+    return output
 
 
-def _oracle_rounds(engine: Engine, k: int, continuation: list[int], tokens: int) -> tuple[float, int]:
+def _oracle_rounds(engine: Engine, routing: TraceRouting, k: int, continuation: list[int], tokens: int) -> tuple[float, int]:
     """(seconds per round, rounds) of a greedy generation whose drafts are the true continuation."""
     session = engine.session()
     OracleSpeculator.continuation = continuation
     speculator = OracleSpeculator(session, Sampler(GREEDY), PROMPT, k)
+    routing.route(0, len(PROMPT))
     output = [speculator.prefill()]
     synchronized(engine.device)
     began, rounds = time.perf_counter(), 0
     while len(output) < tokens - k - 1:
+        routing.route(session.length, k + 1)
         output += speculator.round(output[-1], output)
         rounds += 1
     synchronized(engine.device)
@@ -139,10 +191,12 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float, default=0.72, help="per-draft acceptance for the projection")
     parser.add_argument("--tokens", type=int, default=96, help="greedy tokens of the oracle generation")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--routing", choices=("trace", "model"), default="trace", help="route by the calibrated trace or by the weights")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
     report = {
         **gpu_report_header(args.commit),
+        "routing": args.routing,
         "runs": [],
     }
     modes = [("resident", {"experts": "resident"})] + [
@@ -150,7 +204,7 @@ def main() -> None:
     ]
     for mode, options in modes:
         engine = Engine.load(args.artifact, device=args.device, spec="mtp", draft_tokens=5, max_sequences=2, **options)
-        for run in measure(engine, args.repeats, args.acceptance, args.tokens):
+        for run in measure(engine, args.repeats, args.acceptance, args.tokens, args.routing == "trace"):
             report["runs"].append({"mode": mode, **run})
         engine.close()
         del engine
