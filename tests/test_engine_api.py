@@ -15,7 +15,7 @@ PROMPT = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)
 
 @pytest.fixture(scope="module")
 def engine(tiny_artifact):
-    eng = Engine.load(tiny_artifact, mtp=True, max_sequences=8)
+    eng = Engine.load(tiny_artifact, mtp=True, max_sequences=8, draft_tokens=3)  # multi-token MTP steps of up to 4
     yield eng
     eng.close()
 

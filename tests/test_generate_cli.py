@@ -47,27 +47,27 @@ def test_json_greedy_output_equals_the_engine(tiny_artifact, frontend, reprefill
     assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
 
 
-@pytest.mark.parametrize("drafts", [[], ["--spec", "mtp", "--draft-tokens", 2]])
+@pytest.mark.parametrize("drafts", [["--spec", "auto"], ["--spec", "mtp", "--draft-tokens", 2]])
 def test_json_greedy_with_mtp_drafts_is_the_same_output(tiny_artifact, reprefill_greedy, drafts):
-    """By default (the artifact has MTP weights) with 3 drafts, or as asked."""
+    """`auto` (the artifact has MTP weights) with 3 drafts, or as asked."""
     run = ninfer(tiny_artifact, "--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 16, *drafts, "--json")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["ids"] == reprefill_greedy
     spec = out["speculation"]
     assert spec["rounds"] == out["decode_steps"] and out["decode_tokens"] == spec["rounds"] + spec["accepted"]
-    assert len(spec["acceptance_at"]) == (int(drafts[-1]) if drafts else 3)
+    assert len(spec["acceptance_at"]) == (int(drafts[-1]) if "--draft-tokens" in drafts else 3)
 
 
 def test_proposal_head_drafts_give_the_plain_output(tiny_artifact, tiny_artifact_proposal):
     ids = ",".join(map(str, PROMPT))
     plain = ninfer(tiny_artifact_proposal, "--prompt-ids", ids, "--greedy", "--max-tokens", 12, "--spec", "none", "--json")
-    drafted = ninfer(tiny_artifact_proposal, "--prompt-ids", ids, "--greedy", "--max-tokens", 12, "--proposal-head")
+    drafted = ninfer(tiny_artifact_proposal, "--prompt-ids", ids, "--greedy", "--max-tokens", 12, "--spec", "mtp", "--proposal-head")
     assert plain.returncode == drafted.returncode == 0, plain.stderr + drafted.stderr
     text = json.loads(plain.stdout)["text"].replace("\r\n", "\n").replace("\r", "\n")  # as the text-mode pipe reads it
     assert drafted.stdout == text + "\n"
     assert "MTP: " in drafted.stderr and "of drafts accepted" in drafted.stderr
-    one_line_error(ninfer(tiny_artifact, "--prompt-ids", ids, "--proposal-head"), "has no proposal head")
+    one_line_error(ninfer(tiny_artifact, "--prompt-ids", ids, "--spec", "mtp", "--proposal-head"), "has no proposal head")
 
 
 def test_streamed_text_is_the_generated_text(tiny_artifact, tiny_engine, frontend):

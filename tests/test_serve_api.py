@@ -157,8 +157,8 @@ def server(tiny_artifact, frontend):
 
 @pytest.fixture(scope="module")
 def speculating(tiny_artifact, frontend):
-    """The default load of an artifact with MTP weights: 3 MTP drafts per step."""
-    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4)
+    """`auto` on an artifact with MTP weights: 3 MTP drafts per step."""
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4, spec="auto")
     with LiveServer(create_app(engine, frontend, MODEL, CONTEXT, max_concurrency=4, max_queue=4)) as live:
         yield live
 

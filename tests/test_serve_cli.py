@@ -55,7 +55,7 @@ class ServeProcess:
 
 
 def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact):
-    args = ["--served-model-name", "tiny", "--max-context", "1024", "--max-concurrency", "2", "--profile", "rtx5090"]
+    args = ["--served-model-name", "tiny", "--max-context", "1024", "--max-concurrency", "2", "--profile", "rtx5090", "--spec", "auto"]
     server = ServeProcess(str(tiny_artifact), *args)
     try:
         assert server.wait_for(r"loaded .* 6 layers, 8 experts \(top-2\), vocab 512, cpu float32")
@@ -91,7 +91,7 @@ def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact):
         (["{artifact}", "--log-level", "loud"], "error: --log-level must be debug, info, warning or error, got 'loud'"),
         (["{artifact}", "--device", "tpu"], "error: unknown device 'tpu': use cpu or cuda"),
         (
-            ["{artifact}", "--proposal-head"],
+            ["{artifact}", "--spec", "mtp", "--proposal-head"],
             "error: tiny_bf16.ninfer has no proposal head (proposal/head, proposal/token_ids); drop --proposal-head",
         ),
     ],
@@ -119,7 +119,7 @@ def test_host_experts_with_the_cpu_miss_path_serve_the_resident_greedy_text(tiny
 
     server = ServeProcess(str(tiny_artifact_official), "--served-model-name", "tiny", "--experts", "host", "--miss-path", "cpu")
     try:
-        assert server.wait_for(r"8 of 56 experts pinned in VRAM, .*; misses cpu")  # the MTP layer's: it speculates by default
+        assert server.wait_for(r"0 of 48 experts pinned in VRAM, .*; misses cpu")
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200

@@ -177,7 +177,7 @@ def test_bad_spec_options_are_one_line(tiny_artifact, tiny_artifact_proposal):
     with pytest.raises(NinferError, match="--draft-tokens"):
         Engine.load(tiny_artifact, spec="mtp", draft_tokens=6)
     with pytest.raises(NinferError, match=r"tiny_bf16.ninfer has no proposal head \(proposal/head, proposal/token_ids\); drop --proposal"):
-        Engine.load(tiny_artifact, proposal_head=True)
+        Engine.load(tiny_artifact, spec="mtp", proposal_head=True)
     with pytest.raises(NinferError, match="drop --proposal-head or use --spec mtp"):
         Engine.load(tiny_artifact_proposal, spec="none", proposal_head=True)
 
@@ -191,11 +191,14 @@ def no_mtp_artifact(tmp_path_factory):
     return convert(write_checkpoint(root / "src", mtp=False), root / "no_mtp.ninfer", recipe="bf16", progress=False)
 
 
-def test_speculation_is_the_default_where_the_artifact_has_mtp(tiny_artifact, no_mtp_artifact):
-    engine = Engine.load(tiny_artifact)
+def test_auto_speculates_where_the_artifact_has_mtp(tiny_artifact, no_mtp_artifact):
+    default = Engine.load(tiny_artifact)  # plain decoding unless asked
+    assert (default.speculation.mode, default.spec_tokens) == ("none", 0)
+    default.close()
+    engine = Engine.load(tiny_artifact, spec="auto")
     assert (engine.speculation.mode, engine.spec_tokens, engine.proposal) == ("mtp", 3, None) and engine.mtp is not None
     engine.close()
-    plain = Engine.load(no_mtp_artifact, draft_tokens=4)  # no MTP weights: plain decoding, without rollback room
+    plain = Engine.load(no_mtp_artifact, spec="auto", draft_tokens=4)  # no MTP weights: plain decoding, without rollback room
     assert (plain.speculation.mode, plain.spec_tokens, plain.state.step_tokens, plain.mtp) == ("none", 0, 1, None)
     assert generate(plain, GREEDY_PROMPT, max_tokens=3, sampling=GREEDY).run().speculation is None
     plain.close()
@@ -207,7 +210,7 @@ def test_the_load_plan_drafts_with_the_proposal_head(tiny_artifact_proposal, sma
     """A planned load that drafts with the proposal head keeps it on the device and prices drafting by its bytes."""
     plans = {}
     for proposal_head in (False, True):
-        engine = Engine.load(tiny_artifact_proposal, profile=str(small_card), proposal_head=proposal_head)
+        engine = Engine.load(tiny_artifact_proposal, profile=str(small_card), spec="mtp", proposal_head=proposal_head)
         plans[proposal_head] = engine.expert_plan.plan
         engine.close()
     with_head, without = plans[True], plans[False]

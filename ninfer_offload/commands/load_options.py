@@ -32,10 +32,10 @@ MISS_PATH_OPTION = typer.Option(
 
 
 SPEC_OPTION = typer.Option(
-    "auto", "--spec",
-    help="mtp: decode speculatively, drafting with the model's MTP layer (server: requests without a grammar or logprobs); "
-    "none: one token per step; auto: mtp when the artifact has MTP weights, else none. An artifact's DFlash/DFlash2 drafter "
-    "is never run.",
+    "none", "--spec",
+    help="none (default): one token per step; mtp: decode speculatively, drafting with the model's MTP layer (server: requests "
+    "without a grammar or logprobs); auto: mtp when the artifact has MTP weights, else none. An artifact's DFlash/DFlash2 "
+    "drafter is never run.",
 )
 DRAFT_TOKENS_OPTION = typer.Option(3, "--draft-tokens", help="MTP drafts verified per step when speculating (1..5).")
 PROPOSAL_HEAD_OPTION = typer.Option(

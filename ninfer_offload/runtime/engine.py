@@ -134,7 +134,7 @@ class Engine:
         cache_policy: str = DEFAULT_POLICY,
         miss_path: str | None = None,
         mtp: bool = False,
-        spec: str = "auto",
+        spec: str = "none",
         proposal_head: bool = False,
         backend: str = "auto",
         cuda_graphs: bool = True,
@@ -152,7 +152,7 @@ class Engine:
         max_context: per-sequence capacity (default min(model maximum, 32768)). max_sequences:
         sequences open at once (state slots). spec: "mtp" decodes speculatively (`generate`, the
         server): `draft_tokens` MTP drafts (default 3) verified per target step; "none" decodes one
-        token per step; "auto" (default) is mtp when the artifact has MTP weights, else none.
+        token per step (the default); "auto" is mtp when the artifact has MTP weights, else none.
         draft_tokens without speculation: most tokens a multi-token step may roll back (per-token GDN
         states are kept for them). proposal_head: draft with the artifact's proposal head instead of
         the output head. kv_dtype: "fp8" for an e4m3 KV cache (default: the compute dtype). mtp:

@@ -1,8 +1,9 @@
 """How a load decodes: the speculation asked for (`Engine.load(spec=..., draft_tokens=..., proposal_head=...)`,
 `--spec`, `--draft-tokens`, `--proposal-head`) resolved against what the artifact carries.
 
-"auto" (the default) is speculation with the MTP layer when the artifact has MTP weights, plain
-decoding otherwise: the planner's own model default (`planner.options.model_defaults`).
+"auto" is speculation with the MTP layer when the artifact has MTP weights, plain decoding
+otherwise: the planner's own model default (`planner.options.model_defaults`). The default is
+"none" while a verify step costs more than the accepted drafts save (`bench/results/spec_h200.json`).
 """
 
 from __future__ import annotations
