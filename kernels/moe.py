@@ -15,10 +15,14 @@ compiler prove alignment and issue 16-byte pipelined loads (raw int-to-pointer a
 compile to one-byte loads).
 
 Two paths, both free of host syncs (so they can be captured in a CUDA graph):
-* few (token, slot) pairs of row-split records (decode, verification): matrix-vector kernels.
-  Kernel 1 computes a slice of one pair's gate and up rows and applies SwiGLU; kernel 2 computes a
-  slice of one token's output rows, walking its k experts in slot order (down rows, rounding,
-  routing weight, fp32 sum), so no partial outputs are written and no reduction is launched.
+* few (token, slot) pairs of row-split records (decode, verification, small batches):
+  matrix-vector kernels. A program per (pair, column slice) works only if its pair is the first
+  one routed to its expert, and then for every token routed to that expert, decoding each weight
+  tile once: kernel 1 computes gate and up rows and applies SwiGLU. For one token, kernel 2
+  computes a slice of its output rows walking its k experts in slot order (down rows, rounding,
+  routing weight, fp32 sum), so no partial outputs are written and no reduction is launched; for
+  several, the down kernel shares each expert the same way and the k weighted rows of each token
+  are summed in a fixed order.
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
   own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
@@ -37,7 +41,7 @@ import triton.language as tl
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.nvfp4 import load_divisors
-from ninfer_offload.kernels.rowsplit import gemv_block_k, gemv_weight_tile, split_even_odd
+from ninfer_offload.kernels.rowsplit import dot_code_tile, gemv_block_k, gemv_weight_tile, load_code_tile, split_even_odd
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, load_tile
 
 
@@ -108,6 +112,19 @@ def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPla
 
 
 @triton.jit
+def _expert_tokens(topk_ids, pair, pairs, TOP_K: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+    """(expert of `pair`, whether `pair` is its expert's first pair, the pair indices [BLOCK_PAIRS], which
+    of them use the expert, their tokens): a program per pair does the work of every pair of its
+    expert, so each expert's weights are read and decoded once per step."""
+    index = tl.arange(0, BLOCK_PAIRS)
+    ids = tl.load(topk_ids + index, mask=index < pairs, other=-1)
+    e = tl.load(topk_ids + pair)
+    uses = ids == e
+    first = tl.min(tl.where(uses, index, BLOCK_PAIRS))
+    return e, first == pair, index, uses, index // TOP_K
+
+
+@triton.jit
 def _gate_up_swiglu_gemv_kernel(
     x,
     arena,
@@ -115,42 +132,110 @@ def _gate_up_swiglu_gemv_kernel(
     topk_ids,
     act,
     stride_x,
+    pairs,
     H,
     I,
     high_offset,
     scale_offset,
     TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pair = tl.program_id(0).to(tl.int64)
-    record = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256)
-    xrow = x + (pair // TOP_K) * stride_x
-    cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    col_mask = cols_i < I
-    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(xrow + cols, mask=cols < H, other=0.0).to(tl.float32)
-        if BITS == 8:
-            x_even = xk
-            x_odd = xk
-        else:
-            x_even, x_odd = split_even_odd(xk, BLOCK_K)
-        acc_gate += gemv_weight_tile(
-            record, cols_i, col_mask, k0, x_even, x_odd, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-        )
-        acc_up += gemv_weight_tile(
-            record, cols_i + I, col_mask, k0, x_even, x_odd, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-        )
-    gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
-    up = acc_up.to(x.dtype.element_ty).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(act + pair * I + cols_i, y.to(act.dtype.element_ty), mask=col_mask)
+    e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
+    if owner:
+        record = arena + tl.multiple_of(tl.load(table + e), 256)
+        cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        col_mask = cols_i < I
+        toks = tl.arange(0, BLOCK_T)
+        acc_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K_PAD, BLOCK_K):
+            g_low, g_high, g_scales = load_code_tile(
+                record, cols_i, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+            )
+            u_low, u_high, u_scales = load_code_tile(
+                record, cols_i + I, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+            )
+            cols = k0 + tl.arange(0, BLOCK_K)
+            for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
+                if tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0:
+                    xk = tl.load(x + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
+                    if BITS == 8:
+                        x_even = xk
+                        x_odd = xk
+                    else:
+                        x_even, x_odd = split_even_odd(xk, BLOCK_K)
+                    gate_part = dot_code_tile(g_low, g_high, g_scales, x_even, x_odd, BITS, GROUP, BLOCK_N, BLOCK_K)
+                    up_part = dot_code_tile(u_low, u_high, u_scales, x_even, x_odd, BITS, GROUP, BLOCK_N, BLOCK_K)
+                    acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
+                    acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
+        gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(x.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        for t in tl.static_range(BLOCK_T):
+            pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
+            if pair < BLOCK_PAIRS:
+                row = tl.sum(tl.where(toks[:, None] == t, y, 0.0), axis=0)
+                tl.store(act + pair.to(tl.int64) * I + cols_i, row.to(act.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _down_shared_gemv_kernel(
+    act,
+    arena,
+    table,
+    topk_ids,
+    weights,
+    weighted,
+    pairs,
+    H,
+    I,
+    down_offset,
+    high_offset,
+    scale_offset,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Several tokens: the expert of each first pair, decoded once, applied to every pair routed to it;
+    each pair's weighted output row (float32) goes to `weighted` for the per-token sum."""
+    e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
+    if owner:
+        down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        row_mask = rows < H
+        toks = tl.arange(0, BLOCK_T)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K_PAD, BLOCK_K):
+            low, high, scales = load_code_tile(down, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            cols = k0 + tl.arange(0, BLOCK_K)
+            for t in tl.static_range(BLOCK_T):
+                pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
+                if pair < BLOCK_PAIRS:
+                    ak = tl.load(act + pair.to(tl.int64) * I + cols, mask=cols < I, other=0.0).to(tl.float32)
+                    if BITS == 8:
+                        a_even = ak
+                        a_odd = ak
+                    else:
+                        a_even, a_odd = split_even_odd(ak, BLOCK_K)
+                    part = dot_code_tile(low, high, scales, a_even, a_odd, BITS, GROUP, BLOCK_N, BLOCK_K)
+                    acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+        y = acc.to(act.dtype.element_ty).to(tl.float32)
+        for t in tl.static_range(BLOCK_T):
+            pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
+            if pair < BLOCK_PAIRS:
+                row = tl.sum(tl.where(toks[:, None] == t, y, 0.0), axis=0) * tl.load(weights + pair).to(tl.float32)
+                tl.store(weighted + pair.to(tl.int64) * H + rows, row, mask=row_mask)
 
 
 @triton.jit
@@ -359,19 +444,30 @@ def _routed_experts_gemv(
     """The matrix-vector path of `routed_experts` (row-split records, few pairs)."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
     ids, tiles = topk_ids.contiguous(), GEMV_TILES
-    act = torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
-    _gate_up_swiglu_gemv_kernel[(t * top_k, triton.cdiv(inter, tiles.gate_up_n))](
-        x, arena, table, ids, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
-        TOP_K=top_k, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=gemv_block_k(gu.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+    pairs = t * top_k
+    block_t, block_pairs = triton.next_power_of_2(t), triton.next_power_of_2(pairs)
+    act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
+    _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, tiles.gate_up_n))](
+        x, arena, table, ids, act, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset,
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
+        BLOCK_N=tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
     )
-    out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
-    _down_gemv_kernel[(triton.cdiv(hidden, tiles.down_n), t)](
-        act, arena, table, ids, topk_weights.contiguous(), out, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
-        TOP_K=top_k, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=tiles.down_n,
-        BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+    weights = topk_weights.contiguous()
+    if t == 1:  # one token: its k experts summed in one pass, no partial rows
+        out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
+        _down_gemv_kernel[(triton.cdiv(hidden, tiles.down_n), t)](
+            act, arena, table, ids, weights, out, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
+            TOP_K=top_k, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=tiles.down_n,
+            BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+        )
+        return out
+    weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
+    _down_shared_gemv_kernel[(pairs, triton.cdiv(hidden, tiles.down_n))](
+        act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad,
+        BLOCK_N=tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
     )
-    return out
+    return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
 
 
 def record_table(slots: torch.Tensor, stride: int) -> torch.Tensor:

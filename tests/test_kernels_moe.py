@@ -63,6 +63,21 @@ def test_routed_experts_match_reference(gate_up_fmt, down_fmt):
         assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
 
 
+def test_tokens_sharing_every_expert():
+    """Eight tokens routed to the same three experts (in different slots): each expert's program serves all of them."""
+    from ninfer_offload.kernels.moe import record_table, routed_experts
+
+    layout, records, weights = _records("q4_g64_fp16", "q5_g64_fp16", seed=5)
+    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, HIDDEN, generator=gen)
+    ids = torch.stack([torch.tensor([2, 4, 5]).roll(t) for t in range(8)])
+    w = torch.softmax(torch.randn(8, 3, generator=gen), dim=-1)
+    out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), records, table, layout)
+    ref = _reference(x, ids, w, weights)
+    assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_plan_groups_pairs_by_expert():
     from ninfer_offload.kernels.moe import plan_work
 
