@@ -110,10 +110,9 @@ def predict(
     decode_mtp = None
     if options.speculating:
         drafts = options.draft_count
-        layers = shape.attention_layers + shape.linear_layers
         draft_bytes = weights.mtp_dense_bytes + shape.top_k * weights.mtp_expert_bytes + weights.draft_head_bytes + kv_layer
-        draft_seconds = drafts * (draft_bytes / vram_rate + timings["decode_fixed_s"] / layers)  # one layer of fixed work
-        verify_seconds = step(drafts + 1)[0]
+        draft_seconds = drafts * max(timings["mtp_draft_step_s"], draft_bytes / vram_rate)
+        verify_seconds = step(drafts + 1)[0] + drafts * timings["verify_token_s"] + timings["spec_round_s"]
         a = options.mtp_acceptance
         tokens_per_step = (1 - a ** (drafts + 1)) / (1 - a)
         decode_mtp = tokens_per_step / (draft_seconds + verify_seconds)

@@ -43,6 +43,9 @@ ENGINE_KEYS = {
     "zero_copy_efficiency": float,  # share of H2D bandwidth the MoE kernels reach reading host records
     "prefill_efficiency": float,  # share of tensor throughput a prefill chunk reaches
     "prefill_transfer_overlap": float,  # share of the shorter of prefill compute and expert transfers hidden
+    "mtp_draft_step_s": float,  # one MTP draft step when latency-bound
+    "verify_token_s": float,  # per verified draft: what a (K + 1)-token step costs beyond a one-token step's bytes
+    "spec_round_s": float,  # per speculative round: host work (drawing drafts, acceptance, resync) not hidden
 }
 
 
