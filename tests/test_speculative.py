@@ -2,7 +2,7 @@
 plain greedy for K = 1..5, with drafts rejected at every position, at the end of the context, and
 with the proposal head drafting; the state after a rejected round equals a run that never saw the
 rejected tokens; the acceptance rule samples the target's distribution, also from a proposal
-head's q (zero outside its token ids); speculation is the default where the artifact has MTP."""
+head's q (zero outside its token ids); `auto` speculates where the artifact has MTP."""
 
 from __future__ import annotations
 
@@ -27,6 +27,15 @@ def spec_engines(tiny_artifact):
     yield engines
     for engine in engines.values():
         engine.close()
+
+
+def test_greedy_with_penalties_and_mtp_equals_plain_greedy_with_them(spec_engines, tiny_artifact):
+    """Penalties make each position's argmax depend on the tokens before it: drafts are checked one by one."""
+    penalized = SamplingParams(greedy=True, repetition_penalty=1.5, presence_penalty=0.5)
+    plain = Engine.load(tiny_artifact, spec="none")
+    want = generate(plain, GREEDY_PROMPT, max_tokens=TOKENS, sampling=penalized).run().token_ids
+    plain.close()
+    assert generate(spec_engines[3], GREEDY_PROMPT, max_tokens=TOKENS, sampling=penalized).run().token_ids == want
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])

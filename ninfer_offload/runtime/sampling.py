@@ -94,6 +94,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits depend on the tokens seen so far."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
 
 _CONFIG_DEFAULTS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
 

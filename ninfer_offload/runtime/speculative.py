@@ -47,10 +47,12 @@ class SpeculationStats:
 
 
 def accept_drafts(
-    sampler: Sampler, logits: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor], history: list[int], prompt: list[int]
+    sampler: Sampler, logits: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor | None], history: list[int], prompt: list[int]
 ) -> tuple[list[int], int]:
     """(accepted drafts, the token after them) by the speculative acceptance rule, from the target's
     logits [K + 1, vocab] at the anchor and each draft, the drafts and the distributions they were drawn from."""
+    if sampler.params.is_greedy:
+        return _accept_greedy(sampler, logits, drafts, history, prompt)
     accepted: list[int] = []
     for i, (draft, q) in enumerate(zip(drafts, draft_probs)):
         p = sampler.probabilities(logits[i], history + accepted, prompt)
@@ -64,19 +66,46 @@ def accept_drafts(
     return accepted, sampler.draw(p)
 
 
-def draft_together(speculators: list["MtpSpeculator"], k: int, histories: list[list[int]]) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """`k` drafts for each speculator (its drafted tokens and their distributions), the MTP steps of
-    all of them batched into one forward per draft position."""
+def _accept_greedy(
+    sampler: Sampler, logits: torch.Tensor, drafts: list[int], history: list[int], prompt: list[int]
+) -> tuple[list[int], int]:
+    """Greedy acceptance: the longest prefix of drafts equal to the target's argmaxes, then its argmax
+    (without penalties every position's argmax is read in one transfer)."""
+    if not sampler.params.has_penalties:
+        targets = logits.argmax(-1).tolist()
+    else:
+        targets = []
+        for i in range(len(drafts) + 1):
+            targets.append(sampler.sample(logits[i], history + drafts[:i], prompt))
+            if i < len(drafts) and targets[i] != drafts[i]:
+                break
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return drafts[:accepted], targets[accepted]
+
+
+def draft_together(
+    speculators: list["MtpSpeculator"], k: int, histories: list[list[int]]
+) -> list[tuple[list[int], list[torch.Tensor | None]]]:
+    """`k` drafts for each speculator (its drafted tokens and their distributions: None when greedy,
+    whose acceptance never reads them), the MTP steps of all of them batched into one forward per
+    draft position."""
     for speculator in speculators:
         speculator._mtp_start = speculator.session.mtp_length
     drafts: list[list[int]] = [[] for _ in speculators]
-    probs: list[list[torch.Tensor]] = [[] for _ in speculators]
+    probs: list[list[torch.Tensor | None]] = [[] for _ in speculators]
     logits = [s._draft_logits for s in speculators]
     hidden = torch.cat([s._draft_hidden for s in speculators]) if speculators else None
     for i in range(k):
         for j, speculator in enumerate(speculators):
-            q = speculator.sampler.probabilities(logits[j], histories[j] + drafts[j], speculator.prompt)
-            drafts[j].append(speculator.sampler.draw(q))
+            sampler, seen = speculator.sampler, histories[j] + drafts[j]
+            if sampler.params.is_greedy:  # greedy acceptance never reads q
+                drafts[j].append(sampler.sample(logits[j], seen, speculator.prompt))
+                probs[j].append(None)
+                continue
+            q = sampler.probabilities(logits[j], seen, speculator.prompt)
+            drafts[j].append(sampler.draw(q))
             probs[j].append(q)
         if i + 1 < k:
             engine = speculators[0].engine
@@ -144,7 +173,7 @@ class MtpSpeculator:
         return draft_together([self], k, [history])[0]
 
     def settle(
-        self, logits: torch.Tensor, hidden: torch.Tensor, drafts: list[int], probs: list[torch.Tensor], history: list[int]
+        self, logits: torch.Tensor, hidden: torch.Tensor, drafts: list[int], probs: list[torch.Tensor | None], history: list[int]
     ) -> list[int]:
         """After the verify step ([anchor] + drafts, logits [k + 1, vocab], hidden [k + 1, H]): accept,
         keep the accepted tokens, resync the MTP layer; returns the tokens that follow the anchor."""
