@@ -1,8 +1,8 @@
 """`TritonBackend`: the reference backend's ops, with Triton kernels where they pay.
 
 Same method signatures as `ReferenceBackend` (the engine picks the backend by device). Ops that
-are already a single library call keep it (dense bf16 products: cuBLAS; attention prefill:
-SDPA); the GDN chunked prefill uses flash-linear-attention's kernels on CUDA when that package is
+are already a single library call keep it (dense products of more than a few tokens: cuBLAS;
+attention prefill: SDPA); the GDN chunked prefill uses flash-linear-attention's kernels on CUDA when that package is
 installed (the `gpu` extra), else the reference's chunked form; lossless (bf16/fp32) expert
 records use the reference path.
 """
@@ -14,6 +14,7 @@ import torch
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, rotary, router, shared_expert
+from ninfer_offload.kernels.dense_linear import dense_linear
 from ninfer_offload.kernels.quant_linear import quantized_linear
 from ninfer_offload.model.backend import ReferenceBackend, Weight
 from ninfer_offload.model.context import StepContext
@@ -22,8 +23,6 @@ from ninfer_offload.model.experts import ExpertBank
 
 # bf16 tensor-core products (tl.dot on bf16) need Ampere (sm_80) or newer; sm_90 and sm_120 are the targets.
 MIN_CAPABILITY = (8, 0)
-
-
 
 
 class TritonBackend(ReferenceBackend):
@@ -43,9 +42,9 @@ class TritonBackend(ReferenceBackend):
         self.fla = gdn.fla_available()
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        if isinstance(w, torch.Tensor):
-            return x @ w.T
         lead = x.shape[:-1]
+        if isinstance(w, torch.Tensor):
+            return dense_linear(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[0])
         out = quantized_linear(x.reshape(-1, x.shape[-1]), w.data, w.geometry)
         return out.reshape(*lead, w.n)
 
