@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.model.nvfp4 import Nvfp4Matrix
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.planner import PlanOptions, plan
 from ninfer_offload.profiles import load_profile
@@ -61,7 +62,7 @@ STAGES = (  # kernel-name fragment -> stage of the per-step breakdown (first mat
 
 
 def _bytes(value) -> int:
-    if isinstance(value, QuantizedMatrix):
+    if isinstance(value, (QuantizedMatrix, Nvfp4Matrix)):
         return value.data.numel()
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
