@@ -117,7 +117,29 @@ def test_speculative_greedy_on_cuda_equals_plain_greedy(tiny_artifact_official, 
     want = generate(plain, PROMPT, max_tokens=24, sampling=greedy).run()
     got = generate(spec, PROMPT, max_tokens=24, sampling=greedy).run()
     assert got.token_ids == want.token_ids
-    assert spec.graphs is not None and any(t == 4 for _, t in spec.graphs.graphs)  # the verify step was captured
+    assert spec.graphs is not None and ("target", 1, 4) in spec.graphs.graphs  # the verify step was captured
+    assert ("mtp", 1, 1) in spec.graphs.graphs  # and the drafting MTP step
+
+
+def test_captured_mtp_steps_equal_eager_ones(tiny_artifact_official):
+    """The MTP layer's graphs (one position while drafting, several after a round) give the eager
+    step's draft logits and hidden states (float32)."""
+    engines = [
+        Engine.load(tiny_artifact_official, device="cuda", dtype="float32", mtp=True, draft_tokens=3, cuda_graphs=graphs)
+        for graphs in (True, False)
+    ]
+    results = []
+    for engine in engines:
+        target = engine.session()
+        _, hidden = target.forward(PROMPT)
+        session = engine.session()
+        session.mtp(hidden[:5], PROMPT[1:6])
+        first = engine.mtp_step([session], hidden[5:6], [PROMPT[6]])
+        several = engine.mtp_step([session], hidden[6:9], PROMPT[7:10], 3)
+        results.append((first, several))
+    assert ("mtp", 1, 1) in engines[0].graphs.graphs and ("mtp", 1, 3) in engines[0].graphs.graphs
+    for (captured, eager) in zip(results[0], results[1]):
+        assert torch.allclose(captured[0], eager[0], atol=1e-4) and torch.allclose(captured[1], eager[1], atol=1e-4)
 
 
 def test_batched_mtp_step_on_cuda_equals_each_sessions_own(tiny_artifact_official):
