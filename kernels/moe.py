@@ -58,6 +58,7 @@ class Tiles:
 # Up to this many (token, slot) pairs of row-split records: the matrix-vector kernels (block_m unused;
 # widest column tile in GEMV_BLOCK_K). H200 sweep (bench/kernels.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide.
 GEMV_MAX_PAIRS = 64
+GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
 GEMV_TILES = Tiles(1, 16, 16, 8)
 GEMV_BLOCK_K = 2048
 # Tiled kernels: decode / verification of nvfp4 records (few pairs per expert) and prefill (many).
@@ -405,7 +406,7 @@ def routed_experts(
         )
     x = x.contiguous()
     pairs = t * top_k
-    if pairs <= GEMV_MAX_PAIRS and not (gu.nvfp4 or dn.nvfp4):
+    if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS and not (gu.nvfp4 or dn.nvfp4):
         return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn)
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
     if pairs <= PAIR_PLAN_MAX:
