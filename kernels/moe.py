@@ -41,7 +41,7 @@ import triton.language as tl
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.nvfp4 import load_divisors
-from ninfer_offload.kernels.rowsplit import dot_code_tile, gemv_block_k, gemv_weight_tile, load_code_tile, split_even_odd
+from ninfer_offload.kernels.rowsplit import dot_code_tile, gemv_block_k, gemv_weight_tile, load_code_tile
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, load_tile
 
 
@@ -166,13 +166,8 @@ def _gate_up_swiglu_gemv_kernel(
             for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
                 if tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0:
                     xk = tl.load(x + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
-                    if BITS == 8:
-                        x_even = xk
-                        x_odd = xk
-                    else:
-                        x_even, x_odd = split_even_odd(xk, BLOCK_K)
-                    gate_part = dot_code_tile(g_low, g_high, g_scales, x_even, x_odd, BITS, GROUP, BLOCK_N, BLOCK_K)
-                    up_part = dot_code_tile(u_low, u_high, u_scales, x_even, x_odd, BITS, GROUP, BLOCK_N, BLOCK_K)
+                    gate_part = dot_code_tile(g_low, g_high, g_scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
+                    up_part = dot_code_tile(u_low, u_high, u_scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
                     acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
                     acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
         gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
@@ -224,12 +219,7 @@ def _down_shared_gemv_kernel(
                 pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
                 if pair < BLOCK_PAIRS:
                     ak = tl.load(act + pair.to(tl.int64) * I + cols, mask=cols < I, other=0.0).to(tl.float32)
-                    if BITS == 8:
-                        a_even = ak
-                        a_odd = ak
-                    else:
-                        a_even, a_odd = split_even_odd(ak, BLOCK_K)
-                    part = dot_code_tile(low, high, scales, a_even, a_odd, BITS, GROUP, BLOCK_N, BLOCK_K)
+                    part = dot_code_tile(low, high, scales, ak, BITS, GROUP, BLOCK_N, BLOCK_K)
                     acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
         y = acc.to(act.dtype.element_ty).to(tl.float32)
         for t in tl.static_range(BLOCK_T):
@@ -270,13 +260,8 @@ def _down_gemv_kernel(
         for k0 in range(0, K_PAD, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             ak = tl.load(act + pair * I + cols, mask=cols < I, other=0.0).to(tl.float32)
-            if BITS == 8:
-                a_even = ak
-                a_odd = ak
-            else:
-                a_even, a_odd = split_even_odd(ak, BLOCK_K)
             acc += gemv_weight_tile(
-                down, rows, row_mask, k0, a_even, a_odd, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+                down, rows, row_mask, k0, ak, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
         total += acc.to(act.dtype.element_ty).to(tl.float32) * tl.load(weights + pair).to(tl.float32)
     tl.store(out + tok * H + rows, total.to(out.dtype.element_ty), mask=row_mask)

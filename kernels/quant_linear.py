@@ -27,7 +27,7 @@ import triton.language as tl
 from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, gemv_block_k, load_code_tile, split_even_odd
+from ninfer_offload.kernels.rowsplit import dot_code_tile, gemv_block_k, load_code_tile
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, load_tile
 
 # Token counts up to this use the matrix-vector kernel (row-split), up to FUSED_MAX_TOKENS the tiled
@@ -71,12 +71,7 @@ def _rowsplit_gemv_kernel(
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
             xrow = x + tl.minimum(t, T - 1).to(tl.int64) * stride_x  # rows past T repeat the last (never stored)
             xk = tl.load(xrow + cols, mask=cols < K, other=0.0).to(tl.float32)
-            if BITS == 8:
-                x_even = xk
-                x_odd = xk
-            else:
-                x_even, x_odd = split_even_odd(xk, BLOCK_K)
-            part = dot_code_tile(low, high, scales, x_even, x_odd, BITS, GROUP, BLOCK_N, BLOCK_K)
+            part = dot_code_tile(low, high, scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
     optr = out + toks[:, None].to(tl.int64) * N + rows[None, :]
     tl.store(optr, acc.to(out.dtype.element_ty), mask=(toks < T)[:, None] & row_mask[None, :])

@@ -95,13 +95,14 @@ def load_code_tile(
 
 
 @triton.jit
-def dot_code_tile(low, high, scales, x_even, x_odd, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def dot_code_tile(low, high, scales, xk, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N] float32: sum over a tile's columns of W[rows, k] * x[k] from `load_code_tile`'s
-    output. x_even is x [BLOCK_K] for 8-bit, the even columns [BLOCK_K // 2] otherwise; x_odd the
-    odd columns (ignored for 8-bit). Products are summed per scale group and only then scaled."""
+    output and the tile's x columns `xk` [BLOCK_K] (float32). Products are summed per scale group and
+    only then scaled."""
     if BITS == 8:
-        per_group = tl.sum(tl.reshape(low * x_even[None, :], [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
+        per_group = tl.sum(tl.reshape(low * xk[None, :], [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
     else:
+        x_even, x_odd = split_even_odd(xk, BLOCK_K)
         products = low * x_even[None, :] + high * x_odd[None, :]
         per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)
     return tl.sum(per_group * scales, axis=1)
@@ -137,8 +138,7 @@ def gemv_weight_tile(
     rows,  # [BLOCK_N] int64 row indices
     row_mask,  # [BLOCK_N] bool
     k0,  # first column of the tile (multiple of BLOCK_K)
-    x_even,  # [BLOCK_K] float32 x columns (8-bit) or [BLOCK_K // 2] even columns (4-6 bit)
-    x_odd,  # [BLOCK_K // 2] float32 odd columns (4-6 bit; ignored for 8-bit)
+    xk,  # [BLOCK_K] float32 x columns of the tile
     high_offset,
     scale_offset,
     BITS: tl.constexpr,
@@ -150,4 +150,4 @@ def gemv_weight_tile(
     """[BLOCK_N] float32: sum over the tile's columns of W[rows, k] * x[k], with W decoded in registers
     (the matrix-vector form of `load_weight_tile`; no tensor-core padding is paid)."""
     low, high, scales = load_code_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    return dot_code_tile(low, high, scales, x_even, x_odd, BITS, GROUP, BLOCK_N, BLOCK_K)
+    return dot_code_tile(low, high, scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)

@@ -53,8 +53,6 @@ def _read_messages(path: Path) -> tuple[list[dict], list[dict] | None]:
     return data, None
 
 
-
-
 def _check_prompt(ids: list[int], text_config: dict, max_context: int | None, default_context: int) -> None:
     """The prompt fits the context and the vocabulary; --max-context is within the model's maximum."""
     limit, vocab = int(text_config["max_position_embeddings"]), int(text_config["vocab_size"])
