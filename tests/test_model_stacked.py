@@ -41,6 +41,19 @@ def test_one_stacked_product_equals_the_separate_products():
     torch.testing.assert_close(got[1], x @ dense[1].T)
 
 
+def test_grouped_outputs_put_consecutive_parts_side_by_side():
+    backend = ReferenceBackend()
+    x = torch.randn(2, 200, generator=torch.Generator().manual_seed(2))
+    stackable = [_matrix("q8_g32_fp16", n, 200, n) for n in (3, 5, 2)]
+    mixed = [_matrix("q8_g32_fp16", 3, 200, 0), _matrix("q4_g64_fp16", 5, 200, 1), _matrix("q8_g32_fp16", 2, 200, 2)]
+    for parts in (stackable, mixed):
+        joined, last = StackedLinear.of(parts, groups=(2, 1))(backend, x)
+        torch.testing.assert_close(joined, torch.cat([backend.linear(x, p) for p in parts[:2]], dim=-1))
+        torch.testing.assert_close(last, backend.linear(x, parts[2]))
+    with pytest.raises(ValueError, match="do not cover"):
+        StackedLinear.of(parts, groups=(1, 1))
+
+
 def test_parts_of_different_formats_stay_separate_products():
     backend = ReferenceBackend()
     x = torch.randn(2, 200, generator=torch.Generator().manual_seed(1))

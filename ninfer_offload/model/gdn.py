@@ -18,7 +18,7 @@ from ninfer_offload.model.weights import Weight, WeightReader
 class GatedDeltaNet:
     key: int  # state key of this layer
     config: ModelConfig
-    projections: StackedLinear  # query, key, value, z
+    projections: StackedLinear  # query, key and value (one output: the convolution's input), z
     gates: StackedLinear  # a, b
     a_log: torch.Tensor  # fp32 [Hv]
     dt_bias: torch.Tensor  # fp32 [Hv]
@@ -37,7 +37,8 @@ class GatedDeltaNet:
             key,
             config,
             projections=StackedLinear.of(
-                [reader.matrix(f"{p}/{name}", (rows, h)) for name, rows in (("query", qk), ("key", qk), ("value", v), ("z", v))]
+                [reader.matrix(f"{p}/{name}", (rows, h)) for name, rows in (("query", qk), ("key", qk), ("value", v), ("z", v))],
+                groups=(3, 1),
             ),
             gates=StackedLinear.of([reader.matrix(f"{p}/{name}", (heads, h)) for name in ("a_projection", "b_projection")]),
             a_log=reader.dense(f"{p}/a_log", (heads,), torch.float32),
@@ -52,8 +53,7 @@ class GatedDeltaNet:
         t = x.shape[0]
         nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
         nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-        q, k, v, z = self.projections(backend, x)
-        mixed = torch.cat([q, k, v], dim=-1)
+        mixed, z = self.projections(backend, x)
         z = z.reshape(t, nv, dv)
         g, beta = backend.gdn_gating(*self.gates(backend, x), self.a_log, self.dt_bias)
         conv = backend.conv_update(mixed, state.conv[self.key], self.convolution, ctx, state.conv_snapshots.get(self.key))

@@ -49,21 +49,31 @@ def _stackable(parts: list[Weight]) -> bool:
 
 @dataclass
 class StackedLinear:
-    """x @ [W_1; W_2; ...]^T split back into x @ W_i^T, as one product where the formats allow."""
+    """x @ [W_1; W_2; ...]^T split back into its outputs, as one product where the formats allow.
+
+    Each output is the product of one part, or of several consecutive parts side by side
+    (`groups`), as the layer consumes them (GDN convolves q, k and v as one tensor)."""
 
     weights: tuple[Weight, ...]  # one stacked matrix, or the parts when they cannot be stacked
     sizes: tuple[int, ...]  # output columns of each part
+    groups: tuple[int, ...]  # parts per output, in order
 
     @classmethod
-    def of(cls, parts: list[Weight]) -> "StackedLinear":
+    def of(cls, parts: list[Weight], groups: tuple[int, ...] | None = None) -> "StackedLinear":
         sizes = tuple(int(p.shape[0]) for p in parts)
+        groups = groups or (1,) * len(parts)
+        if sum(groups) != len(parts):
+            raise ValueError(f"output groups {groups} do not cover {len(parts)} parts")
         if len(parts) == 1 or not _stackable(parts):
-            return cls(tuple(parts), sizes)
+            return cls(tuple(parts), sizes, groups)
         if isinstance(parts[0], QuantizedMatrix):
-            return cls((stack_quantized(parts),), sizes)
-        return cls((torch.cat(parts, dim=0),), sizes)
+            return cls((stack_quantized(parts),), sizes, groups)
+        return cls((torch.cat(parts, dim=0),), sizes, groups)
 
     def __call__(self, backend: Backend, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        bounds = [sum(self.groups[:i]) for i in range(len(self.groups) + 1)]
         if len(self.weights) == 1:
-            return backend.linear(x, self.weights[0]).split(self.sizes, dim=-1)
-        return tuple(backend.linear(x, w) for w in self.weights)
+            widths = [sum(self.sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
+            return backend.linear(x, self.weights[0]).split(widths, dim=-1)
+        outputs = [backend.linear(x, w) for w in self.weights]
+        return tuple(outputs[a] if b - a == 1 else torch.cat(outputs[a:b], dim=-1) for a, b in zip(bounds, bounds[1:]))
