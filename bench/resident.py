@@ -121,14 +121,14 @@ def random_ids(count: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def stage_breakdown(session, steps: int = 5) -> tuple[dict, list[dict]]:
-    """Per-stage GPU microseconds of one captured decode step, and its kernels by name (calls and
-    microseconds per step, most expensive first), from torch profiler kernel records."""
+def kernel_breakdown(run, repeats: int) -> tuple[dict, list[dict]]:
+    """Per-stage GPU microseconds of one `run()` and its kernels by name (calls and microseconds per
+    run, most expensive first), from torch profiler kernel records over `repeats` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            session.step(1)
+        for _ in range(repeats):
+            run()
         torch.cuda.synchronize()
     stages: dict[str, float] = {}
     kernels = []
@@ -138,8 +138,8 @@ def stage_breakdown(session, steps: int = 5) -> tuple[dict, list[dict]]:
         micros = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
         name = event.key.lower()
         stage = next((s for frag, s in STAGES if frag in name), "other elementwise")
-        stages[stage] = stages.get(stage, 0.0) + micros / steps
-        kernels.append({"kernel": event.key[:120], "calls": event.count / steps, "us": micros / steps})
+        stages[stage] = stages.get(stage, 0.0) + micros / repeats
+        kernels.append({"kernel": event.key[:120], "calls": event.count / repeats, "us": micros / repeats})
     kernels.sort(key=lambda k: -k["us"])
     return dict(sorted(stages.items(), key=lambda kv: -kv[1])), kernels
 
@@ -157,6 +157,16 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
         seconds = runs[-1]
         report["prefill"].append({"tokens": length, "seconds": seconds, "tok_s": length / seconds})
         save()
+    if prefills:  # where the longest prefill's time goes
+        ids = random_ids(max(prefills), vocab, max(prefills))
+
+        def prefill_once() -> None:
+            session = engine.session()
+            session.prefill(ids)
+            session.close()
+
+        stages, kernels = kernel_breakdown(prefill_once, 1)
+        report["prefill_stage_us"], report["prefill_kernels"] = stages, kernels[:30]
     report["decode"] = []
     session = engine.session()
     done = 0
@@ -179,7 +189,7 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
                  "achieved_GBps": moved["total"] / seconds / 1e9}
         if context == contexts[0] and engine.graphs is not None:
             try:
-                report["decode_stage_us"], report["decode_kernels"] = stage_breakdown(session)
+                report["decode_stage_us"], report["decode_kernels"] = kernel_breakdown(lambda: session.step(1), 5)
             except Exception as err:
                 report.setdefault("errors", []).append(f"profiler: {err!r}")
         report["decode"].append(point)
@@ -332,6 +342,7 @@ def main() -> None:
         print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, "
               f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
     print("stages (us/step):", json.dumps(report.get("decode_stage_us", {})))
+    print("prefill kernels (us):", json.dumps([(k["kernel"][:60], round(k["us"])) for k in report.get("prefill_kernels", [])[:12]]))
     print(f"peak VRAM {report['peak_vram_bytes'] / 2**30:.2f} GiB, planner {report['planner']['vram_used_bytes'] / 2**30:.2f} GiB")
 
 

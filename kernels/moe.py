@@ -126,6 +126,18 @@ def _expert_tokens(topk_ids, pair, pairs, TOP_K: tl.constexpr, BLOCK_PAIRS: tl.c
 
 
 @triton.jit
+def pair_rows(y, token_of, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per-token rows y [BLOCK_T, BLOCK_N] -> one row per pair [BLOCK_PAIRS, BLOCK_N] (its token's):
+    every pair of the expert gets its row, also a token's repeated uses of one expert."""
+    toks = tl.arange(0, BLOCK_T)
+    out = tl.zeros([BLOCK_PAIRS, BLOCK_N], dtype=tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        row = tl.sum(tl.where(toks[:, None] == t, y, 0.0), axis=0)
+        out = tl.where((token_of == t)[:, None], row[None, :], out)
+    return out
+
+
+@triton.jit
 def _gate_up_swiglu_gemv_kernel(
     x,
     arena,
@@ -173,11 +185,9 @@ def _gate_up_swiglu_gemv_kernel(
         gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
         up = acc_up.to(x.dtype.element_ty).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
-        for t in tl.static_range(BLOCK_T):
-            pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
-            if pair < BLOCK_PAIRS:
-                row = tl.sum(tl.where(toks[:, None] == t, y, 0.0), axis=0)
-                tl.store(act + pair.to(tl.int64) * I + cols_i, row.to(act.dtype.element_ty), mask=col_mask)
+        pair_act = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N)
+        ptr = act + index.to(tl.int64)[:, None] * I + cols_i[None, :]
+        tl.store(ptr, pair_act.to(act.dtype.element_ty), mask=uses[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -222,11 +232,10 @@ def _down_shared_gemv_kernel(
                     part = dot_code_tile(low, high, scales, ak, BITS, GROUP, BLOCK_N, BLOCK_K)
                     acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
         y = acc.to(act.dtype.element_ty).to(tl.float32)
-        for t in tl.static_range(BLOCK_T):
-            pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
-            if pair < BLOCK_PAIRS:
-                row = tl.sum(tl.where(toks[:, None] == t, y, 0.0), axis=0) * tl.load(weights + pair).to(tl.float32)
-                tl.store(weighted + pair.to(tl.int64) * H + rows, row, mask=row_mask)
+        w = tl.load(weights + index, mask=uses, other=0.0).to(tl.float32)
+        ptr = weighted + index.to(tl.int64)[:, None] * H + rows[None, :]
+        out_rows = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N) * w[:, None]
+        tl.store(ptr, out_rows, mask=uses[:, None] & row_mask[None, :])
 
 
 @triton.jit

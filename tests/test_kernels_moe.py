@@ -78,6 +78,24 @@ def test_tokens_sharing_every_expert():
     assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 30])
+def test_a_token_repeating_an_expert(tokens):
+    """A token may use one expert in two slots (the host-miss path gives host-computed slots a
+    zero weight on an expert the device runs anyway): each slot counts with its own weight."""
+    from ninfer_offload.kernels.moe import record_table, routed_experts
+
+    layout, records, weights = _records("q4_g64_fp16", "q6_g64_fp16", seed=7)
+    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    ids = torch.tensor([[3, 1, 3]] * tokens)
+    w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1)
+    w[0, 0] = 0.0  # the zero-weight slot comes first
+    out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), records, table, layout)
+    ref = _reference(x, ids, w, weights)
+    assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_plan_groups_pairs_by_expert():
     from ninfer_offload.kernels.moe import plan_work
 

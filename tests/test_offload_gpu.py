@@ -125,7 +125,9 @@ def test_captured_mtp_steps_equal_eager_ones(tiny_artifact_official):
     """The MTP layer's graphs (one position while drafting, several after a round) give the eager
     step's draft logits and hidden states (float32)."""
     engines = [
-        Engine.load(tiny_artifact_official, device="cuda", dtype="float32", mtp=True, draft_tokens=3, cuda_graphs=graphs)
+        Engine.load(
+            tiny_artifact_official, device="cuda", dtype="float32", mtp=True, draft_tokens=3, cuda_graphs=graphs, max_sequences=2
+        )
         for graphs in (True, False)
     ]
     results = []
