@@ -151,11 +151,13 @@ def main() -> None:
         for tokens in (1, 4):
             record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=[*dataclasses.astuple(tiles), block_k]))
     moe.GEMV_TILES, moe.GEMV_BLOCK_K = defaults
-    for tiles in (moe.Tiles(64, 32, 64, 4), moe.Tiles(64, 64, 64, 8), moe.Tiles(128, 64, 128, 8), moe.Tiles(128, 128, 128, 8)):
+    defaults = moe.PREFILL_TILES
+    for tiles in (moe.Tiles(64, 32, 64, 4, 256, 3), moe.Tiles(64, 64, 64, 4, 64, 3), moe.Tiles(64, 64, 64, 4, 64, 4), moe.Tiles(128, 64, 64, 4, 64, 4),
+                  moe.Tiles(16, 64, 64, 4, 64, 4)):
         moe.PREFILL_TILES = tiles
         for tokens in (512, 4096):
             record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=dataclasses.astuple(tiles)))
-    moe.PREFILL_TILES = moe.Tiles(64, 32, 64, 4)
+    moe.PREFILL_TILES = defaults
     record(results, lambda: bench_moe(1, "q6_g64_fp16", bandwidth))
     for context in (1024, 8192, 32768):
         for kv in (torch.bfloat16, torch.float8_e4m3fn):

@@ -121,27 +121,31 @@ def random_ids(count: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def kernel_breakdown(run, repeats: int) -> tuple[dict, list[dict]]:
-    """Per-stage GPU microseconds of one `run()` and its kernels by name (calls and microseconds per
-    run, most expensive first), from torch profiler kernel records over `repeats` runs."""
+def kernel_breakdown(run, repeats: int) -> tuple[dict, list[dict], dict]:
+    """Per-stage GPU microseconds of one `run()`, its kernels by name (calls and microseconds per run,
+    most expensive first) and its CUDA runtime calls by name (launches, synchronizations, copies:
+    calls and host microseconds per run), from torch profiler records over `repeats` runs."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             run()
         torch.cuda.synchronize()
     stages: dict[str, float] = {}
-    kernels = []
+    kernels, runtime = [], {}
     for event in prof.key_averages():
-        if event.device_type.name != "CUDA" and not getattr(event, "self_device_time_total", 0):
+        if event.key.startswith("cuda"):
+            runtime[event.key] = {"calls": event.count / repeats, "us": event.cpu_time_total / repeats}
             continue
         micros = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if event.device_type.name != "CUDA" and not micros:
+            continue
         name = event.key.lower()
         stage = next((s for frag, s in STAGES if frag in name), "other elementwise")
         stages[stage] = stages.get(stage, 0.0) + micros / repeats
         kernels.append({"kernel": event.key[:120], "calls": event.count / repeats, "us": micros / repeats})
     kernels.sort(key=lambda k: -k["us"])
-    return dict(sorted(stages.items(), key=lambda kv: -kv[1])), kernels
+    return dict(sorted(stages.items(), key=lambda kv: -kv[1])), kernels, dict(sorted(runtime.items(), key=lambda kv: -kv[1]["us"]))
 
 
 def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandwidth: float, report: dict, save) -> None:
@@ -165,8 +169,8 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
             session.prefill(ids)
             session.close()
 
-        stages, kernels = kernel_breakdown(prefill_once, 1)
-        report["prefill_stage_us"], report["prefill_kernels"] = stages, kernels[:30]
+        stages, kernels, runtime = kernel_breakdown(prefill_once, 1)
+        report["prefill_stage_us"], report["prefill_kernels"], report["prefill_runtime_calls"] = stages, kernels[:30], runtime
     report["decode"] = []
     session = engine.session()
     done = 0
@@ -189,7 +193,7 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
                  "achieved_GBps": moved["total"] / seconds / 1e9}
         if context == contexts[0] and engine.graphs is not None:
             try:
-                report["decode_stage_us"], report["decode_kernels"] = kernel_breakdown(lambda: session.step(1), 5)
+                report["decode_stage_us"], report["decode_kernels"], _ = kernel_breakdown(lambda: session.step(1), 5)
             except Exception as err:
                 report.setdefault("errors", []).append(f"profiler: {err!r}")
         report["decode"].append(point)
@@ -342,6 +346,7 @@ def main() -> None:
         print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, "
               f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
     print("stages (us/step):", json.dumps(report.get("decode_stage_us", {})))
+    print("prefill runtime calls:", json.dumps({k: [round(v["calls"]), round(v["us"])] for k, v in report.get("prefill_runtime_calls", {}).items()}))
     print("prefill kernels (us):", json.dumps([(k["kernel"][:60], round(k["us"])) for k in report.get("prefill_kernels", [])[:12]]))
     print(f"peak VRAM {report['peak_vram_bytes'] / 2**30:.2f} GiB, planner {report['planner']['vram_used_bytes'] / 2**30:.2f} GiB")
 
