@@ -19,8 +19,8 @@ of that artifact. Weights are random but valid:
 * proposal token ids: a random permutation of the public vocabulary, first 131,072;
 * vision and DFlash weights (not read by the text engine) are sparse holes, which read as zeros
   (zero codes with zero scales: valid);
-* resources: the tiny tokenizer of `ninfer tiny` (`ninfer_offload.convert.tiny_tokenizer`, ids < 512), so `ninfer generate`
-  runs on the file.
+* resources: the tiny tokenizer of `ninfer tiny` (`ninfer_offload.convert.tiny_tokenizer`), its vocabulary filled up
+  to the model's with word tokens, so `ninfer generate` and `ninfer serve` run on the file and stream every token as text.
 
 Random bytes come from one pre-drawn pool (sliced at random offsets), so writing ~22.8 GB takes
 about as long as the disk needs. The file is a benchmark input: never commit it.
@@ -29,6 +29,7 @@ about as long as the disk needs. The file is a benchmark input: never commit it.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -129,12 +130,20 @@ class RandomWeights:
         return lambda: self.row_split(obj["format"], obj["shape"], unit_rows)
 
 
-def _resources() -> dict[str, bytes]:
+def _resources(vocab_size: int) -> dict[str, bytes]:
+    """The tiny tokenizer's files, its vocabulary filled up to `vocab_size` with word tokens (id i
+    decodes to " w<i>"), so any id the random model picks streams as text."""
     from ninfer_offload.convert.tiny_tokenizer import write_tokenizer_files
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer_files(tmp)
-        return {p.name: p.read_bytes() for p in Path(tmp).iterdir()}
+        files = {p.name: p.read_bytes() for p in Path(tmp).iterdir()}
+    tokenizer = json.loads(files["tokenizer.json"])
+    vocab = tokenizer["model"]["vocab"]
+    taken = set(vocab.values()) | {added["id"] for added in tokenizer["added_tokens"]}
+    vocab.update({f"\u0120w{i}": i for i in range(vocab_size) if i not in taken})
+    files["tokenizer.json"] = json.dumps(tokenizer, ensure_ascii=False).encode()
+    return files
 
 
 def write_synthetic(path: Path, seed: int = 0, recipe: str = "official") -> Path:
@@ -149,7 +158,8 @@ def write_synthetic(path: Path, seed: int = 0, recipe: str = "official") -> Path
     for name, binding in root["bindings"].items():
         for part in binding["parts"] if "parts" in binding else [binding]:
             names.setdefault(part["object"], []).append(name)
-    resources = {"preprocessor_config.json": b"{}", "video_preprocessor_config.json": b"{}", **_resources()}
+    vocab_size = root["components"]["text"]["config"]["vocab_size"]
+    resources = {"preprocessor_config.json": b"{}", "video_preprocessor_config.json": b"{}", **_resources(vocab_size)}
     return write_directory(root, path, lambda obj: weights.source(obj, names[obj["id"]]), resources)
 
 

@@ -138,7 +138,7 @@ def kernel_breakdown(run, repeats: int) -> tuple[dict, list[dict], dict]:
             runtime[event.key] = {"calls": event.count / repeats, "us": event.cpu_time_total / repeats}
             continue
         micros = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-        if event.device_type.name != "CUDA" and not micros:
+        if not micros or event.cpu_time_total > 0:  # kernels only: host ops carry their kernels' time too
             continue
         name = event.key.lower()
         stage = next((s for frag, s in STAGES if frag in name), "other elementwise")

@@ -109,14 +109,16 @@ def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
 
     Per prefill token: residual, normed input, mixer output and MoE output (4 x hidden), the widest
     mixer projection (GDN q|k|v|z or attention q|gate|k|v), the routed experts' gate/up output and
-    activation (2 x top_k x 2I) and the shared expert's. Logits: fp32 for every sequence and every
-    verified position.
+    activation (2 x top_k x 2I) and the shared expert's, and the routed experts' weighted output
+    rows before their per-token sum (fp32, top_k x hidden). Logits: fp32 for every sequence and
+    every verified position.
     """
     gdn_width = 2 * shape.gdn_key_heads * shape.gdn_key_dim + 2 * shape.gdn_value_heads * shape.gdn_value_dim
     attention_width = 2 * shape.query_heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
     per_token = BF16 * (
         4 * shape.hidden + max(gdn_width, attention_width) + 2 * shape.top_k * 2 * shape.expert_width + 2 * shape.expert_width
     )
+    per_token += FP32 * shape.top_k * shape.hidden
     logits = FP32 * shape.vocab * options.concurrency * (1 + options.draft_count)
     return options.prefill_chunk * per_token + logits
 

@@ -93,6 +93,24 @@ def test_graphs_are_captured_once_per_engine_and_bucket(tiny_artifact_official):
     assert engine.graphs.graphs == captured  # a new session reuses the engine's graphs
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_warm_up_captures_every_step_before_the_first_request(tiny_artifact_official):
+    """After `warm_up`, requests of any batch size (plain or speculative) capture nothing new."""
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", max_sequences=3, spec="mtp", draft_tokens=2)
+    engine.warm_up(40)
+    captured = dict(engine.graphs.graphs)
+    assert {("target", b, t) for b in (1, 2, 3) for t in (1, 3)} <= set(captured)
+    assert {("mtp", b, 1) for b in (1, 2, 3)} | {("mtp", 1, t) for t in (2, 3)} <= set(captured)
+    sessions = [engine.session() for _ in range(3)]
+    for session in sessions:
+        session.prefill(PROMPT)
+    engine.step_batch(sessions, [5, 6, 7])
+    engine.step_batch(sessions[:2], [8, 9])
+    engine.step(sessions, [[1, 2, 3]] * 3)
+    assert engine.graphs.graphs == captured
+
+
 @needs_triton_device
 def test_captured_step_ops_equal_eager_step(tiny_artifact_official):
     """The ops a graph records, reading only device-held context (no host copies), give the eager

@@ -113,6 +113,7 @@ def serve(
         config.vocab_size, engine.device, str(engine.dtype).removeprefix("torch."), engine.max_context,
     )
     log.info(engine.placement_report())
+    log.info("warm-up (kernels compiled, decode steps captured) took %.1fs", engine.warm_up(prefill_chunk))
     name = served_model_name or artifact.name.removesuffix(".ninfer")
     app = create_app(
         engine, frontend, name, engine.max_context,

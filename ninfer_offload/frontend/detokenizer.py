@@ -33,6 +33,9 @@ class IncrementalDecoder:
         self._ids.extend([ids] if isinstance(ids, int) else ids)
         emitted = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
+        if not text:  # ids that decode to nothing (skipped special tokens) leave the window
+            self._prefix = self._read = len(self._ids)
+            return ""
         if len(text) <= len(emitted) or text.endswith(_INCOMPLETE):
             return ""
         self._prefix, self._read = self._read, len(self._ids)

@@ -11,6 +11,7 @@ CUDA with a capturable backend and store replay CUDA graphs (`runtime.graphs`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -36,7 +37,8 @@ from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
 
 DEFAULT_MAX_CONTEXT = 32768
-PREFILL_CHUNK = 1024  # tokens per forward of a long prefill (bounds attention scores and expert temporaries)
+PREFILL_CHUNK = 2048  # tokens per forward of a long prefill (the planner's default chunk; bounds the prefill workspace)
+WARM_UP_PREFILLS = (3, 24, 100)  # one prompt length per kernel path: matrix-vector, small tiles, prefill tiles
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -368,6 +370,30 @@ class Engine:
         from ninfer_offload.runtime.generate import generate
 
         return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids)
+
+    def warm_up(self, longest_prefill: int = PREFILL_CHUNK) -> float:
+        """Compile the kernels and capture the decode steps requests will use, before the first request:
+        prefills of one length per kernel path and of `longest_prefill` tokens on a scratch sequence,
+        then the step graph of every batch bucket (with speculation also the verify steps and the MTP
+        steps). Returns the seconds it took."""
+        began = time.perf_counter()
+        if self.device.type == "cuda":
+            for length in sorted({*WARM_UP_PREFILLS, longest_prefill}):
+                session = self.session()
+                try:
+                    session.prefill([i % self.config.vocab_size for i in range(min(length, self.max_context - 1))])
+                finally:
+                    session.close()
+        if self.graphs is not None:
+            for bucket in self.graphs.buckets:
+                self.graphs.capture("target", bucket, 1)
+                if self.spec_tokens:
+                    self.graphs.capture("target", bucket, self.spec_tokens + 1)
+                    self.graphs.capture("mtp", bucket, 1)
+            for t in range(2, self.spec_tokens + 2):  # the MTP layer catching up after a round
+                self.graphs.capture("mtp", 1, t)
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - began
 
     def close(self) -> None:
         self.store.close()

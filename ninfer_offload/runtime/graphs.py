@@ -51,7 +51,7 @@ class StepGraphs:
     def _replay(self, model: str, tokens: list[int], slots: list[int], starts: list[int], t: int, hidden: torch.Tensor | None):
         batch = len(slots)
         bucket = next(b for b in self.buckets if b >= batch)
-        graph, packed, hidden_in, (logits, out) = self.graphs.get((model, bucket, t)) or self._capture(model, bucket, t)
+        graph, packed, hidden_in, (logits, out) = self.capture(model, bucket, t)
         pad = bucket - batch
         scratch = self.engine.state.scratch_slot
         host = pack_inputs(
@@ -63,7 +63,10 @@ class StepGraphs:
         graph.replay()
         return logits[: batch * t], out[: batch * t]
 
-    def _capture(self, model: str, bucket: int, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]:
+    def capture(self, model: str, bucket: int, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]:
+        """The graph of (`model`, `bucket`, `t`) with its static inputs and outputs, captured on first use."""
+        if (model, bucket, t) in self.graphs:
+            return self.graphs[(model, bucket, t)]
         engine = self.engine
         scratch = engine.state.scratch_slot
         packed = pack_inputs([0] * (bucket * t), [scratch] * bucket, [0] * bucket, t, engine.state.capacity)
