@@ -6,7 +6,9 @@ speed at full acceptance, and the projected speed-up at a given acceptance rate.
 
 Per mode (everything resident, then each VRAM budget in GiB planned with `--profile`), after a
 64-token prompt:
-* `step_s`: one-token decode step (graph replay, logits read back, as a decode loop does);
+* `step_s`: one-token decode step (graph replay, logits read back, as a decode loop does), and
+  `step_stage_us` / `verify_stage_us`: kernel microseconds by stage of that step and of each
+  verification step (`bench/profiling.py`);
 * per K = 1..5: `verify_step_ratio`, a (K + 1)-token verification step followed by the commit of
   its first token (the GDN state restore a rejected round pays) over `step_s`; `draft_s`, one MTP
   step; `round_s`, a whole speculative round at full acceptance, measured in draft-oracle mode
@@ -40,6 +42,7 @@ from ninfer_offload.planner.trace import routing_trace
 from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 from ninfer_offload.runtime.speculative import MtpSpeculator
+from profiling import kernel_breakdown
 from provenance import gpu_report_header
 
 PROMPT = list(range(1, 65))
@@ -112,6 +115,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
         int(session.step(7).argmax())
 
     step_s = median_seconds(step, repeats, device)
+    step_stages = kernel_breakdown(step, 3)[0] if device.type == "cuda" else {}
     runs = []
     plain = _plain_greedy(engine, routing, tokens)
     for k in range(1, engine.state.step_tokens):
@@ -128,14 +132,17 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
 
         verify_s = median_seconds(verify, repeats, device)
         draft_s = median_seconds(draft, repeats, device)
+        verify_stages = kernel_breakdown(verify, 3)[0] if device.type == "cuda" else {}
         _oracle_rounds(engine, routing, k, plain, tokens)  # the first generation compiles the kernels of this K
         round_s, rounds = _oracle_rounds(engine, routing, k, plain, tokens)
         expected = (1 - acceptance ** (k + 1)) / (1 - acceptance)
         runs.append({
             "draft_tokens": k,
             "step_s": step_s,
+            "step_stage_us": step_stages,
             "verify_s": verify_s,
             "verify_step_ratio": verify_s / step_s,
+            "verify_stage_us": verify_stages,
             "draft_s": draft_s,
             "round_s": round_s,
             "oracle_tok_s": (k + 1) / round_s,

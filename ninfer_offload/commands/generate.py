@@ -147,7 +147,7 @@ def generate(
     from ninfer_offload.artifact.errors import ArtifactError
     from ninfer_offload.artifact.reader import open_artifact
     from ninfer_offload.frontend import Frontend
-    from ninfer_offload.runtime.engine import DEFAULT_MAX_CONTEXT, Engine
+    from ninfer_offload.runtime.engine import DEFAULT_MAX_CONTEXT, PREFILL_CHUNK, Engine
     from ninfer_offload.runtime.generate import Generation
 
     if greedy and temperature is not None:
@@ -186,6 +186,7 @@ def generate(
     engine = Engine.load(artifact, device=device, max_context=max_context, progress=not json_out, **placement)
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
+    warm_up_seconds = engine.warm_up(min(len(ids), PREFILL_CHUNK))
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
 
     if json_out:
@@ -195,6 +196,7 @@ def generate(
             "ids": result.token_ids,
             "text": frontend.decode(result.token_ids),
             **{key: value for key, value in result.as_dict().items() if key != "token_ids"},
+            "warm_up_seconds": warm_up_seconds,
         }
         if engine.store.offloaded:
             payload["experts"] = engine.store.stats.to_json()
@@ -206,6 +208,6 @@ def generate(
         sys.stdout.flush()
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
-    typer.echo(_summary(generation.result), err=True)
+    typer.echo(f"warm-up: {warm_up_seconds:.2f} s | " + _summary(generation.result), err=True)
     if engine.store.offloaded:
         typer.echo(_expert_summary(engine.store.stats.to_json()), err=True)
