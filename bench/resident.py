@@ -42,7 +42,7 @@ STAGES = (  # kernel-name fragment -> stage of the per-step breakdown (first mat
     ("down_gemv", "routed experts"),
     ("down_shared_gemv", "routed experts"),
     ("_down_kernel", "routed experts"),
-    ("rowsplit_gemv", "quantized linear"),
+    ("quantized_gemv", "quantized linear"),
     ("quantized_matmul", "quantized linear"),
     ("dense_gemv", "dense linear"),
     ("decode_partial", "attention"),
