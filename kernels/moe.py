@@ -15,14 +15,14 @@ compiler prove alignment and issue 16-byte pipelined loads (raw int-to-pointer a
 compile to one-byte loads).
 
 Two paths, both free of host syncs (so they can be captured in a CUDA graph):
-* few (token, slot) pairs of row-split records (decode, verification, small batches):
-  matrix-vector kernels. A program per (pair, column slice) works only if its pair is the first
-  one routed to its expert, and then for every token routed to that expert, decoding each weight
-  tile once: kernel 1 computes gate and up rows and applies SwiGLU. For one token, kernel 2
-  computes a slice of its output rows walking its k experts in slot order (down rows, rounding,
-  routing weight, fp32 sum), so no partial outputs are written and no reduction is launched; for
-  several, the down kernel shares each expert the same way and the k weighted rows of each token
-  are summed in a fixed order.
+* few (token, slot) pairs (decode, verification, small batches): matrix-vector kernels. A program
+  per (pair, column slice) works only if its pair is the first one routed to its expert, and then
+  for every token routed to that expert, decoding each weight tile once (`load_gemv_tile`):
+  kernel 1 computes gate and up rows and applies SwiGLU. For one token, kernel 2 computes a slice
+  of its output rows walking its k experts in slot order (down rows, rounding, routing weight,
+  fp32 sum), so no partial outputs are written and no reduction is launched; for several, the
+  down kernel shares each expert the same way and the k weighted rows of each token are summed in
+  a fixed order.
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
   own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
@@ -41,8 +41,8 @@ import triton.language as tl
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.nvfp4 import load_divisors
-from ninfer_offload.kernels.rowsplit import dot_code_tile, gemv_block_k, gemv_weight_tile, load_code_tile
-from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, load_tile
+from ninfer_offload.kernels.rowsplit import dot_code_tile
+from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,13 @@ class Tiles:
     stages: int = 3
 
 
-# Up to this many (token, slot) pairs of row-split records: the matrix-vector kernels (block_m unused;
+# Up to this many (token, slot) pairs: the matrix-vector kernels (block_m unused;
 # widest column tile in GEMV_BLOCK_K). H200 sweep (bench/kernels.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide.
 GEMV_MAX_PAIRS = 64
 GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
 GEMV_TILES = Tiles(1, 16, 16, 8)
 GEMV_BLOCK_K = 2048
-# Tiled kernels: decode / verification of nvfp4 records (few pairs per expert) and prefill (many).
+# Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
 PREFILL_TILES = Tiles(64, 64, 64, 4, 64, 3)  # H200 sweep, 2048 tokens: 0.86 ms per layer vs 1.76 for 64/32/64, k tile 256
@@ -153,9 +153,11 @@ def _gate_up_swiglu_gemv_kernel(
     I,
     high_offset,
     scale_offset,
+    divisor_offset,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_PAIRS: tl.constexpr,
+    NVFP4: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -171,11 +173,11 @@ def _gate_up_swiglu_gemv_kernel(
         acc_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
-            g_low, g_high, g_scales = load_code_tile(
-                record, cols_i, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+            g_low, g_high, g_scales = load_gemv_tile(
+                record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
-            u_low, u_high, u_scales = load_code_tile(
-                record, cols_i + I, col_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+            u_low, u_high, u_scales = load_gemv_tile(
+                record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
             cols = k0 + tl.arange(0, BLOCK_K)
             for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
@@ -185,6 +187,9 @@ def _gate_up_swiglu_gemv_kernel(
                     up_part = dot_code_tile(u_low, u_high, u_scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
                     acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
                     acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
+        if NVFP4:
+            acc_gate = acc_gate / load_divisors(record, cols_i, col_mask, divisor_offset)[None, :]
+            acc_up = acc_up / load_divisors(record, cols_i + I, col_mask, divisor_offset)[None, :]
         gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
         up = acc_up.to(x.dtype.element_ty).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
@@ -207,9 +212,11 @@ def _down_shared_gemv_kernel(
     down_offset,
     high_offset,
     scale_offset,
+    divisor_offset,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_PAIRS: tl.constexpr,
+    NVFP4: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -226,7 +233,9 @@ def _down_shared_gemv_kernel(
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
-            low, high, scales = load_code_tile(down, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            low, high, scales = load_gemv_tile(
+                down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+            )
             cols = k0 + tl.arange(0, BLOCK_K)
             for t in tl.static_range(BLOCK_T):
                 pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
@@ -234,6 +243,8 @@ def _down_shared_gemv_kernel(
                     ak = tl.load(act + pair.to(tl.int64) * I + cols, mask=cols < I, other=0.0).to(tl.float32)
                     part = dot_code_tile(low, high, scales, ak, BITS, GROUP, BLOCK_N, BLOCK_K)
                     acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+        if NVFP4:
+            acc = acc / load_divisors(down, rows, row_mask, divisor_offset)[None, :]
         y = acc.to(act.dtype.element_ty).to(tl.float32)
         w = tl.load(weights + index, mask=uses, other=0.0).to(tl.float32)
         ptr = weighted + index.to(tl.int64)[:, None] * H + rows[None, :]
@@ -254,7 +265,9 @@ def _down_gemv_kernel(
     down_offset,
     high_offset,
     scale_offset,
+    divisor_offset,
     TOP_K: tl.constexpr,
+    NVFP4: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -272,9 +285,11 @@ def _down_gemv_kernel(
         for k0 in range(0, K_PAD, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             ak = tl.load(act + pair * I + cols, mask=cols < I, other=0.0).to(tl.float32)
-            acc += gemv_weight_tile(
-                down, rows, row_mask, k0, ak, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+            acc += gemv_tile(
+                down, rows, row_mask, k0, ak, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
+        if NVFP4:
+            acc = acc / load_divisors(down, rows, row_mask, divisor_offset)
         total += acc.to(act.dtype.element_ty).to(tl.float32) * tl.load(weights + pair).to(tl.float32)
     tl.store(out + tok * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
 
@@ -403,7 +418,7 @@ def routed_experts(
         )
     x = x.contiguous()
     pairs = t * top_k
-    if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS and not (gu.nvfp4 or dn.nvfp4):
+    if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS:
         return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn)
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
     if pairs <= PAIR_PLAN_MAX:
@@ -439,15 +454,15 @@ def _routed_experts_gemv(
     gu: TileGeometry,
     dn: TileGeometry,
 ) -> torch.Tensor:
-    """The matrix-vector path of `routed_experts` (row-split records, few pairs)."""
+    """The matrix-vector path of `routed_experts` (few pairs)."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
     ids, tiles = topk_ids.contiguous(), GEMV_TILES
     pairs = t * top_k
     block_t, block_pairs = triton.next_power_of_2(t), triton.next_power_of_2(pairs)
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, tiles.gate_up_n))](
-        x, arena, table, ids, act, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset,
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
+        x, arena, table, ids, act, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset, gu.divisor_offset,
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
         BLOCK_N=tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
     )
     weights = topk_weights.contiguous()
@@ -455,15 +470,15 @@ def _routed_experts_gemv(
         out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
         _down_gemv_kernel[(triton.cdiv(hidden, tiles.down_n), t)](
             act, arena, table, ids, weights, out, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
-            TOP_K=top_k, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=tiles.down_n,
+            dn.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=tiles.down_n,
             BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
         )
         return out
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     _down_shared_gemv_kernel[(pairs, triton.cdiv(hidden, tiles.down_n))](
         act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad,
-        BLOCK_N=tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+        dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
+        K_PAD=dn.k_pad, BLOCK_N=tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
     )
     return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
 

@@ -1,10 +1,14 @@
-"""Triton building block: decode a tile of an nvfp4 object (runtime form) in registers.
+"""Triton building blocks: decode a tile of an nvfp4 object (runtime form) in registers.
 
-`load_nvfp4_tile` returns `e2m1(code) * e4m3fn(scale)` of rows `rows`, columns `[k0, k0 +
-BLOCK_K)`, reading the stored code plane and undoing the scale plane's 128-row x 4-block swizzle
-(docs/format.md §6.3) on the fly; nothing is dequantized in memory. These products carry at most 6
-significant bits, so they are exact in bf16 and the tile feeds `tl.dot` without rounding. The FP32
-divisor (one per 128-row tile in runtime form, §6.6) is not applied to the tile: kernels divide
+`load_nvfp4_code_tile` returns the E2M1 values of rows `rows`, columns `[k0, k0 + BLOCK_K)`, as
+exact float32 in stored order (even columns from the packed bytes' low nibbles, odd ones from the
+high nibbles) with their E4M3FN block scales, reading the stored code plane and undoing the scale
+plane's 128-row x 4-block swizzle (docs/format.md §6.3) on the fly; nothing is dequantized in
+memory. This is the layout of a 4-bit row-split code tile with 16-element groups, so the
+matrix-vector kernels multiply it by x with the same `rowsplit.dot_code_tile`. `load_nvfp4_tile`
+interleaves it into `e2m1(code) * e4m3fn(scale)` for the tiled kernels: these products carry at
+most 6 significant bits, so they are exact in bf16 and the tile feeds `tl.dot` without rounding.
+The FP32 divisor (one per 128-row tile in runtime form, §6.6) is applied to neither: kernels divide
 their fp32 accumulators by each output row's divisor (`load_divisors`). That split is the seam for
 a tensor-core FP4 path on sm_120, whose block-scaled MMA would consume the stored codes and
 (unswizzled) scales directly and keep the same divisor epilogue.
@@ -20,13 +24,14 @@ import triton.language as tl
 
 @triton.jit
 def _e2m1(u):
-    """float32 values of 4-bit E2M1 codes (int32): sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
-    m = u & 7
-    e = m >> 1
-    b = m & 1
-    twice = tl.where(e == 0, b, (2 + b) << tl.maximum(e - 1, 0))  # twice the magnitude, an integer
-    v = twice.to(tl.float32) * 0.5
-    return tl.where((u & 8) != 0, -v, v)
+    """float32 values of 4-bit E2M1 codes (int32): sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+
+    The float32 bits are built with integer ops (exponent e - 1, mantissa bit b for e > 0; 0.5 or 0
+    for e = 0), not with an int-to-float conversion (a quarter-rate instruction)."""
+    e = (u >> 1) & 3
+    b = u & 1
+    magnitude = tl.where(e == 0, b * (126 << 23), ((e + 126) << 23) | (b << 22))
+    return (magnitude | ((u & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -36,6 +41,30 @@ def _e4m3fn(s):
     man = s & 7
     normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)  # exponent bias 7 -> 127
     return tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2^-9
+
+
+@triton.jit
+def load_nvfp4_code_tile(
+    obj,  # pointer to uint8: start of the nvfp4 object
+    rows,  # [BLOCK_N] int64 row indices
+    row_mask,  # [BLOCK_N] bool
+    k0,  # first column of the tile (multiple of BLOCK_K)
+    scale_offset,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """(low, high, scales): e2m1 values of the even and of the odd columns, each [BLOCK_N, BLOCK_K // 2]
+    float32, and the e4m3fn scales [BLOCK_N, BLOCK_K // 16] float32, without the divisor."""
+    mask = row_mask[:, None]
+    ptr = obj + rows[:, None] * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
+    packed = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    blocks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    inner = rows % 128
+    tile = (rows // 128) * (K // 64)
+    index = (tile[:, None] + (blocks // 4)[None, :]) * 512 + ((inner % 32) * 16 + (inner // 32) * 4)[:, None] + (blocks % 4)[None, :]
+    scales = _e4m3fn(tl.load(obj + scale_offset + index, mask=mask, other=0).to(tl.int32))
+    return _e2m1(packed & 15), _e2m1(packed >> 4), scales
 
 
 @triton.jit
@@ -49,16 +78,9 @@ def load_nvfp4_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """float32 tile [BLOCK_N, BLOCK_K] of e2m1(code) * e4m3fn(block scale), without the divisor."""
-    mask = row_mask[:, None]
-    ptr = obj + rows[:, None] * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
-    packed = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-    codes = _e2m1(tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, BLOCK_K]))  # low nibble first
-    blocks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    inner = rows % 128
-    tile = (rows // 128) * (K // 64)
-    index = (tile[:, None] + (blocks // 4)[None, :]) * 512 + ((inner % 32) * 16 + (inner // 32) * 4)[:, None] + (blocks % 4)[None, :]
-    scales = _e4m3fn(tl.load(obj + scale_offset + index, mask=mask, other=0).to(tl.int32))
+    """float32 tile [BLOCK_N, BLOCK_K] of e2m1(code) * e4m3fn(block scale), columns in order, without the divisor."""
+    low, high, scales = load_nvfp4_code_tile(obj, rows, row_mask, k0, scale_offset, K, BLOCK_N, BLOCK_K)
+    codes = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])  # low nibble first
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]), [BLOCK_N, BLOCK_K])
     return codes * scales
 

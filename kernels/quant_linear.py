@@ -1,21 +1,22 @@
 """Quantized linear `y = x @ W^T` straight from the stored planes: row-split (q4/q5/q6/q8) or nvfp4.
 
 Reference op: `ReferenceBackend.linear(x, w)` with `w` a `QuantizedMatrix` or `Nvfp4Matrix`, i.e.
-`x @ w.dequantize().T`. Three paths by token count:
-* up to `GEMV_MAX_TOKENS` tokens of a row-split matrix (decode, verification of a few drafts,
-  small decode batches): a matrix-vector kernel. Each program owns a few rows and walks the whole
-  row in wide tiles, decoding each tile once (`load_code_tile`) and multiplying the codes by every
-  token's x in registers (`dot_code_tile`): no tensor-core padding, no split-K partial sums, one
-  launch, and every token count up to the limit gets the same per-token arithmetic.
-* up to `FUSED_MAX_TOKENS` (and nvfp4 decode): one tiled kernel for both formats (the `NVFP4`
-  constexpr picks the tile decoder, `kernels/tiles.py`): each program decodes a weight tile in
-  registers and multiplies it with `tl.dot` (the token block is padded to 16 rows); nvfp4 rows are
-  divided by their FP32 divisor in the fp32 accumulator. Few-token products split K across
-  programs so that even a [2048, 4096] projection fills the GPU; their partial sums are added in a
-  fixed order, so results are deterministic.
+`x @ w.dequantize().T`. Every path serves both formats, the `NVFP4` constexpr picking the tile
+decoder (`kernels/tiles.py`). Three paths by token count:
+* up to `GEMV_MAX_TOKENS` tokens (decode, verification of a few drafts, small decode batches): a
+  matrix-vector kernel. Each program owns a few rows and walks the whole row in wide tiles,
+  decoding each tile once (`load_gemv_tile`) and multiplying the codes by every token's x in
+  registers (`dot_code_tile`): no tensor-core padding, no split-K partial sums, one launch, and
+  every token count up to the limit gets the same per-token arithmetic.
+* up to `FUSED_MAX_TOKENS`: a tiled kernel: each program decodes a weight tile in registers
+  (`load_tile`) and multiplies it with `tl.dot` (the token block is padded to 16 rows). Few-token
+  products split K across programs so that even a [2048, 4096] projection fills the GPU; their
+  partial sums are added in a fixed order, so results are deterministic.
 * above (prefill): the weight is dequantized once per call into a transient buffer (the same tile
   decoders) and multiplied with cuBLAS, which beats an in-kernel tile decode once the product is
   compute-bound.
+The two in-kernel paths divide nvfp4 rows by their FP32 divisor in the fp32 accumulator; the
+dequantize path divides each weight (correctly rounded, as the reference).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import triton.language as tl
 from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, gemv_block_k, load_code_tile
-from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, load_tile
+from ninfer_offload.kernels.rowsplit import dot_code_tile
+from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile
 
-# Token counts up to this use the matrix-vector kernel (row-split), up to FUSED_MAX_TOKENS the tiled
+# Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
 # one; above it, transient dequantization + cuBLAS.
 GEMV_MAX_TOKENS = 8
 FUSED_MAX_TOKENS = 64
@@ -44,7 +45,7 @@ DECODE_WARPS = 4
 
 
 @triton.jit
-def _rowsplit_gemv_kernel(
+def _quantized_gemv_kernel(
     x,
     w,
     out,
@@ -54,6 +55,8 @@ def _rowsplit_gemv_kernel(
     stride_x,
     high_offset,
     scale_offset,
+    divisor_offset,
+    NVFP4: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -66,13 +69,15 @@ def _rowsplit_gemv_kernel(
     toks = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
-        low, high, scales = load_code_tile(w, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        low, high, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
             xrow = x + tl.minimum(t, T - 1).to(tl.int64) * stride_x  # rows past T repeat the last (never stored)
             xk = tl.load(xrow + cols, mask=cols < K, other=0.0).to(tl.float32)
             part = dot_code_tile(low, high, scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+    if NVFP4:
+        acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
     optr = out + toks[:, None].to(tl.int64) * N + rows[None, :]
     tl.store(optr, acc.to(out.dtype.element_ty), mask=(toks < T)[:, None] & row_mask[None, :])
 
@@ -179,11 +184,11 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeomet
     x = x.contiguous()
     g = TileGeometry.of(geometry)
     n = geometry.n
-    if t <= GEMV_MAX_TOKENS and not g.nvfp4:
+    if t <= GEMV_MAX_TOKENS:
         out = torch.empty(t, n, device=x.device, dtype=x.dtype)
-        _rowsplit_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
-            x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset,
-            BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=GEMV_BLOCK_N,
+        _quantized_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+            x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset, g.divisor_offset,
+            NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=GEMV_BLOCK_N,
             BLOCK_K=gemv_block_k(g.k_pad, GEMV_BLOCK_K), num_warps=GEMV_WARPS,
         )
         return out

@@ -2,9 +2,10 @@
 
 `load_code_tile` takes the object's base address and its plane offsets (docs/format.md §6.2) and
 returns the codes of rows `rows`, columns `[k0, k0 + BLOCK_K)`, as exact floats in stored order,
-with their scales. The matrix-vector kernels multiply them by x in that order (`dot_code_tile`);
-the tiled `tl.dot` kernels read the interleaved dequantized values `fp32(scale) * code` through
-`load_weight_tile` (by way of `kernels/tiles.py`). Nothing is dequantized in memory. `BLOCK_K` is
+with their scales. The matrix-vector kernels multiply them by x in that order (`dot_code_tile`,
+which also serves nvfp4 code tiles: 4-bit, 16-element groups); the tiled `tl.dot` kernels read the
+interleaved dequantized values `fp32(scale) * code` through `load_weight_tile`. Both reach the
+kernels by way of `kernels/tiles.py`. Nothing is dequantized in memory. `BLOCK_K` is
 a multiple of 128, so a tile never crosses a row's padded end and padding lanes (code 0, scale 0)
 need no mask.
 """
@@ -13,14 +14,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-def gemv_block_k(k_pad: int, preferred: int) -> int:
-    """Largest power-of-two tile width <= preferred (>= 128) that divides the padded row."""
-    block = preferred
-    while k_pad % block:
-        block //= 2
-    return block
 
 
 @triton.jit
@@ -97,8 +90,8 @@ def load_code_tile(
 @triton.jit
 def dot_code_tile(low, high, scales, xk, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N] float32: sum over a tile's columns of W[rows, k] * x[k] from `load_code_tile`'s
-    output and the tile's x columns `xk` [BLOCK_K] (float32). Products are summed per scale group and
-    only then scaled."""
+    output (or `nvfp4.load_nvfp4_code_tile`'s, with BITS 4 and GROUP 16) and the tile's x columns `xk`
+    [BLOCK_K] (float32). Products are summed per scale group and only then scaled."""
     if BITS == 8:
         per_group = tl.sum(tl.reshape(low * xk[None, :], [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
     else:
@@ -130,24 +123,3 @@ def load_weight_tile(
         codes = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP]), [BLOCK_N, BLOCK_K])
     return codes * scales
-
-
-@triton.jit
-def gemv_weight_tile(
-    obj,  # pointer to uint8: start of the row-split object
-    rows,  # [BLOCK_N] int64 row indices
-    row_mask,  # [BLOCK_N] bool
-    k0,  # first column of the tile (multiple of BLOCK_K)
-    xk,  # [BLOCK_K] float32 x columns of the tile
-    high_offset,
-    scale_offset,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """[BLOCK_N] float32: sum over the tile's columns of W[rows, k] * x[k], with W decoded in registers
-    (the matrix-vector form of `load_weight_tile`; no tensor-core padding is paid)."""
-    low, high, scales = load_code_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    return dot_code_tile(low, high, scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)

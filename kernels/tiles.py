@@ -1,11 +1,15 @@
 """Which tile decoder a quantized kernel uses: the one seam between the kernels and the weight formats.
 
 Every quantized kernel (dense linear, routed MoE) addresses its weight object through a
-`TileGeometry` and reads tiles through `load_tile`, which dispatches on the `NVFP4` constexpr:
+`TileGeometry` and reads tiles through this module, which dispatches on the `NVFP4` constexpr:
 row-split objects (`kernels/rowsplit.py`: values `fp32(scale) * code`) or nvfp4 objects
 (`kernels/nvfp4.py`: `e2m1(code) * e4m3fn(scale)`, the row divisor applied by the kernel to its
-accumulators). A further format (or a tensor-core FP4 path on sm_120 that skips the register
-decode) is one more branch here and in the kernels' epilogues.
+accumulators after the k loop). The tiled `tl.dot` kernels read dequantized tiles (`load_tile`);
+the matrix-vector kernels read code tiles (`load_gemv_tile`: codes in stored order with their
+scales, nvfp4 ones laid out as 4-bit row-split codes in 16-element groups) and dot them with x
+(`rowsplit.dot_code_tile`, or both at once: `gemv_tile`). A further format (or a tensor-core FP4
+path on sm_120 that skips the register decode) is one more branch here and in the kernels'
+epilogues.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import triton
 import triton.language as tl
 
 from ninfer_offload.artifact.formats import BlockScaleGeometry, ObjectGeometry
-from ninfer_offload.kernels.nvfp4 import load_nvfp4_tile
-from ninfer_offload.kernels.rowsplit import load_weight_tile
+from ninfer_offload.kernels.nvfp4 import load_nvfp4_code_tile, load_nvfp4_tile
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_code_tile, load_weight_tile
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,15 @@ def block_k_for(k_pad: int, preferred: int = 256) -> int:
     return next(width for width in (preferred, 128, 64) if width <= preferred and k_pad % width == 0)
 
 
+def gemv_block_k(k_pad: int, preferred: int) -> int:
+    """Largest power-of-two tile width <= preferred that divides the stored row (row-split: a multiple
+    of 128, nvfp4: of 64), so the matrix-vector kernels' tiles never cross a row's end."""
+    block = preferred
+    while k_pad % block:
+        block //= 2
+    return block
+
+
 @triton.jit
 def load_tile(
     obj,
@@ -67,3 +80,49 @@ def load_tile(
     else:
         tile = load_weight_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     return tile
+
+
+@triton.jit
+def load_gemv_tile(
+    obj,
+    rows,
+    row_mask,
+    k0,
+    high_offset,
+    scale_offset,
+    NVFP4: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """(low, high, scales) of a tile for `dot_code_tile`: row-split codes and scales, or nvfp4 e2m1
+    values and e4m3fn scales (BITS 4, GROUP 16) before their row divisor."""
+    if NVFP4:
+        low, high, scales = load_nvfp4_code_tile(obj, rows, row_mask, k0, scale_offset, K_PAD, BLOCK_N, BLOCK_K)
+    else:
+        low, high, scales = load_code_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    return low, high, scales
+
+
+@triton.jit
+def gemv_tile(
+    obj,
+    rows,
+    row_mask,
+    k0,
+    xk,  # [BLOCK_K] float32 x columns of the tile
+    high_offset,
+    scale_offset,
+    NVFP4: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_N] float32: sum over the tile's columns of W[rows, k] * x[k] (nvfp4: before the row divisor),
+    W decoded in registers (the matrix-vector form of `load_tile` for one x; no tensor-core padding)."""
+    low, high, scales = load_gemv_tile(obj, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    return dot_code_tile(low, high, scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)

@@ -1,6 +1,6 @@
-"""nvfp4 through the Triton kernels (dense linear, its dequantize path, routed experts) against the
-codec's values and the torch reference op: the Triton interpreter on tiny shapes, and the 35B shapes
-in bf16 on CUDA."""
+"""nvfp4 through the Triton kernels (dense linear, its dequantize path, routed experts; matrix-vector
+and tiled kernels) against the codec's values and the torch reference op: the Triton interpreter on
+tiny shapes, and the 35B shapes in bf16 on CUDA."""
 
 from __future__ import annotations
 
@@ -42,14 +42,41 @@ def test_linear_matches_codec_values(n, k):
         assert out.shape == (t, n) and _relative_error(out, x.double() @ weight.double().T) < 1e-5
 
 
-def _records(gate_up_fmt: str, down_fmt: str, hidden: int, inter: int, experts: int, seed: int):
-    """(layout, records on DEVICE, per-expert float64 (gate/up, down)) cut from random fused banks."""
+class _NotLaunched:
+    """Stands in for a tiled kernel that a test expects not to run."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the tiled kernel ran instead of the matrix-vector one")
+
+
+@pytest.mark.parametrize("n,k,block_k", [(256, 320, 2048), (384, 256, 128)])
+def test_matrix_vector_linear_matches_codec_values(n, k, block_k, monkeypatch):
+    """1, 3 and 8 tokens through the matrix-vector kernel: several column tiles (320 = 5 x 64, or
+    256 = 2 x 128), several row tiles with their own divisors; each token's row is what it gets alone."""
+    from ninfer_offload.kernels import quant_linear
+
+    monkeypatch.setattr(quant_linear, "GEMV_BLOCK_K", block_k)
+    monkeypatch.setattr(quant_linear, "_quantized_matmul_kernel", _NotLaunched())
+    data, weight = _matrix(n, k, divisors=n // 128, seed=n + k + 1)
+    geometry = runtime_geometry("nvfp4", n, k)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    for t in (1, 3, 8):
+        out = quant_linear.quantized_linear(x[:t].to(DEVICE), data, geometry)
+        assert out.shape == (t, n) and _relative_error(out, x[:t].double() @ weight.double().T) < 1e-5
+        torch.testing.assert_close(out[-1:], quant_linear.quantized_linear(x[t - 1 : t].to(DEVICE), data, geometry))
+
+
+def _records(gate_up_fmt: str, down_fmt: str, hidden: int, inter: int, experts: int, seed: int, tile_divisors: bool = False):
+    """(layout, records on DEVICE, per-expert float64 (gate/up, down)) cut from random fused banks: one
+    divisor per expert (gate/up) or per bank (down), or with `tile_divisors` one per 128-row tile."""
     rng = np.random.default_rng(seed)
-    gate_up = random_nvfp4(rng, experts * 2 * inter, hidden, divisors=experts)
-    gate_up_values = decode_nvfp4(gate_up, experts * 2 * inter, hidden, experts)
+    gate_up_divisors = experts * 2 * inter // 128 if tile_divisors else experts
+    gate_up = random_nvfp4(rng, experts * 2 * inter, hidden, divisors=gate_up_divisors)
+    gate_up_values = decode_nvfp4(gate_up, experts * 2 * inter, hidden, gate_up_divisors)
     if down_fmt == "nvfp4":
-        down = random_nvfp4(rng, experts * hidden, inter, divisors=1)
-        down_values = decode_nvfp4(down, experts * hidden, inter)
+        down_divisors = experts * hidden // 128 if tile_divisors else 1
+        down = random_nvfp4(rng, experts * hidden, inter, divisors=down_divisors)
+        down_values = decode_nvfp4(down, experts * hidden, inter, down_divisors)
     else:
         down = encode_row_split(rng.standard_normal((experts * hidden, inter)).astype(np.float32) / inter**0.5, down_fmt)
         down_values = decode_row_split_values(down, down_fmt, experts * hidden, inter)
@@ -85,6 +112,40 @@ def test_routed_experts_match_codec_values(down_fmt):
         w = torch.softmax(torch.randn(t, 2, generator=gen), dim=-1)
         out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), records, table, layout)
         assert _relative_error(out, _expected(x, ids, w, weights, inter)) < 1e-5
+
+
+def _routed_gemv(ids, w, monkeypatch, seed: int):
+    """Routed experts of nvfp4 gate/up and down records (gate and up rows with their own divisors)
+    through the matrix-vector kernels, with 64-wide column tiles (two per row), against the float64
+    evaluation of the codec's values."""
+    from ninfer_offload.kernels import moe
+
+    monkeypatch.setattr(moe, "GEMV_BLOCK_K", 64)
+    monkeypatch.setattr(moe, "_gate_up_swiglu_kernel", _NotLaunched())
+    hidden, inter, experts = 128, 128, 4
+    layout, records, weights = _records("nvfp4", "nvfp4", hidden, inter, experts, seed=seed, tile_divisors=True)
+    table = moe.record_table(torch.arange(experts, device=DEVICE), layout.nbytes)
+    x = torch.randn(ids.shape[0], hidden, generator=torch.Generator().manual_seed(seed))
+    out = moe.routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), records, table, layout)
+    assert _relative_error(out, _expected(x, ids, w, weights, inter)) < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_matrix_vector_routed_experts_tokens_sharing_experts(tokens, monkeypatch):
+    """One token; several tokens routed to the same experts in different slots (one program per expert
+    serves them all)."""
+    ids = torch.stack([torch.tensor([0, 2, 3]).roll(t) for t in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 3, generator=torch.Generator().manual_seed(tokens)), dim=-1)
+    _routed_gemv(ids, w, monkeypatch, seed=tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_matrix_vector_routed_experts_repeating_an_expert(tokens, monkeypatch):
+    """A token using one expert in two slots, the first with a zero weight (the host-miss path)."""
+    ids = torch.tensor([[3, 1, 3]] * tokens)
+    w = torch.softmax(torch.randn(tokens, 3, generator=torch.Generator().manual_seed(9)), dim=-1)
+    w[0, 0] = 0.0
+    _routed_gemv(ids, w, monkeypatch, seed=10 + tokens)
 
 
 @pytest.mark.gpu
