@@ -76,7 +76,9 @@ class TritonBackend(ReferenceBackend):
     ) -> torch.Tensor:
         if not isinstance(experts.layout, ExpertRecordLayout):
             return super().routed_experts(x, topk_ids, topk_weights, experts)
-        return moe.routed_experts(x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout)
+        return moe.routed_experts(
+            x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout, host_records=experts.host is not None
+        )
 
     def conv_update(
         self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None

@@ -68,6 +68,9 @@ GEMV_BLOCK_K = 2048
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
 PREFILL_TILES = Tiles(64, 64, 64, 4, 64, 3)  # H200 sweep, 2048 tokens: 0.86 ms per layer vs 1.76 for 64/32/64, k tile 256
+# Prefill over records that may live in host memory (read over PCIe): 256-wide k tiles, so each row
+# is read in runs of 128+ bytes (runs of 32 bytes measured 0.43 of the PCIe roofline, 128 bytes 0.68-0.73).
+HOST_PREFILL_TILES = Tiles(64, 32, 64, 4, 256, 3)
 PREFILL_MIN_PAIRS = 256
 # Up to this many (token, slot) pairs each pair is its own block: no sort, no scatter (decode).
 PAIR_PLAN_MAX = 64
@@ -405,9 +408,11 @@ def routed_experts(
     arena: torch.Tensor,
     table: torch.Tensor,
     layout: ExpertRecordLayout,
+    host_records: bool = False,
 ) -> torch.Tensor:
     """Routed-experts output [T, H] in x's dtype; expert e's record starts `table[e]` bytes (int64, a
-    multiple of 256) after the start of the uint8 tensor `arena`."""
+    multiple of 256) after the start of the uint8 tensor `arena`. `host_records`: some records are in
+    host memory, read over PCIe (the tiled kernels then read rows in long runs)."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     gu, dn = TileGeometry.of(layout.gate_up), TileGeometry.of(layout.down)
@@ -420,7 +425,7 @@ def routed_experts(
     pairs = t * top_k
     if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS:
         return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn)
-    tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
+    tiles = (HOST_PREFILL_TILES if host_records else PREFILL_TILES) if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
     if pairs <= PAIR_PLAN_MAX:
         plan = plan_pairs(topk_ids, tiles.block_m)
     else:

@@ -96,6 +96,21 @@ def test_a_token_repeating_an_expert(tokens):
     assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
 
 
+def test_prefill_over_host_records_matches_reference():
+    """Records that may live in host memory take wider k tiles in prefill: the same products."""
+    from ninfer_offload.kernels.moe import record_table, routed_experts
+
+    layout, records, weights = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
+    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(90, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(90)])
+    w = torch.softmax(torch.randn(90, 3, generator=gen), dim=-1)
+    out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), records, table, layout, host_records=True)
+    ref = _reference(x, ids, w, weights)
+    assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_plan_groups_pairs_by_expert():
     from ninfer_offload.kernels.moe import plan_work
 
