@@ -138,22 +138,28 @@ def main() -> None:
             record(results, lambda: bench_linear(name, fmt, n, k, tokens, bandwidth))
     for name, fmt, n, k in shapes[:3]:
         record(results, lambda: bench_linear(name, fmt, n, k, 4096, bandwidth))
-    defaults = (quant_linear.GEMV_BLOCK_N, quant_linear.GEMV_BLOCK_K, quant_linear.GEMV_WARPS)
-    for tile in ((4, 1024, 4), (8, 1024, 4), (8, 2048, 8), (16, 512, 4), (16, 1024, 8), (2, 2048, 4), (4, 2048, 8), (32, 256, 4)):
-        quant_linear.GEMV_BLOCK_N, quant_linear.GEMV_BLOCK_K, quant_linear.GEMV_WARPS = tile  # one-token tile sweep
+    settings = ("GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_WARPS", "GEMV_STAGES")
+    defaults = tuple(getattr(quant_linear, name) for name in settings)
+    for tile in ((8, 2048, 8, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4), (8, 256, 4, 4),
+                 (16, 256, 4, 5), (4, 512, 4, 4), (8, 512, 8, 5), (32, 256, 4, 4), (16, 1024, 8, 3), (2, 2048, 4, 3)):
+        for name, value in zip(settings, tile):  # one-token and four-token tile sweep
+            setattr(quant_linear, name, value)
         for name, fmt, n, k in (shapes[0], shapes[2], shapes[4], shapes[5]):
-            record(results, lambda: dict(bench_linear(name, fmt, n, k, 1, bandwidth), tile=list(tile)))
-    quant_linear.GEMV_BLOCK_N, quant_linear.GEMV_BLOCK_K, quant_linear.GEMV_WARPS = defaults
-    defaults = (moe.GEMV_TILES, moe.GEMV_BLOCK_K)
-    for tiles, block_k in ((moe.Tiles(1, 16, 16, 4), 1024), (moe.Tiles(1, 8, 8, 4), 1024), (moe.Tiles(1, 32, 32, 4), 1024),
-                           (moe.Tiles(1, 16, 16, 8), 2048), (moe.Tiles(1, 8, 16, 2), 512), (moe.Tiles(1, 4, 8, 4), 2048)):
-        moe.GEMV_TILES, moe.GEMV_BLOCK_K = tiles, block_k  # matrix-vector tile sweep: one token, and a 3-draft verification
+            for tokens in (1, 4):
+                record(results, lambda: dict(bench_linear(name, fmt, n, k, tokens, bandwidth), tile=list(tile)))
+    for name, value in zip(settings, defaults):
+        setattr(quant_linear, name, value)
+    defaults = moe.GEMV_TILES
+    for tiles in (moe.Tiles(1, 16, 16, 8, 2048, 3), moe.Tiles(1, 16, 16, 4, 1024, 3), moe.Tiles(1, 8, 8, 4, 512, 4),
+                  moe.Tiles(1, 16, 16, 4, 512, 4), moe.Tiles(1, 32, 32, 4, 256, 4), moe.Tiles(1, 16, 16, 4, 256, 5),
+                  moe.Tiles(1, 8, 16, 2, 512, 3), moe.Tiles(1, 4, 8, 4, 2048, 3)):
+        moe.GEMV_TILES = tiles  # matrix-vector tile sweep: one token, and a 3-draft verification
         for tokens in (1, 4):
-            record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=[*dataclasses.astuple(tiles), block_k]))
-    moe.GEMV_TILES, moe.GEMV_BLOCK_K = defaults
+            record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=list(dataclasses.astuple(tiles))))
+    moe.GEMV_TILES = defaults
     defaults = moe.PREFILL_TILES
-    for tiles in (moe.Tiles(64, 32, 64, 4, 256, 3), moe.Tiles(64, 64, 64, 4, 64, 3), moe.Tiles(64, 64, 64, 4, 64, 4), moe.Tiles(128, 64, 64, 4, 64, 4),
-                  moe.Tiles(16, 64, 64, 4, 64, 4)):
+    for tiles in (moe.Tiles(64, 32, 64, 4, 256, 3), moe.Tiles(64, 64, 64, 4, 64, 3), moe.Tiles(64, 64, 64, 4, 64, 4),
+                  moe.Tiles(128, 64, 64, 4, 64, 4), moe.Tiles(16, 64, 64, 4, 64, 4)):
         moe.PREFILL_TILES = tiles
         for tokens in (512, 4096):
             record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=dataclasses.astuple(tiles)))

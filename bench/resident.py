@@ -298,7 +298,8 @@ def main() -> None:
         print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, "
               f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
     print("stages (us/step):", json.dumps(report.get("decode_stage_us", {})))
-    print("prefill runtime calls:", json.dumps({k: [round(v["calls"]), round(v["us"])] for k, v in report.get("prefill_runtime_calls", {}).items()}))
+    runtime = report.get("prefill_runtime_calls", {})
+    print("prefill runtime calls:", json.dumps({name: [round(v["calls"]), round(v["us"])] for name, v in runtime.items()}))
     print("prefill kernels (us):", json.dumps([(k["kernel"][:60], round(k["us"])) for k in report.get("prefill_kernels", [])[:12]]))
     print(f"peak VRAM {report['peak_vram_bytes'] / 2**30:.2f} GiB, planner {report['planner']['vram_used_bytes'] / 2**30:.2f} GiB")
 

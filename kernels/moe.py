@@ -59,11 +59,10 @@ class Tiles:
 
 
 # Up to this many (token, slot) pairs: the matrix-vector kernels (block_m unused;
-# widest column tile in GEMV_BLOCK_K). H200 sweep (bench/kernels.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide.
+# widest column tile in block_k). H200 sweep (bench/kernels.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide.
 GEMV_MAX_PAIRS = 64
 GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
-GEMV_TILES = Tiles(1, 16, 16, 8)
-GEMV_BLOCK_K = 2048
+GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
@@ -468,7 +467,7 @@ def _routed_experts_gemv(
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, tiles.gate_up_n))](
         x, arena, table, ids, act, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset, gu.divisor_offset,
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
-        BLOCK_N=tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+        BLOCK_N=tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
     )
     weights = topk_weights.contiguous()
     if t == 1:  # one token: its k experts summed in one pass, no partial rows
@@ -476,14 +475,14 @@ def _routed_experts_gemv(
         _down_gemv_kernel[(triton.cdiv(hidden, tiles.down_n), t)](
             act, arena, table, ids, weights, out, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
             dn.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=tiles.down_n,
-            BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+            BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
         )
         return out
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     _down_shared_gemv_kernel[(pairs, triton.cdiv(hidden, tiles.down_n))](
         act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
         dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
-        K_PAD=dn.k_pad, BLOCK_N=tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, GEMV_BLOCK_K), num_warps=tiles.warps,
+        K_PAD=dn.k_pad, BLOCK_N=tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
 

@@ -35,10 +35,11 @@ from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k
 # one; above it, transient dequantization + cuBLAS.
 GEMV_MAX_TOKENS = 8
 FUSED_MAX_TOKENS = 64
-# Matrix-vector kernel: rows per program, widest column tile, warps (module-level so benchmarks can sweep them).
+# Matrix-vector kernel: rows per program, widest column tile, warps, pipeline depth (module-level so benchmarks can sweep them).
 GEMV_BLOCK_N = 8  # H200 sweep (bench/kernels.py): 8 rows x 2048 columns x 8 warps led on [12288, 2048] and [2048, 4096] Q8
 GEMV_BLOCK_K = 2048
 GEMV_WARPS = 8
+GEMV_STAGES = 3  # software-pipeline depth of the k loop (Triton's default)
 # Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
@@ -189,7 +190,7 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeomet
         _quantized_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
             x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset, g.divisor_offset,
             NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=GEMV_BLOCK_N,
-            BLOCK_K=gemv_block_k(g.k_pad, GEMV_BLOCK_K), num_warps=GEMV_WARPS,
+            BLOCK_K=gemv_block_k(g.k_pad, GEMV_BLOCK_K), num_warps=GEMV_WARPS, num_stages=GEMV_STAGES,
         )
         return out
     block_m = 16 if t <= 16 else (32 if t <= 32 else 64)

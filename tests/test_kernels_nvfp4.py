@@ -4,6 +4,8 @@ tiny shapes, and the 35B shapes in bf16 on CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -120,7 +122,7 @@ def _routed_gemv(ids, w, monkeypatch, seed: int):
     evaluation of the codec's values."""
     from ninfer_offload.kernels import moe
 
-    monkeypatch.setattr(moe, "GEMV_BLOCK_K", 64)
+    monkeypatch.setattr(moe, "GEMV_TILES", dataclasses.replace(moe.GEMV_TILES, block_k=64))
     monkeypatch.setattr(moe, "_gate_up_swiglu_kernel", _NotLaunched())
     hidden, inter, experts = 128, 128, 4
     layout, records, weights = _records("nvfp4", "nvfp4", hidden, inter, experts, seed=seed, tile_divisors=True)

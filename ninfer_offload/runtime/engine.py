@@ -38,7 +38,8 @@ from ninfer_offload.runtime.step_inputs import step_inputs
 
 DEFAULT_MAX_CONTEXT = 32768
 PREFILL_CHUNK = 2048  # tokens per forward of a long prefill (the planner's default chunk; bounds the prefill workspace)
-WARM_UP_PREFILLS = (1, 2, 3, 5, 24, 100)  # prompt lengths reaching each kernel path: matrix-vector (token blocks 1, 2, 4, 8), small tiles, prefill tiles
+# Prompt lengths reaching each kernel path: matrix-vector (token blocks 1, 2, 4, 8), small tiles, prefill tiles.
+WARM_UP_PREFILLS = (1, 2, 3, 5, 24, 100)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
