@@ -10,6 +10,7 @@ STAGES = (  # kernel-name fragment -> stage of the per-step breakdown (first mat
     ("down_shared_gemv", "routed experts"),
     ("_down_kernel", "routed experts"),
     ("quantized_gemv", "quantized linear"),
+    ("shared_expert_gemv", "quantized linear"),
     ("quantized_matmul", "quantized linear"),
     ("dense_gemv", "dense linear"),
     ("decode_partial", "attention"),

@@ -62,11 +62,10 @@ class TritonBackend(ReferenceBackend):
     def qk_norm_rotary(self, x: torch.Tensor, w: torch.Tensor, eps: float, rotary_embedding, positions: torch.Tensor) -> torch.Tensor:
         return rotary.qk_norm_rotary(x, w, eps, rotary_embedding.inv_freq, rotary_embedding.dim, positions)
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return shared_expert.swiglu(gate, up)
-
-    def add_gated(self, routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        return shared_expert.add_gated(routed, score, shared)
+    def shared_expert(
+        self, gate: torch.Tensor, up: torch.Tensor, down: Weight, routed: torch.Tensor, score: torch.Tensor
+    ) -> torch.Tensor:
+        return shared_expert.shared_expert(gate, up, down, routed, score)
 
     def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return router.softmax_topk(logits, top_k, dtype)

@@ -36,8 +36,9 @@ class Backend(Protocol):
         self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, offset: bool
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def qk_norm_rotary(self, x: torch.Tensor, w: torch.Tensor, eps: float, rotary, positions: torch.Tensor) -> torch.Tensor: ...
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
-    def add_gated(self, routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -> torch.Tensor: ...
+    def shared_expert(
+        self, gate: torch.Tensor, up: torch.Tensor, down: Weight, routed: torch.Tensor, score: torch.Tensor
+    ) -> torch.Tensor: ...
     def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
     def routed_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank
@@ -108,13 +109,12 @@ class ReferenceBackend:
         return rotary(self.rmsnorm(x, w, eps, offset=True), positions)
 
     # ------------------------------------------------------------------ MoE
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up."""
-        return F.silu(gate) * up
-
-    def add_gated(self, routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        """routed + sigmoid(score) * shared: the shared expert [T, H] scaled by its score [T, 1], added to the routed output."""
-        return routed + torch.sigmoid(score) * shared
+    def shared_expert(
+        self, gate: torch.Tensor, up: torch.Tensor, down: Weight, routed: torch.Tensor, score: torch.Tensor
+    ) -> torch.Tensor:
+        """routed + sigmoid(score) * (silu(gate) * up) @ down^T: the shared expert after its gate/up
+        product [T, S] each, scaled by its score [T, 1], added to the routed output [T, H]."""
+        return routed + torch.sigmoid(score) * self.linear(F.silu(gate) * up, down)
 
     def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 softmax over expert logits, top-k, renormalised: (ids int64 [T, k], weights [T, k] in `dtype`)."""

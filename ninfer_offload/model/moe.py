@@ -46,5 +46,5 @@ class SparseMoe:
         logits, score = self.gates(backend, x)
         topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
         routed = self.experts.routed(backend, self.layer, x, topk_ids, topk_weights)
-        shared = backend.linear(backend.swiglu(*self.shared_in(backend, x)), self.shared_down)
-        return backend.add_gated(routed, score, shared)
+        gate, up = self.shared_in(backend, x)
+        return backend.shared_expert(gate, up, self.shared_down, routed, score)
