@@ -99,11 +99,11 @@ def bench_gdn(bandwidth: float) -> dict:
     q = torch.randn(1, 16, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 16, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    g = -torch.rand(1, 32, device="cuda")
-    beta = torch.rand(1, 32, device="cuda", dtype=torch.bfloat16)
+    a, b = torch.randn(2, 1, 32, device="cuda", dtype=torch.bfloat16)
+    a_log, dt_bias = torch.randn(2, 32, device="cuda")
     state = torch.randn(1, 32, 128, 128, device="cuda")
     slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    ms = median_ms(lambda: gdn.gdn_decode(q, k, v, g, beta, state, slots, 1, None), graph=True)
+    ms = median_ms(lambda: gdn.gdn_decode(q, k, v, a, b, a_log, dt_bias, state, slots, 1, None), graph=True)
     moved = 2 * state.numel() * 4
     return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 

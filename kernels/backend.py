@@ -90,10 +90,12 @@ class TritonBackend(ReferenceBackend):
         return gdn.gdn_gating(a, b, a_log, dt_bias)
 
     def gdn_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+        dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
     ) -> torch.Tensor:
-        return gdn.gdn_decode(q, k, v, g, beta, states, ctx.slots, ctx.tokens_per_sequence, kept if ctx.keep_states else None)
+        return gdn.gdn_decode(
+            q, k, v, a, b, a_log, dt_bias, states, ctx.slots, ctx.tokens_per_sequence, kept if ctx.keep_states else None
+        )
 
     def gdn_prefill(self, q, k, v, g, beta, state) -> torch.Tensor:
         # fla computes its in-chunk products in TF32 for float32 inputs (1e-3 relative drift over a

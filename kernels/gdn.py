@@ -5,7 +5,9 @@ take B sequences of T tokens each (rows grouped per sequence) in one launch and 
 sequence's state through its slot, a device tensor, so a captured step keeps its launch shape.
 The recurrent kernel keeps one value-column block of a head's fp32 state in registers while it
 walks the sequence's tokens (T = 1 in decode, a few when verifying drafts), so the state is read
-and written once per call.
+and written once per call; it gates each token from the raw a and b projections itself (the
+gating kernel's arithmetic, inline), so decode launches no separate gating kernel. Prefill gates
+with `gdn_gating` and runs the chunked rule (flash-linear-attention) on g and beta.
 """
 
 from __future__ import annotations
@@ -16,12 +18,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _gates(a_ptr, b_ptr, neg_rate, bias):
+    """(exp(g), beta) of one token and head from its raw a and b, as `gdn_gating` computes g (fp32)
+    and beta (rounded to b's dtype): g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
+    x = tl.load(a_ptr).to(tl.float32) + bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
+    bv = tl.load(b_ptr)
+    beta = (1.0 / (1.0 + tl.exp(-bv.to(tl.float32)))).to(bv.dtype).to(tl.float32)
+    return tl.exp(neg_rate * softplus), beta
+
+
+@triton.jit
 def _gdn_recurrent_kernel(
     q,
     k,
     v,
-    g,
-    beta,
+    a,
+    b,
+    a_log,
+    dt_bias,
     slots,
     states,
     kept,
@@ -31,6 +46,8 @@ def _gdn_recurrent_kernel(
     stride_q,
     stride_k,
     stride_v,
+    stride_a,
+    stride_b,
     HK: tl.constexpr,
     HV: tl.constexpr,
     DK: tl.constexpr,
@@ -51,6 +68,8 @@ def _gdn_recurrent_kernel(
     block = h * DK * DV + dk[:, None] * DV + cols[None, :]
     sptr = states + slot * HV * DK * DV + block
     s = tl.load(sptr, mask=smask, other=0.0)
+    neg_rate = -tl.exp(tl.load(a_log + h).to(tl.float32))
+    bias = tl.load(dt_bias + h).to(tl.float32)
     for t in range(T):
         row = seq * T + t
         qt = tl.load(q + row * stride_q + hk * DK + dk, mask=kmask, other=0.0).to(tl.float32)
@@ -58,10 +77,9 @@ def _gdn_recurrent_kernel(
         qt = qt * tl.rsqrt(tl.sum(qt * qt) + 1e-6) * (1.0 / tl.sqrt(float(DK)))
         kt = kt * tl.rsqrt(tl.sum(kt * kt) + 1e-6)
         vt = tl.load(v + row * stride_v + h * DV + cols, mask=vmask, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g + row * HV + h).to(tl.float32))
-        b = tl.load(beta + row * HV + h).to(tl.float32)
+        decay, beta = _gates(a + row * stride_a + h, b + row * stride_b + h, neg_rate, bias)
         s = s * decay
-        update = b * (vt - tl.sum(kt[:, None] * s, axis=0))
+        update = beta * (vt - tl.sum(kt[:, None] * s, axis=0))
         s = s + kt[:, None] * update[None, :]
         o = tl.sum(qt[:, None] * s, axis=0)
         tl.store(out + (row * HV + h) * DV + cols, o.to(out.dtype.element_ty), mask=vmask)
@@ -85,24 +103,28 @@ def _check_kept(kept: torch.Tensor, live: torch.Tensor, tokens_per_sequence: int
 
 
 def gdn_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    states: torch.Tensor, slots: torch.Tensor, tokens_per_sequence: int, kept: torch.Tensor | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, tokens_per_sequence: int, kept: torch.Tensor | None,
 ) -> torch.Tensor:
     """Delta rule token by token for the B = len(slots) sequences of T tokens in q, k [N, Hk, Dk], v [N, Hv, Dv],
-    g, beta [N, Hv], sequence b on states[slots[b]] of states [slots, Hv, Dk, Dv] fp32 (in place). A `kept`
+    gated by the raw a, b [N, Hv] (rows may be strided) with a_log, dt_bias [Hv] as `gdn_gating` gates
+    them, sequence b on states[slots[b]] of states [slots, Hv, Dk, Dv] fp32 (in place). A `kept`
     [slots, K, Hv, Dk, Dv] receives the state after each token but the last. Returns [N, Hv, Dv]."""
     _, hk, dk = q.shape
     _, hv, dv = v.shape
     if states.dtype != torch.float32 or not states.is_contiguous():
         raise ValueError("the GDN states must be a contiguous float32 tensor")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("a and b need contiguous heads")
     if kept is not None:
         _check_kept(kept, states, tokens_per_sequence)
     q, k, v = _rows(q), _rows(k), _rows(v)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v = min(32, triton.next_power_of_2(dv))
     _gdn_recurrent_kernel[(hv, triton.cdiv(dv, block_v), slots.shape[0])](
-        q, k, v, g.contiguous(), beta.contiguous(), slots, states, states if kept is None else kept, out,
-        tokens_per_sequence, 0 if kept is None else kept.shape[1], q.stride(0), k.stride(0), v.stride(0),
+        q, k, v, a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), slots, states,
+        states if kept is None else kept, out, tokens_per_sequence, 0 if kept is None else kept.shape[1],
+        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v, KEEP=kept is not None,
     )
     return out

@@ -123,16 +123,22 @@ def test_gdn_decode(batch, tokens, keep, dtype, tol):
     gen = _gen(9)
     q, k = torch.randn(n, hk, dk, generator=gen).to(dtype), torch.randn(n, hk, dk, generator=gen).to(dtype)
     v = torch.randn(n, hv, dv, generator=gen).to(dtype)
-    g, beta = -torch.rand(n, hv, generator=gen), torch.rand(n, hv, generator=gen).to(dtype)
+    ab = (torch.randn(n, 2 * hv, generator=gen) * 4).to(dtype)  # a and b as the stacked product leaves them
+    ab[0, 0] = 25.0  # above softplus' linear threshold
+    a, b = ab[:, :hv], ab[:, hv:]
+    a_log, dt_bias = torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
     states = torch.randn(SEQUENCES + 1, hv, dk, dv, generator=gen)
     kept = torch.randn(SEQUENCES + 1, 3, hv, dk, dv, generator=gen)
     ctx = _step(SLOTS[:batch], [7, 0, 12][:batch], tokens, 16, keep)
     ref_states, ref_kept = states.clone(), kept.clone()
-    ref = REF.gdn_decode(q, k, v, g, beta, ref_states, ctx, ref_kept)
-    dev_states, dev_kept = states.to(DEVICE), kept.to(DEVICE)
-    out = _backend().gdn_decode(*(t.to(DEVICE) for t in (q, k, v, g, beta)), dev_states, ctx, dev_kept)
+    ref = REF.gdn_decode(q, k, v, a, b, a_log, dt_bias, ref_states, ctx, ref_kept)
+    dev_states, dev_kept, dev_ab = states.to(DEVICE), kept.to(DEVICE), ab.to(DEVICE)
+    out = _backend().gdn_decode(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), dev_ab[:, :hv], dev_ab[:, hv:], a_log.to(DEVICE), dt_bias.to(DEVICE),
+        dev_states, ctx, dev_kept,
+    )
     assert out.dtype == dtype and _close(out, ref, tol)
-    assert _close(dev_states, ref_states) and _close(dev_kept, ref_kept)
+    assert _close(dev_states, ref_states, tol) and _close(dev_kept, ref_kept, tol)  # bf16: beta rounds to bf16 (one ulp apart)
     others = _others(batch)
     assert torch.equal(dev_states.cpu()[others], states[others]) and torch.equal(dev_kept.cpu()[others], kept[others])
     assert keep or torch.equal(dev_kept.cpu(), kept)

@@ -96,6 +96,14 @@ def _gdn_inputs(t: int, nk=2, nv=4, dk=16, dv=8, seed=0):
     )
 
 
+def _raw_gates(g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Raw a, b (with a_log = dt_bias = 0) that `gdn_gating` turns into log decay g < 0 and beta."""
+    zeros = torch.zeros(g.shape[1])
+    a, b = torch.log(torch.expm1(-g.double())).float(), torch.logit(beta.double()).float()
+    assert torch.allclose(backend.gdn_gating(a, b, zeros, zeros)[0], g, atol=1e-6)
+    return a, b, zeros, zeros
+
+
 def test_delta_rule_chunked_equals_recurrent_and_transformers():
     q, k, v, g, beta, s0 = _gdn_inputs(150)
     modeling = tiny_hf.oracle_module()
@@ -106,7 +114,8 @@ def test_delta_rule_chunked_equals_recurrent_and_transformers():
     chunked_state, recurrent_states = s0.clone(), s0.clone()[None]  # one slot
     chunked = backend.gdn_prefill(q, k, v, g, beta, chunked_state)
     _, ctx = step_inputs([0] * len(q), [0], [0], len(q), len(q), torch.device("cpu"))
-    recurrent = backend.gdn_decode(q, k, v, g, beta, recurrent_states, ctx, None)
+    a, b, a_log, dt_bias = _raw_gates(g, beta)
+    recurrent = backend.gdn_decode(q, k, v, a, b, a_log, dt_bias, recurrent_states, ctx, None)
     recurrent_state = recurrent_states[0]
     for out, state in ((chunked, chunked_state), (recurrent, recurrent_state)):
         assert torch.allclose(out, ref_out[0], atol=2e-5)

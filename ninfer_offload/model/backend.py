@@ -53,8 +53,8 @@ class Backend(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
     ) -> torch.Tensor: ...
     def gdn_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+        dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
     ) -> torch.Tensor: ...
     def attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor: ...
     def attention_decode(
@@ -209,16 +209,18 @@ class ReferenceBackend:
         return torch.cat(outputs, dim=1).transpose(0, 1).to(v.dtype)
 
     def gdn_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+        dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
     ) -> torch.Tensor:
         """The same rule in recurrent form, token by token, for every sequence of `ctx` (rows grouped per
-        sequence, T each) on its slot of states [slots, Hv, Dk, Dv] (fp32, in place). With
-        `ctx.keep_states`, the state after each token but the last goes to kept [slots, K, Hv, Dk, Dv]."""
+        sequence, T each) on its slot of states [slots, Hv, Dk, Dv] (fp32, in place), gated by the raw
+        a, b [N, Hv] through `gdn_gating`. With `ctx.keep_states`, the state after each token but the
+        last goes to kept [slots, K, Hv, Dk, Dv]."""
+        g, beta = self.gdn_gating(a, b, a_log, dt_bias)
         t = ctx.tokens_per_sequence
         outputs = []
-        for b, slot in enumerate(ctx.host_view()[0]):
-            rows = slice(b * t, (b + 1) * t)
+        for seq, slot in enumerate(ctx.host_view()[0]):
+            rows = slice(seq * t, (seq + 1) * t)
             qs, ks, vf, gs, bs = self._gdn_inputs(q[rows], k[rows], v[rows], g[rows], beta[rows])
             s = states[slot].float()
             for i in range(t):

@@ -55,16 +55,17 @@ class GatedDeltaNet:
         nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z = self.projections(backend, x)
         z = z.reshape(t, nv, dv)
-        g, beta = backend.gdn_gating(*self.gates(backend, x), self.a_log, self.dt_bias)
+        a, b = self.gates(backend, x)
         conv = backend.conv_update(mixed, state.conv[self.key], self.convolution, ctx, state.conv_snapshots.get(self.key))
         q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q, k, v = q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv)
         if ctx.chunked:
             (slot,), _ = ctx.host_view()
+            g, beta = backend.gdn_gating(a, b, self.a_log, self.dt_bias)
             out = backend.gdn_prefill(q, k, v, g, beta, state.recurrent[self.key][slot])
         else:
             out = backend.gdn_decode(
-                q, k, v, g, beta, state.recurrent[self.key], ctx, state.recurrent_snapshots.get(self.key)
+                q, k, v, a, b, self.a_log, self.dt_bias, state.recurrent[self.key], ctx, state.recurrent_snapshots.get(self.key)
             )
         gated = backend.gated_rmsnorm(out, self.norm, c.rms_norm_eps, z)
         return backend.linear(gated.reshape(t, -1), self.output)
