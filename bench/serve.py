@@ -3,12 +3,15 @@ same artifact and options as the single-stream reference.
 
     python bench/serve.py /tmp/q36.ninfer --device cuda --clients 1 2 4 8 --out bench/results/serve_h200.json
 
-Each level starts one server (`--max-concurrency` = the number of clients), sends one warm-up request,
-then N clients each stream one greedy `/v1/completions` request of `--max-tokens` tokens at once
-(`stream_options.include_usage` gives the token count). Per client: time to first token (first
-content chunk) and decode tok/s (tokens after the first over the time after the first chunk).
-Reported per level: mean per-client tok/s, aggregate tok/s (all tokens over the wall time from the
-first request to the last end), TTFT p50 and p95. Extra server options (`--serve-arg`, repeatable)
+Each level starts one server (`--max-concurrency` = the number of clients) and sends it a first
+request alone (`first_request_ttft_s`: what a user meets right after startup; the server compiles
+and captures at startup, `server_warm_up_s` from its log), then N clients each stream one greedy
+`/v1/completions` request of `--max-tokens` tokens at once (`stream_options.include_usage` gives
+the token count), then one more request alone (`steady_ttft_s`; `first_ttft_ratio` = first /
+steady). Per client: time to first token (first content chunk) and decode tok/s (tokens after the
+first over the time after the first chunk). Reported per level: mean per-client tok/s, aggregate
+tok/s (all tokens over the wall time from the first concurrent request to the last end), TTFT p50
+and p95. Extra server options (`--serve-arg`, repeatable)
 are passed through, e.g. `--serve-arg=--vram-budget=15GiB`. Both decode plainly (`--spec none`)
 unless such an option says otherwise (`--serve-arg=--spec=mtp`).
 """
@@ -30,6 +33,7 @@ import httpx
 from provenance import gpu_report_header
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+WARM_UP = re.compile(r"warm-up .* took ([0-9.]+)s")
 
 
 def free_port() -> int:
@@ -105,7 +109,7 @@ def stream_once(url: str, max_tokens: int) -> dict:
 
 
 def level(server: Server, clients: int, max_tokens: int) -> dict:
-    stream_once(server.url, 8)  # warm-up: compiles and captures what the first request needs
+    first = stream_once(server.url, max_tokens)  # the server's first request: what a user meets after startup
     results: list[dict] = [{} for _ in range(clients)]
 
     def client(i: int) -> None:
@@ -119,8 +123,15 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
         thread.join()
     wall = max(r["end"] for r in results) - began
     ttfts = [r["ttft_s"] for r in results]
+    steady = stream_once(server.url, max_tokens)  # one more request alone, for the first request's comparison
+    warm_up = next((float(m.group(1)) for line in server.log if (m := WARM_UP.search(line))), None)
     return {
         "clients": clients,
+        "server_warm_up_s": warm_up,
+        "first_request_ttft_s": first["ttft_s"],
+        "first_request_tok_s": first["decode_tok_s"],
+        "steady_ttft_s": steady["ttft_s"],
+        "first_ttft_ratio": first["ttft_s"] / steady["ttft_s"],
         "per_client_tok_s": sum(r["decode_tok_s"] for r in results) / clients,
         "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
         "ttft_p50_s": percentile(ttfts, 0.5),
