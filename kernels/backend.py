@@ -15,7 +15,7 @@ from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, rotary, router, shared_expert
 from ninfer_offload.kernels.dense_linear import dense_linear
-from ninfer_offload.kernels.quant_linear import quantized_linear
+from ninfer_offload.kernels.quant_linear import gated_linear, quantized_linear
 from ninfer_offload.model.backend import ReferenceBackend, Weight
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank
@@ -47,6 +47,11 @@ class TritonBackend(ReferenceBackend):
             return dense_linear(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[0])
         out = quantized_linear(x.reshape(-1, x.shape[-1]), w.data, w.geometry)
         return out.reshape(*lead, w.n)
+
+    def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
+        if isinstance(w, torch.Tensor):
+            return super().gated_linear(x, gate, w)
+        return gated_linear(x, gate, w.data, w.geometry)
 
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
         return norm.rmsnorm(x, w, eps, offset)

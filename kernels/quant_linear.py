@@ -45,15 +45,40 @@ DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
 
 
+# What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
+PLAIN, SWIGLU, SIGMOID_GATE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # x; silu(x) * x2; x * sigmoid(x2)
+STORE, ADD_GATED = tl.constexpr(0), tl.constexpr(1)  # the rows; routed + sigmoid(score) * rows
+
+
+@triton.jit
+def _input_columns(x, x2, row, row2, cols, K, INPUT: tl.constexpr):
+    """One token's input columns `cols` (float32; its rows start at `row` of x, `row2` of x2), rounded
+    to the activation dtype where the reference rounds: the plain x, silu(x) * x2, or x * sigmoid(x2)."""
+    xv = tl.load(x + row + cols, mask=cols < K, other=0.0)
+    xf = xv.to(tl.float32)
+    if INPUT == SWIGLU:
+        silu = (xf / (1.0 + tl.exp(-xf))).to(xv.dtype).to(tl.float32)
+        xf = (silu * tl.load(x2 + row2 + cols, mask=cols < K, other=0.0).to(tl.float32)).to(xv.dtype).to(tl.float32)
+    if INPUT == SIGMOID_GATE:
+        gf = tl.load(x2 + row2 + cols, mask=cols < K, other=0.0).to(tl.float32)
+        xf = (xf * (1.0 / (1.0 + tl.exp(-gf))).to(xv.dtype).to(tl.float32)).to(xv.dtype).to(tl.float32)
+    return xf
+
+
 @triton.jit
 def _quantized_gemv_kernel(
     x,
+    x2,
+    stride_x,
+    stride_x2,
     w,
+    routed,
+    score,
+    stride_score,
     out,
     T,
     N,
     K,
-    stride_x,
     high_offset,
     scale_offset,
     divisor_offset,
@@ -64,6 +89,8 @@ def _quantized_gemv_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    INPUT: tl.constexpr,
+    EPILOGUE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < N
@@ -73,14 +100,21 @@ def _quantized_gemv_kernel(
         low, high, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
-            xrow = x + tl.minimum(t, T - 1).to(tl.int64) * stride_x  # rows past T repeat the last (never stored)
-            xk = tl.load(xrow + cols, mask=cols < K, other=0.0).to(tl.float32)
+            token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
+            xk = _input_columns(x, x2, token * stride_x, token * stride_x2, cols, K, INPUT)
             part = dot_code_tile(low, high, scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
     if NVFP4:
         acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
-    optr = out + toks[:, None].to(tl.int64) * N + rows[None, :]
-    tl.store(optr, acc.to(out.dtype.element_ty), mask=(toks < T)[:, None] & row_mask[None, :])
+    offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
+    mask = (toks < T)[:, None] & row_mask[None, :]
+    if EPILOGUE == ADD_GATED:
+        shared = acc.to(out.dtype.element_ty).to(tl.float32)
+        sv = tl.load(score + toks.to(tl.int64) * stride_score, mask=toks < T, other=0.0)
+        gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
+        scaled = (gated[:, None] * shared).to(sv.dtype).to(tl.float32)
+        acc = tl.load(routed + offsets, mask=mask, other=0.0).to(tl.float32) + scaled
+    tl.store(out + offsets, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -175,6 +209,46 @@ def dequantize_matrix(data: torch.Tensor, geometry: ObjectGeometry, dtype: torch
     return out
 
 
+def fused_gemv(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    geometry: ObjectGeometry,
+    x2: torch.Tensor | None = None,
+    input_op: tl.constexpr = PLAIN,
+    routed: torch.Tensor | None = None,
+    score: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The matrix-vector kernel for up to GEMV_MAX_TOKENS tokens: `input_op`(x [T, k], x2) @ W^T, its
+    rows stored, or with `routed` [T, n] and `score` [T, 1] given, routed + sigmoid(score) * rows.
+    x and x2 [T, k] have contiguous columns (rows may be strided, e.g. column slices of one buffer)."""
+    t, k = x.shape
+    x2 = x if x2 is None else x2
+    if t > GEMV_MAX_TOKENS or k != geometry.k or x2.shape != x.shape or x.stride(1) != 1 or x2.stride(1) != 1:
+        raise ValueError(f"a fused matrix-vector product takes up to {GEMV_MAX_TOKENS} rows of {geometry.k} contiguous columns")
+    g = TileGeometry.of(geometry)
+    n = geometry.n
+    out = torch.empty(t, n, device=x.device, dtype=x.dtype)
+    add_gated = routed is not None
+    routed = routed.contiguous() if add_gated else out
+    score = score if add_gated else out
+    _quantized_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+        x, x2, x.stride(0), x2.stride(0), data, routed, score, score.stride(0), out, t, n, k,
+        g.high_offset, g.scale_offset, g.divisor_offset,
+        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=GEMV_BLOCK_N,
+        BLOCK_K=gemv_block_k(g.k_pad, GEMV_BLOCK_K), INPUT=input_op.value, EPILOGUE=(ADD_GATED if add_gated else STORE).value,
+        num_warps=GEMV_WARPS, num_stages=GEMV_STAGES,
+    )
+    return out
+
+
+def gated_linear(x: torch.Tensor, gate: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
+    """(x * sigmoid(gate)) [T, k] @ W^T: the gate folded into the matrix-vector kernel's input up to
+    GEMV_MAX_TOKENS tokens, else applied before `quantized_linear`."""
+    if x.shape[0] <= GEMV_MAX_TOKENS and x.stride(1) == 1 and gate.stride(1) == 1:
+        return fused_gemv(x, data, geometry, gate, SIGMOID_GATE)
+    return quantized_linear(x * torch.sigmoid(gate), data, geometry)
+
+
 def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
     """x [T, k] @ W^T -> [T, n] in x's dtype, W given as its raw object bytes `data` on x's device."""
     t, k = x.shape
@@ -186,13 +260,7 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeomet
     g = TileGeometry.of(geometry)
     n = geometry.n
     if t <= GEMV_MAX_TOKENS:
-        out = torch.empty(t, n, device=x.device, dtype=x.dtype)
-        _quantized_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
-            x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset, g.divisor_offset,
-            NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=GEMV_BLOCK_N,
-            BLOCK_K=gemv_block_k(g.k_pad, GEMV_BLOCK_K), num_warps=GEMV_WARPS, num_stages=GEMV_STAGES,
-        )
-        return out
+        return fused_gemv(x, data, geometry)
     block_m = 16 if t <= 16 else (32 if t <= 32 else 64)
     block_n = DECODE_BLOCK_N
     block_k = block_k_for(g.k_pad)

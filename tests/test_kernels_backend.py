@@ -273,6 +273,26 @@ def test_gdn_gating(dtype, tol):
     assert _close(g, ref_g, 1e-6) and _close(beta, ref_beta, tol)
 
 
+# bf16: torch's CPU sigmoid in bf16 is sometimes one ulp off the float32 value rounded, as the kernels round it
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 3, 12])  # the gate inside the matrix-vector kernel's input up to 8 tokens
+@pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q6_g64_fp16", "dense"])
+def test_gated_linear(dtype, tol, tokens, fmt):
+    """(x * sigmoid(gate)) @ w^T with the gate a column slice of a wider product (the attention output gate)."""
+    if tokens > 8 and dtype == torch.bfloat16 and DEVICE.type == "cpu" and fmt != "dense":
+        pytest.skip("the interpreter's bf16 tl.dot gives wrong tiled products (9..64 tokens); runs on CUDA")
+    n, k = 40, 300
+    values = np.random.default_rng(tokens).standard_normal((n, k)).astype(np.float32) * 0.1
+    w = torch.from_numpy(values).to(dtype) if fmt == "dense" else QuantizedMatrix(
+        GROUPED_FORMATS[fmt], n, k, torch.from_numpy(encode_row_split(values, fmt))
+    )
+    x = torch.randn(tokens, k, generator=_gen(40)).to(dtype)
+    wide = (torch.randn(tokens, 3 * k, generator=_gen(41)) * 3).to(dtype)
+    got = _backend().gated_linear(x.to(DEVICE), wide.to(DEVICE)[:, k : 2 * k], w.to(DEVICE))
+    want = REF.gated_linear(x, wide[:, k : 2 * k], w)
+    assert got.dtype == dtype and _close(got, want, tol)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("tokens", [1, 3, 12])  # one matrix-vector kernel up to 8 tokens, three launches above
 @pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q5_g64_fp16", "dense"])

@@ -89,4 +89,4 @@ class GatedAttention:
         return q, k, v, gate
 
     def _gated_output(self, backend: Backend, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return backend.linear(out.reshape(out.shape[0], -1) * torch.sigmoid(gate), self.output)
+        return backend.gated_linear(out.reshape(out.shape[0], -1), gate, self.output)

@@ -29,6 +29,7 @@ class Backend(Protocol):
     capturable: bool  # whether its decode ops read only device tensors (a CUDA graph can record them)
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor: ...
+    def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor: ...
     def embedding(self, ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor: ...
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor: ...
     def gated_rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor: ...
@@ -78,6 +79,10 @@ class ReferenceBackend:
         if not isinstance(w, torch.Tensor):
             w = w.dequantize(x.dtype)
         return x @ w.T
+
+    def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
+        """(x * sigmoid(gate)) @ w^T: the attention output gated per element [T, K], then projected."""
+        return self.linear(x * torch.sigmoid(gate), w)
 
     def embedding(self, ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` [T] of the embedding table -> [T, H] in `dtype`."""
