@@ -67,6 +67,16 @@ class TritonBackend(ReferenceBackend):
     def qk_norm_rotary(self, x: torch.Tensor, w: torch.Tensor, eps: float, rotary_embedding, positions: torch.Tensor) -> torch.Tensor:
         return rotary.qk_norm_rotary(x, w, eps, rotary_embedding.inv_freq, rotary_embedding.dim, positions)
 
+    def attention_inputs(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+        rotary_embedding, positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        if k_pool.dtype != q.dtype:  # an fp8 cache: converted as torch converts (the reference's writes)
+            return super().attention_inputs(q, k, v, q_norm, k_norm, eps, rotary_embedding, positions, k_pool, v_pool, kv_rows)
+        return rotary.attention_inputs(
+            q, k, v, q_norm, k_norm, eps, rotary_embedding.inv_freq, rotary_embedding.dim, positions, k_pool, v_pool, kv_rows
+        )
+
     def shared_expert(
         self, gate: torch.Tensor, up: torch.Tensor, down: Weight, routed: torch.Tensor, score: torch.Tensor
     ) -> torch.Tensor:

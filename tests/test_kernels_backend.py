@@ -320,6 +320,41 @@ def test_shared_expert(dtype, tol, tokens, fmt):
     assert got.dtype == dtype and _close(got, want, tol)
 
 
+@pytest.mark.parametrize(
+    "dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)]
+)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_attention_inputs(dtype, kv_dtype, tokens):
+    """q and k normed and rotated, k and v written to their KV rows (the others untouched), from column
+    slices of one stacked product; one launch where the pools hold the activations' dtype."""
+    from ninfer_offload.model.attention import Rotary
+
+    hq, hkv, d, rows = 4, 2, 24, 16
+    wide = torch.randn(tokens, (hq + 2 * hkv) * d + 8, generator=_gen(42)).to(dtype)
+    q = wide[:, : hq * d].reshape(tokens, hq, d)
+    k = wide[:, hq * d : (hq + hkv) * d].reshape(tokens, hkv, d)
+    v = wide[:, (hq + hkv) * d : (hq + 2 * hkv) * d].reshape(tokens, hkv, d)
+    q_norm, k_norm = (torch.randn(2, d, generator=_gen(43)) * 0.1).to(dtype)
+    positions = torch.tensor([3, 4, 5, 900, 30001][:tokens])
+    kv_rows = torch.tensor([9, 2, 14, 0, 7][:tokens])
+    pools = [torch.randn(rows, hkv, d, generator=_gen(44 + i)).to(kv_dtype) for i in range(2)]
+    ref_pools = [p.clone() for p in pools]
+    want = REF.attention_inputs(q, k, v, q_norm, k_norm, 1e-6, Rotary(12, 1e7, torch.device("cpu")), positions, *ref_pools, kv_rows)
+    dev_pools = [p.to(DEVICE) for p in pools]
+    dev = wide.to(DEVICE)
+    got = _backend().attention_inputs(
+        dev[:, : hq * d].reshape(tokens, hq, d), dev[:, hq * d : (hq + hkv) * d].reshape(tokens, hkv, d),
+        dev[:, (hq + hkv) * d : (hq + 2 * hkv) * d].reshape(tokens, hkv, d), q_norm.to(DEVICE), k_norm.to(DEVICE), 1e-6,
+        Rotary(12, 1e7, DEVICE), positions.to(DEVICE), *dev_pools, kv_rows.to(DEVICE),
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _close(got, want, tol)
+    for got_pool, want_pool in zip(dev_pools, ref_pools):
+        assert _close(got_pool.float(), want_pool.float(), tol)
+        untouched = [r for r in range(rows) if r not in kv_rows.tolist()]
+        assert torch.equal(got_pool.cpu()[untouched].float(), want_pool[untouched].float())
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,dim,rotated", [(4, 32, 8), (2, 24, 12), (3, 16, 16)])
 def test_qk_norm_rotary(dtype, tol, heads, dim, rotated):

@@ -65,28 +65,18 @@ class GatedAttention:
 
     def __call__(self, backend: Backend, x: torch.Tensor, ctx: StepContext, state: StatePool) -> torch.Tensor:
         """Write the tokens' keys and values to their KV rows, attend, gate and project."""
-        q, k, v, gate = self._project(backend, x, ctx.positions)
+        c = self.config
+        t = x.shape[0]
+        q, k, v, gate = self.projections(backend, x)
         k_pool, v_pool = state.kv[self.key]
-        for pool, rows in ((k_pool, k), (v_pool, v)):  # as bytes: CPU tensors have no fp8 index_copy_
-            pool.view(torch.uint8).index_copy_(0, ctx.kv_rows, rows.to(pool.dtype).view(torch.uint8))
+        q = backend.attention_inputs(
+            q.reshape(t, c.num_attention_heads, c.head_dim), k.reshape(t, c.num_kv_heads, c.head_dim),
+            v.reshape(t, c.num_kv_heads, c.head_dim), self.query_norm, self.key_norm, c.rms_norm_eps, self.rotary,
+            ctx.positions, k_pool, v_pool, ctx.kv_rows,
+        )
         if ctx.chunked:
             (slot,), (start,) = ctx.host_view()
             out = backend.attention_prefill(q, *state.kv_of(self.key, slot), start)
         else:
             out = backend.attention_decode(q, k_pool, v_pool, ctx, state.capacity)
-        return self._gated_output(backend, out, gate)
-
-    def _project(self, backend: Backend, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q [T, Hq, D] and k [T, Hkv, D] normed and rotated, v [T, Hkv, D], gate [T, Hq*D]."""
-        c = self.config
-        t = x.shape[0]
-        q, k, v, gate = self.projections(backend, x)
-        q = q.reshape(t, c.num_attention_heads, c.head_dim)
-        k = k.reshape(t, c.num_kv_heads, c.head_dim)
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)
-        q = backend.qk_norm_rotary(q, self.query_norm, c.rms_norm_eps, self.rotary, positions)
-        k = backend.qk_norm_rotary(k, self.key_norm, c.rms_norm_eps, self.rotary, positions)
-        return q, k, v, gate
-
-    def _gated_output(self, backend: Backend, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return backend.gated_linear(out.reshape(out.shape[0], -1), gate, self.output)
+        return backend.gated_linear(out.reshape(t, -1), gate, self.output)

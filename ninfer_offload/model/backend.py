@@ -36,7 +36,10 @@ class Backend(Protocol):
     def add_rmsnorm(
         self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, offset: bool
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def qk_norm_rotary(self, x: torch.Tensor, w: torch.Tensor, eps: float, rotary, positions: torch.Tensor) -> torch.Tensor: ...
+    def attention_inputs(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+        rotary, positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_rows: torch.Tensor,
+    ) -> torch.Tensor: ...
     def shared_expert(
         self, gate: torch.Tensor, up: torch.Tensor, down: Weight, routed: torch.Tensor, score: torch.Tensor
     ) -> torch.Tensor: ...
@@ -112,6 +115,18 @@ class ReferenceBackend:
     def qk_norm_rotary(self, x: torch.Tensor, w: torch.Tensor, eps: float, rotary, positions: torch.Tensor) -> torch.Tensor:
         """Per-head offset RMSNorm of q or k x [T, heads, D], then `rotary` (model.attention.Rotary) at `positions` [T]."""
         return rotary(self.rmsnorm(x, w, eps, offset=True), positions)
+
+    def attention_inputs(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+        rotary, positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [T, Hq, D] and k [T, Hkv, D] through `qk_norm_rotary`, k and v [T, Hkv, D] written to rows
+        `kv_rows` [T] of the KV pools [rows, Hkv, D] (in the pools' dtype); returns q."""
+        q = self.qk_norm_rotary(q, q_norm, eps, rotary, positions)
+        k = self.qk_norm_rotary(k, k_norm, eps, rotary, positions)
+        for pool, rows in ((k_pool, k), (v_pool, v)):  # as bytes: CPU tensors have no fp8 index_copy_
+            pool.view(torch.uint8).index_copy_(0, kv_rows, rows.to(pool.dtype).view(torch.uint8))
+        return q
 
     # ------------------------------------------------------------------ MoE
     def shared_expert(
