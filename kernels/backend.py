@@ -15,7 +15,7 @@ from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, rotary, router, shared_expert
 from ninfer_offload.kernels.dense_linear import dense_linear
-from ninfer_offload.kernels.quant_linear import gated_linear, quantized_linear
+from ninfer_offload.kernels.quant_linear import gated_linear, gated_norm_linear, quantized_linear
 from ninfer_offload.model.backend import ReferenceBackend, Weight
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank
@@ -52,6 +52,11 @@ class TritonBackend(ReferenceBackend):
         if isinstance(w, torch.Tensor):
             return super().gated_linear(x, gate, w)
         return gated_linear(x, gate, w.data, w.geometry)
+
+    def gated_norm_linear(self, x: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, w: Weight) -> torch.Tensor:
+        if isinstance(w, torch.Tensor):
+            return super().gated_norm_linear(x, z, norm_w, eps, w)
+        return gated_norm_linear(x, z, norm_w, eps, w.data, w.geometry)
 
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
         return norm.rmsnorm(x, w, eps, offset)

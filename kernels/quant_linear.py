@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ninfer_offload.artifact.formats import ObjectGeometry
+from ninfer_offload.kernels.norm import gated_rmsnorm
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import dot_code_tile
@@ -46,16 +47,26 @@ DECODE_WARPS = 4
 
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
-PLAIN, SWIGLU, SIGMOID_GATE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # x; silu(x) * x2; x * sigmoid(x2)
+# x; silu(x) * x2; x * sigmoid(x2); rmsnorm(x) per NORM_D columns * norm_w * silu(x2)
+PLAIN, SWIGLU, SIGMOID_GATE, GATED_NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 STORE, ADD_GATED = tl.constexpr(0), tl.constexpr(1)  # the rows; routed + sigmoid(score) * rows
 
 
 @triton.jit
-def _input_columns(x, x2, row, row2, cols, K, INPUT: tl.constexpr):
+def _input_columns(x, x2, row, row2, cols, K, norm_w, eps, INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_K: tl.constexpr):
     """One token's input columns `cols` (float32; its rows start at `row` of x, `row2` of x2), rounded
-    to the activation dtype where the reference rounds: the plain x, silu(x) * x2, or x * sigmoid(x2)."""
+    to the activation dtype where the reference rounds: the plain x, silu(x) * x2, x * sigmoid(x2), or
+    the gated RMSNorm of x per group of NORM_D columns (`ReferenceBackend.gated_rmsnorm`, gate x2)."""
     xv = tl.load(x + row + cols, mask=cols < K, other=0.0)
     xf = xv.to(tl.float32)
+    if INPUT == GATED_NORM:
+        squares = tl.sum(tl.reshape(xf * xf, [BLOCK_K // NORM_D, NORM_D]), axis=1)
+        inv_rms = tl.reshape(tl.broadcast_to(tl.rsqrt(squares / NORM_D + eps)[:, None], [BLOCK_K // NORM_D, NORM_D]), [BLOCK_K])
+        normed = (xf * inv_rms).to(xv.dtype).to(tl.float32)
+        weight = tl.load(norm_w + cols % NORM_D).to(xv.dtype).to(tl.float32)
+        zf = tl.load(x2 + row2 + cols, mask=cols < K, other=0.0).to(tl.float32)
+        gate = (zf / (1.0 + tl.exp(-zf))).to(xv.dtype).to(tl.float32)
+        xf = ((weight * normed).to(xv.dtype).to(tl.float32) * gate).to(xv.dtype).to(tl.float32)
     if INPUT == SWIGLU:
         silu = (xf / (1.0 + tl.exp(-xf))).to(xv.dtype).to(tl.float32)
         xf = (silu * tl.load(x2 + row2 + cols, mask=cols < K, other=0.0).to(tl.float32)).to(xv.dtype).to(tl.float32)
@@ -71,6 +82,8 @@ def _quantized_gemv_kernel(
     x2,
     stride_x,
     stride_x2,
+    norm_w,
+    eps,
     w,
     routed,
     score,
@@ -90,6 +103,7 @@ def _quantized_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INPUT: tl.constexpr,
+    NORM_D: tl.constexpr,
     EPILOGUE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -101,7 +115,7 @@ def _quantized_gemv_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
             token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
-            xk = _input_columns(x, x2, token * stride_x, token * stride_x2, cols, K, INPUT)
+            xk = _input_columns(x, x2, token * stride_x, token * stride_x2, cols, K, norm_w, eps, INPUT, NORM_D, BLOCK_K)
             part = dot_code_tile(low, high, scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
     if NVFP4:
@@ -217,25 +231,33 @@ def fused_gemv(
     input_op: tl.constexpr = PLAIN,
     routed: torch.Tensor | None = None,
     score: torch.Tensor | None = None,
+    norm_w: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """The matrix-vector kernel for up to GEMV_MAX_TOKENS tokens: `input_op`(x [T, k], x2) @ W^T, its
     rows stored, or with `routed` [T, n] and `score` [T, 1] given, routed + sigmoid(score) * rows.
-    x and x2 [T, k] have contiguous columns (rows may be strided, e.g. column slices of one buffer)."""
+    x and x2 [T, k] have contiguous columns (rows may be strided, e.g. column slices of one buffer);
+    GATED_NORM normalises groups of norm_w.numel() columns."""
     t, k = x.shape
     x2 = x if x2 is None else x2
     if t > GEMV_MAX_TOKENS or k != geometry.k or x2.shape != x.shape or x.stride(1) != 1 or x2.stride(1) != 1:
         raise ValueError(f"a fused matrix-vector product takes up to {GEMV_MAX_TOKENS} rows of {geometry.k} contiguous columns")
     g = TileGeometry.of(geometry)
     n = geometry.n
+    block_k = gemv_block_k(g.k_pad, GEMV_BLOCK_K)
+    norm_d = 1 if norm_w is None else norm_w.numel()
+    if block_k % norm_d or k % norm_d:
+        raise ValueError(f"norm groups of {norm_d} columns must divide the row ({k}) and the column tile ({block_k})")
     out = torch.empty(t, n, device=x.device, dtype=x.dtype)
     add_gated = routed is not None
     routed = routed.contiguous() if add_gated else out
     score = score if add_gated else out
     _quantized_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
-        x, x2, x.stride(0), x2.stride(0), data, routed, score, score.stride(0), out, t, n, k,
+        x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
+        t, n, k,
         g.high_offset, g.scale_offset, g.divisor_offset,
         NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=GEMV_BLOCK_N,
-        BLOCK_K=gemv_block_k(g.k_pad, GEMV_BLOCK_K), INPUT=input_op.value, EPILOGUE=(ADD_GATED if add_gated else STORE).value,
+        BLOCK_K=block_k, INPUT=input_op.value, NORM_D=norm_d, EPILOGUE=(ADD_GATED if add_gated else STORE).value,
         num_warps=GEMV_WARPS, num_stages=GEMV_STAGES,
     )
     return out
@@ -247,6 +269,19 @@ def gated_linear(x: torch.Tensor, gate: torch.Tensor, data: torch.Tensor, geomet
     if x.shape[0] <= GEMV_MAX_TOKENS and x.stride(1) == 1 and gate.stride(1) == 1:
         return fused_gemv(x, data, geometry, gate, SIGMOID_GATE)
     return quantized_linear(x * torch.sigmoid(gate), data, geometry)
+
+
+def gated_norm_linear(
+    x: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, data: torch.Tensor, geometry: ObjectGeometry
+) -> torch.Tensor:
+    """gated_rmsnorm(x, norm_w, eps, z) [T, H, D] flattened to [T, H * D], @ W^T: the norm computed in the
+    matrix-vector kernel's input up to GEMV_MAX_TOKENS tokens, else by `norm.gated_rmsnorm` first."""
+    t = x.shape[0]
+    flat, gate = x.reshape(t, -1), z.reshape(t, -1)
+    whole_groups = gemv_block_k(TileGeometry.of(geometry).k_pad, GEMV_BLOCK_K) % norm_w.numel() == 0  # per column tile
+    if t <= GEMV_MAX_TOKENS and flat.stride(1) == 1 and gate.stride(1) == 1 and whole_groups:
+        return fused_gemv(flat, data, geometry, gate, GATED_NORM, norm_w=norm_w, eps=eps)
+    return quantized_linear(gated_rmsnorm(x, norm_w, eps, z).reshape(t, -1), data, geometry)
 
 
 def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:

@@ -273,6 +273,29 @@ def test_gdn_gating(dtype, tol):
     assert _close(g, ref_g, 1e-6) and _close(beta, ref_beta, tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 3, 12])  # the norm inside the matrix-vector kernel's input up to 8 tokens
+@pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q5_g64_fp16", "dense"])
+def test_gated_norm_linear(dtype, tol, tokens, fmt):
+    """GDN's output: per-head RMSNorm of x times silu(z), flattened, @ w^T, with z a slice of a wider product."""
+    if tokens > 8 and dtype == torch.bfloat16 and DEVICE.type == "cpu" and fmt != "dense":
+        pytest.skip("the interpreter's bf16 tl.dot gives wrong tiled products (9..64 tokens); runs on CUDA")
+    heads, d, n = 8, 32, 40
+    values = np.random.default_rng(tokens).standard_normal((n, heads * d)).astype(np.float32) * 0.1
+    w = torch.from_numpy(values).to(dtype) if fmt == "dense" else QuantizedMatrix(
+        GROUPED_FORMATS[fmt], n, heads * d, torch.from_numpy(encode_row_split(values, fmt))
+    )
+    x = (torch.randn(tokens, heads, d, generator=_gen(45)) * 2).to(dtype)
+    wide = torch.randn(tokens, 2 * heads * d, generator=_gen(46)).to(dtype)
+    norm_w = (torch.rand(d, generator=_gen(47)) + 0.5).to(dtype)
+    dev = wide.to(DEVICE)
+    got = _backend().gated_norm_linear(
+        x.to(DEVICE), dev[:, heads * d :].reshape(tokens, heads, d), norm_w.to(DEVICE), 1e-6, w.to(DEVICE)
+    )
+    want = REF.gated_norm_linear(x, wide[:, heads * d :].reshape(tokens, heads, d), norm_w, 1e-6, w)
+    assert got.dtype == dtype and _close(got, want, tol)
+
+
 # bf16: torch's CPU sigmoid in bf16 is sometimes one ulp off the float32 value rounded, as the kernels round it
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("tokens", [1, 3, 12])  # the gate inside the matrix-vector kernel's input up to 8 tokens

@@ -67,5 +67,4 @@ class GatedDeltaNet:
             out = backend.gdn_decode(
                 q, k, v, a, b, self.a_log, self.dt_bias, state.recurrent[self.key], ctx, state.recurrent_snapshots.get(self.key)
             )
-        gated = backend.gated_rmsnorm(out, self.norm, c.rms_norm_eps, z)
-        return backend.linear(gated.reshape(t, -1), self.output)
+        return backend.gated_norm_linear(out, z, self.norm, c.rms_norm_eps, self.output)
