@@ -7,7 +7,11 @@ decoder (`kernels/tiles.py`). Three paths by token count:
   matrix-vector kernel. Each program owns a few rows and walks the whole row in wide tiles,
   decoding each tile once (`load_gemv_tile`) and multiplying the codes by every token's x in
   registers (`dot_code_tile`): no tensor-core padding, no split-K partial sums, one launch, and
-  every token count up to the limit gets the same per-token arithmetic.
+  every token count up to the limit gets the same per-token arithmetic. `fused_gemv` is the same
+  kernel with the elementwise step before or after a product folded in: its input computed as it
+  is read (SwiGLU of gate/up, x * sigmoid(gate) for the attention output, the GDN output's gated
+  RMSNorm per head: `gated_linear`, `gated_norm_linear`, `shared_expert.shared_expert`) and its
+  rows added to another output, score-gated (the shared expert).
 * up to `FUSED_MAX_TOKENS`: a tiled kernel: each program decodes a weight tile in registers
   (`load_tile`) and multiplies it with `tl.dot` (the token block is padded to 16 rows). Few-token
   products split K across programs so that even a [2048, 4096] projection fills the GPU; their
