@@ -20,7 +20,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from ninfer_offload.artifact.formats import RowSplitGeometry, grouped_format
+from ninfer_offload.artifact.formats import NVFP4, BlockScaleGeometry, RowSplitGeometry, runtime_geometry
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels import attention, gdn, moe, quant_linear
 from provenance import gpu_report_header
@@ -54,9 +54,24 @@ def device_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
+def random_nvfp4(geometry: BlockScaleGeometry, count: int = 1) -> torch.Tensor:
+    """`count` valid nvfp4 objects back to back: random codes, E4M3FN scales 0.5..2, divisors ~ sqrt(k)."""
+    data = torch.randint(0, 256, (count, geometry.encoded_size), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(0x30, 0x41, (count, geometry.divisor_offset - geometry.scale_offset), dtype=torch.uint8, device="cuda")
+    data[:, geometry.scale_offset : geometry.divisor_offset] = scales
+    divisors = torch.full((count, geometry.divisors), float(geometry.k) ** 0.5, dtype=torch.float32, device="cuda")
+    data[:, geometry.divisor_offset :] = divisors.view(torch.uint8)
+    return data
+
+
+def quantized_object(fmt: str, n: int, k: int, count: int = 1) -> tuple[torch.Tensor, object]:
+    geometry = runtime_geometry(fmt, n, k)
+    return (random_nvfp4(geometry, count) if fmt == NVFP4 else random_object(geometry, count)), geometry
+
+
 def bench_linear(name: str, fmt: str, n: int, k: int, tokens: int, bandwidth: float) -> dict:
-    geometry = RowSplitGeometry(grouped_format(fmt), n, k)
-    data = random_object(geometry)[0]
+    data, geometry = quantized_object(fmt, n, k)
+    data = data[0]
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     ms = median_ms(lambda: quant_linear.quantized_linear(x, data, geometry), graph=tokens <= 8)
     moved = geometry.encoded_size + x.numel() * 2 + tokens * n * 2
@@ -65,11 +80,11 @@ def bench_linear(name: str, fmt: str, n: int, k: int, tokens: int, bandwidth: fl
             "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth, "TFLOPs": flops / ms / 1e9}
 
 
-def bench_moe(tokens: int, down_fmt: str, bandwidth: float) -> dict:
-    layout = ExpertRecordLayout.create("q4_g64_fp16", down_fmt, HIDDEN, INTER)
+def bench_moe(tokens: int, down_fmt: str, bandwidth: float, gate_up_fmt: str = "q4_g64_fp16") -> dict:
+    layout = ExpertRecordLayout.create(gate_up_fmt, down_fmt, HIDDEN, INTER)
     records = torch.randint(0, 256, (EXPERTS, layout.nbytes), dtype=torch.uint8, device="cuda")
-    records[:, : layout.gate_up.encoded_size] = random_object(layout.gate_up, EXPERTS)
-    records[:, layout.down_offset : layout.down_offset + layout.down.encoded_size] = random_object(layout.down, EXPERTS)
+    records[:, : layout.gate_up.encoded_size] = quantized_object(gate_up_fmt, 2 * INTER, HIDDEN, EXPERTS)[0]
+    records[:, layout.down_offset : layout.down_offset + layout.down.encoded_size] = quantized_object(down_fmt, HIDDEN, INTER, EXPERTS)[0]
     table = moe.record_table(torch.arange(EXPERTS, device="cuda"), layout.nbytes)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
@@ -78,8 +93,9 @@ def bench_moe(tokens: int, down_fmt: str, bandwidth: float) -> dict:
     distinct = int(torch.unique(ids).numel())
     moved = distinct * (layout.gate_up.encoded_size + layout.down.encoded_size)
     out = moe.routed_experts(x, ids, w, records, table, layout)
-    return {"op": "routed_experts", "down_format": down_fmt, "tokens": tokens, "distinct_experts": distinct, "ms": ms,
-            "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth,
+    return {"op": "routed_experts", "gate_up_format": gate_up_fmt, "down_format": down_fmt, "tokens": tokens,
+            "distinct_experts": distinct, "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6,
+            "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth,
             "TFLOPs": 2 * tokens * TOP_K * 3 * INTER * HIDDEN / ms / 1e9, "finite": bool(torch.isfinite(out).all())}
 
 
@@ -138,6 +154,11 @@ def main() -> None:
             record(results, lambda: bench_linear(name, fmt, n, k, tokens, bandwidth))
     for name, fmt, n, k in shapes[:3]:
         record(results, lambda: bench_linear(name, fmt, n, k, 4096, bandwidth))
+    for name, _, n, k in shapes[:5]:  # the same products with nvfp4 weights (the nvfp4 recipe's experts are nvfp4)
+        for tokens in (1, 8):
+            record(results, lambda: bench_linear(name, NVFP4, n, k, tokens, bandwidth))
+    for tokens in (1, 4):
+        record(results, lambda: bench_moe(tokens, NVFP4, bandwidth, gate_up_fmt=NVFP4))
     settings = ("GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_WARPS", "GEMV_STAGES")
     defaults = tuple(getattr(quant_linear, name) for name in settings)
     for tile in ((8, 2048, 8, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4), (8, 256, 4, 4),
