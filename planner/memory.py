@@ -1,5 +1,5 @@
 """The one memory accounting: weights as loaded, KV cache, GDN state, prefill workspace, expert
-staging slots.
+staging slots (for streamed experts and for a prefill chunk's host experts).
 
 All sizes follow from the text config and the plan or load options. The planner plans with these
 functions, `Engine.load` checks free VRAM with `load_footprint` before it allocates, and the
@@ -123,6 +123,20 @@ def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
     return options.prefill_chunk * per_token + logits
 
 
+# Slots of the prefill staging buffer of an offloaded load (`runtime.expert_store`): a prefill chunk copies
+# each host expert it uses into one, once, instead of reading it over PCIe per block of tokens. A 2048-token
+# chunk uses nearly all 256 experts of a layer; the measured 15 GiB H200 load held 6,632 of 10,240 experts in
+# VRAM (166 per layer on average), so ~90 per layer are on the host, more in the layers the plan favours least.
+# 128 slots (~230 MiB of 1.7-1.8 MiB records, 1.5% of that budget) stage all of them in most layers; where more
+# are needed the most used are staged and the rest read over PCIe.
+PREFILL_STAGING_SLOTS = 128
+
+
+def prefill_staging_slots(num_experts: int) -> int:
+    """Slots of an offloaded load's prefill staging buffer: `PREFILL_STAGING_SLOTS`, at most one layer's experts."""
+    return min(num_experts, PREFILL_STAGING_SLOTS)
+
+
 def staging_slots(num_experts: int, top_k: int, tokens_per_step: int, requested: int | None = None) -> int:
     """Device slots for streamed experts: `requested` (at least top_k: one token's experts must fit),
     else two layers in flight (current + prefetch), each with every expert one step's tokens can pick."""
@@ -155,6 +169,7 @@ class LoadOptions:
 
     pinned_experts: tuple[int, ...]  # experts kept in VRAM per MoE layer (text layers, then the MTP layer)
     cache_slots: int  # uniform expert-cache slots
+    staging_slots: int  # prefill staging slots (`prefill_staging_slots` when experts are offloaded, else 0)
     sequences: int
     capacity: int
     draft_tokens: int
@@ -164,9 +179,11 @@ class LoadOptions:
     proposal_head: bool = False  # the proposal head is loaded (it drafts instead of the output head)
 
 
-def expert_arena_bytes(expert_bytes: list[int], pinned_experts: tuple[int, ...], cache_slots: int) -> int:
-    """VRAM of the expert arena: each layer's pinned records, then cache slots as wide as the widest record."""
-    return sum(n * b for n, b in zip(pinned_experts, expert_bytes)) + cache_slots * max(expert_bytes, default=0)
+def expert_arena_bytes(expert_bytes: list[int], pinned_experts: tuple[int, ...], cache_slots: int, staging_slots: int) -> int:
+    """VRAM of the expert arena: each layer's pinned records, then the cache slots and the prefill staging
+    slots, as wide as the widest record."""
+    slots = cache_slots + staging_slots
+    return sum(n * b for n, b in zip(pinned_experts, expert_bytes)) + slots * max(expert_bytes, default=0)
 
 
 def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]:
@@ -178,7 +195,9 @@ def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]
     loaded = components + (("proposal",) if options.proposal_head else ())
     return {
         "weights": loaded_weight_bytes(inventory, loaded, options.element_bytes),
-        "experts": expert_arena_bytes([bank.expert_bytes for bank in banks], options.pinned_experts, options.cache_slots),
+        "experts": expert_arena_bytes(
+            [bank.expert_bytes for bank in banks], options.pinned_experts, options.cache_slots, options.staging_slots
+        ),
         **state_pool_bytes(
             shape, options.sequences, options.capacity, options.draft_tokens, options.mtp, options.kv_dtype, options.element_bytes
         ),

@@ -47,7 +47,7 @@ class Placement:
     host_pinned_bytes: int
     host_budget_bytes: int
     components: dict[str, ComponentPlacement]
-    runtime: dict[str, int]  # VRAM not holding weights: reserve, kv_cache, gdn_state, workspace, staging
+    runtime: dict[str, int]  # VRAM not holding weights: reserve, kv_cache, gdn_state, workspace, staging, prefill_staging
     resident_experts: list[list[int]]  # per text layer, expert ids hottest first
     experts_per_layer: int
     expert_bytes: list[int]  # per text layer, bytes of one expert record

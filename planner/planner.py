@@ -4,8 +4,9 @@ Order of claims on the VRAM budget (min(card, --vram-budget) minus the reserve):
 1. what every step needs: non-expert text weights, the output head, MTP and the proposal head when
    speculating, vision when enabled, KV cache, GDN state, prefill workspace;
 2. routed experts of the text layers, by marginal value (expected hits per token per byte) across
-   all layers, hottest first; when not all fit, staging slots for streamed experts are set aside
-   first and the rest live in pinned host memory;
+   all layers, hottest first; when not all fit, staging slots for streamed experts and the prefill
+   staging buffer (`memory.prefill_staging_slots`) are set aside first and the rest live in pinned
+   host memory;
 3. the token embedding, only once every expert is resident (a token needs one row of it, which
    costs nothing over PCIe; an expert in VRAM saves a transfer on almost every token).
 DFlash and DFlash2 weights are never loaded (speculation uses MTP); they are reported as unused.
@@ -17,7 +18,7 @@ from ninfer_offload.artifact.formats import elements
 from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cost import WeightTraffic, predict
-from ninfer_offload.planner.memory import ModelShape, staging_slots, state_pool_bytes, workspace_bytes
+from ninfer_offload.planner.memory import ModelShape, prefill_staging_slots, staging_slots, state_pool_bytes, workspace_bytes
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.placement import ComponentPlacement, Placement
 from ninfer_offload.planner.routing import RoutingStats, default_routing_stats
@@ -74,6 +75,7 @@ def plan(
         **pool,
         "workspace": workspace_bytes(shape, options),
         "staging": 0,
+        "prefill_staging": 0,
     }
     fixed_weights = (
         _bytes(dense_text) + head + (mtp if options.speculating else 0) + (proposal if use_proposal else 0)
@@ -90,8 +92,10 @@ def plan(
     else:
         embedding_on_device = False
         slots = staging_slots(shape.num_experts, shape.top_k, options.concurrency * (1 + options.draft_count))
-        runtime["staging"] = slots * max(b.expert_bytes for b in banks)
-        room = budget - fixed - runtime["staging"]
+        widest = max(b.expert_bytes for b in banks)
+        runtime["staging"] = slots * widest
+        runtime["prefill_staging"] = prefill_staging_slots(shape.num_experts) * widest
+        room = budget - fixed - runtime["staging"] - runtime["prefill_staging"]
         chosen = 0
         while chosen < len(order) and order[chosen][2] <= room:
             room -= order[chosen][2]
@@ -103,7 +107,7 @@ def plan(
     resident_bytes = sum(size for _, _, size in order[:chosen])
     host_experts = all_experts - resident_bytes
     host_pinned = host_experts + (0 if embedding_on_device else embedding)
-    vram_used = fixed + runtime["staging"] + resident_bytes + (embedding if embedding_on_device else 0)
+    vram_used = fixed + runtime["staging"] + runtime["prefill_staging"] + resident_bytes + (embedding if embedding_on_device else 0)
 
     routed_stored = sum(b.bank_bytes for b in banks)
     unused, on_device = _placed("unused"), _placed("vram")
@@ -212,6 +216,7 @@ def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptio
         )
         if p.runtime["staging"]:
             what += f", {p.staging_slots} expert staging slots {_gib(p.runtime['staging'])}"
+            what += f", prefill staging {_gib(p.runtime['prefill_staging'])}"
         remedy = "; try " + ", ".join(hints) if hints else "; this card is too small for this model"
         return f"needs {_gib(p.vram_used_bytes)} VRAM ({what}), budget is {_gib(budget)} on {profile.name}{remedy}"
     if p.host_pinned_bytes > p.host_budget_bytes:

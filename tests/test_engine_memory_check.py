@@ -15,7 +15,7 @@ from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.model.nvfp4 import Nvfp4Matrix
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.planner import PlanOptions, plan
-from ninfer_offload.planner.memory import LoadOptions, load_footprint
+from ninfer_offload.planner.memory import LoadOptions, load_footprint, prefill_staging_slots
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.runtime.memory_check import check_fits
 
@@ -50,15 +50,18 @@ def test_footprint_equals_what_a_load_allocates(artifact, experts, request):
     engine = Engine.load(path, experts=experts, max_context=CAPACITY, max_sequences=3, draft_tokens=2, mtp=True)
     try:
         layers, count, top_k = engine.config.num_layers, engine.config.num_experts, engine.config.top_k
-        pinned, slots = ((count,) * (layers + 1), 0) if experts == "resident" else ((0,) * layers + (count,), 2 * min(count, top_k * 3 * 3))
+        if experts == "resident":
+            pinned, slots, staging = (count,) * (layers + 1), 0, 0
+        else:  # the MTP layer's experts stay pinned; a prefill chunk stages the text layers' host experts
+            pinned, slots, staging = (0,) * layers + (count,), 2 * min(count, top_k * 3 * 3), prefill_staging_slots(count)
         planned = footprint(
-            path, pinned_experts=pinned, cache_slots=slots, sequences=3, capacity=CAPACITY, draft_tokens=2, mtp=True,
-            element_bytes=4, kv_dtype="fp32",
+            path, pinned_experts=pinned, cache_slots=slots, staging_slots=staging, sequences=3, capacity=CAPACITY, draft_tokens=2,
+            mtp=True, element_bytes=4, kv_dtype="fp32",
         )
         weights = weight_tensors(engine.mtp, weight_tensors(engine.text, {}))
         assert planned["weights"] == sum(weights.values())
         assert [len(ids) for ids in engine.expert_plan.placement.pinned] == list(pinned)
-        assert planned["experts"] == engine.store.arena.nbytes
+        assert engine.store.staging_slots == staging and planned["experts"] == engine.store.arena.nbytes
         state = engine.state
         assert planned["kv_cache"] == sum(k.nbytes + v.nbytes for k, v in state.kv.values())
         assert planned["gdn_state"] == state.nbytes - planned["kv_cache"]
@@ -79,6 +82,20 @@ def test_plan_runtime_items_are_the_state_pool_of_a_load(tiny_artifact):
         engine.close()
 
 
+def test_a_planned_offloaded_load_allocates_the_expert_vram_of_the_plan(tiny_artifact_official, small_card, half_expert_budget):
+    """The plan's VRAM for routed experts (its resident experts, staging slots and prefill staging buffer) is
+    the arena an offloaded load allocates, but for the part of a slot the experts handed to the cache leave over."""
+    engine = Engine.load(tiny_artifact_official, profile=str(small_card), vram_budget=half_expert_budget, spec="none")
+    try:
+        plan, store = engine.expert_plan.plan, engine.store
+        assert 0 < plan.runtime["prefill_staging"] == store.staging_slots * store.slot_bytes
+        planned = plan.components["routed_experts"].vram_bytes + plan.runtime["staging"] + plan.runtime["prefill_staging"]
+        assert planned - store.slot_bytes < store.arena.nbytes <= planned
+        assert plan.vram_used_bytes <= plan.vram_budget_bytes
+    finally:
+        engine.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("experts", ["resident", "host"])
@@ -93,7 +110,7 @@ def test_footprint_matches_the_cuda_allocator(tiny_artifact_official, experts):
         placement = engine.expert_plan.placement
         planned = sum(footprint(
             tiny_artifact_official, pinned_experts=tuple(len(ids) for ids in placement.pinned), cache_slots=placement.cache_slots,
-            sequences=4, capacity=4096, draft_tokens=0, mtp=True, element_bytes=2, kv_dtype="bf16",
+            staging_slots=placement.staging_slots, sequences=4, capacity=4096, draft_tokens=0, mtp=True, element_bytes=2, kv_dtype="bf16",
         ).values())
         # the allocator rounds each tensor up to 512 bytes; small index tables (rotary, expert tables, use counts) are not planned
         assert planned <= allocated <= planned * 1.02 + 512 * 1024

@@ -1,19 +1,24 @@
 """The plan drives the load (CPU): which experts end up pinned in VRAM, in cache slots or in host
-memory, the offset table that reaches them, the cache policies at work, and logits equal to the
-all-resident engine whatever the placement."""
+memory, the offset table that reaches them, the cache policies at work, prefill chunks staging their
+host experts, and logits equal to the all-resident engine whatever the placement."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
+from kernels_support import DEVICE, needs_triton_device
 from ninfer_offload import Engine, NinferError
+from ninfer_offload.planner import memory
 from ninfer_offload.runtime.memory_check import check_host_memory
 
 PROMPT = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(11)).tolist()
 STEPS = [3, 99, 250, 7, 61, 300, 12, 8, 444, 17, 42, 5]
+# 160 tokens x top-2 = 320 (token, expert) pairs: more than moe.PREFILL_MIN_PAIRS, so the prefill stages its host experts
+LONG_PROMPT = torch.randint(0, 512, (160,), generator=torch.Generator().manual_seed(12)).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +28,17 @@ def resident(tiny_artifact_official):
     engine.close()
 
 
-def _run(engine: Engine) -> list[torch.Tensor]:
+def _run(engine: Engine, prompt: list[int] = PROMPT) -> list[torch.Tensor]:
     session = engine.session()
-    out = [session.prefill(PROMPT)]
+    out = [session.prefill(prompt)]
     out += [session.step(token) for token in STEPS]
     session.close()
     return out
+
+
+@pytest.fixture(scope="module")
+def resident_long(resident) -> list[torch.Tensor]:
+    return _run(resident, LONG_PROMPT)
 
 
 def test_plan_decides_where_each_expert_lives(tiny_artifact_official, resident, small_card, half_expert_budget):
@@ -55,7 +65,9 @@ def test_plan_decides_where_each_expert_lives(tiny_artifact_official, resident, 
                 assert offset == host[expert].data_ptr() - store.arena.data_ptr()
                 continue
             assert torch.equal(store.arena[offset : offset + nbytes], host[expert])  # the VRAM copy is the host record
-    assert store.cache_start + store.cache_slots * store.slot_bytes == store.arena.numel() == engine.expert_plan.arena_bytes
+    assert store.staging_slots == engine.config.num_experts  # PREFILL_STAGING_SLOTS, at most one layer's experts
+    slots = store.cache_slots + store.staging_slots
+    assert store.cache_start + slots * store.slot_bytes == store.arena.numel() == engine.expert_plan.arena_bytes
     for got, want in zip(_run(engine), _run(resident)):
         assert torch.equal(got, want)
     stats = store.stats
@@ -90,6 +102,92 @@ def test_adaptive_cache_follows_the_traffic(tiny_artifact_official):
     stats = engine.store.stats
     assert stats.hits - before == 4 * layers * top_k
     assert engine.store.cache.cached[:, [6, 7]].all()
+
+
+def _record_bytes(engine: Engine) -> np.ndarray:
+    return np.array([layout.nbytes for layout in engine.store.layouts])
+
+
+def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident_long):
+    """A long prompt's chunks copy every expert they use that is not in VRAM into a staging slot once and
+    read it there: the only PCIe bytes of the prefill are the staged records, no use of a host expert is
+    left to the host, and the logits (prefill, then decode steps that do not stage) equal the resident ones."""
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, spec="none")
+    store = engine.store
+    session = engine.session()
+    prefill = session.prefill(LONG_PROMPT)
+    stats = dataclasses.replace(store.stats)  # a copy: the store keeps counting into its own
+    staged_uses = int(store.staged_uses.sum())
+    assert stats.staged > 0 and staged_uses == stats.uses - stats.hits > 0  # every miss was served from staging
+    staged = (store.staged_uses > 0).sum(dim=1).numpy()  # one chunk: each staged record once
+    assert stats.staged == staged.sum() and stats.pcie_bytes == (staged * _record_bytes(engine)).sum()
+    assert stats.to_json()["staged"] == stats.staged
+    steps = [session.step(token) for token in STEPS]
+    session.close()
+    after = store.stats
+    assert after.staged == stats.staged and int(store.staged_uses.sum()) == staged_uses  # decode steps never stage
+    assert after.pcie_bytes > stats.pcie_bytes  # their misses are read over PCIe as before
+    for got, want in zip([prefill, *steps], resident_long):
+        assert torch.equal(got, want)
+
+
+def test_a_prefill_needing_more_experts_than_staging_slots_stages_the_most_used(tiny_artifact_official, resident_long, monkeypatch):
+    """Three staging slots for up to eight host experts per layer: each layer stages its three most used
+    missing experts, the others are read over PCIe per use, and the logits still equal the resident ones."""
+    monkeypatch.setattr(memory, "PREFILL_STAGING_SLOTS", 3)
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none")
+    store = engine.store
+    assert store.staging_slots == 3 and engine.expert_plan.arena_bytes == store.arena.numel()
+    session = engine.session()
+    prefill = session.prefill(LONG_PROMPT)
+    uses, staged_uses = store.uses.numpy(), store.staged_uses.numpy()
+    in_vram = store.cache.in_vram[: engine.config.num_layers]  # a static cache: what was in VRAM during the prefill
+    for layer, vram in enumerate(in_vram):
+        missing, staged = (uses[layer] > 0) & ~vram, staged_uses[layer] > 0
+        assert not (staged & ~missing).any() and staged.sum() == min(3, missing.sum())
+        assert np.array_equal(staged_uses[layer][staged], uses[layer][staged])  # a staged expert serves all its uses
+        if (missing & ~staged).any():
+            assert uses[layer][staged].min() >= uses[layer][missing & ~staged].max()
+    stats = store.stats
+    staged = (staged_uses > 0).sum(axis=1)
+    unstaged = np.where(in_vram, 0, uses - staged_uses).sum(axis=1)  # read over PCIe per use
+    assert unstaged.sum() > 0 and stats.staged == staged.sum()
+    assert stats.pcie_bytes == ((staged + unstaged) * _record_bytes(engine)).sum()
+    steps = [session.step(token) for token in STEPS]
+    session.close()
+    for got, want in zip([prefill, *steps], resident_long):
+        assert torch.equal(got, want)
+
+
+@needs_triton_device
+@pytest.mark.parametrize("slots", [8, 3])
+def test_the_moe_kernels_read_the_staging_slots(tiny_artifact_official, monkeypatch, slots):
+    """The Triton MoE kernels on a prefill chunk's bank, every layer: with all its host experts staged the bank
+    drops the host records (so the kernels take the VRAM tiles) and the output equals the resident engine's;
+    with three slots it keeps them (the PCIe-friendly tiles) and the output matches to rounding."""
+    monkeypatch.setattr(memory, "PREFILL_STAGING_SLOTS", slots)
+    load = dict(device=DEVICE, dtype="float32", backend="triton", spec="none")
+    resident = Engine.load(tiny_artifact_official, **load)
+    host = Engine.load(tiny_artifact_official, experts="host", num_slots=3, cache_policy="static", **load)
+    generator = torch.Generator().manual_seed(5)
+    tokens, experts, top_k = len(LONG_PROMPT), host.config.num_experts, host.config.top_k
+    x = torch.randn(tokens, host.config.hidden_size, generator=generator).to(DEVICE)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1).to(DEVICE)
+    used = torch.bincount(ids.reshape(-1).cpu(), minlength=experts).numpy() > 0
+    for layer in range(host.config.num_layers):
+        want = resident.store.routed(resident.backend, layer, x, ids, weights)
+        with host.store.forward(prefill=True):
+            got = host.store.routed(host.backend, layer, x, ids, weights)
+            bank = host.store.prefill_bank(layer, ids)
+        missing = int((used & ~host.store.cache.in_vram[layer]).sum())
+        assert missing > 0 and (bank.host is None) == (missing <= slots)
+        if bank.host is None:
+            assert torch.equal(got, want)
+        else:
+            assert float((got - want).double().norm() / want.double().norm()) < 1e-5
+    resident.close()
+    host.close()
 
 
 def test_a_budget_below_what_the_plan_needs_is_one_line(tiny_artifact_official, small_card):

@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PROMPT = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-def _decode(engine: Engine, steps: int, routing: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def _decode(engine: Engine, steps: int, routing: list[torch.Tensor] | None = None, prompt: list[int] = PROMPT) -> list[torch.Tensor]:
     session = engine.session()
-    out = [session.prefill(PROMPT)]
+    out = [session.prefill(prompt)]
     token = int(out[0][-1].argmax())
     for i in range(steps):
         if routing is not None:
@@ -97,6 +97,17 @@ def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_offic
     for got, want in zip(_decode(engine, 24, routing), _decode(resident, 24, routing)):
         assert torch.equal(got, want)
     assert engine.store.stats.promotions > 10
+
+
+def test_a_staged_prefill_equals_resident(tiny_artifact_official, resident):
+    """A prompt past the MoE kernels' prefill threshold: each layer's host experts are copied from pinned
+    memory into staging slots on the compute stream, the kernels read them with the VRAM tiles (like the
+    resident engine's), and the prefill logits, then the captured decode steps', equal the resident ones."""
+    prompt = torch.randint(0, 512, (160,), generator=torch.Generator().manual_seed(12)).tolist()  # 320 pairs
+    host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
+    for got, want in zip(_decode(host, 8, prompt=prompt), _decode(resident, 8, prompt=prompt)):
+        assert torch.equal(got, want)
+    assert host.store.stats.staged > 0
 
 
 @pytest.mark.parametrize("experts", ["resident", "host"])

@@ -28,7 +28,7 @@ def test_default_rtx5090_is_all_resident(inventory):
     assert p.feasible and p.reason is None
     assert p.experts_resident == p.experts_total == 40 * 256
     assert p.routing_mass_resident == pytest.approx(1.0)
-    assert p.host_pinned_bytes == 0 and p.staging_slots == 0
+    assert p.host_pinned_bytes == 0 and p.staging_slots == 0 and p.runtime["prefill_staging"] == 0
     assert {n: c.placement for n, c in p.components.items()} == {
         "text_dense": "vram", "output_head": "vram", "token_embedding": "vram", "routed_experts": "vram",
         "mtp": "vram", "proposal": "vram", "vision": "unused", "dflash": "unused",
@@ -49,6 +49,7 @@ def test_rtx5060ti_offloads_part_of_the_experts(inventory):
     assert p.components["routed_experts"].placement == "split"
     assert p.components["token_embedding"].placement == "host"
     assert p.staging_slots == 2 * 8 * 4  # two layers in flight x top-8 x (1 + 3 drafts)
+    assert p.runtime["prefill_staging"] == 128 * max(p.expert_bytes)  # the prefill staging buffer: PREFILL_STAGING_SLOTS records
     assert p.host_pinned_bytes == p.components["routed_experts"].host_bytes + p.components["token_embedding"].bytes
     assert p.host_pinned_bytes <= p.host_budget_bytes
     assert p.predicted.pcie_bytes_per_token > 0

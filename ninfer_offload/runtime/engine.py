@@ -184,7 +184,7 @@ class Engine:
             if not 0 < capacity <= limit:
                 raise NinferError(f"max context {capacity} must be between 1 and the model's maximum context of {limit} (--max-context)")
             options = LoadOptions(
-                (), 0, max_sequences, capacity, draft_tokens, mtp, _element_bytes(resolved_dtype), _KV_NAMES[cache_dtype],
+                (), 0, 0, max_sequences, capacity, draft_tokens, mtp, _element_bytes(resolved_dtype), _KV_NAMES[cache_dtype],
                 proposal_head,
             )
             state_and_weights = load_footprint(inventory, options)
@@ -251,7 +251,7 @@ class Engine:
         for c0 in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[c0 : c0 + PREFILL_CHUNK]
             tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
-            with torch.no_grad(), self.store.forward():
+            with torch.no_grad(), self.store.forward(prefill=True):
                 hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
             session.pending = len(chunk)
             session.commit(len(chunk))

@@ -5,7 +5,7 @@ cache never waits for the device's work:
 1. before launching a step it switches in finished promotions (their table entries now point at
    their slots) and marks the end of the steps queued so far;
 2. right after launching it, once those earlier steps are done (every decode loop has read their
-   logits by then), it reads the counts (40 KB for the full model, on a side stream) and updates
+   logits by then), it reads the counts (80 KB for the full model, on a side stream) and updates
    the stats (hits, PCIe bytes) and the policy (`planner.cache_policy`); when no promotion is in
    flight it picks up to `limit` hot experts to bring in and the cold ones they replace;
 3. it evicts those: their table entries go back to their host records, in stream order after the
@@ -41,14 +41,14 @@ class ExpertCache:
         self.owner: list[tuple[int, int] | None] = [None] * store.cache_slots
         self.free = list(range(store.cache_slots - 1, -1, -1))
         self.nbytes = np.array([layout.nbytes for layout in store.layouts], dtype=np.int64)
-        self._seen = np.zeros((layers, experts), dtype=np.int64)
+        self._seen = np.zeros((2, layers, experts), dtype=np.int64)  # the store's counts: uses, staged uses
         self._cuda = store.device.type == "cuda"
         self._inflight: tuple[list[tuple[int, int, int]], object] | None = None  # ((layer, expert, slot)...), done event
         self._queued = None  # event after the steps queued before the current one
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(store.device)
             self._count_stream = torch.cuda.Stream(store.device)
-            self._snapshot = torch.empty(layers, experts, dtype=torch.int32, pin_memory=True)
+            self._snapshot = torch.empty(2, layers, experts, dtype=torch.int32, pin_memory=True)
 
     @property
     def in_vram(self) -> np.ndarray:
@@ -81,15 +81,15 @@ class ExpertCache:
         self._queued.record()
 
     def after_launch(self) -> None:
-        """With the next step launched, read the counts of the steps before it (once they are done; a
-        40 KB copy on a side stream) and act on them, while the device runs that step."""
+        """With the next step launched, read the counts of the steps before it (once they are done; an
+        80 KB copy on a side stream) and act on them, while the device runs that step."""
         if not self._cuda:
             self.refresh()
             return
         if self._queued is None or not self._queued.query():
             return  # the host is ahead of the device: catch up at a later boundary
         with torch.cuda.stream(self._count_stream):
-            self._snapshot.copy_(self.store.uses, non_blocking=True)
+            self._snapshot.copy_(self.store.counts, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         done.synchronize()
@@ -97,10 +97,11 @@ class ExpertCache:
 
     def refresh(self) -> None:
         """Fold the counts of every step run so far into the stats (waits for the device)."""
-        self._observe(self.store.uses.cpu().numpy().astype(np.int64))
+        self._observe(self.store.counts.cpu().numpy().astype(np.int64))
 
     def _observe(self, total: np.ndarray) -> None:
-        delta, self._seen = total - self._seen, total
+        """Fold the store's counts `total` [2, layers, experts] (uses, staged uses) into the stats and the policy."""
+        (delta, staged), self._seen = total - self._seen, total
         if not delta.any():
             return
         stats, in_vram = self.store.counters, self.in_vram
@@ -108,7 +109,9 @@ class ExpertCache:
         stats.uses += int(delta.sum())
         stats.hits += int(delta[in_vram].sum())
         if self.store.cpu_path is None:  # the CPU miss path counts the PCIe reads of the device's share itself
-            stats.pcie_bytes += int((np.where(in_vram, 0, delta).sum(axis=1) * self.nbytes).sum())
+            # one read per assignment of an expert neither in VRAM nor staged (the store counts staged records)
+            reads = np.where(in_vram, 0, delta - staged)
+            stats.pcie_bytes += int((reads.sum(axis=1) * self.nbytes).sum())
         self.policy.observe(delta)
         if self.policy.adaptive and self._inflight is None and self.limit > 0:
             promote, evict = plan_promotions(self.policy.scores(), self.cached, self.store.pinned, len(self.free), self.limit)

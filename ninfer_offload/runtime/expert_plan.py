@@ -7,6 +7,8 @@ model does not fit the card's free memory: the planner's resident experts are pi
 slots become cache slots, and `CACHE_SHARE` of its expert VRAM, its coldest experts first, is
 handed to the cache instead of being pinned (the cache starts out holding them, then follows the
 traffic). The MTP layer's experts are always pinned (the plan counts the MTP module as resident).
+An offloaded load also gets `planner.memory.prefill_staging_slots` slots that a prefill chunk copies
+its host experts into (the plan sets their bytes aside as `runtime["prefill_staging"]`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
-from ninfer_offload.planner.memory import expert_arena_bytes, staging_slots
+from ninfer_offload.planner.memory import expert_arena_bytes, prefill_staging_slots, staging_slots
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.placement import Placement
 from ninfer_offload.planner.planner import plan
@@ -60,7 +62,7 @@ class LoadPlan:
     @property
     def arena_bytes(self) -> int:
         counts = tuple(len(ids) for ids in self.placement.pinned)
-        return expert_arena_bytes(self.expert_bytes, counts, self.placement.cache_slots)
+        return expert_arena_bytes(self.expert_bytes, counts, self.placement.cache_slots, self.placement.staging_slots)
 
     @property
     def host_bytes(self) -> int:
@@ -72,7 +74,8 @@ class LoadPlan:
         pinned = sum(len(ids) for ids in self.placement.pinned)
         total = self.placement.scores.size
         line = (
-            f"{pinned:,} of {total:,} experts pinned in VRAM, {self.placement.cache_slots:,} cache slots "
+            f"{pinned:,} of {total:,} experts pinned in VRAM, {self.placement.cache_slots:,} cache slots, "
+            f"{self.placement.staging_slots:,} prefill staging slots "
             f"({_size(self.arena_bytes)}), {_size(self.host_bytes)} of expert records in host memory"
         )
         if self.plan is not None:
@@ -99,7 +102,8 @@ def expert_load_plan(inventory: Inventory, device: torch.device, request: Expert
         return LoadPlan(everything, None, expert_bytes)
     if request.experts == "host":
         slots = staging_slots(experts, top_k, request.sequences * (1 + request.draft_tokens), request.num_slots)
-        return LoadPlan(ExpertPlacement([[] for _ in range(layers)] + mtp_pinned, slots, scores), None, expert_bytes)
+        placement = ExpertPlacement([[] for _ in range(layers)] + mtp_pinned, slots, scores, prefill_staging_slots(experts))
+        return LoadPlan(placement, None, expert_bytes)
     if request.experts != "auto":
         raise NinferError(f"experts must be auto, resident or host (--experts), got {request.experts!r}")
     planned = request.profile is not None or request.vram_budget is not None
@@ -126,7 +130,8 @@ def expert_load_plan(inventory: Inventory, device: torch.device, request: Expert
     if placement.components["routed_experts"].host_bytes == 0:
         return LoadPlan(everything, placement, expert_bytes)
     pinned, cache_slots = _hand_to_cache(placement, scores[:layers], expert_bytes[:layers])
-    return LoadPlan(ExpertPlacement(pinned + mtp_pinned, cache_slots, scores), placement, expert_bytes)
+    staging = prefill_staging_slots(experts)
+    return LoadPlan(ExpertPlacement(pinned + mtp_pinned, cache_slots, scores, staging), placement, expert_bytes)
 
 
 def _profile(spec: str | DeviceProfile | None, device: torch.device) -> DeviceProfile:

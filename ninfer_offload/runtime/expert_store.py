@@ -1,7 +1,8 @@
 """Where each routed expert's record lives, and how the MoE layers reach it.
 
 One device arena holds the records in VRAM: first the pinned experts (the plan's, never moved),
-packed per layer, then `cache_slots` uniform slots of the adaptive cache (`runtime.expert_cache`).
+packed per layer, then `cache_slots` uniform slots of the adaptive cache (`runtime.expert_cache`),
+then, when experts are offloaded, `staging_slots` slots for prefill (below).
 Every expert that is not pinned also has a record in the host pool (pinned host memory on CUDA,
 mapped into the device's address space). Per layer a device table maps expert -> byte offset from
 the arena's start: into the arena for an expert in VRAM, to its host record otherwise, which the
@@ -11,6 +12,16 @@ are the two ends of the same mechanism.
 
 Inside a step the store only counts uses per (layer, expert) on the device; between steps the
 cache reads the counts and moves records (`forward`).
+
+A prefill chunk (`forward(prefill=True)`, never captured) with more (token, expert) pairs than the
+MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per block of its tokens,
+in short runs. Instead the store reads the chunk's per-expert counts on the host (one sync per
+layer) and copies each expert it uses that is not in VRAM into a staging slot, once, the most used
+first, on the compute stream (so the MoE kernels that follow, and the next layer's copies, are
+ordered after them). The kernels then run on a copy of the layer's table pointing those experts at
+their slots; with every used expert in VRAM the bank drops the host records and the kernels take
+their VRAM tiles, otherwise the experts left over are read over PCIe as before. Decode steps never
+stage. Staged records count as PCIe bytes (`StoreStats.staged`), their uses not.
 
 With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), assignments of experts that are
 not in VRAM are computed on the host from the host records (numba kernels) while the device works
@@ -45,6 +56,7 @@ class ExpertPlacement:
     pinned: list[list[int]]  # per layer, expert ids kept in VRAM for good
     cache_slots: int  # uniform VRAM slots the cache fills and refills
     scores: np.ndarray  # float [layers, experts]: expected uses per token (the plan's ranking)
+    staging_slots: int = 0  # VRAM slots a prefill chunk copies its host experts into (`ExpertStore.routed`)
 
     @classmethod
     def resident(cls, layers: int, experts: int) -> "ExpertPlacement":
@@ -60,8 +72,9 @@ class StoreStats:
     tokens: int = 0  # tokens routed (each through every MoE layer)
     uses: int = 0  # (token, expert) assignments routed
     hits: int = 0  # of them to an expert in VRAM
-    pcie_bytes: int = 0  # record bytes read from host memory by the device (one read per assignment)
+    pcie_bytes: int = 0  # record bytes read from host memory by the device (one read per assignment, one per staged record)
     promotions: int = 0
+    staged: int = 0  # records copied into the prefill staging slots
     cpu_assignments: int = 0
     miss_path: dict = field(default_factory=dict)  # the CPU miss path's rates and split
 
@@ -80,6 +93,7 @@ class StoreStats:
             "hits": self.hits,
             "pcie_bytes": self.pcie_bytes,
             "promotions": self.promotions,
+            "staged": self.staged,
             "cpu_assignments": self.cpu_assignments,
             **({"miss_path": self.miss_path} if self.miss_path else {}),
         }
@@ -142,10 +156,15 @@ class ExpertStore:
         self.slot_bytes = _align(max(layout.nbytes for layout in layouts))
         self.cache_start = at
         self.cache_slots = placement.cache_slots
-        self.arena = torch.empty(at + self.cache_slots * self.slot_bytes, dtype=torch.uint8, device=device)
+        self.staging_slots = placement.staging_slots
+        slots = self.cache_slots + self.staging_slots
+        self.arena = torch.empty(at + slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.host: list[torch.Tensor] = []  # per layer, every expert's record, when experts are offloaded (filled by `fill`)
         self.table = torch.zeros(layers, num_experts, dtype=torch.int64, device=device)
-        self.uses = torch.zeros(layers, num_experts, dtype=torch.int32, device=device)
+        # Per (layer, expert): assignments routed, and those of them served from a staging slot.
+        self.counts = torch.zeros(2, layers, num_experts, dtype=torch.int32, device=device)
+        self.uses, self.staged_uses = self.counts[0], self.counts[1]
+        self.prefilling = False  # inside `forward(prefill=True)`
         self.replayed: torch.Tensor | None = None  # benchmark hook: routing ids replayed instead of the router's
         self.cpu_path = None
         if miss_path is not None:
@@ -213,6 +232,10 @@ class ExpertStore:
     def slot_offset(self, slot: int) -> int:
         return self.cache_start + slot * self.slot_bytes
 
+    def staging_offset(self, slot: int) -> int:
+        """Offset of prefill staging slot `slot` (after the cache slots)."""
+        return self.slot_offset(self.cache_slots + slot)
+
     # ------------------------------------------------------------------ compute
     def bank(self, layer: int) -> ExpertBank:
         return ExpertBank(self.layouts[layer], self.arena, self.table[layer], self.host[layer] if self.offloaded else None)
@@ -226,7 +249,46 @@ class ExpertStore:
             self.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         if self.cpu_path is not None:
             return self._routed_cpu_misses(backend, layer, x, topk_ids, topk_weights)
+        if self._stages(topk_ids):
+            return backend.routed_experts(x, topk_ids, topk_weights, self.prefill_bank(layer, topk_ids))
         return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer))
+
+    def _stages(self, topk_ids: torch.Tensor) -> bool:
+        """Whether this call stages its host experts: a prefill chunk of an offloaded store, with as many
+        (token, expert) pairs as take the MoE kernels' prefill tiles. Decode steps never do (no sync)."""
+        if not (self.prefilling and self.staging_slots):
+            return False
+        from ninfer_offload.kernels.moe import PREFILL_MIN_PAIRS  # here: kernels.moe needs triton, CPU-only installs may lack it
+
+        return topk_ids.numel() > PREFILL_MIN_PAIRS
+
+    def prefill_bank(self, layer: int, topk_ids: torch.Tensor) -> ExpertBank:
+        """The bank of `layer` for one prefill chunk: the experts its tokens use that are not in VRAM are
+        copied into the staging slots (the most used first, as many as fit; one host sync for the counts),
+        and a copy of the layer's table points at them. The bank keeps `host` only while some of them
+        are still read from host memory."""
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        used = counts.cpu().numpy()
+        missing = np.flatnonzero((used > 0) & ~self.cache.in_vram[layer])
+        order = missing[np.argsort(-used[missing], kind="stable")]
+        staged, left = order[: self.staging_slots], order.size - min(order.size, self.staging_slots)
+        table = self.table[layer]
+        if staged.size:
+            table = table.clone()
+            offsets = [self._stage(layer, int(e), slot) for slot, e in enumerate(staged)]
+            ids = torch.from_numpy(staged).to(self.device)
+            table[ids] = torch.tensor(offsets, dtype=torch.int64, device=self.device)
+            self.staged_uses[layer].index_add_(0, ids, counts[ids].to(torch.int32))
+            self.counters.staged += staged.size
+            self.counters.pcie_bytes += staged.size * self.layouts[layer].nbytes
+        return ExpertBank(self.layouts[layer], self.arena, table, self.host[layer] if left else None)
+
+    def _stage(self, layer: int, expert: int, slot: int) -> int:
+        """Copy `expert`'s host record into staging slot `slot` (in stream order, before the MoE kernels
+        that read it; the next chunk's copies wait for them the same way); its offset."""
+        at, nbytes = self.staging_offset(slot), self.layouts[layer].nbytes
+        self.arena[at : at + nbytes].copy_(self.host[layer][expert], non_blocking=True)
+        return at
 
     def _routed_cpu_misses(self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Experts in VRAM run on the device; the host computes the others ("cpu") or its measured
@@ -261,12 +323,17 @@ class ExpertStore:
         self.replayed[:, : ids.shape[1]].copy_(ids, non_blocking=True)
 
     @contextmanager
-    def forward(self) -> Iterator[None]:
+    def forward(self, prefill: bool = False) -> Iterator[None]:
         """Wraps the launch of one forward: cache bookkeeping due before it, then the part that
-        overlaps it (see `expert_cache`)."""
+        overlaps it (see `expert_cache`). `prefill`: a prompt chunk (never captured), whose host
+        experts may be staged."""
         if self.cache is not None:
             self.cache.before_step()
-        yield
+        self.prefilling = prefill
+        try:
+            yield
+        finally:
+            self.prefilling = False
         if self.cache is not None:
             self.cache.after_launch()
 

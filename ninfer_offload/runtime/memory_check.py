@@ -1,7 +1,7 @@
 """Device-memory check before a load: refuse what cannot fit before any weight moves.
 
 The footprint comes from the planner's accounting (`planner.memory.load_footprint`): the weights
-as loaded, the expert arena (pinned experts and cache slots), the state pool's KV cache and GDN
+as loaded, the expert arena (pinned experts, cache slots, prefill staging slots), the state pool's KV cache and GDN
 state. The host check covers the pinned pool of offloaded expert records. Activations of a forward
 are not counted; `ninfer plan` gives the full budget including workspace and reserve.
 """
