@@ -45,6 +45,7 @@ def test_json_greedy_output_equals_the_engine(tiny_artifact, frontend, reprefill
     assert out["finish_reason"] == "length" and out["stop_id"] is None
     assert out["prompt_tokens"] == len(PROMPT) and out["decode_steps"] == 15 and out["speculation"] is None
     assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
+    assert out["warm_up_seconds"] >= 0  # the warm-up before timing is reported apart
 
 
 @pytest.mark.parametrize("drafts", [["--spec", "auto"], ["--spec", "mtp", "--draft-tokens", 2]])
