@@ -46,69 +46,60 @@ def _reference(x, ids, w, weights):
     return out
 
 
-@pytest.mark.parametrize("gate_up_fmt,down_fmt", [("q4_g64_fp16", "q5_g64_fp16"), ("q8_g32_fp16", "q6_g64_fp16")])
-def test_routed_experts_match_reference(gate_up_fmt, down_fmt):
+def _assert_matches_reference(records: tuple, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, **options) -> None:
+    """routed_experts over every expert's record (expert e in row e) equals the float64 evaluation."""
     from ninfer_offload.kernels.moe import record_table, routed_experts
 
-    layout, records, weights = _records(gate_up_fmt, down_fmt, seed=3)
+    layout, data, weights = records
     table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout, **options)
+    ref = _reference(x, ids, w, weights)
+    assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("gate_up_fmt,down_fmt", [("q4_g64_fp16", "q5_g64_fp16"), ("q8_g32_fp16", "q6_g64_fp16")])
+def test_routed_experts_match_reference(gate_up_fmt, down_fmt):
+    records = _records(gate_up_fmt, down_fmt, seed=3)
     gen = torch.Generator().manual_seed(0)
     for t in (1, 2, 5, 8, 30, 90):  # matrix-vector kernels up to 64 pairs; 30 x 3: sorted blocks; 90 x 3: prefill tiles
         x = torch.randn(t, HIDDEN, generator=gen)
         ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(t)])
         ids[-1] = ids[0]  # experts repeated within the batch
         w = torch.softmax(torch.randn(t, 3, generator=gen), dim=-1)
-        out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), records, table, layout)
-        ref = _reference(x, ids, w, weights)
-        assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+        _assert_matches_reference(records, x, ids, w)
 
 
 def test_tokens_sharing_every_expert():
     """Eight tokens routed to the same three experts (in different slots): each expert's program serves all of them."""
-    from ninfer_offload.kernels.moe import record_table, routed_experts
-
-    layout, records, weights = _records("q4_g64_fp16", "q5_g64_fp16", seed=5)
-    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    records = _records("q4_g64_fp16", "q5_g64_fp16", seed=5)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(8, HIDDEN, generator=gen)
     ids = torch.stack([torch.tensor([2, 4, 5]).roll(t) for t in range(8)])
     w = torch.softmax(torch.randn(8, 3, generator=gen), dim=-1)
-    out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), records, table, layout)
-    ref = _reference(x, ids, w, weights)
-    assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    _assert_matches_reference(records, x, ids, w)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 30])
 def test_a_token_repeating_an_expert(tokens):
     """A token may use one expert in two slots (the host-miss path gives host-computed slots a
     zero weight on an expert the device runs anyway): each slot counts with its own weight."""
-    from ninfer_offload.kernels.moe import record_table, routed_experts
-
-    layout, records, weights = _records("q4_g64_fp16", "q6_g64_fp16", seed=7)
-    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    records = _records("q4_g64_fp16", "q6_g64_fp16", seed=7)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(tokens, HIDDEN, generator=gen)
     ids = torch.tensor([[3, 1, 3]] * tokens)
     w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1)
     w[0, 0] = 0.0  # the zero-weight slot comes first
-    out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), records, table, layout)
-    ref = _reference(x, ids, w, weights)
-    assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    _assert_matches_reference(records, x, ids, w)
 
 
 def test_prefill_over_host_records_matches_reference():
     """Records that may live in host memory take wider k tiles in prefill: the same products."""
-    from ninfer_offload.kernels.moe import record_table, routed_experts
-
-    layout, records, weights = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
-    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    records = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(90, HIDDEN, generator=gen)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(90)])
     w = torch.softmax(torch.randn(90, 3, generator=gen), dim=-1)
-    out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), records, table, layout, host_records=True)
-    ref = _reference(x, ids, w, weights)
-    assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    _assert_matches_reference(records, x, ids, w, host_records=True)
 
 
 def test_plan_groups_pairs_by_expert():
