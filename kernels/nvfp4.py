@@ -5,9 +5,8 @@ exact float32 in stored order (even columns from the packed bytes' low nibbles, 
 high nibbles) with their E4M3FN block scales, reading the stored code plane and undoing the scale
 plane's 128-row x 4-block swizzle (docs/format.md §6.3) on the fly; nothing is dequantized in
 memory. This is the layout of a 4-bit row-split code tile with 16-element groups, so the
-matrix-vector kernels multiply it by x with the same `rowsplit.dot_code_tile`. `load_nvfp4_tile`
-interleaves it into `e2m1(code) * e4m3fn(scale)` for the tiled kernels: these products carry at
-most 6 significant bits, so they are exact in bf16 and the tile feeds `tl.dot` without rounding.
+matrix-vector kernels multiply it by x with the same `rowsplit.dot_code_tile`, and the tiled
+kernels read it interleaved into `e2m1(code) * e4m3fn(scale)` (`tiles.load_tile`).
 The FP32 divisor (one per 128-row tile in runtime form, §6.6) is applied to neither: kernels divide
 their fp32 accumulators by each output row's divisor (`load_divisors`). That split is the seam for
 a tensor-core FP4 path on sm_120, whose block-scaled MMA would consume the stored codes and
@@ -65,24 +64,6 @@ def load_nvfp4_code_tile(
     index = (tile[:, None] + (blocks // 4)[None, :]) * 512 + ((inner % 32) * 16 + (inner // 32) * 4)[:, None] + (blocks % 4)[None, :]
     scales = _e4m3fn(tl.load(obj + scale_offset + index, mask=mask, other=0).to(tl.int32))
     return _e2m1(packed & 15), _e2m1(packed >> 4), scales
-
-
-@triton.jit
-def load_nvfp4_tile(
-    obj,  # pointer to uint8: start of the nvfp4 object
-    rows,  # [BLOCK_N] int64 row indices
-    row_mask,  # [BLOCK_N] bool
-    k0,  # first column of the tile (multiple of BLOCK_K)
-    scale_offset,
-    K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """float32 tile [BLOCK_N, BLOCK_K] of e2m1(code) * e4m3fn(block scale), columns in order, without the divisor."""
-    low, high, scales = load_nvfp4_code_tile(obj, rows, row_mask, k0, scale_offset, K, BLOCK_N, BLOCK_K)
-    codes = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])  # low nibble first
-    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]), [BLOCK_N, BLOCK_K])
-    return codes * scales
 
 
 @triton.jit

@@ -3,9 +3,9 @@
 `load_code_tile` takes the object's base address and its plane offsets (docs/format.md §6.2) and
 returns the codes of rows `rows`, columns `[k0, k0 + BLOCK_K)`, as exact floats in stored order,
 with their scales. The matrix-vector kernels multiply them by x in that order (`dot_code_tile`,
-which also serves nvfp4 code tiles: 4-bit, 16-element groups); the tiled `tl.dot` kernels read the
-interleaved dequantized values `fp32(scale) * code` through `load_weight_tile`. Both reach the
-kernels by way of `kernels/tiles.py`. Nothing is dequantized in memory. `BLOCK_K` is
+which also serves nvfp4 code tiles: 4-bit, 16-element groups); the tiled `tl.dot` kernels read
+them interleaved and scaled (`tiles.load_tile`). Both reach the kernels by way of
+`kernels/tiles.py`. Nothing is dequantized in memory. `BLOCK_K` is
 a multiple of 128, so a tile never crosses a row's padded end and padding lanes (code 0, scale 0)
 need no mask.
 """
@@ -99,27 +99,3 @@ def dot_code_tile(low, high, scales, xk, BITS: tl.constexpr, GROUP: tl.constexpr
         products = low * x_even[None, :] + high * x_odd[None, :]
         per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)
     return tl.sum(per_group * scales, axis=1)
-
-
-@triton.jit
-def load_weight_tile(
-    obj,  # pointer to uint8: start of the row-split object
-    rows,  # [BLOCK_N] int64 row indices
-    row_mask,  # [BLOCK_N] bool
-    k0,  # first column of the tile (multiple of BLOCK_K)
-    high_offset,
-    scale_offset,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Dequantized float32 tile [BLOCK_N, BLOCK_K] of the object, columns in order."""
-    low, high, scales = load_code_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    if BITS == 8:
-        codes = low
-    else:
-        codes = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
-    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP]), [BLOCK_N, BLOCK_K])
-    return codes * scales

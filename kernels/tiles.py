@@ -4,10 +4,10 @@ Every quantized kernel (dense linear, routed MoE) addresses its weight object th
 `TileGeometry` and reads tiles through this module, which dispatches on the `NVFP4` constexpr:
 row-split objects (`kernels/rowsplit.py`: values `fp32(scale) * code`) or nvfp4 objects
 (`kernels/nvfp4.py`: `e2m1(code) * e4m3fn(scale)`, the row divisor applied by the kernel to its
-accumulators after the k loop). The tiled `tl.dot` kernels read dequantized tiles (`load_tile`);
-the matrix-vector kernels read code tiles (`load_gemv_tile`: codes in stored order with their
-scales, nvfp4 ones laid out as 4-bit row-split codes in 16-element groups) and dot them with x
-(`rowsplit.dot_code_tile`, or both at once: `gemv_tile`). A further format (or a tensor-core FP4
+accumulators after the k loop). Both formats decode to one layout, code tiles (`load_gemv_tile`:
+codes in stored order with their scales, nvfp4 ones laid out as 4-bit row-split codes in
+16-element groups): the matrix-vector kernels dot them with x (`rowsplit.dot_code_tile`, or both
+at once: `gemv_tile`), the tiled `tl.dot` kernels read them interleaved and scaled (`load_tile`). A further format (or a tensor-core FP4
 path on sm_120 that skips the register decode) is one more branch here and in the kernels'
 epilogues.
 """
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from ninfer_offload.artifact.formats import BlockScaleGeometry, ObjectGeometry
-from ninfer_offload.kernels.nvfp4 import load_nvfp4_code_tile, load_nvfp4_tile
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_code_tile, load_weight_tile
+from ninfer_offload.kernels.nvfp4 import load_nvfp4_code_tile
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_code_tile
 
 
 @dataclass(frozen=True)
@@ -60,29 +60,6 @@ def gemv_block_k(k_pad: int, preferred: int) -> int:
 
 
 @triton.jit
-def load_tile(
-    obj,
-    rows,
-    row_mask,
-    k0,
-    high_offset,
-    scale_offset,
-    NVFP4: tl.constexpr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """float32 tile [BLOCK_N, BLOCK_K] of the object: row-split values, or nvfp4 values before their row divisor."""
-    if NVFP4:
-        tile = load_nvfp4_tile(obj, rows, row_mask, k0, scale_offset, K_PAD, BLOCK_N, BLOCK_K)
-    else:
-        tile = load_weight_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    return tile
-
-
-@triton.jit
 def load_gemv_tile(
     obj,
     rows,
@@ -104,6 +81,30 @@ def load_gemv_tile(
     else:
         low, high, scales = load_code_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     return low, high, scales
+
+
+@triton.jit
+def load_tile(
+    obj,
+    rows,
+    row_mask,
+    k0,
+    high_offset,
+    scale_offset,
+    NVFP4: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """float32 tile [BLOCK_N, BLOCK_K] of the object, columns in order: `load_gemv_tile`'s codes
+    interleaved (low nibbles to even columns) and times their group's scale (nvfp4: before the row
+    divisor; its products carry at most 6 significant bits, so they are exact in bf16)."""
+    low, high, scales = load_gemv_tile(obj, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    codes = low if BITS == 8 else tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
+    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP]), [BLOCK_N, BLOCK_K])
+    return codes * scales
 
 
 @triton.jit
