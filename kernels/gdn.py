@@ -156,29 +156,31 @@ def _conv_update_kernel(
     KEEP: tl.constexpr,
 ):
     # Window row w of sequence `seq` is state row w for w < TAPS-1, then input row seq*T + w - (TAPS-1);
-    # token t reads window rows t..t+TAPS-1, and the window after it is rows t+1..t+TAPS-1.
+    # token t reads window rows t..t+TAPS-1, and the window after it is rows t+1..t+TAPS-1. Only the
+    # first token block (BLOCK_T >= TAPS-1) reads state rows, so its program writes the new window.
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     seq = tl.program_id(1)
+    t0 = tl.program_id(2) * BLOCK_T
     cmask = cols < C
     slot = tl.load(slots + seq).to(tl.int64)
     state = states + slot * (TAPS - 1) * C
     rows = tl.arange(0, PREV_PAD)
-    # the window after the last token, read first so that its loads overlap the others
-    final = _window(x, state, seq * T, T + rows, rows < TAPS - 1, cols, cmask, C, TAPS - 1)
-    for t0 in range(0, T, BLOCK_T):
-        tokens = t0 + tl.arange(0, BLOCK_T)
-        tmask = tokens < T
-        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for i in tl.static_range(TAPS):
-            win = _window(x, state, seq * T, tokens + i, tmask, cols, cmask, C, TAPS - 1)
-            acc += tl.load(weight + i * C + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] * win
-            if KEEP and i > 0:
-                dst = kept + ((slot * KEPT_TOKENS + tokens[:, None]) * (TAPS - 1) + i - 1) * C + cols[None, :]
-                tl.store(dst, win.to(kept.dtype.element_ty), mask=(tokens < T - 1)[:, None] & cmask[None, :])
-        dst = out + (seq * T + tokens[:, None]) * C + cols[None, :]
-        tl.store(dst, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
-    tl.debug_barrier()  # every thread of the program has read the old window before it is overwritten
-    tl.store(state + rows[:, None] * C + cols[None, :], final.to(states.dtype.element_ty), mask=(rows < TAPS - 1)[:, None] & cmask[None, :])
+    tokens = t0 + tl.arange(0, BLOCK_T)
+    tmask = tokens < T
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for i in tl.static_range(TAPS):
+        win = _window(x, state, seq * T, tokens + i, tmask, cols, cmask, C, TAPS - 1)
+        acc += tl.load(weight + i * C + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] * win
+        if KEEP and i > 0:
+            dst = kept + ((slot * KEPT_TOKENS + tokens[:, None]) * (TAPS - 1) + i - 1) * C + cols[None, :]
+            tl.store(dst, win.to(kept.dtype.element_ty), mask=(tokens < T - 1)[:, None] & cmask[None, :])
+    dst = out + (seq * T + tokens[:, None]) * C + cols[None, :]
+    tl.store(dst, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+    if t0 == 0:  # the window after the last token
+        final = _window(x, state, seq * T, T + rows, rows < TAPS - 1, cols, cmask, C, TAPS - 1)
+        tl.debug_barrier()  # every thread of the program has read the old window before it is overwritten
+        rmask = (rows < TAPS - 1)[:, None] & cmask[None, :]
+        tl.store(state + rows[:, None] * C + cols[None, :], final.to(states.dtype.element_ty), mask=rmask)
 
 
 def conv_update(
@@ -196,10 +198,11 @@ def conv_update(
         _check_kept(kept, conv_states, tokens_per_sequence)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_c = 256
-    _conv_update_kernel[(triton.cdiv(c, block_c), slots.shape[0])](
+    block_t = max(min(64, triton.next_power_of_2(tokens_per_sequence)), triton.next_power_of_2(taps - 1))
+    _conv_update_kernel[(triton.cdiv(c, block_c), slots.shape[0], triton.cdiv(tokens_per_sequence, block_t))](
         x.contiguous(), slots, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
         tokens_per_sequence, c, 0 if kept is None else kept.shape[1],
-        TAPS=taps, PREV_PAD=triton.next_power_of_2(taps - 1), BLOCK_T=min(16, triton.next_power_of_2(tokens_per_sequence)),
+        TAPS=taps, PREV_PAD=triton.next_power_of_2(taps - 1), BLOCK_T=block_t,
         BLOCK_C=block_c, KEEP=kept is not None,
     )
     return out

@@ -175,18 +175,18 @@ def _gate_up_swiglu_gemv_kernel(
         acc_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
-            g_low, g_high, g_scales = load_gemv_tile(
+            g_codes, g_scales = load_gemv_tile(
                 record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
-            u_low, u_high, u_scales = load_gemv_tile(
+            u_codes, u_scales = load_gemv_tile(
                 record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
             cols = k0 + tl.arange(0, BLOCK_K)
             for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
                 if tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0:
                     xk = tl.load(x + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
-                    gate_part = dot_code_tile(g_low, g_high, g_scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
-                    up_part = dot_code_tile(u_low, u_high, u_scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
+                    gate_part = dot_code_tile(g_codes, g_scales, xk, GROUP, BLOCK_N, BLOCK_K)
+                    up_part = dot_code_tile(u_codes, u_scales, xk, GROUP, BLOCK_N, BLOCK_K)
                     acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
                     acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
         if NVFP4:
@@ -235,7 +235,7 @@ def _down_shared_gemv_kernel(
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
-            low, high, scales = load_gemv_tile(
+            codes, scales = load_gemv_tile(
                 down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -243,7 +243,7 @@ def _down_shared_gemv_kernel(
                 pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
                 if pair < BLOCK_PAIRS:
                     ak = tl.load(act + pair.to(tl.int64) * I + cols, mask=cols < I, other=0.0).to(tl.float32)
-                    part = dot_code_tile(low, high, scales, ak, BITS, GROUP, BLOCK_N, BLOCK_K)
+                    part = dot_code_tile(codes, scales, ak, GROUP, BLOCK_N, BLOCK_K)
                     acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
         if NVFP4:
             acc = acc / load_divisors(down, rows, row_mask, divisor_offset)[None, :]
@@ -280,7 +280,7 @@ def _down_gemv_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < H
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
+    for j in tl.static_range(TOP_K):  # unrolled: the k experts' loads are issued together
         pair = tok * TOP_K + j
         down = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256) + down_offset
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)

@@ -1,10 +1,10 @@
 """Triton building blocks: decode a tile of an nvfp4 object (runtime form) in registers.
 
 `load_nvfp4_code_tile` returns the E2M1 values of rows `rows`, columns `[k0, k0 + BLOCK_K)`, as
-exact float32 in stored order (even columns from the packed bytes' low nibbles, odd ones from the
-high nibbles) with their E4M3FN block scales, reading the stored code plane and undoing the scale
+exact float32 in the position layout of `rowsplit.load_code_tile` (position i = nibble i of a
+32-bit word of the packed plane = columns 8 j + i) with their E4M3FN block scales, reading the stored code plane and undoing the scale
 plane's 128-row x 4-block swizzle (docs/format.md §6.3) on the fly; nothing is dequantized in
-memory. This is the layout of a 4-bit row-split code tile with 16-element groups, so the
+memory. This is the layout of a row-split code tile with 16-element groups, so the
 matrix-vector kernels multiply it by x with the same `rowsplit.dot_code_tile`, and the tiled
 kernels read it interleaved into `e2m1(code) * e4m3fn(scale)` (`tiles.load_tile`).
 The FP32 divisor (one per 128-row tile in runtime form, §6.6) is applied to neither: kernels divide
@@ -53,17 +53,22 @@ def load_nvfp4_code_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """(low, high, scales): e2m1 values of the even and of the odd columns, each [BLOCK_N, BLOCK_K // 2]
-    float32, and the e4m3fn scales [BLOCK_N, BLOCK_K // 16] float32, without the divisor."""
+    """(codes, scales): e2m1 values as eight position tiles [BLOCK_N, BLOCK_K // 8] float32 (position
+    i = columns 8 j + i, nibble i of the packed plane's 32-bit word j) and the e4m3fn scales
+    [BLOCK_N, BLOCK_K // 16] float32, without the divisor."""
     mask = row_mask[:, None]
-    ptr = obj + rows[:, None] * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
-    packed = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    ptr = obj.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
+    word = tl.load(ptr, mask=mask, other=0)
+    codes = (
+        _e2m1(word & 15), _e2m1((word >> 4) & 15), _e2m1((word >> 8) & 15), _e2m1((word >> 12) & 15),
+        _e2m1((word >> 16) & 15), _e2m1((word >> 20) & 15), _e2m1((word >> 24) & 15), _e2m1((word >> 28) & 15),
+    )
     blocks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     inner = rows % 128
     tile = (rows // 128) * (K // 64)
     index = (tile[:, None] + (blocks // 4)[None, :]) * 512 + ((inner % 32) * 16 + (inner // 32) * 4)[:, None] + (blocks % 4)[None, :]
     scales = _e4m3fn(tl.load(obj + scale_offset + index, mask=mask, other=0).to(tl.int32))
-    return _e2m1(packed & 15), _e2m1(packed >> 4), scales
+    return codes, scales
 
 
 @triton.jit

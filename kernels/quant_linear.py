@@ -115,12 +115,12 @@ def _quantized_gemv_kernel(
     toks = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
-        low, high, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
             token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
             xk = _input_columns(x, x2, token * stride_x, token * stride_x2, cols, K, norm_w, eps, INPUT, NORM_D, BLOCK_K)
-            part = dot_code_tile(low, high, scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
+            part = dot_code_tile(codes, scales, xk, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
     if NVFP4:
         acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]

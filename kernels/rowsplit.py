@@ -1,13 +1,25 @@
 """Triton building blocks: decode a tile of a `row_split_k128_v1` object in registers.
 
 `load_code_tile` takes the object's base address and its plane offsets (docs/format.md §6.2) and
-returns the codes of rows `rows`, columns `[k0, k0 + BLOCK_K)`, as exact floats in stored order,
-with their scales. The matrix-vector kernels multiply them by x in that order (`dot_code_tile`,
-which also serves nvfp4 code tiles: 4-bit, 16-element groups); the tiled `tl.dot` kernels read
-them interleaved and scaled (`tiles.load_tile`). Both reach the kernels by way of
-`kernels/tiles.py`. Nothing is dequantized in memory. `BLOCK_K` is
-a multiple of 128, so a tile never crosses a row's padded end and padding lanes (code 0, scale 0)
-need no mask.
+returns the codes of rows `rows`, columns `[k0, k0 + BLOCK_K)`, as exact floats, with their scales.
+The codes come as eight position tensors [BLOCK_N, BLOCK_K // 8]: position i holds columns
+`8 j + i`, the order in which eight columns sit in one 32-bit word of a packed 4-bit plane. Working
+on whole words keeps the integer work near one instruction per weight:
+
+* a code's bits are OR-ed, where they already sit in the word (bit b = 4 (i % 4) of the word or of
+  the word shifted right by 16), into the mantissa of the float 2^(23 - b), whose mantissa bit b is
+  worth 1; subtracting that float (plus the code bias) leaves the code, exactly. No shift per code,
+  no int-to-float conversion (a quarter-rate instruction).
+* the sign bits are flipped once per word (two's complement code + bias = an unsigned field).
+* Q5 and Q6 high bits (one byte, or one 16-bit unit, per word of codes) are moved next to their low
+  four bits with one shift and OR-ed in with one mask.
+* Q8 codes are read as 64-bit words (eight columns), one byte per position at bit 0 or 8.
+
+The matrix-vector kernels multiply the positions by the matching x columns (`dot_code_tile`; nvfp4
+code tiles come in the same layout); the tiled `tl.dot` kernels interleave them into columns
+(`interleave_positions`) and scale them (`tiles.load_tile`). Nothing is dequantized in memory.
+`BLOCK_K` is a multiple of 128, so a tile never crosses a row's padded end and padding lanes (code
+0, scale 0) need no mask.
 """
 
 from __future__ import annotations
@@ -17,21 +29,43 @@ import triton.language as tl
 
 
 @triton.jit
-def split_even_odd(xk, BLOCK_K: tl.constexpr):
-    """x columns [BLOCK_K] -> (even columns, odd columns), each [BLOCK_K // 2]: the low and high
-    nibbles of the packed plane's bytes."""
-    return tl.split(tl.reshape(xk, [BLOCK_K // 2, 2]))
+def split_positions(xk, BLOCK_K: tl.constexpr):
+    """x columns [BLOCK_K] -> the eight position vectors [BLOCK_K // 8]: position i holds columns 8 j + i."""
+    even, odd = tl.split(tl.reshape(xk, [BLOCK_K // 8, 2, 2, 2]))
+    p04, p26 = tl.split(even)
+    p15, p37 = tl.split(odd)
+    x0, x4 = tl.split(p04)
+    x2, x6 = tl.split(p26)
+    x1, x5 = tl.split(p15)
+    x3, x7 = tl.split(p37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
-def signed_code_float(u, HALF_RANGE: tl.constexpr):
-    """Two's-complement codes held as unsigned ints `u` (< 2 * HALF_RANGE) -> exact float32 values.
+def interleave_positions(c, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Eight position tiles [BLOCK_N, BLOCK_K // 8] -> the columns in order, [BLOCK_N, BLOCK_K]."""
+    even = tl.join(tl.join(c[0], c[4]), tl.join(c[2], c[6]))
+    odd = tl.join(tl.join(c[1], c[5]), tl.join(c[3], c[7]))
+    return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_K])
 
-    Flipping the sign bit gives the code plus HALF_RANGE; OR-ing that into the mantissa of 2^23
-    and subtracting 2^23 + HALF_RANGE yields the code as a float with integer ops and one
-    subtraction, instead of an int-to-float conversion (a quarter-rate instruction)."""
-    biased = (u ^ HALF_RANGE) | 0x4B000000
-    return biased.to(tl.float32, bitcast=True) - (8388608.0 + HALF_RANGE)
+
+@triton.jit
+def _code(word, B: tl.constexpr, LOW_MASK: tl.constexpr, BIAS: tl.constexpr):
+    """The code whose LOW_MASK bits sit at bit B of `word` (an int32), as an exact float32, BIAS
+    subtracted (the sign-flipped field is code + BIAS)."""
+    magic: tl.constexpr = (150 - B) << 23  # float bits of 2^(23 - B)
+    value = ((word & (LOW_MASK << B)) | magic).to(tl.float32, bitcast=True)
+    return value - tl.full([1], magic | (BIAS << B), tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _with_high(word, high, B: tl.constexpr, SHIFT: tl.constexpr, HIGH_MASK: tl.constexpr, BIAS: tl.constexpr):
+    """`_code` of a code whose low four bits sit at bit B of `word` and whose high bits (HIGH_MASK)
+    sit at bit 4 + B - SHIFT of `high`."""
+    moved = high << SHIFT if SHIFT >= 0 else high >> -SHIFT
+    magic: tl.constexpr = (150 - B) << 23
+    value = ((word & (15 << B)) | (moved & (HIGH_MASK << (B + 4))) | magic).to(tl.float32, bitcast=True)
+    return value - tl.full([1], magic | (BIAS << B), tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -48,54 +82,65 @@ def load_code_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The tile's codes as exact float32 in stored order, and its scales: (low, high, scales).
-
-    8-bit: low = high = codes [BLOCK_N, BLOCK_K]. 4-6 bit: low = codes of the even columns, high =
-    codes of the odd columns (the low and high nibbles of the packed plane), each
-    [BLOCK_N, BLOCK_K // 2]. scales [BLOCK_N, BLOCK_K // GROUP]. Nothing is interleaved or laid out
-    as a dequantized tile: `dot_code_tile` multiplies the codes by x in this order."""
+    """(codes, scales): the tile's eight position tiles as exact float32 (a tuple, position i =
+    columns 8 j + i) and its scales [BLOCK_N, BLOCK_K // GROUP] (float32)."""
+    W: tl.constexpr = BLOCK_K // 8
     mask = row_mask[:, None]
+    words = tl.arange(0, W)[None, :]
     if BITS == 8:
-        ptr = obj + rows[:, None] * K_PAD + k0 + tl.arange(0, BLOCK_K)[None, :]
-        low = signed_code_float(tl.load(ptr, mask=mask, other=0).to(tl.int32), 128)
-        high = low
+        ptr = obj.to(tl.pointer_type(tl.int64)) + rows[:, None] * (K_PAD // 8) + k0 // 8 + words
+        packed = tl.load(ptr, mask=mask, other=0)
+        low = packed.to(tl.int32) ^ -0x7F7F7F80  # flip each byte's sign bit: code + 128
+        high = (packed >> 32).to(tl.int32) ^ -0x7F7F7F80
+        low2, high2 = low >> 16, high >> 16
+        codes = (
+            _code(low, 0, 255, 128), _code(low, 8, 255, 128), _code(low2, 0, 255, 128), _code(low2, 8, 255, 128),
+            _code(high, 0, 255, 128), _code(high, 8, 255, 128), _code(high2, 0, 255, 128), _code(high2, 8, 255, 128),
+        )
     else:
-        HALF: tl.constexpr = BLOCK_K // 2
-        ptr = obj + rows[:, None] * (K_PAD // 2) + k0 // 2 + tl.arange(0, HALF)[None, :]
-        packed = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-        lo = packed & 15
-        hi = packed >> 4
-        if BITS == 5:  # element k's fifth bit: bit k % 8 of high byte k // 8
-            hptr = obj + high_offset + rows[:, None] * (K_PAD // 8) + k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
-            hb = tl.load(hptr, mask=mask, other=0).to(tl.int32)
-            hx = tl.reshape(tl.broadcast_to(hb[:, :, None], [BLOCK_N, BLOCK_K // 8, 4]), [BLOCK_N, HALF])
-            shift = (2 * (tl.arange(0, HALF) % 4))[None, :]
-            lo = lo | (((hx >> shift) & 1) << 4)
-            hi = hi | (((hx >> (shift + 1)) & 1) << 4)
-        if BITS == 6:  # element k's top two bits: bits 2 (k % 4) of high byte k // 4
-            hptr = obj + high_offset + rows[:, None] * (K_PAD // 4) + k0 // 4 + tl.arange(0, BLOCK_K // 4)[None, :]
-            hb = tl.load(hptr, mask=mask, other=0).to(tl.int32)
-            hx = tl.reshape(tl.broadcast_to(hb[:, :, None], [BLOCK_N, BLOCK_K // 4, 2]), [BLOCK_N, HALF])
-            shift = (4 * (tl.arange(0, HALF) % 2))[None, :]
-            lo = lo | (((hx >> shift) & 3) << 4)
-            hi = hi | (((hx >> (shift + 2)) & 3) << 4)
-        low = signed_code_float(lo, 1 << (BITS - 1))
-        high = signed_code_float(hi, 1 << (BITS - 1))
+        ptr = obj.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K_PAD // 8) + k0 // 8 + words
+        word = tl.load(ptr, mask=mask, other=0)
+        if BITS == 4:
+            word = word ^ -0x77777778  # flip each nibble's sign bit: code + 8
+            upper = word >> 16
+            codes = (
+                _code(word, 0, 15, 8), _code(word, 4, 15, 8), _code(word, 8, 15, 8), _code(word, 12, 15, 8),
+                _code(upper, 0, 15, 8), _code(upper, 4, 15, 8), _code(upper, 8, 15, 8), _code(upper, 12, 15, 8),
+            )
+        if BITS == 5:  # column 8 j + i's fifth bit: bit i of high byte j
+            upper = word >> 16
+            hptr = obj + high_offset + rows[:, None] * (K_PAD // 8) + k0 // 8 + words
+            hb = tl.load(hptr, mask=mask, other=0).to(tl.int32) ^ 255  # flip the sign bits: code + 16
+            codes = (
+                _with_high(word, hb, 0, 4, 1, 16), _with_high(word, hb, 4, 7, 1, 16),
+                _with_high(word, hb, 8, 10, 1, 16), _with_high(word, hb, 12, 13, 1, 16),
+                _with_high(upper, hb, 0, 0, 1, 16), _with_high(upper, hb, 4, 3, 1, 16),
+                _with_high(upper, hb, 8, 6, 1, 16), _with_high(upper, hb, 12, 9, 1, 16),
+            )
+        if BITS == 6:  # column 8 j + i's top two bits: bits 2 i of the high plane's 16-bit unit j
+            upper = word >> 16
+            hptr = (obj + high_offset).to(tl.pointer_type(tl.int16)) + rows[:, None] * (K_PAD // 8) + k0 // 8 + words
+            hh = tl.load(hptr, mask=mask, other=0).to(tl.int32) ^ 0xAAAA  # flip the sign bits: code + 32
+            codes = (
+                _with_high(word, hh, 0, 4, 3, 32), _with_high(word, hh, 4, 6, 3, 32),
+                _with_high(word, hh, 8, 8, 3, 32), _with_high(word, hh, 12, 10, 3, 32),
+                _with_high(upper, hh, 0, -4, 3, 32), _with_high(upper, hh, 4, -2, 3, 32),
+                _with_high(upper, hh, 8, 0, 3, 32), _with_high(upper, hh, 12, 2, 3, 32),
+            )
     sptr = (obj + scale_offset).to(tl.pointer_type(tl.float16))
     sptr = sptr + rows[:, None] * (K_PAD // GROUP) + k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
     scales = tl.load(sptr, mask=mask, other=0.0).to(tl.float32)
-    return low, high, scales
+    return codes, scales
 
 
 @triton.jit
-def dot_code_tile(low, high, scales, xk, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N] float32: sum over a tile's columns of W[rows, k] * x[k] from `load_code_tile`'s
-    output (or `nvfp4.load_nvfp4_code_tile`'s, with BITS 4 and GROUP 16) and the tile's x columns `xk`
-    [BLOCK_K] (float32). Products are summed per scale group and only then scaled."""
-    if BITS == 8:
-        per_group = tl.sum(tl.reshape(low * xk[None, :], [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
-    else:
-        x_even, x_odd = split_even_odd(xk, BLOCK_K)
-        products = low * x_even[None, :] + high * x_odd[None, :]
-        per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)
+def dot_code_tile(codes, scales, xk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] float32: sum over a tile's columns of W[rows, k] * x[k] from `load_code_tile`'s output
+    (or `nvfp4.load_nvfp4_code_tile`'s, GROUP 16) and the tile's x columns `xk` [BLOCK_K] (float32).
+    Products are summed per scale group and only then scaled."""
+    xs = split_positions(xk, BLOCK_K)
+    products = codes[0] * xs[0][None, :]
+    for i in tl.static_range(1, 8):
+        products += codes[i] * xs[i][None, :]
+    per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), axis=2)
     return tl.sum(per_group * scales, axis=1)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ninfer_offload.artifact.formats import BlockScaleGeometry, ObjectGeometry
 from ninfer_offload.kernels.nvfp4 import load_nvfp4_code_tile
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_code_tile
+from ninfer_offload.kernels.rowsplit import dot_code_tile, interleave_positions, load_code_tile
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,13 @@ def load_gemv_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """(low, high, scales) of a tile for `dot_code_tile`: row-split codes and scales, or nvfp4 e2m1
-    values and e4m3fn scales (BITS 4, GROUP 16) before their row divisor."""
+    """(codes, scales) of a tile for `dot_code_tile`: eight position tiles of row-split codes, or of
+    nvfp4 e2m1 values with e4m3fn scales (GROUP 16) before their row divisor."""
     if NVFP4:
-        low, high, scales = load_nvfp4_code_tile(obj, rows, row_mask, k0, scale_offset, K_PAD, BLOCK_N, BLOCK_K)
+        codes, scales = load_nvfp4_code_tile(obj, rows, row_mask, k0, scale_offset, K_PAD, BLOCK_N, BLOCK_K)
     else:
-        low, high, scales = load_code_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    return low, high, scales
+        codes, scales = load_code_tile(obj, rows, row_mask, k0, high_offset, scale_offset, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    return codes, scales
 
 
 @triton.jit
@@ -99,10 +99,10 @@ def load_tile(
     BLOCK_K: tl.constexpr,
 ):
     """float32 tile [BLOCK_N, BLOCK_K] of the object, columns in order: `load_gemv_tile`'s codes
-    interleaved (low nibbles to even columns) and times their group's scale (nvfp4: before the row
+    interleaved (position i to columns 8 j + i) and times their group's scale (nvfp4: before the row
     divisor; its products carry at most 6 significant bits, so they are exact in bf16)."""
-    low, high, scales = load_gemv_tile(obj, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    codes = low if BITS == 8 else tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
+    codes, scales = load_gemv_tile(obj, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    codes = interleave_positions(codes, BLOCK_N, BLOCK_K)
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP]), [BLOCK_N, BLOCK_K])
     return codes * scales
 
@@ -125,5 +125,5 @@ def gemv_tile(
 ):
     """[BLOCK_N] float32: sum over the tile's columns of W[rows, k] * x[k] (nvfp4: before the row divisor),
     W decoded in registers (the matrix-vector form of `load_tile` for one x; no tensor-core padding)."""
-    low, high, scales = load_gemv_tile(obj, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    return dot_code_tile(low, high, scales, xk, BITS, GROUP, BLOCK_N, BLOCK_K)
+    codes, scales = load_gemv_tile(obj, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    return dot_code_tile(codes, scales, xk, GROUP, BLOCK_N, BLOCK_K)
