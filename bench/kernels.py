@@ -124,15 +124,18 @@ def bench_gdn(bandwidth: float) -> dict:
     return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 
 
-def record(results: list[dict], measure) -> None:
-    """Append and print one measurement; a configuration that cannot run is recorded with its error."""
+def record(results: list[dict], measure, save) -> None:
+    """Append and print one measurement (a configuration that cannot run is recorded with its error),
+    then save the report so far (a run cut short keeps what it measured)."""
     try:
         r = measure()
     except Exception as err:  # e.g. a tile sweep entry needing more shared memory than the GPU has
         results.append({"error": repr(err)[:300]})
         print("error:", results[-1]["error"], flush=True)
+        save()
         return
     results.append(r)
+    save()
     label = " ".join(str(r[k]) for k in ("op", "format", "down_format", "kv_dtype", "shape", "context", "tokens", "tile") if k in r)
     print(f"{label:60s} {r['ms'] * 1e3:9.1f} us {r['GBps']:8.0f} GB/s ({100 * r['bandwidth_fraction']:5.1f}%)"
           + (f" {r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else ""), flush=True)
@@ -146,54 +149,59 @@ def main() -> None:
     torch.manual_seed(0)
     bandwidth = device_bandwidth()
     results = []
+    header = {**gpu_report_header(args.commit), "triton": triton.__version__, "host": platform.node(),
+              "device_bandwidth_GBps": bandwidth / 1e9}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        args.out.write_text(json.dumps({**header, "results": results}, indent=1))
+
     shapes = [("gdn_qkvz", "q8_g32_fp16", 12288, 2048), ("attn_qkgv", "q8_g32_fp16", 9216, 2048), ("mixer_out", "q8_g32_fp16", 2048, 4096),
               ("shared_gate_up", "q8_g32_fp16", 1024, 2048), ("shared_down", "q8_g32_fp16", 2048, 512),
               ("output_head", "q6_g64_fp16", 248320, 2048)]
     for name, fmt, n, k in shapes:
         for tokens in (1, 8):
-            record(results, lambda: bench_linear(name, fmt, n, k, tokens, bandwidth))
+            record(results, lambda: bench_linear(name, fmt, n, k, tokens, bandwidth), save)
     for name, fmt, n, k in shapes[:3]:
-        record(results, lambda: bench_linear(name, fmt, n, k, 4096, bandwidth))
+        record(results, lambda: bench_linear(name, fmt, n, k, 4096, bandwidth), save)
     for name, _, n, k in shapes[:5]:  # the same products with nvfp4 weights (the nvfp4 recipe's experts are nvfp4)
         for tokens in (1, 8):
-            record(results, lambda: bench_linear(name, NVFP4, n, k, tokens, bandwidth))
+            record(results, lambda: bench_linear(name, NVFP4, n, k, tokens, bandwidth), save)
     for tokens in (1, 4):
-        record(results, lambda: bench_moe(tokens, NVFP4, bandwidth, gate_up_fmt=NVFP4))
+        record(results, lambda: bench_moe(tokens, NVFP4, bandwidth, gate_up_fmt=NVFP4), save)
     settings = ("GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_WARPS", "GEMV_STAGES")
     defaults = tuple(getattr(quant_linear, name) for name in settings)
     for tile in ((8, 2048, 8, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4), (8, 256, 4, 4),
-                 (16, 256, 4, 5), (4, 512, 4, 4), (8, 512, 8, 5), (32, 256, 4, 4), (16, 1024, 8, 3), (2, 2048, 4, 3)):
+                 (16, 256, 4, 5), (4, 512, 4, 4), (8, 512, 8, 5), (32, 256, 4, 4), (16, 1024, 8, 3), (2, 2048, 4, 3),
+                 (16, 2048, 8, 3), (4, 2048, 4, 3), (8, 1024, 8, 4), (16, 512, 8, 4)):
         for name, value in zip(settings, tile):  # one-token and four-token tile sweep
             setattr(quant_linear, name, value)
         for name, fmt, n, k in (shapes[0], shapes[2], shapes[4], shapes[5]):
             for tokens in (1, 4):
-                record(results, lambda: dict(bench_linear(name, fmt, n, k, tokens, bandwidth), tile=list(tile)))
+                record(results, lambda: dict(bench_linear(name, fmt, n, k, tokens, bandwidth), tile=list(tile)), save)
     for name, value in zip(settings, defaults):
         setattr(quant_linear, name, value)
     defaults = moe.GEMV_TILES
     for tiles in (moe.Tiles(1, 16, 16, 8, 2048, 3), moe.Tiles(1, 16, 16, 4, 1024, 3), moe.Tiles(1, 8, 8, 4, 512, 4),
                   moe.Tiles(1, 16, 16, 4, 512, 4), moe.Tiles(1, 32, 32, 4, 256, 4), moe.Tiles(1, 16, 16, 4, 256, 5),
-                  moe.Tiles(1, 8, 16, 2, 512, 3), moe.Tiles(1, 4, 8, 4, 2048, 3)):
+                  moe.Tiles(1, 8, 16, 2, 512, 3), moe.Tiles(1, 4, 8, 4, 2048, 3), moe.Tiles(1, 8, 8, 4, 2048, 3),
+                  moe.Tiles(1, 32, 16, 8, 2048, 3), moe.Tiles(1, 16, 8, 8, 2048, 3)):
         moe.GEMV_TILES = tiles  # matrix-vector tile sweep: one token, and a 3-draft verification
         for tokens in (1, 4):
-            record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=list(dataclasses.astuple(tiles))))
+            record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=list(dataclasses.astuple(tiles))), save)
     moe.GEMV_TILES = defaults
     defaults = moe.PREFILL_TILES
     for tiles in (moe.Tiles(64, 32, 64, 4, 256, 3), moe.Tiles(64, 64, 64, 4, 64, 3), moe.Tiles(64, 64, 64, 4, 64, 4),
                   moe.Tiles(128, 64, 64, 4, 64, 4), moe.Tiles(16, 64, 64, 4, 64, 4)):
         moe.PREFILL_TILES = tiles
         for tokens in (512, 4096):
-            record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=dataclasses.astuple(tiles)))
+            record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=dataclasses.astuple(tiles)), save)
     moe.PREFILL_TILES = defaults
-    record(results, lambda: bench_moe(1, "q6_g64_fp16", bandwidth))
+    record(results, lambda: bench_moe(1, "q6_g64_fp16", bandwidth), save)
     for context in (1024, 8192, 32768):
         for kv in (torch.bfloat16, torch.float8_e4m3fn):
-            record(results, lambda: bench_attention(context, kv, bandwidth))
-    record(results, lambda: bench_gdn(bandwidth))
-    report = {**gpu_report_header(args.commit), "triton": triton.__version__, "host": platform.node(),
-              "device_bandwidth_GBps": bandwidth / 1e9, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+            record(results, lambda: bench_attention(context, kv, bandwidth), save)
+    record(results, lambda: bench_gdn(bandwidth), save)
     print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
 
 

@@ -157,7 +157,7 @@ def _conv_update_kernel(
 ):
     # Window row w of sequence `seq` is state row w for w < TAPS-1, then input row seq*T + w - (TAPS-1);
     # token t reads window rows t..t+TAPS-1, and the window after it is rows t+1..t+TAPS-1. Only the
-    # first token block (BLOCK_T >= TAPS-1) reads state rows, so its program writes the new window.
+    # first token block (one, or BLOCK_T >= TAPS-1) reads state rows, so its program writes the new window.
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     seq = tl.program_id(1)
     t0 = tl.program_id(2) * BLOCK_T
@@ -198,7 +198,7 @@ def conv_update(
         _check_kept(kept, conv_states, tokens_per_sequence)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_c = 256
-    block_t = max(min(64, triton.next_power_of_2(tokens_per_sequence)), triton.next_power_of_2(taps - 1))
+    block_t = 64 if tokens_per_sequence > 64 else triton.next_power_of_2(tokens_per_sequence)  # several blocks: >= TAPS-1 rows
     _conv_update_kernel[(triton.cdiv(c, block_c), slots.shape[0], triton.cdiv(tokens_per_sequence, block_t))](
         x.contiguous(), slots, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
         tokens_per_sequence, c, 0 if kept is None else kept.shape[1],
