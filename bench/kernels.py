@@ -169,18 +169,15 @@ def main() -> None:
             record(results, lambda: bench_linear(name, NVFP4, n, k, tokens, bandwidth), save)
     for tokens in (1, 4):
         record(results, lambda: bench_moe(tokens, NVFP4, bandwidth, gate_up_fmt=NVFP4), save)
-    settings = ("GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_WARPS", "GEMV_STAGES")
-    defaults = tuple(getattr(quant_linear, name) for name in settings)
+    defaults = quant_linear.GEMV_TILES, quant_linear.WIDE_GEMV_TILES
     for tile in ((8, 2048, 8, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4), (8, 256, 4, 4),
                  (16, 256, 4, 5), (4, 512, 4, 4), (8, 512, 8, 5), (32, 256, 4, 4), (16, 1024, 8, 3), (2, 2048, 4, 3),
                  (16, 2048, 8, 3), (4, 2048, 4, 3), (8, 1024, 8, 4), (16, 512, 8, 4)):
-        for name, value in zip(settings, tile):  # one-token and four-token tile sweep
-            setattr(quant_linear, name, value)
+        quant_linear.GEMV_TILES = quant_linear.WIDE_GEMV_TILES = quant_linear.GemvTiles(*tile)  # one- and four-token sweep
         for name, fmt, n, k in (shapes[0], shapes[2], shapes[4], shapes[5]):
             for tokens in (1, 4):
                 record(results, lambda: dict(bench_linear(name, fmt, n, k, tokens, bandwidth), tile=list(tile)), save)
-    for name, value in zip(settings, defaults):
-        setattr(quant_linear, name, value)
+    quant_linear.GEMV_TILES, quant_linear.WIDE_GEMV_TILES = defaults
     defaults = moe.GEMV_TILES
     for tiles in (moe.Tiles(1, 16, 16, 8, 2048, 3), moe.Tiles(1, 16, 16, 4, 1024, 3), moe.Tiles(1, 8, 8, 4, 512, 4),
                   moe.Tiles(1, 16, 16, 4, 512, 4), moe.Tiles(1, 32, 32, 4, 256, 4), moe.Tiles(1, 16, 16, 4, 256, 5),

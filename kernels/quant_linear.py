@@ -25,6 +25,8 @@ dequantize path divides each weight (correctly rounded, as the reference).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -40,11 +42,29 @@ from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k
 # one; above it, transient dequantization + cuBLAS.
 GEMV_MAX_TOKENS = 8
 FUSED_MAX_TOKENS = 64
-# Matrix-vector kernel: rows per program, widest column tile, warps, pipeline depth (module-level so benchmarks can sweep them).
-GEMV_BLOCK_N = 8  # H200 sweep (bench/kernels.py): 8 rows x 2048 columns x 8 warps led on [12288, 2048] and [2048, 4096] Q8
-GEMV_BLOCK_K = 2048
-GEMV_WARPS = 8
-GEMV_STAGES = 3  # software-pipeline depth of the k loop (Triton's default)
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """Launch shape of the matrix-vector kernel: rows per program, widest column tile, warps, pipeline depth."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# H200 sweep (bench/results/kernels_h200.json, one token): 16 x 2048 x 8 warps led on the layers'
+# products (Q8 [12288, 2048] 8.0 us = 78 % of bandwidth); the output head (Q6, 248,320 rows) runs
+# 13 % faster in 32 x 256 tiles (175 vs 200 us). Module-level so benchmarks can sweep them.
+GEMV_TILES = GemvTiles(16, 2048, 8, 3)
+WIDE_GEMV_TILES = GemvTiles(32, 256, 4, 4)
+WIDE_GEMV_MIN_ROWS = 65536
+
+
+def gemv_tiles(n: int) -> GemvTiles:
+    """The matrix-vector launch shape for a product with n output rows."""
+    return WIDE_GEMV_TILES if n >= WIDE_GEMV_MIN_ROWS else GEMV_TILES
 # Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
@@ -248,7 +268,8 @@ def fused_gemv(
         raise ValueError(f"a fused matrix-vector product takes up to {GEMV_MAX_TOKENS} rows of {geometry.k} contiguous columns")
     g = TileGeometry.of(geometry)
     n = geometry.n
-    block_k = gemv_block_k(g.k_pad, GEMV_BLOCK_K)
+    tiles = gemv_tiles(n)
+    block_k = gemv_block_k(g.k_pad, tiles.block_k)
     norm_d = 1 if norm_w is None else norm_w.numel()
     if block_k % norm_d or k % norm_d:
         raise ValueError(f"norm groups of {norm_d} columns must divide the row ({k}) and the column tile ({block_k})")
@@ -256,13 +277,13 @@ def fused_gemv(
     add_gated = routed is not None
     routed = routed.contiguous() if add_gated else out
     score = score if add_gated else out
-    _quantized_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+    _quantized_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
         t, n, k,
         g.high_offset, g.scale_offset, g.divisor_offset,
-        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=GEMV_BLOCK_N,
+        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
         BLOCK_K=block_k, INPUT=input_op.value, NORM_D=norm_d, EPILOGUE=(ADD_GATED if add_gated else STORE).value,
-        num_warps=GEMV_WARPS, num_stages=GEMV_STAGES,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
 
@@ -282,7 +303,8 @@ def gated_norm_linear(
     matrix-vector kernel's input up to GEMV_MAX_TOKENS tokens, else by `norm.gated_rmsnorm` first."""
     t = x.shape[0]
     flat, gate = x.reshape(t, -1), z.reshape(t, -1)
-    whole_groups = gemv_block_k(TileGeometry.of(geometry).k_pad, GEMV_BLOCK_K) % norm_w.numel() == 0  # per column tile
+    block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, gemv_tiles(geometry.n).block_k)
+    whole_groups = block_k % norm_w.numel() == 0  # per column tile
     if t <= GEMV_MAX_TOKENS and flat.stride(1) == 1 and gate.stride(1) == 1 and whole_groups:
         return fused_gemv(flat, data, geometry, gate, GATED_NORM, norm_w=norm_w, eps=eps)
     return quantized_linear(gated_rmsnorm(x, norm_w, eps, z).reshape(t, -1), data, geometry)

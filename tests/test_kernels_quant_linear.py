@@ -55,7 +55,7 @@ def test_split_k_and_dequantize_paths():
 def test_matrix_vector_kernel_walks_rows_in_several_tiles(fmt, monkeypatch):
     from ninfer_offload.kernels import quant_linear
 
-    monkeypatch.setattr(quant_linear, "GEMV_BLOCK_K", 256)  # K = 900 -> 1024 padded: four column tiles
+    monkeypatch.setattr(quant_linear, "GEMV_TILES", quant_linear.GemvTiles(16, 256, 8, 3))  # K = 900 -> 1024 padded: four column tiles
     data, weight, geometry = _random_object(fmt, 21, 900, seed=11)
     x = torch.randn(5, 900, generator=torch.Generator().manual_seed(2))
     out = quant_linear.quantized_linear(x.to(DEVICE), data, geometry)  # five tokens in a block of eight
