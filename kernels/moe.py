@@ -41,7 +41,7 @@ import triton.language as tl
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.nvfp4 import load_divisors
-from ninfer_offload.kernels.rowsplit import dot_code_tile
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile
 
 
@@ -181,12 +181,11 @@ def _gate_up_swiglu_gemv_kernel(
             u_codes, u_scales = load_gemv_tile(
                 record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
-            cols = k0 + tl.arange(0, BLOCK_K)
             for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
                 if tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0:
-                    xk = tl.load(x + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
-                    gate_part = dot_code_tile(g_codes, g_scales, xk, GROUP, BLOCK_N, BLOCK_K)
-                    up_part = dot_code_tile(u_codes, u_scales, xk, GROUP, BLOCK_N, BLOCK_K)
+                    xs = load_positions(x + t * stride_x, k0, H, BLOCK_K)
+                    gate_part = dot_code_tile(g_codes, g_scales, xs, GROUP, BLOCK_N, BLOCK_K)
+                    up_part = dot_code_tile(u_codes, u_scales, xs, GROUP, BLOCK_N, BLOCK_K)
                     acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
                     acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
         if NVFP4:
@@ -238,12 +237,11 @@ def _down_shared_gemv_kernel(
             codes, scales = load_gemv_tile(
                 down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
-            cols = k0 + tl.arange(0, BLOCK_K)
             for t in tl.static_range(BLOCK_T):
                 pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
                 if pair < BLOCK_PAIRS:
-                    ak = tl.load(act + pair.to(tl.int64) * I + cols, mask=cols < I, other=0.0).to(tl.float32)
-                    part = dot_code_tile(codes, scales, ak, GROUP, BLOCK_N, BLOCK_K)
+                    xs = load_positions(act + pair.to(tl.int64) * I, k0, I, BLOCK_K)
+                    part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
                     acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
         if NVFP4:
             acc = acc / load_divisors(down, rows, row_mask, divisor_offset)[None, :]
@@ -285,10 +283,9 @@ def _down_gemv_kernel(
         down = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256) + down_offset
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            ak = tl.load(act + pair * I + cols, mask=cols < I, other=0.0).to(tl.float32)
+            xs = load_positions(act + pair * I, k0, I, BLOCK_K)
             acc += gemv_tile(
-                down, rows, row_mask, k0, ak, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+                down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
         if NVFP4:
             acc = acc / load_divisors(down, rows, row_mask, divisor_offset)

@@ -35,7 +35,7 @@ from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels.norm import gated_rmsnorm
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, position_columns
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
@@ -77,15 +77,13 @@ STORE, ADD_GATED = tl.constexpr(0), tl.constexpr(1)  # the rows; routed + sigmoi
 
 
 @triton.jit
-def _input_columns(x, x2, row, row2, cols, K, norm_w, eps, INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One token's input columns `cols` (float32; its rows start at `row` of x, `row2` of x2), rounded
+def _position_input(x, x2, row, row2, cols, K, inv_rms, norm_w, INPUT: tl.constexpr, NORM_D: tl.constexpr):
+    """One token's input at columns `cols` (float32; its rows start at `row` of x, `row2` of x2), rounded
     to the activation dtype where the reference rounds: the plain x, silu(x) * x2, x * sigmoid(x2), or
-    the gated RMSNorm of x per group of NORM_D columns (`ReferenceBackend.gated_rmsnorm`, gate x2)."""
+    the gated RMSNorm of x (`ReferenceBackend.gated_rmsnorm`, gate x2; `inv_rms` of each column's group)."""
     xv = tl.load(x + row + cols, mask=cols < K, other=0.0)
     xf = xv.to(tl.float32)
     if INPUT == GATED_NORM:
-        squares = tl.sum(tl.reshape(xf * xf, [BLOCK_K // NORM_D, NORM_D]), axis=1)
-        inv_rms = tl.reshape(tl.broadcast_to(tl.rsqrt(squares / NORM_D + eps)[:, None], [BLOCK_K // NORM_D, NORM_D]), [BLOCK_K])
         normed = (xf * inv_rms).to(xv.dtype).to(tl.float32)
         weight = tl.load(norm_w + cols % NORM_D).to(xv.dtype).to(tl.float32)
         zf = tl.load(x2 + row2 + cols, mask=cols < K, other=0.0).to(tl.float32)
@@ -98,6 +96,32 @@ def _input_columns(x, x2, row, row2, cols, K, norm_w, eps, INPUT: tl.constexpr, 
         gf = tl.load(x2 + row2 + cols, mask=cols < K, other=0.0).to(tl.float32)
         xf = (xf * (1.0 / (1.0 + tl.exp(-gf))).to(xv.dtype).to(tl.float32)).to(xv.dtype).to(tl.float32)
     return xf
+
+
+@triton.jit
+def _input_positions(x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's input tile as the eight positions of `rowsplit.load_positions` (`_position_input`);
+    GATED_NORM groups of NORM_D columns (a multiple of 8) are whole words of positions."""
+    W: tl.constexpr = BLOCK_K // 8
+    inv_rms = tl.full([W], 1.0, tl.float32)
+    if INPUT == GATED_NORM:
+        raw = load_positions(x + row, k0, K, BLOCK_K)
+        squares = raw[0] * raw[0]
+        for i in tl.static_range(1, 8):
+            squares += raw[i] * raw[i]
+        per_group = tl.sum(tl.reshape(squares, [BLOCK_K // NORM_D, NORM_D // 8]), axis=1)
+        inv_rms = tl.reshape(tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, None], [BLOCK_K // NORM_D, NORM_D // 8]), [W])
+    c = position_columns(k0, BLOCK_K)
+    return (
+        _position_input(x, x2, row, row2, c[0], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(x, x2, row, row2, c[1], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(x, x2, row, row2, c[2], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(x, x2, row, row2, c[3], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(x, x2, row, row2, c[4], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(x, x2, row, row2, c[5], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(x, x2, row, row2, c[6], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(x, x2, row, row2, c[7], K, inv_rms, norm_w, INPUT, NORM_D),
+    )
 
 
 @triton.jit
@@ -136,11 +160,10 @@ def _quantized_gemv_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
         codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-        cols = k0 + tl.arange(0, BLOCK_K)
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
             token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
-            xk = _input_columns(x, x2, token * stride_x, token * stride_x2, cols, K, norm_w, eps, INPUT, NORM_D, BLOCK_K)
-            part = dot_code_tile(codes, scales, xk, GROUP, BLOCK_N, BLOCK_K)
+            xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K)
+            part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
     if NVFP4:
         acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
@@ -271,8 +294,8 @@ def fused_gemv(
     tiles = gemv_tiles(n)
     block_k = gemv_block_k(g.k_pad, tiles.block_k)
     norm_d = 1 if norm_w is None else norm_w.numel()
-    if block_k % norm_d or k % norm_d:
-        raise ValueError(f"norm groups of {norm_d} columns must divide the row ({k}) and the column tile ({block_k})")
+    if block_k % norm_d or k % norm_d or (norm_w is not None and norm_d % 8):
+        raise ValueError(f"norm groups of {norm_d} columns must divide the row ({k}) and the column tile ({block_k}) in whole words of 8")
     out = torch.empty(t, n, device=x.device, dtype=x.dtype)
     add_gated = routed is not None
     routed = routed.contiguous() if add_gated else out
@@ -304,7 +327,7 @@ def gated_norm_linear(
     t = x.shape[0]
     flat, gate = x.reshape(t, -1), z.reshape(t, -1)
     block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, gemv_tiles(geometry.n).block_k)
-    whole_groups = block_k % norm_w.numel() == 0  # per column tile
+    whole_groups = block_k % norm_w.numel() == 0 and norm_w.numel() % 8 == 0  # per column tile, in whole words
     if t <= GEMV_MAX_TOKENS and flat.stride(1) == 1 and gate.stride(1) == 1 and whole_groups:
         return fused_gemv(flat, data, geometry, gate, GATED_NORM, norm_w=norm_w, eps=eps)
     return quantized_linear(gated_rmsnorm(x, norm_w, eps, z).reshape(t, -1), data, geometry)

@@ -15,8 +15,8 @@ on whole words keeps the integer work near one instruction per weight:
   four bits with one shift and OR-ed in with one mask.
 * Q8 codes are read as 64-bit words (eight columns), one byte per position at bit 0 or 8.
 
-The matrix-vector kernels multiply the positions by the matching x columns (`dot_code_tile`; nvfp4
-code tiles come in the same layout); the tiled `tl.dot` kernels interleave them into columns
+The matrix-vector kernels multiply the positions by the matching x columns, loaded as positions too
+(`load_positions`, `dot_code_tile`; nvfp4 code tiles come in the same layout); the tiled `tl.dot` kernels interleave them into columns
 (`interleave_positions`) and scale them (`tiles.load_tile`). Nothing is dequantized in memory.
 `BLOCK_K` is a multiple of 128, so a tile never crosses a row's padded end and padding lanes (code
 0, scale 0) need no mask.
@@ -29,16 +29,27 @@ import triton.language as tl
 
 
 @triton.jit
-def split_positions(xk, BLOCK_K: tl.constexpr):
-    """x columns [BLOCK_K] -> the eight position vectors [BLOCK_K // 8]: position i holds columns 8 j + i."""
-    even, odd = tl.split(tl.reshape(xk, [BLOCK_K // 8, 2, 2, 2]))
-    p04, p26 = tl.split(even)
-    p15, p37 = tl.split(odd)
-    x0, x4 = tl.split(p04)
-    x2, x6 = tl.split(p26)
-    x1, x5 = tl.split(p15)
-    x3, x7 = tl.split(p37)
-    return x0, x1, x2, x3, x4, x5, x6, x7
+def position_columns(k0, BLOCK_K: tl.constexpr):
+    """The columns of a tile's eight positions: a tuple of [BLOCK_K // 8] indices, position i = 8 j + i."""
+    base = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+    return base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7
+
+
+@triton.jit
+def load_positions(ptr, k0, limit, BLOCK_K: tl.constexpr):
+    """A vector's tile of columns [k0, k0 + BLOCK_K) as its eight positions (float32, 0 past `limit`),
+    loaded straight into the position layout (no register shuffle per token)."""
+    c = position_columns(k0, BLOCK_K)
+    return (
+        tl.load(ptr + c[0], mask=c[0] < limit, other=0.0).to(tl.float32),
+        tl.load(ptr + c[1], mask=c[1] < limit, other=0.0).to(tl.float32),
+        tl.load(ptr + c[2], mask=c[2] < limit, other=0.0).to(tl.float32),
+        tl.load(ptr + c[3], mask=c[3] < limit, other=0.0).to(tl.float32),
+        tl.load(ptr + c[4], mask=c[4] < limit, other=0.0).to(tl.float32),
+        tl.load(ptr + c[5], mask=c[5] < limit, other=0.0).to(tl.float32),
+        tl.load(ptr + c[6], mask=c[6] < limit, other=0.0).to(tl.float32),
+        tl.load(ptr + c[7], mask=c[7] < limit, other=0.0).to(tl.float32),
+    )
 
 
 @triton.jit
@@ -134,11 +145,10 @@ def load_code_tile(
 
 
 @triton.jit
-def dot_code_tile(codes, scales, xk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def dot_code_tile(codes, scales, xs, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N] float32: sum over a tile's columns of W[rows, k] * x[k] from `load_code_tile`'s output
-    (or `nvfp4.load_nvfp4_code_tile`'s, GROUP 16) and the tile's x columns `xk` [BLOCK_K] (float32).
-    Products are summed per scale group and only then scaled."""
-    xs = split_positions(xk, BLOCK_K)
+    (or `nvfp4.load_nvfp4_code_tile`'s, GROUP 16) and the tile's x columns as positions `xs`
+    (`load_positions`, float32). Products are summed per scale group and only then scaled."""
     products = codes[0] * xs[0][None, :]
     for i in tl.static_range(1, 8):
         products += codes[i] * xs[i][None, :]

@@ -113,7 +113,7 @@ def gemv_tile(
     rows,
     row_mask,
     k0,
-    xk,  # [BLOCK_K] float32 x columns of the tile
+    xs,  # the tile's x columns as eight positions (`rowsplit.load_positions`)
     high_offset,
     scale_offset,
     NVFP4: tl.constexpr,
@@ -126,4 +126,4 @@ def gemv_tile(
     """[BLOCK_N] float32: sum over the tile's columns of W[rows, k] * x[k] (nvfp4: before the row divisor),
     W decoded in registers (the matrix-vector form of `load_tile` for one x; no tensor-core padding)."""
     codes, scales = load_gemv_tile(obj, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    return dot_code_tile(codes, scales, xk, GROUP, BLOCK_N, BLOCK_K)
+    return dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
