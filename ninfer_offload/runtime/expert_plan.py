@@ -76,7 +76,7 @@ class LoadPlan:
         line = (
             f"{pinned:,} of {total:,} experts pinned in VRAM, {self.placement.cache_slots:,} cache slots, "
             f"{self.placement.staging_slots:,} prefill staging slots "
-            f"({_size(self.arena_bytes)}), {_size(self.host_bytes)} of expert records in host memory"
+            f"(expert arena {_size(self.arena_bytes)}), {_size(self.host_bytes)} of expert records in host memory"
         )
         if self.plan is not None:
             p = self.plan
