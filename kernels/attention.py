@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 import triton
 import triton.language as tl
 
@@ -143,18 +144,16 @@ def attention_decode(
 
 
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal GQA of q [T, Hq, D] (positions start..start+T-1) over cache rows [0, start+T) via torch SDPA."""
-    t, hq, d = q.shape
+    """Causal GQA of q [T, Hq, D] (positions start..start+T-1) over cache rows [0, start+T) via torch SDPA.
+
+    The mask is the lower-right causal bias, which SDPA hands to flash attention with the K/V heads shared
+    natively; an explicit mask with `enable_gqa` would take its unfused math backend (K/V repeated, the
+    full score matrix in fp32)."""
+    t = q.shape[0]
     keys = k_cache[: start + t].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
     values = v_cache[: start + t].to(q.dtype).transpose(0, 1)
-    if start == 0:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, enable_gqa=True
-        )
-    else:
-        positions = torch.arange(start, start + t, device=q.device)
-        visible = torch.arange(start + t, device=q.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=visible, enable_gqa=True
-        )
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=causal_lower_right(t, start + t),
+        enable_gqa=True,
+    )
     return out.squeeze(0).transpose(0, 1)

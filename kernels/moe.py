@@ -97,24 +97,73 @@ def plan_pairs(topk_ids: torch.Tensor, block_m: int) -> WorkPlan:
     return WorkPlan(flat, _one_pair_per_block(flat.numel(), block_m, flat.device), block_m)
 
 
+# Pairs each program of the planning kernels reads at once.
+PLAN_BLOCK = 2048
+
+
+@triton.jit
+def _count_kernel(ids, counts, pairs, BLOCK: tl.constexpr):
+    """counts[e] = pairs routed to expert e (one program per expert)."""
+    e = tl.program_id(0)
+    total = 0
+    for p0 in range(0, pairs, BLOCK):
+        index = p0 + tl.arange(0, BLOCK)
+        total += tl.sum((tl.load(ids + index, mask=index < pairs, other=-1) == e).to(tl.int32))
+    tl.store(counts + e, total)
+
+
+@triton.jit
+def _place_kernel(
+    ids, counts, block_expert, block_pairs, pairs, experts, max_blocks, tail_per_program,
+    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Expert e's pairs, in pair order, into its blocks (after those of experts < e), its last block
+    padded with -1; then its share of the unused blocks after the last expert's (expert and pairs -1)."""
+    e = tl.program_id(0)
+    experts_i = tl.arange(0, BLOCK_E)
+    blocks = (tl.load(counts + experts_i, mask=experts_i < experts, other=0) + BLOCK_M - 1) // BLOCK_M
+    first = tl.sum(tl.where(experts_i < e, blocks, 0))
+    used = tl.sum(blocks)
+    count = tl.load(counts + e)
+    own = (count + BLOCK_M - 1) // BLOCK_M
+    start = first.to(tl.int64) * BLOCK_M
+    placed = 0
+    for p0 in range(0, pairs, BLOCK):
+        index = p0 + tl.arange(0, BLOCK)
+        mine = (tl.load(ids + index, mask=index < pairs, other=-1) == e).to(tl.int32)
+        rank = placed + tl.cumsum(mine, 0) - 1
+        tl.store(block_pairs + start + rank, index.to(tl.int64), mask=mine > 0)
+        placed += tl.sum(mine)
+    slack = tl.arange(0, BLOCK_M)
+    tl.store(block_pairs + start + count + slack, -1, mask=count + slack < own * BLOCK_M)
+    for b0 in range(0, own, BLOCK):
+        b = b0 + tl.arange(0, BLOCK)
+        tl.store(block_expert + first + b, e.to(tl.int64), mask=b < own)
+    tail = used + e * tail_per_program
+    tail_end = tl.minimum(tail + tail_per_program, max_blocks)
+    for b0 in range(tail, tail_end, BLOCK):
+        b = b0 + tl.arange(0, BLOCK)
+        tl.store(block_expert + b, -1, mask=b < tail_end)
+    for p0 in range(tail.to(tl.int64) * BLOCK_M, tail_end.to(tl.int64) * BLOCK_M, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        tl.store(block_pairs + p, -1, mask=p < tail_end.to(tl.int64) * BLOCK_M)
+
+
 def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPlan:
-    """Group the (token, slot) pairs of `topk_ids` [T, k] by expert, with static shapes only."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    pairs = flat.numel()
-    device = flat.device
+    """Group the (token, slot) pairs of `topk_ids` [T, k] by expert (a counting sort in two launches,
+    static shapes, no host sync): expert e's pairs in pair order fill consecutive blocks, the experts in order."""
+    ids = topk_ids.reshape(-1).contiguous()
+    pairs = ids.numel()
     max_blocks = triton.cdiv(pairs, block_m) + min(pairs, num_experts)
-    sorted_e, order = torch.sort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    blocks_per_expert = (counts + block_m - 1) // block_m
-    first_block = torch.cumsum(blocks_per_expert, 0) - blocks_per_expert
-    first_pair = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(pairs, device=device) - first_pair[sorted_e]
-    block = first_block[sorted_e] + rank // block_m
-    block_pairs = torch.full((max_blocks * block_m,), -1, dtype=torch.int64, device=device)
-    block_pairs[block * block_m + rank % block_m] = order
-    block_expert = torch.full((max_blocks,), -1, dtype=torch.int64, device=device)
-    block_expert[block] = sorted_e
-    return WorkPlan(block_expert, block_pairs.view(max_blocks, block_m), block_m)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int64, device=ids.device)
+    block_pairs = torch.empty(max_blocks, block_m, dtype=torch.int64, device=ids.device)
+    _count_kernel[(num_experts,)](ids, counts, pairs, BLOCK=PLAN_BLOCK)
+    _place_kernel[(num_experts,)](
+        ids, counts, block_expert, block_pairs, pairs, num_experts, max_blocks, triton.cdiv(max_blocks, num_experts),
+        BLOCK_M=block_m, BLOCK=PLAN_BLOCK, BLOCK_E=triton.next_power_of_2(num_experts),
+    )
+    return WorkPlan(block_expert, block_pairs, block_m)
 
 
 @triton.jit

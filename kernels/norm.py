@@ -65,25 +65,37 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: floa
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x, w, z, out, D, eps, BLOCK_D: tl.constexpr):
+def _gated_rmsnorm_kernel(x, w, z, out, D, HEADS, stride_x, stride_z, eps, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    token, head = row // HEADS, row % HEADS
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    xv = tl.load(x + row * D + cols, mask=mask, other=0.0)
+    xv = tl.load(x + token * stride_x + head * D + cols, mask=mask, other=0.0)
     xf = xv.to(tl.float32)
     normed = (xf * tl.rsqrt(tl.sum(xf * xf) / D + eps)).to(xv.dtype).to(tl.float32)
     y = (tl.load(w + cols, mask=mask, other=0.0).to(xv.dtype).to(tl.float32) * normed).to(xv.dtype).to(tl.float32)
-    zf = tl.load(z + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    zf = tl.load(z + token * stride_z + head * D + cols, mask=mask, other=0.0).to(tl.float32)
     gate = (zf / (1.0 + tl.exp(-zf))).to(xv.dtype).to(tl.float32)
     tl.store(out + row * D + cols, (y * gate).to(out.dtype.element_ty), mask=mask)
 
 
+def _token_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """x as [tokens, heads, D] with each token's heads back to back (a view where they are: a column
+    slice of a wider product; else a contiguous copy)."""
+    x = x.reshape(-1, heads, x.shape[-1])
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def gated_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor:
-    """rmsnorm(x) * w * silu(z) per row of the last dim, in one pass; the contract of `ReferenceBackend.gated_rmsnorm`."""
+    """rmsnorm(x) * w * silu(z) per row of the last dim, in one pass; the contract of `ReferenceBackend.gated_rmsnorm`.
+    The tokens of x and z [..., H, D] may be strided rows (z: a column slice of the GDN input product)."""
     d = x.shape[-1]
-    xc = x.contiguous()
-    out = torch.empty_like(xc)
-    rows = xc.numel() // d
+    heads = x.shape[-2] if x.dim() > 1 else 1
+    xr, zr = _token_rows(x, heads), _token_rows(z, heads)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = out.numel() // d
     if rows:
-        _gated_rmsnorm_kernel[(rows,)](xc, w.contiguous(), z.contiguous(), out, d, eps, BLOCK_D=triton.next_power_of_2(d))
+        _gated_rmsnorm_kernel[(rows,)](
+            xr, w.contiguous(), zr, out, d, heads, xr.stride(0), zr.stride(0), eps, BLOCK_D=triton.next_power_of_2(d)
+        )
     return out

@@ -13,11 +13,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _softmax_topk_kernel(logits, ids, weights, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+def _softmax_topk_kernel(logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
-    z = tl.load(logits + row * E + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    z = tl.load(logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z))
     p = p / tl.sum(p)
     p = tl.where(mask, p, -1.0)
@@ -36,12 +36,15 @@ def _softmax_topk_kernel(logits, ids, weights, E, TOP_K: tl.constexpr, K_PAD: tl
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids int64 [T, k], weights [T, k] in `dtype`) from router logits [T, E]."""
+    """(ids int64 [T, k], weights [T, k] in `dtype`) from router logits [T, E] (rows may be strided: a
+    column slice of the product that also holds the shared-expert score)."""
     t, e = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(t, top_k, dtype=dtype, device=logits.device)
     if t:
         _softmax_topk_kernel[(t,)](
-            logits.contiguous(), ids, weights, e, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e)
+            logits, ids, weights, e, logits.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e)
         )
     return ids, weights

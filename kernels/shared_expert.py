@@ -32,29 +32,32 @@ def shared_expert(gate: torch.Tensor, up: torch.Tensor, down: Weight, routed: to
 
 
 @triton.jit
-def _swiglu_kernel(gate, up, out, N, BLOCK: tl.constexpr):
+def _swiglu_kernel(gate, up, out, N, C, stride_gate, stride_up, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < N
-    gv = tl.load(gate + idx, mask=mask, other=0.0)
+    row, col = (idx // C).to(tl.int64), idx % C
+    gv = tl.load(gate + row * stride_gate + col, mask=mask, other=0.0)
     gf = gv.to(tl.float32)
     silu = (gf / (1.0 + tl.exp(-gf))).to(gv.dtype).to(tl.float32)
-    tl.store(out + idx, (silu * tl.load(up + idx, mask=mask, other=0.0).to(tl.float32)).to(out.dtype.element_ty), mask=mask)
+    uf = tl.load(up + row * stride_up + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + idx, (silu * uf).to(out.dtype.element_ty), mask=mask)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, elementwise (same shapes): the prefill path's first step."""
-    g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
+    """silu(gate) * up, elementwise ([T, S] each, rows may be strided: column slices of one product) -> [T, S]:
+    the prefill path's first step."""
+    g, u = (x if x.stride(1) == 1 else x.contiguous() for x in (gate, up))
+    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if g.numel():
-        _swiglu_kernel[(triton.cdiv(g.numel(), BLOCK),)](g, u, out, g.numel(), BLOCK=BLOCK)
+        _swiglu_kernel[(triton.cdiv(g.numel(), BLOCK),)](g, u, out, g.numel(), g.shape[1], g.stride(0), u.stride(0), BLOCK=BLOCK)
     return out
 
 
 @triton.jit
-def _add_gated_kernel(routed, score, shared, out, N, C, BLOCK: tl.constexpr):
+def _add_gated_kernel(routed, score, shared, out, N, C, stride_score, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < N
-    sv = tl.load(score + idx // C, mask=mask, other=0.0)
+    sv = tl.load(score + (idx // C).to(tl.int64) * stride_score, mask=mask, other=0.0)
     sf = sv.to(tl.float32)
     gate = (1.0 / (1.0 + tl.exp(-sf))).to(sv.dtype).to(tl.float32)
     scaled = (gate * tl.load(shared + idx, mask=mask, other=0.0).to(tl.float32)).to(sv.dtype).to(tl.float32)
@@ -63,9 +66,10 @@ def _add_gated_kernel(routed, score, shared, out, N, C, BLOCK: tl.constexpr):
 
 
 def add_gated(routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """routed [T, H] + sigmoid(score [T, 1]) * shared [T, H]: the prefill path's last step."""
-    r, sc, sh = routed.contiguous(), score.contiguous(), shared.contiguous()
+    """routed [T, H] + sigmoid(score [T, 1]) * shared [T, H]: the prefill path's last step (score may be a
+    column of a wider product)."""
+    r, sh = routed.contiguous(), shared.contiguous()
     out = torch.empty_like(r)
     if r.numel():
-        _add_gated_kernel[(triton.cdiv(r.numel(), BLOCK),)](r, sc, sh, out, r.numel(), r.shape[-1], BLOCK=BLOCK)
+        _add_gated_kernel[(triton.cdiv(r.numel(), BLOCK),)](r, score, sh, out, r.numel(), r.shape[-1], score.stride(0), BLOCK=BLOCK)
     return out

@@ -66,15 +66,19 @@ def test_add_rmsnorm(dtype):
 # bf16: three roundings, which the interpreter does toward zero (CUDA: to nearest)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 def test_gated_rmsnorm(dtype, tol):
-    x, z = torch.randn(3, 4, 40, generator=_gen(23)).to(dtype), torch.randn(3, 4, 40, generator=_gen(24)).to(dtype)
+    """z read as the GDN layer leaves it: a column slice of a wider product, viewed as heads."""
+    x, wide = torch.randn(3, 4, 40, generator=_gen(23)).to(dtype), torch.randn(3, 250, generator=_gen(24)).to(dtype)
     w = (1 + torch.randn(40, generator=_gen(25)) * 0.1).to(dtype)
-    got = _backend().gated_rmsnorm(x.to(DEVICE), w.to(DEVICE), 1e-6, z.to(DEVICE))
+    z = wide[:, 70:230].reshape(3, 4, 40)
+    got = _backend().gated_rmsnorm(x.to(DEVICE), w.to(DEVICE), 1e-6, wide.to(DEVICE)[:, 70:230].reshape(3, 4, 40))
     assert got.dtype == dtype and _close(got, REF.gated_rmsnorm(x, w, 1e-6, z), tol)
 
 
 def test_router_softmax_topk():
-    logits = torch.randn(4, 10, generator=_gen(4)).to(torch.bfloat16)
-    ids, weights = _backend().route(logits.to(DEVICE), 3, torch.bfloat16)
+    """The logits read as the stacked router/score product leaves them: all columns but the last."""
+    scored = torch.randn(4, 11, generator=_gen(4)).to(torch.bfloat16)
+    logits = scored[:, :10]
+    ids, weights = _backend().route(scored.to(DEVICE)[:, :10], 3, torch.bfloat16)
     ref_ids, ref_weights = REF.route(logits, 3, torch.bfloat16)
     assert torch.equal(ids.cpu(), ref_ids) and _close(weights, ref_weights, 8e-3)  # one bf16 rounding
 

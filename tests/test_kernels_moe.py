@@ -114,3 +114,23 @@ def test_plan_groups_pairs_by_expert():
         for p in valid:
             seen[p] = e
     assert seen == {p: int(e) for p, e in enumerate(ids.reshape(-1))}
+
+
+def test_plan_is_a_stable_counting_sort():
+    """Expert e's pairs in pair order fill consecutive blocks after those of experts < e (the last one
+    padded with -1), then unused blocks; more pairs than the planning kernels read at once."""
+    from ninfer_offload.kernels.moe import PLAN_BLOCK, plan_work
+
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 5, (PLAN_BLOCK // 3 + 50, 3), generator=gen)
+    ids[::7] = 2  # one expert takes far more pairs than the others; expert 5 of 6 takes none
+    plan = plan_work(ids.to(DEVICE), num_experts=6, block_m=16)
+    expert_of, pairs_of = [], []
+    for e in range(6):
+        pairs = [p for p, x in enumerate(ids.reshape(-1).tolist()) if x == e]
+        for b0 in range(0, len(pairs), 16):
+            expert_of.append(e)
+            pairs_of.append(pairs[b0 : b0 + 16] + [-1] * (16 - len(pairs[b0 : b0 + 16])))
+    unused = plan.block_expert.numel() - len(expert_of)
+    assert plan.block_expert.tolist() == expert_of + [-1] * unused
+    assert plan.block_pairs.tolist() == pairs_of + [[-1] * 16] * unused

@@ -230,7 +230,7 @@ class ReferenceBackend:
             tail = (cum[:, -1:] - cum).exp().unsqueeze(-1)  # decay from each token to the chunk end
             s = cum[:, -1].exp()[:, None, None] * s + (kc * tail).transpose(-1, -2) @ u
         state.copy_(s)
-        return torch.cat(outputs, dim=1).transpose(0, 1).to(v.dtype)
+        return torch.cat(outputs, dim=1).transpose(0, 1).to(v.dtype, memory_format=torch.contiguous_format)
 
     def gdn_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,

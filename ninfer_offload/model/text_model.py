@@ -24,7 +24,8 @@ class DecoderLayer:
     """x = x + mixer(offset_rmsnorm(x)); x = x + moe(offset_rmsnorm(x)).
 
     The residual stream is carried as (x, pending delta) so that each residual add is one op with the
-    norm after it (`backend.add_rmsnorm`), the last one with the next layer's or the final norm.
+    norm after it (`backend.add_rmsnorm`), the last one with the next layer's or the final norm. The
+    first layer has no pending delta (None): its input norm is a plain `backend.rmsnorm`.
     """
 
     input_norm: torch.Tensor
@@ -51,10 +52,13 @@ class DecoderLayer:
         )
 
     def __call__(
-        self, backend, x: torch.Tensor, delta: torch.Tensor, ctx: StepContext, state: StatePool
+        self, backend, x: torch.Tensor, delta: torch.Tensor | None, ctx: StepContext, state: StatePool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, this layer's output delta)."""
-        x, h = backend.add_rmsnorm(x, delta, self.input_norm, self.eps, offset=True)
+        if delta is None:
+            h = backend.rmsnorm(x, self.input_norm, self.eps, offset=True)
+        else:
+            x, h = backend.add_rmsnorm(x, delta, self.input_norm, self.eps, offset=True)
         x, h = backend.add_rmsnorm(x, self.mixer(backend, h, ctx, state), self.post_attention_norm, self.eps, offset=True)
         return x, self.moe(backend, h)
 
@@ -73,8 +77,7 @@ class TextModel:
 
     def hidden(self, backend: Backend, token_ids: torch.Tensor, ctx: StepContext, state: StatePool) -> torch.Tensor:
         """Final-normed hidden states [T, H] of the step's rows; advances the state of its sequences."""
-        x = self.embed(backend, token_ids)
-        delta = torch.zeros_like(x)
+        x, delta = self.embed(backend, token_ids), None
         for layer in self.layers:
             x, delta = layer(backend, x, delta, ctx, state)
         return backend.add_rmsnorm(x, delta, self.final_norm, self.config.rms_norm_eps, offset=True)[1]
@@ -118,5 +121,5 @@ class MtpModule:
         embedded = backend.rmsnorm(text.embed(backend, next_ids), self.embedding_norm, self.eps, offset=True)
         stem = torch.cat([embedded, backend.rmsnorm(hidden, self.hidden_norm, self.eps, offset=True)], dim=-1)
         x = backend.linear(stem, self.input_projection)
-        x, delta = self.layer(backend, x, torch.zeros_like(x), ctx, state)
+        x, delta = self.layer(backend, x, None, ctx, state)
         return backend.add_rmsnorm(x, delta, self.final_norm, self.eps, offset=True)[1]

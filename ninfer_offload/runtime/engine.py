@@ -255,7 +255,7 @@ class Engine:
                 hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
             session.pending = len(chunk)
             session.commit(len(chunk))
-        return torch.cat(hidden)
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     def step(
         self, sessions: list[Session], tokens: list[list[int]], with_hidden: bool = False
