@@ -83,6 +83,14 @@ def test_router_softmax_topk():
     assert torch.equal(ids.cpu(), ref_ids) and _close(weights, ref_weights, 8e-3)  # one bf16 rounding
 
 
+def test_router_softmax_topk_model_shape():
+    """256 experts, top 8, many rows: the same experts in the same order as the reference."""
+    logits = torch.randn(64, 256, generator=_gen(5)) * 3
+    ids, weights = _backend().route(logits.to(DEVICE), 8, torch.float32)
+    ref_ids, ref_weights = REF.route(logits, 8, torch.float32)
+    assert torch.equal(ids.cpu(), ref_ids) and _close(weights, ref_weights, 1e-6)
+
+
 def test_routed_experts_through_bank_slots():
     hidden, inter = 136, 40
     layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", hidden, inter)
