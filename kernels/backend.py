@@ -9,6 +9,8 @@ records use the reference path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ninfer_offload.artifact.records import ExpertRecordLayout
@@ -97,6 +99,16 @@ class TritonBackend(ReferenceBackend):
             return super().routed_experts(x, topk_ids, topk_weights, experts)
         return moe.routed_experts(
             x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout, host_records=experts.host is not None
+        )
+
+    def routed_experts_split(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, later: torch.Tensor,
+        wait: Callable[[], None],
+    ) -> torch.Tensor:
+        if not isinstance(experts.layout, ExpertRecordLayout):
+            return super().routed_experts_split(x, topk_ids, topk_weights, experts, later, wait)
+        return moe.routed_experts_split(
+            x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout, later, wait, host_records=experts.host is not None
         )
 
     def conv_update(

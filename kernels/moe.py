@@ -27,10 +27,16 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
   own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
   The per-token sum over the k slots is a fixed-order reduction.
+
+`routed_experts_split` runs the tiled kernels of a prefill chunk in two passes over one plan (the
+blocks of one set of experts masked to -1 in each) with a caller's `wait` between them, so that the
+first pass runs while the records of the second are still being copied into VRAM
+(`runtime.expert_store`); one sum follows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -69,6 +75,7 @@ DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16
 PREFILL_TILES = Tiles(64, 64, 64, 4, 64, 3)  # H200 sweep, 2048 tokens: 0.86 ms per layer vs 1.76 for 64/32/64, k tile 256
 # Prefill over records that may live in host memory (read over PCIe): 256-wide k tiles, so each row
 # is read in runs of 128+ bytes (runs of 32 bytes measured 0.43 of the PCIe roofline, 128 bytes 0.68-0.73).
+# Its block_m is PREFILL_TILES' (`routed_experts_split`'s two passes share one plan).
 HOST_PREFILL_TILES = Tiles(64, 32, 64, 4, 256, 3)
 PREFILL_MIN_PAIRS = 256
 # Up to this many (token, slot) pairs each pair is its own block: no sort, no scatter (decode).
@@ -446,6 +453,16 @@ def _down_kernel(
         tl.store(out + safe_pairs[:, None] * H + rows[None, :], y * w[:, None], mask=pair_mask[:, None] & row_mask[None, :])
 
 
+def _geometries(layout: ExpertRecordLayout, hidden: int) -> tuple[TileGeometry, TileGeometry]:
+    """Tile geometries of the gate/up and down objects; checks that the records fit `hidden`."""
+    inter = layout.down.k
+    if layout.gate_up.k != hidden or layout.gate_up.n != 2 * inter or layout.down.n != hidden:
+        raise ValueError(
+            f"expert records [{layout.gate_up.n}, {layout.gate_up.k}] / [{layout.down.n}, {inter}] do not fit hidden size {hidden}"
+        )
+    return TileGeometry.of(layout.gate_up), TileGeometry.of(layout.down)
+
+
 def routed_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -459,15 +476,9 @@ def routed_experts(
     multiple of 256) after the start of the uint8 tensor `arena`. `host_records`: some records are in
     host memory, read over PCIe (the tiled kernels then read rows in long runs)."""
     t, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    gu, dn = TileGeometry.of(layout.gate_up), TileGeometry.of(layout.down)
-    inter = layout.down.k
-    if layout.gate_up.k != hidden or layout.gate_up.n != 2 * inter or layout.down.n != hidden:
-        raise ValueError(
-            f"expert records [{layout.gate_up.n}, {layout.gate_up.k}] / [{layout.down.n}, {inter}] do not fit hidden size {hidden}"
-        )
+    gu, dn = _geometries(layout, hidden)
     x = x.contiguous()
-    pairs = t * top_k
+    pairs = t * topk_ids.shape[1]
     if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS:
         return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn)
     tiles = (HOST_PREFILL_TILES if host_records else PREFILL_TILES) if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
@@ -475,23 +486,81 @@ def routed_experts(
         plan = plan_pairs(topk_ids, tiles.block_m)
     else:
         plan = plan_work(topk_ids, table.numel(), tiles.block_m)
-    blocks = plan.block_expert.numel()
+    act, weighted = _buffers(x, pairs, layout)
+    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, plan.block_expert, tiles, act, weighted)
+    return sum_middle(weighted.view(t, -1, hidden), x.dtype)
+
+
+def routed_experts_split(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    arena: torch.Tensor,
+    table: torch.Tensor,
+    layout: ExpertRecordLayout,
+    later: torch.Tensor,
+    wait: Callable[[], None],
+    host_records: bool = False,
+) -> torch.Tensor:
+    """`routed_experts` of a prefill chunk (more than PREFILL_MIN_PAIRS pairs) in two passes over one
+    plan: the blocks of the experts not in `later` ([E] bool, on x's device), then `wait()` (e.g. the
+    stream waits for the copies that bring `later`'s records into VRAM), then the blocks of `later`,
+    which are in VRAM (the VRAM tiles), and one per-token sum. `host_records`: some experts not in
+    `later` are in host memory (the first pass reads rows in long runs)."""
+    t, hidden = x.shape
+    _geometries(layout, hidden)
+    pairs = topk_ids.numel()
+    if pairs <= PREFILL_MIN_PAIRS:
+        raise ValueError(f"two-pass routed experts are for prefill chunks of more than {PREFILL_MIN_PAIRS} pairs, got {pairs}")
+    x = x.contiguous()
+    plan = plan_work(topk_ids, table.numel(), PREFILL_TILES.block_m)
+    deferred = later[plan.block_expert.clamp_min(0)] & (plan.block_expert >= 0)
+    first, second = plan.block_expert.masked_fill(deferred, -1), plan.block_expert.masked_fill(~deferred, -1)
+    act, weighted = _buffers(x, pairs, layout)
+    first_tiles = HOST_PREFILL_TILES if host_records else PREFILL_TILES
+    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, first, first_tiles, act, weighted)
+    wait()
+    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, second, PREFILL_TILES, act, weighted)
+    return sum_middle(weighted.view(t, -1, hidden), x.dtype)
+
+
+def _buffers(x: torch.Tensor, pairs: int, layout: ExpertRecordLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pair SwiGLU activations [pairs, I] (x's dtype) and weighted output rows [pairs, H] (float32)."""
+    act = torch.empty(pairs, layout.down.k, device=x.device, dtype=x.dtype)
+    return act, torch.empty(pairs, x.shape[1], device=x.device, dtype=torch.float32)
+
+
+def _tiled(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    arena: torch.Tensor,
+    table: torch.Tensor,
+    layout: ExpertRecordLayout,
+    plan: WorkPlan,
+    block_expert: torch.Tensor,
+    tiles: Tiles,
+    act: torch.Tensor,
+    weighted: torch.Tensor,
+) -> None:
+    """The two tiled kernels over the blocks of `plan` whose `block_expert` (the plan's, or a copy with
+    blocks masked to -1) is not -1: their pairs' rows of `act`, then of `weighted`."""
+    hidden, inter, top_k = x.shape[1], layout.down.k, topk_ids.shape[1]
+    gu, dn = TileGeometry.of(layout.gate_up), TileGeometry.of(layout.down)
+    blocks = block_expert.numel()
     ieee = x.dtype == torch.float32
-    act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
-        x, arena, table, plan.block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
-        gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=tiles.block_m,
+        x, arena, table, block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
+        gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=plan.block_m,
         BLOCK_N=tiles.gate_up_n,
         BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
-        act, arena, table, plan.block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
+        act, arena, table, block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
         layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset,
-        NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
+        NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=plan.block_m, BLOCK_N=tiles.down_n,
         BLOCK_K=block_k_for(dn.k_pad, tiles.block_k), IEEE=ieee, num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
 
 
 def _routed_experts_gemv(

@@ -111,6 +111,32 @@ def test_routed_experts_through_bank_slots():
     assert _close(out, REF.routed_experts(x, ids, w, bank))
 
 
+def test_routed_experts_split_equals_the_reference():
+    """A prefill chunk's routed experts in two passes (a random set of experts after `wait`) against the
+    reference, which waits and then runs the one-pass op; both call `wait` once."""
+    hidden, inter, experts, tokens = 136, 40, 6, 100  # 300 pairs: the prefill tiles
+    layout = ExpertRecordLayout.create("q4_g64_fp16", "q6_g64_fp16", hidden, inter)
+    rng = np.random.default_rng(9)
+    records = np.zeros((experts, layout.nbytes), dtype=np.uint8)
+    for e in range(experts):
+        gu = encode_row_split(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, "q4_g64_fp16")
+        dn = encode_row_split(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, "q6_g64_fp16")
+        records[e, : gu.size] = gu
+        records[e, layout.down_offset : layout.down_offset + dn.size] = dn
+    bank = ExpertBank.of_records(layout, torch.from_numpy(records))
+    x = torch.randn(tokens, hidden, generator=_gen(10))
+    ids = torch.stack([torch.randperm(experts, generator=_gen(11 + t))[:3] for t in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 3, generator=_gen(12)), -1)
+    later = torch.rand(experts, generator=_gen(13)) < 0.5
+    assert 0 < int(later.sum()) < experts
+    waits = []
+    device_bank = ExpertBank(layout, bank.arena.to(DEVICE), bank.offsets.to(DEVICE))
+    args = (x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), device_bank, later.to(DEVICE))
+    out = _backend().routed_experts_split(*args, lambda: waits.append(1))
+    assert _close(out, REF.routed_experts_split(x, ids, w, bank, later, lambda: waits.append(2)))
+    assert waits == [1, 2]
+
+
 # Decode steps: B sequences of T tokens on slots 2, 0, 3 (in that order) of a pool of 4 sequences plus
 # the scratch slot 4; the slots left out of a step must not change.
 SEQUENCES = 4

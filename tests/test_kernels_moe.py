@@ -102,6 +102,42 @@ def test_prefill_over_host_records_matches_reference():
     _assert_matches_reference(records, x, ids, w, host_records=True)
 
 
+@pytest.mark.parametrize("host_records", [False, True])
+def test_two_passes_equal_one(host_records):
+    """A prefill chunk in two passes, a random half of the experts deferred: their records hold 0xFF bytes
+    (NaN scales) until `wait()` writes them and turns the other experts' records to 0xFF, so an expert
+    computed only in the wrong pass shows. Without host records (the same tiles in both passes) the output
+    is the one-pass op's exactly; with them (256-wide k tiles in the first pass) it matches to rounding."""
+    from ninfer_offload.kernels.moe import record_table, routed_experts, routed_experts_split
+
+    records = _records("q4_g64_fp16", "q5_g64_fp16", seed=11)
+    layout, data, weights = records
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(90, HIDDEN, generator=gen)  # 270 pairs: the prefill tiles
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(90)])
+    w = torch.softmax(torch.randn(90, 3, generator=gen), dim=-1)
+    later = torch.randperm(EXPERTS, generator=gen)[: EXPERTS // 2]
+    mask = torch.zeros(EXPERTS, dtype=torch.bool)
+    mask[later] = True
+    rows = data.view(EXPERTS, layout.nbytes)
+    arena = torch.where(mask.to(DEVICE)[:, None], 0xFF, rows).to(torch.uint8)
+    waits = []
+
+    def wait():
+        arena.copy_(torch.where(mask.to(DEVICE)[:, None], rows, 0xFF))
+        waits.append(True)
+
+    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    args = (x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
+    got = routed_experts_split(*args, arena.view(-1), table, layout, mask.to(DEVICE), wait, host_records=host_records)
+    assert waits == [True]
+    if host_records:
+        ref = _reference(x, ids, w, weights)
+        assert float((got.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    else:
+        assert torch.equal(got, routed_experts(*args, data, table, layout))
+
+
 def test_plan_groups_pairs_by_expert():
     from ninfer_offload.kernels.moe import plan_work
 

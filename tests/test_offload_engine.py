@@ -162,9 +162,10 @@ def test_a_prefill_needing_more_experts_than_staging_slots_stages_the_most_used(
 @needs_triton_device
 @pytest.mark.parametrize("slots", [8, 3])
 def test_the_moe_kernels_read_the_staging_slots(tiny_artifact_official, monkeypatch, slots):
-    """The Triton MoE kernels on a prefill chunk's bank, every layer: with all its host experts staged the bank
-    drops the host records (so the kernels take the VRAM tiles) and the output equals the resident engine's;
-    with three slots it keeps them (the PCIe-friendly tiles) and the output matches to rounding."""
+    """The Triton MoE kernels on a prefill chunk's bank, every layer, in two passes (the staged experts after
+    their copies; on CUDA those run on the store's copy stream): with all its host experts staged the bank
+    drops the host records (so both passes take the VRAM tiles) and the output equals the resident engine's;
+    with three slots it keeps them (the first pass takes the PCIe-friendly tiles) and the output matches to rounding."""
     monkeypatch.setattr(memory, "PREFILL_STAGING_SLOTS", slots)
     load = dict(device=DEVICE, dtype="float32", backend="triton", spec="none")
     resident = Engine.load(tiny_artifact_official, **load)
@@ -179,9 +180,9 @@ def test_the_moe_kernels_read_the_staging_slots(tiny_artifact_official, monkeypa
         want = resident.store.routed(resident.backend, layer, x, ids, weights)
         with host.store.forward(prefill=True):
             got = host.store.routed(host.backend, layer, x, ids, weights)
-            bank = host.store.prefill_bank(layer, ids)
+            bank, later = host.store.prefill_bank(layer, ids)
         missing = int((used & ~host.store.cache.in_vram[layer]).sum())
-        assert missing > 0 and (bank.host is None) == (missing <= slots)
+        assert missing > 0 and (bank.host is None) == (missing <= slots) and int(later.sum()) == min(missing, slots)
         if bank.host is None:
             assert torch.equal(got, want)
         else:

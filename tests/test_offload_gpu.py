@@ -9,11 +9,13 @@ import torch
 
 from ninfer_offload import Engine
 from ninfer_offload.runtime.expert_cache import ExpertCache
+from ninfer_offload.runtime.expert_store import ExpertStore
 from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PROMPT = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+LONG_PROMPT = torch.randint(0, 512, (160,), generator=torch.Generator().manual_seed(12)).tolist()  # 320 pairs: the prefill stages
 
 
 def _decode(engine: Engine, steps: int, routing: list[torch.Tensor] | None = None, prompt: list[int] = PROMPT) -> list[torch.Tensor]:
@@ -101,11 +103,30 @@ def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_offic
 
 def test_a_staged_prefill_equals_resident(tiny_artifact_official, resident):
     """A prompt past the MoE kernels' prefill threshold: each layer's host experts are copied from pinned
-    memory into staging slots on the compute stream, the kernels read them with the VRAM tiles (like the
-    resident engine's), and the prefill logits, then the captured decode steps', equal the resident ones."""
-    prompt = torch.randint(0, 512, (160,), generator=torch.Generator().manual_seed(12)).tolist()  # 320 pairs
+    memory into staging slots on the store's copy stream while the kernels compute the cached experts'
+    pairs, then the kernels read the slots with the VRAM tiles (like the resident engine's), and the
+    prefill logits, then the captured decode steps', equal the resident ones."""
     host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
-    for got, want in zip(_decode(host, 8, prompt=prompt), _decode(resident, 8, prompt=prompt)):
+    for got, want in zip(_decode(host, 8, prompt=LONG_PROMPT), _decode(resident, 8, prompt=LONG_PROMPT)):
+        assert torch.equal(got, want)
+    assert host.store.stats.staged > 0
+
+
+def test_a_staged_prefill_waits_for_late_copies(tiny_artifact_official, resident, monkeypatch):
+    """The copy stream first fills every staging slot with 0xFF bytes (NaN scales) and stalls for about 1 ms
+    before copying the records in: kernels that read a slot before its copy landed would give NaN or
+    another layer's expert, and the logits would differ from the resident ones."""
+    copy = ExpertStore._copy_records
+
+    def late_copy(self, layer, experts):
+        at = self.staging_offset(0)
+        self.arena[at : at + self.staging_slots * self.slot_bytes].fill_(0xFF)
+        torch.cuda._sleep(2_000_000)
+        copy(self, layer, experts)
+
+    monkeypatch.setattr(ExpertStore, "_copy_records", late_copy)
+    host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
+    for got, want in zip(_decode(host, 4, prompt=LONG_PROMPT), _decode(resident, 4, prompt=LONG_PROMPT)):
         assert torch.equal(got, want)
     assert host.store.stats.staged > 0
 

@@ -8,6 +8,7 @@ buffers never move; the decode ops read the step context (`model.context.StepCon
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -46,6 +47,10 @@ class Backend(Protocol):
     def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
     def routed_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank
+    ) -> torch.Tensor: ...
+    def routed_experts_split(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, later: torch.Tensor,
+        wait: Callable[[], None],
     ) -> torch.Tensor: ...
     def conv_update(
         self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None
@@ -166,6 +171,16 @@ class ReferenceBackend:
             gate, up = h.chunk(2, dim=-1)
             out[a0:a1] = torch.bmm(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
         return (out.view(t, k, -1) * topk_weights.unsqueeze(-1)).sum(1)
+
+    def routed_experts_split(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, later: torch.Tensor,
+        wait: Callable[[], None],
+    ) -> torch.Tensor:
+        """`routed_experts` for a bank whose `later` experts ([E] bool) can be read only after `wait()`
+        (their records are being copied into VRAM): a backend may compute the other experts' assignments
+        before it waits. Here: `wait()`, then `routed_experts`."""
+        wait()
+        return self.routed_experts(x, topk_ids, topk_weights, experts)
 
     # ------------------------------------------------------------------ Gated DeltaNet
     def conv_update(

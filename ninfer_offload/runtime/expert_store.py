@@ -17,11 +17,13 @@ A prefill chunk (`forward(prefill=True)`, never captured) with more (token, expe
 MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per block of its tokens,
 in short runs. Instead the store reads the chunk's per-expert counts on the host (one sync per
 layer) and copies each expert it uses that is not in VRAM into a staging slot, once, the most used
-first, on the compute stream (so the MoE kernels that follow, and the next layer's copies, are
-ordered after them). The kernels then run on a copy of the layer's table pointing those experts at
-their slots; with every used expert in VRAM the bank drops the host records and the kernels take
-their VRAM tiles, otherwise the experts left over are read over PCIe as before. Decode steps never
-stage. Staged records count as PCIe bytes (`StoreStats.staged`), their uses not.
+first. The kernels run on a copy of the layer's table pointing those experts at their slots, in two
+passes (`Backend.routed_experts_split`): on CUDA the copies run on the store's copy stream while the
+compute stream computes the pairs of the other experts (those in VRAM, and those left over in host
+memory, read over PCIe as before); then the compute stream waits for the copies and computes the
+staged experts' pairs with the VRAM tiles. The copy stream first waits for the work queued on the
+compute stream, so a layer's copies never overwrite slots the previous layer's second pass reads.
+Decode steps never stage. Staged records count as PCIe bytes (`StoreStats.staged`), their uses not.
 
 With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), assignments of experts that are
 not in VRAM are computed on the host from the host records (numba kernels) while the device works
@@ -172,6 +174,11 @@ class ExpertStore:
 
             self.cpu_path = CpuMissPath(miss_path, device)
         self.cache = ExpertCache(self, cache_policy) if placement.offloaded else None
+        self._copy_stream = None  # the prefill staging copies' (CUDA)
+        if device.type == "cuda" and self.staging_slots:
+            self._copy_stream = torch.cuda.Stream(device)
+            self._staged = torch.cuda.Event()  # after the last layer's staging copies
+            self.arena.record_stream(self._copy_stream)  # freed arena memory is reused only after the copies queued by then
 
     @property
     def capturable(self) -> bool:
@@ -250,7 +257,10 @@ class ExpertStore:
         if self.cpu_path is not None:
             return self._routed_cpu_misses(backend, layer, x, topk_ids, topk_weights)
         if self._stages(topk_ids):
-            return backend.routed_experts(x, topk_ids, topk_weights, self.prefill_bank(layer, topk_ids))
+            bank, later = self.prefill_bank(layer, topk_ids)
+            if later is not None:
+                return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.wait_for_staging)
+            return backend.routed_experts(x, topk_ids, topk_weights, bank)
         return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer))
 
     def _stages(self, topk_ids: torch.Tensor) -> bool:
@@ -262,33 +272,53 @@ class ExpertStore:
 
         return topk_ids.numel() > PREFILL_MIN_PAIRS
 
-    def prefill_bank(self, layer: int, topk_ids: torch.Tensor) -> ExpertBank:
-        """The bank of `layer` for one prefill chunk: the experts its tokens use that are not in VRAM are
-        copied into the staging slots (the most used first, as many as fit; one host sync for the counts),
-        and a copy of the layer's table points at them. The bank keeps `host` only while some of them
-        are still read from host memory."""
+    def prefill_bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor | None]:
+        """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device;
+        None if none). The experts its tokens use that are not in VRAM start copying into the staging slots
+        (the most used first, as many as fit; one host sync for the counts), and a copy of the layer's
+        table points at them: they can be read once `wait_for_staging` was called. The bank keeps `host`
+        only while some of them are still read from host memory."""
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
         used = counts.cpu().numpy()
         missing = np.flatnonzero((used > 0) & ~self.cache.in_vram[layer])
         order = missing[np.argsort(-used[missing], kind="stable")]
         staged, left = order[: self.staging_slots], order.size - min(order.size, self.staging_slots)
-        table = self.table[layer]
-        if staged.size:
-            table = table.clone()
-            offsets = [self._stage(layer, int(e), slot) for slot, e in enumerate(staged)]
-            ids = torch.from_numpy(staged).to(self.device)
-            table[ids] = torch.tensor(offsets, dtype=torch.int64, device=self.device)
-            self.staged_uses[layer].index_add_(0, ids, counts[ids].to(torch.int32))
-            self.counters.staged += staged.size
-            self.counters.pcie_bytes += staged.size * self.layouts[layer].nbytes
-        return ExpertBank(self.layouts[layer], self.arena, table, self.host[layer] if left else None)
+        host = self.host[layer] if left else None
+        if not staged.size:
+            return ExpertBank(self.layouts[layer], self.arena, self.table[layer], host), None
+        ids = torch.from_numpy(staged).to(self.device)
+        table = self.table[layer].clone()
+        table[ids] = torch.tensor([self.staging_offset(slot) for slot in range(staged.size)], dtype=torch.int64, device=self.device)
+        later = torch.zeros(self.num_experts, dtype=torch.bool, device=self.device)
+        later[ids] = True
+        self.staged_uses[layer].index_add_(0, ids, counts[ids].to(torch.int32))
+        self._stage(layer, staged)  # after the small transfers above, which would otherwise queue behind the copies
+        self.counters.staged += staged.size
+        self.counters.pcie_bytes += staged.size * self.layouts[layer].nbytes
+        return ExpertBank(self.layouts[layer], self.arena, table, host), later
 
-    def _stage(self, layer: int, expert: int, slot: int) -> int:
-        """Copy `expert`'s host record into staging slot `slot` (in stream order, before the MoE kernels
-        that read it; the next chunk's copies wait for them the same way); its offset."""
-        at, nbytes = self.staging_offset(slot), self.layouts[layer].nbytes
-        self.arena[at : at + nbytes].copy_(self.host[layer][expert], non_blocking=True)
-        return at
+    def _stage(self, layer: int, experts: np.ndarray) -> None:
+        """Copy the host records of `experts` into staging slots 0, 1, ... On CUDA the copies run on the
+        store's copy stream, after the work queued on the compute stream (the previous chunk's and layer's
+        kernels that read the slots), and an event marks their end (`wait_for_staging`)."""
+        if self._copy_stream is None:
+            self._copy_records(layer, experts)
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_records(layer, experts)
+            self._staged.record()
+
+    def _copy_records(self, layer: int, experts: np.ndarray) -> None:
+        nbytes = self.layouts[layer].nbytes
+        for slot, expert in enumerate(experts):
+            at = self.staging_offset(slot)
+            self.arena[at : at + nbytes].copy_(self.host[layer][expert], non_blocking=True)
+
+    def wait_for_staging(self) -> None:
+        """Make the compute stream wait for the last staging copies (nothing to wait for on the CPU)."""
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._staged)
 
     def _routed_cpu_misses(self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Experts in VRAM run on the device; the host computes the others ("cpu") or its measured
