@@ -38,8 +38,11 @@ from ninfer_offload.runtime.step_inputs import step_inputs
 
 DEFAULT_MAX_CONTEXT = 32768
 PREFILL_CHUNK = 2048  # tokens per forward of a long prefill (the planner's default chunk; bounds the prefill workspace)
-# Prompt lengths reaching each kernel path: matrix-vector (token blocks 1, 2, 4, 8), small tiles, prefill tiles.
-WARM_UP_PREFILLS = (1, 2, 3, 5, 24, 100)
+# Prompt lengths reaching each kernel path (matrix-vector: token blocks 1, 2, 4, 8; small tiles; prefill tiles)
+# with each of Triton's integer specializations of the token count T and of the T * top-k (token, expert) pairs
+# (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles (or
+# loads from Triton's disk cache) its kernels inside the first request that has it.
+WARM_UP_PREFILLS = (1, 2, 3, 5, 17, 24, 32, 33, 100)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -374,12 +377,16 @@ class Engine:
 
     def warm_up(self, longest_prefill: int = PREFILL_CHUNK) -> float:
         """Compile the kernels and capture the decode steps requests will use, before the first request:
-        prefills of one length per kernel path and of `longest_prefill` tokens on a scratch sequence,
-        then the step graph of every batch bucket (with speculation also the verify steps and the MTP
-        steps). Returns the seconds it took."""
+        prefills of each length in WARM_UP_PREFILLS and of `longest_prefill` tokens on a scratch sequence
+        (and, where the context allows, a second chunk after a full one: attention over cached rows), then
+        the step graph of every batch bucket (with speculation also the verify steps and the MTP steps).
+        Returns the seconds it took."""
         began = time.perf_counter()
         if self.device.type == "cuda":
-            for length in sorted({*WARM_UP_PREFILLS, longest_prefill}):
+            lengths = {*WARM_UP_PREFILLS, longest_prefill}
+            if longest_prefill >= PREFILL_CHUNK and longest_prefill + WARM_UP_PREFILLS[-1] < self.max_context:
+                lengths.add(longest_prefill + WARM_UP_PREFILLS[-1])
+            for length in sorted(lengths):
                 session = self.session()
                 try:
                     session.prefill([i % self.config.vocab_size for i in range(min(length, self.max_context - 1))])
