@@ -11,6 +11,9 @@ Everything resident (all experts in VRAM), bf16 activations, batch 1. Measured i
   written) / device bandwidth; `roofline_fraction` = measured / roofline tokens/s;
 * prefill tokens/s for fresh prompts of each length (one `prefill` call);
 * a per-stage breakdown of one captured decode step (torch profiler kernel times by stage);
+* batched decode (`--batches`, default 1 and 8): B sequences stepped together as the server steps them,
+  step time and aggregate tokens/s against one sequence's (the server's ceiling), the largest
+  batch's stages;
 * peak VRAM (torch allocator) against the planner's prediction for the same options;
 * transformers' `Qwen3_5MoeForCausalLM` (bf16, same GPU, its default attention and kernels on
   this image), by default the full 40-layer model (66.6 GiB: it fits an H200; `--hf-layers A B`
@@ -154,6 +157,32 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
     session.close()
 
 
+def bench_batches(engine: Engine, batches: list[int], context: int, report: dict, save) -> None:
+    """Batched decode as the server runs it: B sequences of `context` tokens, one `step_batch` per step
+    (graph per batch bucket): step time, aggregate tok/s and its ratio to one sequence's, and the
+    largest batch's kernels by stage."""
+    vocab = engine.config.vocab_size
+    report["batched_decode"] = []
+    for batch in batches:
+        sessions = [engine.session() for _ in range(batch)]
+        for i, session in enumerate(sessions):
+            session.prefill(random_ids(context, vocab, 1000 + i))
+        tokens = [1] * batch
+        engine.step_batch(sessions, tokens)  # captures this bucket's graph on first use
+        steps = 20
+        seconds = timed(lambda: [engine.step_batch(sessions, tokens) for _ in range(steps)], 3) / steps
+        point = {"batch": batch, "context": context, "step_ms": seconds * 1e3, "aggregate_tok_s": batch / seconds}
+        if batch == max(batches) and engine.graphs is not None:
+            point["stage_us"], _, _ = kernel_breakdown(lambda: engine.step_batch(sessions, tokens), 3)
+        report["batched_decode"].append(point)
+        for session in sessions:
+            session.close()
+        save()
+    single = report["batched_decode"][0]["aggregate_tok_s"]
+    for point in report["batched_decode"]:
+        point["aggregate_vs_first"] = point["aggregate_tok_s"] / single
+
+
 def graph_vs_eager(engine: Engine, session, prompt: list[int]) -> float:
     """Largest relative logits difference between the session's steps (captured where graphs apply)
     and eager one-token forwards of a twin session."""
@@ -252,6 +281,7 @@ def main() -> None:
         "--hf-layers", type=int, nargs="+", default=None,
         help="transformers depths: none = the full model (fits an H200); two = extrapolate from them (smaller GPUs)",
     )
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8], help="batched decode: sequences per step (none: skip)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
@@ -265,13 +295,16 @@ def main() -> None:
     report["device_bandwidth_GBps"] = bandwidth / 1e9
     max_context = max(args.contexts + args.prefills) + 512
     began = time.perf_counter()
-    engine = Engine.load(args.artifact, device="cuda", max_context=max_context, max_sequences=2, spec="none")
+    sequences = max([2, *args.batches])
+    engine = Engine.load(args.artifact, device="cuda", max_context=max_context, max_sequences=sequences, spec="none")
     report["load_seconds"] = time.perf_counter() - began
     report["vram_after_load_bytes"] = torch.cuda.memory_allocated()
     report["planner"] = planner_prediction(engine, max_context)
     save()
     torch.cuda.reset_peak_memory_stats()
     bench_engine(engine, args.contexts, args.prefills, bandwidth, report, save)
+    if args.batches:
+        bench_batches(engine, args.batches, min(args.contexts), report, save)
     report["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
     save()
     config = engine.artifact.components["text"].config
@@ -297,6 +330,9 @@ def main() -> None:
     for point in report["prefill"]:
         print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, "
               f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
+    for point in report.get("batched_decode", []):
+        print(f"batch {point['batch']}: step {point['step_ms']:.2f} ms, {point['aggregate_tok_s']:.0f} tok/s "
+              f"({point['aggregate_vs_first']:.2f}x the first)")
     print("stages (us/step):", json.dumps(report.get("decode_stage_us", {})))
     runtime = report.get("prefill_runtime_calls", {})
     print("prefill runtime calls:", json.dumps({name: [round(v["calls"]), round(v["us"])] for name, v in runtime.items()}))
