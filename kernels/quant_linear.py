@@ -77,11 +77,11 @@ STORE, ADD_GATED = tl.constexpr(0), tl.constexpr(1)  # the rows; routed + sigmoi
 
 
 @triton.jit
-def _position_input(x, x2, row, row2, cols, K, inv_rms, norm_w, INPUT: tl.constexpr, NORM_D: tl.constexpr):
-    """One token's input at columns `cols` (float32; its rows start at `row` of x, `row2` of x2), rounded
-    to the activation dtype where the reference rounds: the plain x, silu(x) * x2, x * sigmoid(x2), or
-    the gated RMSNorm of x (`ReferenceBackend.gated_rmsnorm`, gate x2; `inv_rms` of each column's group)."""
-    xv = tl.load(x + row + cols, mask=cols < K, other=0.0)
+def _position_input(xv, x2, row2, cols, K, inv_rms, norm_w, INPUT: tl.constexpr, NORM_D: tl.constexpr):
+    """One token's input at columns `cols` from its x values there (`xv`, x's dtype; its x2 row starts at
+    `row2`), as float32 rounded to the activation dtype where the reference rounds: the plain x,
+    silu(x) * x2, x * sigmoid(x2), or the gated RMSNorm of x (`ReferenceBackend.gated_rmsnorm`, gate x2;
+    `inv_rms` of each column's group)."""
     xf = xv.to(tl.float32)
     if INPUT == GATED_NORM:
         normed = (xf * inv_rms).to(xv.dtype).to(tl.float32)
@@ -103,24 +103,24 @@ def _input_positions(x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, 
     """One token's input tile as the eight positions of `rowsplit.load_positions` (`_position_input`);
     GATED_NORM groups of NORM_D columns (a multiple of 8) are whole words of positions."""
     W: tl.constexpr = BLOCK_K // 8
+    raw = load_positions(x + row, k0, K, BLOCK_K)
     inv_rms = tl.full([W], 1.0, tl.float32)
     if INPUT == GATED_NORM:
-        raw = load_positions(x + row, k0, K, BLOCK_K)
-        squares = raw[0] * raw[0]
+        squares = raw[0].to(tl.float32) * raw[0].to(tl.float32)
         for i in tl.static_range(1, 8):
-            squares += raw[i] * raw[i]
+            squares += raw[i].to(tl.float32) * raw[i].to(tl.float32)
         per_group = tl.sum(tl.reshape(squares, [BLOCK_K // NORM_D, NORM_D // 8]), axis=1)
         inv_rms = tl.reshape(tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, None], [BLOCK_K // NORM_D, NORM_D // 8]), [W])
     c = position_columns(k0, BLOCK_K)
     return (
-        _position_input(x, x2, row, row2, c[0], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(x, x2, row, row2, c[1], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(x, x2, row, row2, c[2], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(x, x2, row, row2, c[3], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(x, x2, row, row2, c[4], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(x, x2, row, row2, c[5], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(x, x2, row, row2, c[6], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(x, x2, row, row2, c[7], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(raw[0], x2, row2, c[0], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(raw[1], x2, row2, c[1], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(raw[2], x2, row2, c[2], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(raw[3], x2, row2, c[3], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(raw[4], x2, row2, c[4], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(raw[5], x2, row2, c[5], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(raw[6], x2, row2, c[6], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(raw[7], x2, row2, c[7], K, inv_rms, norm_w, INPUT, NORM_D),
     )
 
 

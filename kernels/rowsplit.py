@@ -37,18 +37,18 @@ def position_columns(k0, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def load_positions(ptr, k0, limit, BLOCK_K: tl.constexpr):
-    """A vector's tile of columns [k0, k0 + BLOCK_K) as its eight positions (float32, 0 past `limit`),
+    """A vector's tile of columns [k0, k0 + BLOCK_K) as its eight positions (its dtype, 0 past `limit`),
     loaded straight into the position layout (no register shuffle per token)."""
     c = position_columns(k0, BLOCK_K)
     return (
-        tl.load(ptr + c[0], mask=c[0] < limit, other=0.0).to(tl.float32),
-        tl.load(ptr + c[1], mask=c[1] < limit, other=0.0).to(tl.float32),
-        tl.load(ptr + c[2], mask=c[2] < limit, other=0.0).to(tl.float32),
-        tl.load(ptr + c[3], mask=c[3] < limit, other=0.0).to(tl.float32),
-        tl.load(ptr + c[4], mask=c[4] < limit, other=0.0).to(tl.float32),
-        tl.load(ptr + c[5], mask=c[5] < limit, other=0.0).to(tl.float32),
-        tl.load(ptr + c[6], mask=c[6] < limit, other=0.0).to(tl.float32),
-        tl.load(ptr + c[7], mask=c[7] < limit, other=0.0).to(tl.float32),
+        tl.load(ptr + c[0], mask=c[0] < limit, other=0.0),
+        tl.load(ptr + c[1], mask=c[1] < limit, other=0.0),
+        tl.load(ptr + c[2], mask=c[2] < limit, other=0.0),
+        tl.load(ptr + c[3], mask=c[3] < limit, other=0.0),
+        tl.load(ptr + c[4], mask=c[4] < limit, other=0.0),
+        tl.load(ptr + c[5], mask=c[5] < limit, other=0.0),
+        tl.load(ptr + c[6], mask=c[6] < limit, other=0.0),
+        tl.load(ptr + c[7], mask=c[7] < limit, other=0.0),
     )
 
 
@@ -61,22 +61,26 @@ def interleave_positions(c, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _code(word, B: tl.constexpr, LOW_MASK: tl.constexpr, BIAS: tl.constexpr):
-    """The code whose LOW_MASK bits sit at bit B of `word` (an int32), as an exact float32, BIAS
-    subtracted (the sign-flipped field is code + BIAS)."""
+def _field_value(field, B: tl.constexpr, BIAS: tl.constexpr):
+    """The code held by `field` (an int32 with the sign-flipped code, code + BIAS, at bit B and nothing
+    else set), as an exact float32: OR-ed into the mantissa of 2^(23 - B), whose bit B is worth 1."""
     magic: tl.constexpr = (150 - B) << 23  # float bits of 2^(23 - B)
-    value = ((word & (LOW_MASK << B)) | magic).to(tl.float32, bitcast=True)
+    value = (field | magic).to(tl.float32, bitcast=True)
     return value - tl.full([1], magic | (BIAS << B), tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
+def _code(word, B: tl.constexpr, LOW_MASK: tl.constexpr, BIAS: tl.constexpr):
+    """The code whose LOW_MASK bits sit at bit B of `word`."""
+    return _field_value(word & (LOW_MASK << B), B, BIAS)
+
+
+@triton.jit
 def _with_high(word, high, B: tl.constexpr, SHIFT: tl.constexpr, HIGH_MASK: tl.constexpr, BIAS: tl.constexpr):
-    """`_code` of a code whose low four bits sit at bit B of `word` and whose high bits (HIGH_MASK)
-    sit at bit 4 + B - SHIFT of `high`."""
+    """The code whose low four bits sit at bit B of `word` and whose high bits (HIGH_MASK) sit at bit
+    4 + B - SHIFT of `high`."""
     moved = high << SHIFT if SHIFT >= 0 else high >> -SHIFT
-    magic: tl.constexpr = (150 - B) << 23
-    value = ((word & (15 << B)) | (moved & (HIGH_MASK << (B + 4))) | magic).to(tl.float32, bitcast=True)
-    return value - tl.full([1], magic | (BIAS << B), tl.int32).to(tl.float32, bitcast=True)
+    return _field_value((word & (15 << B)) | (moved & (HIGH_MASK << (B + 4))), B, BIAS)
 
 
 @triton.jit
@@ -148,9 +152,9 @@ def load_code_tile(
 def dot_code_tile(codes, scales, xs, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N] float32: sum over a tile's columns of W[rows, k] * x[k] from `load_code_tile`'s output
     (or `nvfp4.load_nvfp4_code_tile`'s, GROUP 16) and the tile's x columns as positions `xs`
-    (`load_positions`, float32). Products are summed per scale group and only then scaled."""
-    products = codes[0] * xs[0][None, :]
+    (`load_positions`). Products are summed per scale group and only then scaled."""
+    products = codes[0] * xs[0].to(tl.float32)[None, :]
     for i in tl.static_range(1, 8):
-        products += codes[i] * xs[i][None, :]
+        products += codes[i] * xs[i].to(tl.float32)[None, :]
     per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), axis=2)
     return tl.sum(per_group * scales, axis=1)
