@@ -34,6 +34,20 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _skip_interpreter_tiled(tokens: int, dtype: torch.dtype, fmt: str) -> None:
+    """9..64 tokens of a quantized product take the tiled kernels, whose bf16 tl.dot the interpreter gets wrong."""
+    if tokens > 8 and dtype == torch.bfloat16 and DEVICE.type == "cpu" and fmt != "dense":
+        pytest.skip("the interpreter's bf16 tl.dot gives wrong tiled products (9..64 tokens); runs on CUDA")
+
+
+def _weight(fmt: str, values: np.ndarray, dtype: torch.dtype):
+    """values [n, k] as a `fmt` row-split matrix, or ("dense") as a `dtype` tensor."""
+    if fmt == "dense":
+        return torch.from_numpy(values).to(dtype)
+    n, k = values.shape
+    return QuantizedMatrix(GROUPED_FORMATS[fmt], n, k, torch.from_numpy(encode_row_split(values, fmt)))
+
+
 def test_linear_quantized_and_dense():
     rng = np.random.default_rng(0)
     x = torch.randn(2, 3, 300, generator=_gen(0))
@@ -316,13 +330,9 @@ def test_gdn_gating(dtype, tol):
 @pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q5_g64_fp16", "dense"])
 def test_gated_norm_linear(dtype, tol, tokens, fmt):
     """GDN's output: per-head RMSNorm of x times silu(z), flattened, @ w^T, with z a slice of a wider product."""
-    if tokens > 8 and dtype == torch.bfloat16 and DEVICE.type == "cpu" and fmt != "dense":
-        pytest.skip("the interpreter's bf16 tl.dot gives wrong tiled products (9..64 tokens); runs on CUDA")
+    _skip_interpreter_tiled(tokens, dtype, fmt)
     heads, d, n = 8, 32, 40
-    values = np.random.default_rng(tokens).standard_normal((n, heads * d)).astype(np.float32) * 0.1
-    w = torch.from_numpy(values).to(dtype) if fmt == "dense" else QuantizedMatrix(
-        GROUPED_FORMATS[fmt], n, heads * d, torch.from_numpy(encode_row_split(values, fmt))
-    )
+    w = _weight(fmt, np.random.default_rng(tokens).standard_normal((n, heads * d)).astype(np.float32) * 0.1, dtype)
     x = (torch.randn(tokens, heads, d, generator=_gen(45)) * 2).to(dtype)
     wide = torch.randn(tokens, 2 * heads * d, generator=_gen(46)).to(dtype)
     norm_w = (torch.rand(d, generator=_gen(47)) + 0.5).to(dtype)
@@ -340,13 +350,9 @@ def test_gated_norm_linear(dtype, tol, tokens, fmt):
 @pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q6_g64_fp16", "dense"])
 def test_gated_linear(dtype, tol, tokens, fmt):
     """(x * sigmoid(gate)) @ w^T with the gate a column slice of a wider product (the attention output gate)."""
-    if tokens > 8 and dtype == torch.bfloat16 and DEVICE.type == "cpu" and fmt != "dense":
-        pytest.skip("the interpreter's bf16 tl.dot gives wrong tiled products (9..64 tokens); runs on CUDA")
+    _skip_interpreter_tiled(tokens, dtype, fmt)
     n, k = 40, 300
-    values = np.random.default_rng(tokens).standard_normal((n, k)).astype(np.float32) * 0.1
-    w = torch.from_numpy(values).to(dtype) if fmt == "dense" else QuantizedMatrix(
-        GROUPED_FORMATS[fmt], n, k, torch.from_numpy(encode_row_split(values, fmt))
-    )
+    w = _weight(fmt, np.random.default_rng(tokens).standard_normal((n, k)).astype(np.float32) * 0.1, dtype)
     x = torch.randn(tokens, k, generator=_gen(40)).to(dtype)
     wide = (torch.randn(tokens, 3 * k, generator=_gen(41)) * 3).to(dtype)
     got = _backend().gated_linear(x.to(DEVICE), wide.to(DEVICE)[:, k : 2 * k], w.to(DEVICE))
@@ -360,20 +366,13 @@ def test_gated_linear(dtype, tol, tokens, fmt):
 def test_shared_expert(dtype, tol, tokens, fmt):
     """routed + sigmoid(score) * swiglu(gate, up) @ down^T, with gate/up and score read as the stacked
     products leave them (column slices of one buffer)."""
-    if tokens > 8 and dtype == torch.bfloat16 and DEVICE.type == "cpu" and fmt != "dense":
-        pytest.skip("the interpreter's bf16 tl.dot gives wrong tiled products (9..64 tokens); runs on CUDA")
+    _skip_interpreter_tiled(tokens, dtype, fmt)
     hidden, width = 40, 300
-    rng = np.random.default_rng(tokens)
-    values = rng.standard_normal((hidden, width)).astype(np.float32) * 0.1
-    down = torch.from_numpy(values) if fmt == "dense" else QuantizedMatrix(
-        GROUPED_FORMATS[fmt], hidden, width, torch.from_numpy(encode_row_split(values, fmt))
-    )
+    down = _weight(fmt, np.random.default_rng(tokens).standard_normal((hidden, width)).astype(np.float32) * 0.1, dtype)
     gate_up = torch.randn(tokens, 2 * width, generator=_gen(34)).to(dtype)
     gate, up = gate_up[:, :width], gate_up[:, width:]
     routed = torch.randn(tokens, hidden, generator=_gen(36)).to(dtype)
     score = (torch.randn(tokens, 5, generator=_gen(38)) * 3).to(dtype)[:, 2:3]
-    if fmt == "dense":
-        down = down.to(dtype)
     on_device = down.to(DEVICE)
     stacked = gate_up.to(DEVICE)
     got = _backend().shared_expert(stacked[:, :width], stacked[:, width:], on_device, routed.to(DEVICE), score.to(DEVICE))
