@@ -37,19 +37,18 @@ def position_columns(k0, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def load_positions(ptr, k0, limit, BLOCK_K: tl.constexpr):
-    """A vector's tile of columns [k0, k0 + BLOCK_K) as its eight positions (its dtype, 0 past `limit`),
-    loaded straight into the position layout (no register shuffle per token)."""
-    c = position_columns(k0, BLOCK_K)
-    return (
-        tl.load(ptr + c[0], mask=c[0] < limit, other=0.0),
-        tl.load(ptr + c[1], mask=c[1] < limit, other=0.0),
-        tl.load(ptr + c[2], mask=c[2] < limit, other=0.0),
-        tl.load(ptr + c[3], mask=c[3] < limit, other=0.0),
-        tl.load(ptr + c[4], mask=c[4] < limit, other=0.0),
-        tl.load(ptr + c[5], mask=c[5] < limit, other=0.0),
-        tl.load(ptr + c[6], mask=c[6] < limit, other=0.0),
-        tl.load(ptr + c[7], mask=c[7] < limit, other=0.0),
-    )
+    """A vector's tile of columns [k0, k0 + BLOCK_K) as its eight positions (its dtype, 0 past `limit`):
+    one contiguous load, split into the positions in registers."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    xk = tl.load(ptr + cols, mask=cols < limit, other=0.0)
+    even, odd = tl.split(tl.reshape(xk, [BLOCK_K // 8, 2, 2, 2]))
+    p04, p26 = tl.split(even)
+    p15, p37 = tl.split(odd)
+    x0, x4 = tl.split(p04)
+    x2, x6 = tl.split(p26)
+    x1, x5 = tl.split(p15)
+    x3, x7 = tl.split(p37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
