@@ -35,7 +35,7 @@ from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels.norm import gated_rmsnorm
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, position_columns
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, split_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
@@ -77,23 +77,23 @@ STORE, ADD_GATED = tl.constexpr(0), tl.constexpr(1)  # the rows; routed + sigmoi
 
 
 @triton.jit
-def _position_input(xv, x2, row2, cols, K, inv_rms, norm_w, INPUT: tl.constexpr, NORM_D: tl.constexpr):
-    """One token's input at columns `cols` from its x values there (`xv`, x's dtype; its x2 row starts at
-    `row2`), as float32 rounded to the activation dtype where the reference rounds: the plain x,
-    silu(x) * x2, x * sigmoid(x2), or the gated RMSNorm of x (`ReferenceBackend.gated_rmsnorm`, gate x2;
-    `inv_rms` of each column's group)."""
+def _position_input(xv, x2v, wv, inv_rms, INPUT: tl.constexpr):
+    """One position of a token's input from its x, x2 and norm-weight values there (their dtypes), as
+    float32 rounded to the activation dtype where the reference rounds: the plain x, silu(x) * x2,
+    x * sigmoid(x2), or the gated RMSNorm of x (`ReferenceBackend.gated_rmsnorm`, gate x2; `inv_rms`
+    of each column's group)."""
     xf = xv.to(tl.float32)
     if INPUT == GATED_NORM:
         normed = (xf * inv_rms).to(xv.dtype).to(tl.float32)
-        weight = tl.load(norm_w + cols % NORM_D).to(xv.dtype).to(tl.float32)
-        zf = tl.load(x2 + row2 + cols, mask=cols < K, other=0.0).to(tl.float32)
+        weight = wv.to(xv.dtype).to(tl.float32)
+        zf = x2v.to(tl.float32)
         gate = (zf / (1.0 + tl.exp(-zf))).to(xv.dtype).to(tl.float32)
         xf = ((weight * normed).to(xv.dtype).to(tl.float32) * gate).to(xv.dtype).to(tl.float32)
     if INPUT == SWIGLU:
         silu = (xf / (1.0 + tl.exp(-xf))).to(xv.dtype).to(tl.float32)
-        xf = (silu * tl.load(x2 + row2 + cols, mask=cols < K, other=0.0).to(tl.float32)).to(xv.dtype).to(tl.float32)
+        xf = (silu * x2v.to(tl.float32)).to(xv.dtype).to(tl.float32)
     if INPUT == SIGMOID_GATE:
-        gf = tl.load(x2 + row2 + cols, mask=cols < K, other=0.0).to(tl.float32)
+        gf = x2v.to(tl.float32)
         xf = (xf * (1.0 / (1.0 + tl.exp(-gf))).to(xv.dtype).to(tl.float32)).to(xv.dtype).to(tl.float32)
     return xf
 
@@ -104,23 +104,27 @@ def _input_positions(x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, 
     GATED_NORM groups of NORM_D columns (a multiple of 8) are whole words of positions."""
     W: tl.constexpr = BLOCK_K // 8
     raw = load_positions(x + row, k0, K, BLOCK_K)
+    raw2 = raw  # x2 and the norm weights: read by the fused inputs only
+    if INPUT != PLAIN:
+        raw2 = load_positions(x2 + row2, k0, K, BLOCK_K)
+    weights = raw2
     inv_rms = tl.full([W], 1.0, tl.float32)
     if INPUT == GATED_NORM:
+        weights = split_positions(tl.load(norm_w + (k0 + tl.arange(0, BLOCK_K)) % NORM_D), BLOCK_K)
         squares = raw[0].to(tl.float32) * raw[0].to(tl.float32)
         for i in tl.static_range(1, 8):
             squares += raw[i].to(tl.float32) * raw[i].to(tl.float32)
         per_group = tl.sum(tl.reshape(squares, [BLOCK_K // NORM_D, NORM_D // 8]), axis=1)
         inv_rms = tl.reshape(tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, None], [BLOCK_K // NORM_D, NORM_D // 8]), [W])
-    c = position_columns(k0, BLOCK_K)
     return (
-        _position_input(raw[0], x2, row2, c[0], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(raw[1], x2, row2, c[1], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(raw[2], x2, row2, c[2], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(raw[3], x2, row2, c[3], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(raw[4], x2, row2, c[4], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(raw[5], x2, row2, c[5], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(raw[6], x2, row2, c[6], K, inv_rms, norm_w, INPUT, NORM_D),
-        _position_input(raw[7], x2, row2, c[7], K, inv_rms, norm_w, INPUT, NORM_D),
+        _position_input(raw[0], raw2[0], weights[0], inv_rms, INPUT),
+        _position_input(raw[1], raw2[1], weights[1], inv_rms, INPUT),
+        _position_input(raw[2], raw2[2], weights[2], inv_rms, INPUT),
+        _position_input(raw[3], raw2[3], weights[3], inv_rms, INPUT),
+        _position_input(raw[4], raw2[4], weights[4], inv_rms, INPUT),
+        _position_input(raw[5], raw2[5], weights[5], inv_rms, INPUT),
+        _position_input(raw[6], raw2[6], weights[6], inv_rms, INPUT),
+        _position_input(raw[7], raw2[7], weights[7], inv_rms, INPUT),
     )
 
 
