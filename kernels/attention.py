@@ -19,8 +19,6 @@ from torch.nn.attention.bias import causal_lower_right
 import triton
 import triton.language as tl
 
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
-
 # Cached positions per program in decode.
 SPAN = 256
 # Spans the merge combines per step.
@@ -49,10 +47,7 @@ def _decode_partial_kernel(
     SPAN_SIZE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     IEEE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     hkv = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
@@ -100,11 +95,7 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _decode_merge_kernel(
-    part_out, part_max, part_sum, out, NSPLIT, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SPLIT: tl.constexpr, PDL: tl.constexpr
-):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+def _decode_merge_kernel(part_out, part_max, part_sum, out, NSPLIT, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
     # One (token row, query head): its spans' partial softmaxes combined in a fixed order (empty spans weigh exp(-inf) = 0).
     h = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, D_PAD)
@@ -143,11 +134,11 @@ def attention_decode(
     _decode_partial_kernel[(hkv, nsplit, n)](
         q.contiguous(), k_pool, v_pool, slots, lengths, part_out, part_max, part_sum, d**-0.5, k_pool.stride(0), capacity,
         tokens_per_sequence, HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d),
-        GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=SPAN, BLOCK_S=64, IEEE=q.dtype == torch.float32, **launch_options(),
+        GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=SPAN, BLOCK_S=64, IEEE=q.dtype == torch.float32,
     )
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(n * hq,)](
-        part_out, part_max, part_sum, out, nsplit, D=d, D_PAD=triton.next_power_of_2(d), BLOCK_SPLIT=MERGE_BLOCK, **launch_options()
+        part_out, part_max, part_sum, out, nsplit, D=d, D_PAD=triton.next_power_of_2(d), BLOCK_SPLIT=MERGE_BLOCK
     )
     return out
 

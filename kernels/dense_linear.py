@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
-
 GEMV_MAX_TOKENS = 8
 # Rows per program, widest column tile, warps (module-level so benchmarks can sweep them).
 GEMV_BLOCK_N = 2
@@ -23,37 +21,20 @@ GEMV_WARPS = 4
 
 
 @triton.jit
-def _dense_tile(w, rows, row_mask, k0, K, BLOCK_K: tl.constexpr):
-    cols = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w + rows[:, None] * K + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _dense_accumulate(acc, tile, x, k0, T, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BLOCK_T, BLOCK_N] plus every token's product with one weight tile (read once for all of them)."""
-    toks = tl.arange(0, BLOCK_T)
-    cols = k0 + tl.arange(0, BLOCK_K)
-    for t in tl.static_range(BLOCK_T):
-        xrow = x + tl.minimum(t, T - 1).to(tl.int64) * stride_x  # rows past T repeat the last (never stored)
-        xk = tl.load(xrow + cols, mask=cols < K, other=0.0).to(tl.float32)
-        part = tl.sum(tile * xk[None, :], axis=1)
-        acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
-    return acc
-
-
-@triton.jit
-def _dense_gemv_kernel(
-    x, w, out, T, N, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr
-):
-    launch_dependents(PDL)
+def _dense_gemv_kernel(x, w, out, T, N, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < N
     toks = tl.arange(0, BLOCK_T)
-    tile = _dense_tile(w, rows, row_mask, 0, K, BLOCK_K)  # weights: read before the producer is done
-    wait_for_producer(PDL)
-    acc = _dense_accumulate(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), tile, x, 0, T, K, stride_x, BLOCK_T, BLOCK_K)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        acc = _dense_accumulate(acc, _dense_tile(w, rows, row_mask, k0, K, BLOCK_K), x, k0, T, K, stride_x, BLOCK_T, BLOCK_K)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_mask = cols < K
+        tile = tl.load(w + rows[:, None] * K + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+        for t in tl.static_range(BLOCK_T):  # the rows are read once for every token
+            xrow = x + tl.minimum(t, T - 1).to(tl.int64) * stride_x  # rows past T repeat the last (never stored)
+            xk = tl.load(xrow + cols, mask=col_mask, other=0.0).to(tl.float32)
+            part = tl.sum(tile * xk[None, :], axis=1)
+            acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
     optr = out + toks[:, None].to(tl.int64) * N + rows[None, :]
     tl.store(optr, acc.to(out.dtype.element_ty), mask=(toks < T)[:, None] & row_mask[None, :])
 
@@ -71,6 +52,6 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _dense_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
         x, w, out, t, n, k, x.stride(0),
         BLOCK_T=triton.next_power_of_2(t), BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        num_warps=GEMV_WARPS, **launch_options(),
+        num_warps=GEMV_WARPS,
     )
     return out

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
-
 
 @triton.jit
 def _gates(a_ptr, b_ptr, neg_rate, bias):
@@ -57,10 +55,7 @@ def _gdn_recurrent_kernel(
     DK_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     KEEP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     h = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     seq = tl.program_id(2)
@@ -130,7 +125,7 @@ def gdn_decode(
         q, k, v, a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), slots, states,
         states if kept is None else kept, out, tokens_per_sequence, 0 if kept is None else kept.shape[1],
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        HK=hk, HV=hv, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v, KEEP=kept is not None, **launch_options(),
+        HK=hk, HV=hv, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v, KEEP=kept is not None,
     )
     return out
 
@@ -159,10 +154,7 @@ def _conv_update_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     KEEP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     # Window row w of sequence `seq` is state row w for w < TAPS-1, then input row seq*T + w - (TAPS-1);
     # token t reads window rows t..t+TAPS-1, and the window after it is rows t+1..t+TAPS-1. Only the
     # first token block (one, or BLOCK_T >= TAPS-1) reads state rows, so its program writes the new window.
@@ -211,7 +203,7 @@ def conv_update(
         x.contiguous(), slots, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
         tokens_per_sequence, c, 0 if kept is None else kept.shape[1],
         TAPS=taps, PREV_PAD=triton.next_power_of_2(taps - 1), BLOCK_T=block_t,
-        BLOCK_C=block_c, KEEP=kept is not None, **launch_options(),
+        BLOCK_C=block_c, KEEP=kept is not None,
     )
     return out
 
@@ -240,9 +232,7 @@ def gdn_prefill(
 
 
 @triton.jit
-def _gating_kernel(a, b, a_log, dt_bias, g, beta, N, HV: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+def _gating_kernel(a, b, a_log, dt_bias, g, beta, N, HV: tl.constexpr, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < N
     h = idx % HV
@@ -262,7 +252,6 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: t
     n = a.numel()
     block = min(1024, triton.next_power_of_2(max(n, 1)))
     _gating_kernel[(triton.cdiv(n, block),)](
-        a.contiguous(), b.contiguous(), a_log.float().contiguous(), dt_bias.float().contiguous(), g, beta, n, HV=hv, BLOCK=block,
-        **launch_options(),
+        a.contiguous(), b.contiguous(), a_log.float().contiguous(), dt_bias.float().contiguous(), g, beta, n, HV=hv, BLOCK=block
     )
     return g, beta

@@ -49,7 +49,6 @@ from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
 
 
 @dataclass(frozen=True)
@@ -110,10 +109,8 @@ PLAN_BLOCK = 2048
 
 
 @triton.jit
-def _count_kernel(ids, counts, pairs, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _count_kernel(ids, counts, pairs, BLOCK: tl.constexpr):
     """counts[e] = pairs routed to expert e (one program per expert)."""
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     e = tl.program_id(0)
     total = 0
     for p0 in range(0, pairs, BLOCK):
@@ -126,12 +123,9 @@ def _count_kernel(ids, counts, pairs, BLOCK: tl.constexpr, PDL: tl.constexpr):
 def _place_kernel(
     ids, counts, block_expert, block_pairs, pairs, experts, max_blocks, tail_per_program,
     BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Expert e's pairs, in pair order, into its blocks (after those of experts < e), its last block
     padded with -1; then its share of the unused blocks after the last expert's (expert and pairs -1)."""
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     e = tl.program_id(0)
     experts_i = tl.arange(0, BLOCK_E)
     blocks = (tl.load(counts + experts_i, mask=experts_i < experts, other=0) + BLOCK_M - 1) // BLOCK_M
@@ -171,10 +165,10 @@ def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPla
     counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_blocks, dtype=torch.int64, device=ids.device)
     block_pairs = torch.empty(max_blocks, block_m, dtype=torch.int64, device=ids.device)
-    _count_kernel[(num_experts,)](ids, counts, pairs, BLOCK=PLAN_BLOCK, **launch_options())
+    _count_kernel[(num_experts,)](ids, counts, pairs, BLOCK=PLAN_BLOCK)
     _place_kernel[(num_experts,)](
         ids, counts, block_expert, block_pairs, pairs, num_experts, max_blocks, triton.cdiv(max_blocks, num_experts),
-        BLOCK_M=block_m, BLOCK=PLAN_BLOCK, BLOCK_E=triton.next_power_of_2(num_experts), **launch_options(),
+        BLOCK_M=block_m, BLOCK=PLAN_BLOCK, BLOCK_E=triton.next_power_of_2(num_experts),
     )
     return WorkPlan(block_expert, block_pairs, block_m)
 
@@ -227,10 +221,7 @@ def _gate_up_swiglu_gemv_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
     if owner:
         record = arena + tl.multiple_of(tl.load(table + e), 256)
@@ -288,12 +279,9 @@ def _down_shared_gemv_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Several tokens: the expert of each first pair, decoded once, applied to every pair routed to it;
     each pair's weighted output row (float32) goes to `weighted` for the per-token sum."""
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
     if owner:
         down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
@@ -341,10 +329,7 @@ def _down_gemv_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     tok = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < H
@@ -387,10 +372,7 @@ def _gate_up_swiglu_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
     if e >= 0:
@@ -445,10 +427,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
     if e >= 0:
@@ -574,13 +553,13 @@ def _tiled(
         x, arena, table, block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
         gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=plan.block_m,
         BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(),
+        BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
         act, arena, table, block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
         layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset,
         NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=plan.block_m, BLOCK_N=tiles.down_n,
-        BLOCK_K=block_k_for(dn.k_pad, tiles.block_k), IEEE=ieee, num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(),
+        BLOCK_K=block_k_for(dn.k_pad, tiles.block_k), IEEE=ieee, num_warps=tiles.warps, num_stages=tiles.stages,
     )
 
 
@@ -604,7 +583,6 @@ def _routed_experts_gemv(
         x, arena, table, ids, act, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset, gu.divisor_offset,
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
         BLOCK_N=tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
-        **launch_options(),
     )
     weights = topk_weights.contiguous()
     if t == 1:  # one token: its k experts summed in one pass, no partial rows
@@ -612,7 +590,7 @@ def _routed_experts_gemv(
         _down_gemv_kernel[(triton.cdiv(hidden, tiles.down_n), t)](
             act, arena, table, ids, weights, out, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
             dn.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=tiles.down_n,
-            BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(),
+            BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
         )
         return out
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
@@ -620,7 +598,6 @@ def _routed_experts_gemv(
         act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
         dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
         K_PAD=dn.k_pad, BLOCK_N=tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
-        **launch_options(),
     )
     return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
 

@@ -7,13 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
-
 
 @triton.jit
-def _rmsnorm_kernel(x, w, out, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+def _rmsnorm_kernel(x, w, out, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -35,14 +31,12 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch
     out = torch.empty_like(xc)
     rows = xc.numel() // d
     if rows:
-        _rmsnorm_kernel[(rows,)](xc, w.contiguous(), out, d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d), **launch_options())
+        _rmsnorm_kernel[(rows,)](xc, w.contiguous(), out, d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d))
     return out
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+def _add_rmsnorm_kernel(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -66,17 +60,12 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: floa
     total, out = torch.empty_like(xc), torch.empty_like(xc)
     rows = xc.numel() // d
     if rows:
-        _add_rmsnorm_kernel[(rows,)](
-            xc, dc, total, out, w.contiguous(), d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d),
-            **launch_options(),
-        )
+        _add_rmsnorm_kernel[(rows,)](xc, dc, total, out, w.contiguous(), d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d))
     return total, out
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x, w, z, out, D, HEADS, stride_x, stride_z, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+def _gated_rmsnorm_kernel(x, w, z, out, D, HEADS, stride_x, stride_z, eps, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     token, head = row // HEADS, row % HEADS
     cols = tl.arange(0, BLOCK_D)
@@ -107,6 +96,6 @@ def gated_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, z: torch.Tensor)
     rows = out.numel() // d
     if rows:
         _gated_rmsnorm_kernel[(rows,)](
-            xr, w.contiguous(), zr, out, d, heads, xr.stride(0), zr.stride(0), eps, BLOCK_D=triton.next_power_of_2(d), **launch_options()
+            xr, w.contiguous(), zr, out, d, heads, xr.stride(0), zr.stride(0), eps, BLOCK_D=triton.next_power_of_2(d)
         )
     return out

@@ -25,7 +25,6 @@ dequantize path divides each weight (correctly rounded, as the reference).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,6 @@ from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, split_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
 # one; above it, transient dequantization + cuBLAS.
@@ -57,25 +55,16 @@ class GemvTiles:
 
 
 # H200 sweep (bench/results/kernels_h200.json, one token): 16 x 2048 x 8 warps led on the layers'
-# products (Q8 [12288, 2048] 8.0 us = 78 % of bandwidth); products of fewer than FEW_ROWS rows run
-# faster with half the rows per program, twice the programs (H200, bench/sweep_decode.py: [2048, 4096] 4.3 vs
-# 5.0 us, [1024, 2048] 2.3 vs 2.5); the output head (Q6, 248,320 rows) 13 % faster in 32 x 256 tiles
-# (175 vs 200 us). Module-level so benchmarks can sweep them.
+# products (Q8 [12288, 2048] 8.0 us = 78 % of bandwidth); the output head (Q6, 248,320 rows) runs
+# 13 % faster in 32 x 256 tiles (175 vs 200 us). Module-level so benchmarks can sweep them.
 GEMV_TILES = GemvTiles(16, 2048, 8, 3)
 WIDE_GEMV_TILES = GemvTiles(32, 256, 4, 4)
 WIDE_GEMV_MIN_ROWS = 65536
-FEW_ROWS = 8192
 
 
 def gemv_tiles(n: int) -> GemvTiles:
     """The matrix-vector launch shape for a product with n output rows."""
-    if n >= WIDE_GEMV_MIN_ROWS:
-        return WIDE_GEMV_TILES
-    if n < FEW_ROWS:
-        return dataclasses.replace(GEMV_TILES, block_n=max(1, GEMV_TILES.block_n // 2))
-    return GEMV_TILES
-
-
+    return WIDE_GEMV_TILES if n >= WIDE_GEMV_MIN_ROWS else GEMV_TILES
 # Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
@@ -140,21 +129,6 @@ def _input_positions(x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, 
 
 
 @triton.jit
-def _accumulate_tile(
-    acc, codes, scales, x, x2, stride_x, stride_x2, k0, T, K, norm_w, eps,
-    GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT: tl.constexpr, NORM_D: tl.constexpr,
-):
-    """acc [BLOCK_T, BLOCK_N] plus every token's product with one decoded tile (decoded once for all of them)."""
-    toks = tl.arange(0, BLOCK_T)
-    for t in tl.static_range(BLOCK_T):
-        token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
-        xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K)
-        part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
-        acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
-    return acc
-
-
-@triton.jit
 def _quantized_gemv_kernel(
     x,
     x2,
@@ -183,24 +157,18 @@ def _quantized_gemv_kernel(
     INPUT: tl.constexpr,
     NORM_D: tl.constexpr,
     EPILOGUE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < N
     toks = tl.arange(0, BLOCK_T)
-    # The first tile is read before waiting for the producer (weights never change inside a step).
-    codes, scales = load_gemv_tile(w, rows, row_mask, 0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    wait_for_producer(PDL)
-    acc = _accumulate_tile(
-        tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), codes, scales, x, x2, stride_x, stride_x2, 0, T, K, norm_w, eps,
-        GROUP, BLOCK_T, BLOCK_N, BLOCK_K, INPUT, NORM_D,
-    )
-    for k0 in range(BLOCK_K, K_PAD, BLOCK_K):
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
         codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-        acc = _accumulate_tile(
-            acc, codes, scales, x, x2, stride_x, stride_x2, k0, T, K, norm_w, eps, GROUP, BLOCK_T, BLOCK_N, BLOCK_K, INPUT, NORM_D
-        )
+        for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
+            token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
+            xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K)
+            part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
+            acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
     if NVFP4:
         acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
     offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
@@ -235,10 +203,7 @@ def _quantized_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -279,10 +244,7 @@ def _dequantize_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
     cols = k0 + tl.arange(0, BLOCK_K)
@@ -307,7 +269,7 @@ def dequantize_matrix(data: torch.Tensor, geometry: ObjectGeometry, dtype: torch
     grid = (triton.cdiv(geometry.n, block_n), g.k_pad // block_k)
     _dequantize_kernel[grid](
         data, out, geometry.n, geometry.k, g.high_offset, g.scale_offset, g.divisor_offset,
-        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_N=block_n, BLOCK_K=block_k, **launch_options(),
+        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return out
 
@@ -348,7 +310,7 @@ def fused_gemv(
         g.high_offset, g.scale_offset, g.divisor_offset,
         NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
         BLOCK_K=block_k, INPUT=input_op.value, NORM_D=norm_d, EPILOGUE=(ADD_GATED if add_gated else STORE).value,
-        num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(),
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
 
@@ -400,6 +362,6 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeomet
     _quantized_matmul_kernel[(n_blocks, m_blocks, split)](
         x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset, g.divisor_offset, per_split,
         NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32, num_warps=DECODE_WARPS, **launch_options(),
+        IEEE=x.dtype == torch.float32, num_warps=DECODE_WARPS,
     )
     return sum_middle(out.view(1, split, t * n), x.dtype).view(t, n) if split > 1 else out

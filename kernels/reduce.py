@@ -10,13 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
-
 
 @triton.jit
-def _sum_middle_kernel(src, out, S, C, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+def _sum_middle_kernel(src, out, S, C, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < C
@@ -31,5 +27,5 @@ def sum_middle(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     r, s, c = src.shape
     out = torch.empty(r, c, device=src.device, dtype=dtype)
     block = 1024
-    _sum_middle_kernel[(r, triton.cdiv(c, block))](src.contiguous(), out, s, c, BLOCK=block, **launch_options())
+    _sum_middle_kernel[(r, triton.cdiv(c, block))](src.contiguous(), out, s, c, BLOCK=block)
     return out

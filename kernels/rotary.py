@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
-
 
 @triton.jit
 def _norm_rotate(x, w, position, inv_freq, eps, D: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr):
@@ -44,9 +42,7 @@ def _norm_rotate(x, w, position, inv_freq, eps, D: tl.constexpr, ROT: tl.constex
 @triton.jit
 def _qk_norm_rotary_kernel(
     x, w, positions, inv_freq, out, eps, HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr
-, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, D_PAD)
     position = tl.load(positions + row // HEADS).to(tl.float32)
@@ -58,10 +54,7 @@ def _qk_norm_rotary_kernel(
 def _attention_inputs_kernel(
     q, k, v, stride_q, stride_k, stride_v, q_norm, k_norm, positions, inv_freq, kv_rows, q_out, k_pool, v_pool, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, D_PAD)
@@ -88,7 +81,7 @@ def qk_norm_rotary(x: torch.Tensor, w: torch.Tensor, eps: float, inv_freq: torch
     if xc.numel():
         _qk_norm_rotary_kernel[(t * heads,)](
             xc, w.contiguous(), positions.contiguous(), inv_freq.contiguous(), out, eps,
-            HEADS=heads, D=d, ROT=dim, D_PAD=triton.next_power_of_2(d), **launch_options(),
+            HEADS=heads, D=d, ROT=dim, D_PAD=triton.next_power_of_2(d),
         )
     return out
 
@@ -113,6 +106,6 @@ def attention_inputs(
         _attention_inputs_kernel[(t, hq + 2 * hkv)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), q_norm.contiguous(), k_norm.contiguous(), positions.contiguous(),
             inv_freq.contiguous(), kv_rows.contiguous(), out, k_pool, v_pool, eps,
-            HQ=hq, HKV=hkv, D=d, ROT=dim, D_PAD=triton.next_power_of_2(d), **launch_options(),
+            HQ=hq, HKV=hkv, D=d, ROT=dim, D_PAD=triton.next_power_of_2(d),
         )
     return out

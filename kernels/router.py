@@ -12,15 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
-
 
 @triton.jit
-def _softmax_topk_kernel(
-    logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr
-):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+def _softmax_topk_kernel(logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
@@ -55,6 +49,5 @@ def softmax_topk(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[
         _softmax_topk_kernel[(t,)](
             logits, ids, weights, e, logits.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e),
             num_warps=1,  # every reduction stays inside one warp (shuffles, no shared-memory round trip)
-            **launch_options(),
         )
     return ids, weights

@@ -18,7 +18,6 @@ import triton.language as tl
 from ninfer_offload.kernels import quant_linear
 from ninfer_offload.kernels.dense_linear import dense_linear
 from ninfer_offload.model.backend import Weight
-from ninfer_offload.kernels.launch import launch_dependents, launch_options, wait_for_producer
 
 BLOCK = 1024
 
@@ -33,9 +32,7 @@ def shared_expert(gate: torch.Tensor, up: torch.Tensor, down: Weight, routed: to
 
 
 @triton.jit
-def _swiglu_kernel(gate, up, out, N, C, stride_gate, stride_up, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+def _swiglu_kernel(gate, up, out, N, C, stride_gate, stride_up, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < N
     row, col = (idx // C).to(tl.int64), idx % C
@@ -52,17 +49,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g, u = (x if x.stride(1) == 1 else x.contiguous() for x in (gate, up))
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if g.numel():
-        _swiglu_kernel[(triton.cdiv(g.numel(), BLOCK),)](
-            g, u, out, g.numel(), g.shape[1], g.stride(0), u.stride(0), BLOCK=BLOCK,
-            **launch_options(),
-        )
+        _swiglu_kernel[(triton.cdiv(g.numel(), BLOCK),)](g, u, out, g.numel(), g.shape[1], g.stride(0), u.stride(0), BLOCK=BLOCK)
     return out
 
 
 @triton.jit
-def _add_gated_kernel(routed, score, shared, out, N, C, stride_score, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    wait_for_producer(PDL)
+def _add_gated_kernel(routed, score, shared, out, N, C, stride_score, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < N
     sv = tl.load(score + (idx // C).to(tl.int64) * stride_score, mask=mask, other=0.0)
@@ -79,8 +71,5 @@ def add_gated(routed: torch.Tensor, score: torch.Tensor, shared: torch.Tensor) -
     r, sh = routed.contiguous(), shared.contiguous()
     out = torch.empty_like(r)
     if r.numel():
-        _add_gated_kernel[(triton.cdiv(r.numel(), BLOCK),)](
-            r, score, sh, out, r.numel(), r.shape[-1], score.stride(0), BLOCK=BLOCK,
-            **launch_options(),
-        )
+        _add_gated_kernel[(triton.cdiv(r.numel(), BLOCK),)](r, score, sh, out, r.numel(), r.shape[-1], score.stride(0), BLOCK=BLOCK)
     return out
