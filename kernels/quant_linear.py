@@ -25,6 +25,7 @@ dequantize path divides each weight (correctly rounded, as the reference).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -55,16 +56,25 @@ class GemvTiles:
 
 
 # H200 sweep (bench/results/kernels_h200.json, one token): 16 x 2048 x 8 warps led on the layers'
-# products (Q8 [12288, 2048] 8.0 us = 78 % of bandwidth); the output head (Q6, 248,320 rows) runs
-# 13 % faster in 32 x 256 tiles (175 vs 200 us). Module-level so benchmarks can sweep them.
+# products (Q8 [12288, 2048] 8.0 us = 78 % of bandwidth); products of fewer than FEW_ROWS rows run
+# faster with half the rows per program, twice the programs (H200, bench/sweep_decode.py: [2048, 4096]
+# 4.3 vs 5.0 us, [1024, 2048] 2.3 vs 2.5); the output head (Q6, 248,320 rows) 13 % faster in 32 x 256
+# tiles (175 vs 200 us). Module-level so benchmarks can sweep them.
 GEMV_TILES = GemvTiles(16, 2048, 8, 3)
 WIDE_GEMV_TILES = GemvTiles(32, 256, 4, 4)
 WIDE_GEMV_MIN_ROWS = 65536
+FEW_ROWS = 8192
 
 
 def gemv_tiles(n: int) -> GemvTiles:
     """The matrix-vector launch shape for a product with n output rows."""
-    return WIDE_GEMV_TILES if n >= WIDE_GEMV_MIN_ROWS else GEMV_TILES
+    if n >= WIDE_GEMV_MIN_ROWS:
+        return WIDE_GEMV_TILES
+    if n < FEW_ROWS:
+        return dataclasses.replace(GEMV_TILES, block_n=max(1, GEMV_TILES.block_n // 2))
+    return GEMV_TILES
+
+
 # Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
