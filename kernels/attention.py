@@ -6,8 +6,9 @@ sequence's rows of the flat KV pools start at its slot (a device tensor) times t
 token t of a sequence sees its first lengths[b] - (T-1-t) rows. The kernel splits those rows across
 programs (one program per KV head, span and token row, all of the head's query heads at once with
 `tl.dot`), each writing a partial softmax (max, sum, weighted values) that a fixed-order merge
-kernel combines. Every span of the capacity is launched and spans past a token's length exit at
-once, so the launch shape is fixed (graph capture) while the sequences grow. An fp8 (e4m3) cache
+kernel combines over the spans the token's length reaches. Every span of the capacity is launched
+and spans past a token's length exit at once without writing, so the launch shape is fixed (graph
+capture) while the sequences grow, and neither kernel's work grows with the capacity. An fp8 (e4m3) cache
 is widened in registers.
 """
 
@@ -19,8 +20,9 @@ from torch.nn.attention.bias import causal_lower_right
 import triton
 import triton.language as tl
 
-# Cached positions per program in decode.
-SPAN = 256
+# Cached positions per program in decode: 128 keeps 16 programs busy at a 1K context (256 kept 8
+# of the H200's 132 multiprocessors reading the cache).
+SPAN = 128
 # Spans the merge combines per step.
 MERGE_BLOCK = 16
 
@@ -89,27 +91,35 @@ def _decode_partial_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt).to(tl.float32)
         m = m_new
     base = qrows.to(tl.int64) * nsplit + split
-    tl.store(part_max + base, m, mask=head_mask)
-    tl.store(part_sum + base, l, mask=head_mask)
-    tl.store(part_out + base[:, None] * D + dims[None, :], acc, mask=head_mask[:, None] & dmask[None, :])
+    used = head_mask & (heads * 0 + start < length)  # spans past the token's length are never merged: nothing to store
+    tl.store(part_max + base, m, mask=used)
+    tl.store(part_sum + base, l, mask=used)
+    tl.store(part_out + base[:, None] * D + dims[None, :], acc, mask=used[:, None] & dmask[None, :])
 
 
 @triton.jit
-def _decode_merge_kernel(part_out, part_max, part_sum, out, NSPLIT, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
-    # One (token row, query head): its spans' partial softmaxes combined in a fixed order (empty spans weigh exp(-inf) = 0).
+def _decode_merge_kernel(
+    part_out, part_max, part_sum, lengths, out, NSPLIT, T,
+    HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, SPAN_SIZE: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+):
+    # One (token row, query head): the partial softmaxes of the spans its length reaches, combined in a
+    # fixed order (the first span of a token always holds its own row; later ones may be empty lanes).
     h = tl.program_id(0).to(tl.int64)
+    row = h // HQ
+    length = tl.load(lengths + row // T) - (T - 1 - row % T)
+    spans = tl.minimum(tl.cdiv(length, SPAN_SIZE), NSPLIT)
     dims = tl.arange(0, D_PAD)
     dmask = dims < D
     top = tl.full([BLOCK_SPLIT], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, NSPLIT, BLOCK_SPLIT):
+    for s0 in range(0, spans, BLOCK_SPLIT):
         splits = s0 + tl.arange(0, BLOCK_SPLIT)
-        top = tl.maximum(top, tl.load(part_max + h * NSPLIT + splits, mask=splits < NSPLIT, other=float("-inf")))
+        top = tl.maximum(top, tl.load(part_max + h * NSPLIT + splits, mask=splits < spans, other=float("-inf")))
     m = tl.max(top)
     total = tl.zeros([BLOCK_SPLIT], dtype=tl.float32)
     acc = tl.zeros([BLOCK_SPLIT, D_PAD], dtype=tl.float32)
-    for s0 in range(0, NSPLIT, BLOCK_SPLIT):
+    for s0 in range(0, spans, BLOCK_SPLIT):
         splits = s0 + tl.arange(0, BLOCK_SPLIT)
-        smask = splits < NSPLIT
+        smask = splits < spans
         weight = tl.exp(tl.load(part_max + h * NSPLIT + splits, mask=smask, other=float("-inf")) - m)
         total += tl.load(part_sum + h * NSPLIT + splits, mask=smask, other=0.0) * weight
         rows = tl.load(part_out + (h * NSPLIT + splits)[:, None] * D + dims[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
@@ -138,7 +148,8 @@ def attention_decode(
     )
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(n * hq,)](
-        part_out, part_max, part_sum, out, nsplit, D=d, D_PAD=triton.next_power_of_2(d), BLOCK_SPLIT=MERGE_BLOCK
+        part_out, part_max, part_sum, lengths, out, nsplit, tokens_per_sequence,
+        HQ=hq, D=d, D_PAD=triton.next_power_of_2(d), SPAN_SIZE=SPAN, BLOCK_SPLIT=MERGE_BLOCK,
     )
     return out
 
