@@ -1,0 +1,142 @@
+"""Launch-shape sweep of the decode step's products at Qwen3.6-35B-A3B shapes, from CUDA-graph replay.
+
+Usage (on a CUDA machine): python bench/sweep_decode.py --out bench/results/sweeps/decode_<gpu>.json
+
+For 1, 4 and 8 tokens: the quantized matrix-vector products (their launch shape as the engine picks
+it, and the output head under several shapes), the dense products (router + shared-expert score,
+GDN a/b) under several rows per program, the routed experts (8 of 256 experts per token) under
+several launch shapes, and attention decode at a fixed 32K capacity for growing lengths (what the
+engine launches with its default context). Each entry: median microseconds, bytes read, fraction of
+the device bandwidth measured in the same run. Weights are random valid bytes (bench/kernels.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from kernels import EXPERTS, HIDDEN, INTER, TOP_K, device_bandwidth, quantized_object
+from ninfer_offload.artifact.records import ExpertRecordLayout
+from ninfer_offload.kernels import attention, dense_linear, moe, quant_linear
+from provenance import gpu_report_header
+
+TOKENS = (1, 4, 8)
+LINEAR = [("gdn_qkvz", "q8_g32_fp16", 12288, 2048), ("attn_qkgv", "q8_g32_fp16", 9216, 2048), ("mixer_out", "q8_g32_fp16", 2048, 4096),
+          ("shared_gate_up", "q8_g32_fp16", 1024, 2048), ("shared_down", "q8_g32_fp16", 2048, 512)]
+HEAD_TILES = [(32, 256, 4, 4), (64, 256, 8, 4), (16, 256, 4, 4), (32, 512, 4, 3), (16, 2048, 8, 3), (8, 2048, 8, 3), (32, 1024, 8, 3)]
+DENSE = [("router_score", 257, 2048), ("gdn_ab", 64, 2048)]
+DENSE_ROWS = (1, 2, 4, 8)
+MOE_TILES = [moe.Tiles(1, 16, 16, 8, 2048, 3), moe.Tiles(1, 8, 8, 8, 2048, 3), moe.Tiles(1, 16, 8, 4, 2048, 3),
+             moe.Tiles(1, 32, 16, 8, 2048, 3), moe.Tiles(1, 8, 16, 4, 2048, 3), moe.Tiles(1, 16, 16, 4, 1024, 3)]
+ATTENTION_CAPACITY = 32768
+ATTENTION_LENGTHS = (1024, 8192, 32768)
+ATTENTION_SPANS = (128, 256, 64)
+
+
+def replay_us(fn) -> float:
+    torch.cuda.synchronize()
+    return 1e3 * do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def entry(op: str, us: float, moved: int, bandwidth: float, **fields) -> dict:
+    return {"op": op, **fields, "us": us, "bytes": moved, "bandwidth_fraction": moved / (us * 1e-6) / bandwidth}
+
+
+def sweep_linear(bandwidth: float, record) -> None:
+    for name, fmt, n, k in LINEAR:
+        data, geometry = quantized_object(fmt, n, k)
+        for t in TOKENS:
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            us = replay_us(lambda: quant_linear.quantized_linear(x, data[0], geometry))
+            record(entry(name, us, geometry.encoded_size, bandwidth, tokens=t, tile=list(dataclasses.astuple(quant_linear.gemv_tiles(n)))))
+    data, geometry = quantized_object("q6_g64_fp16", 248320, 2048)
+    default = quant_linear.WIDE_GEMV_TILES
+    for tile in HEAD_TILES:
+        quant_linear.WIDE_GEMV_TILES = quant_linear.GemvTiles(*tile)
+        for t in TOKENS:
+            x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
+            us = replay_us(lambda: quant_linear.quantized_linear(x, data[0], geometry))
+            record(entry("output_head", us, geometry.encoded_size, bandwidth, tokens=t, tile=list(tile)))
+    quant_linear.WIDE_GEMV_TILES = default
+
+
+def sweep_dense(bandwidth: float, record) -> None:
+    default = dense_linear.GEMV_BLOCK_N
+    for name, n, k in DENSE:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for rows in DENSE_ROWS:
+            dense_linear.GEMV_BLOCK_N = rows
+            for t in TOKENS:
+                x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+                us = replay_us(lambda: dense_linear.dense_linear(x, w))
+                record(entry(name, us, w.numel() * 2, bandwidth, tokens=t, rows_per_program=rows))
+    dense_linear.GEMV_BLOCK_N = default
+
+
+def sweep_moe(bandwidth: float, record) -> None:
+    layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", HIDDEN, INTER)
+    records = torch.randint(0, 256, (EXPERTS, layout.nbytes), dtype=torch.uint8, device="cuda")
+    records[:, : layout.gate_up.encoded_size] = quantized_object("q4_g64_fp16", 2 * INTER, HIDDEN, EXPERTS)[0]
+    down = slice(layout.down_offset, layout.down_offset + layout.down.encoded_size)
+    records[:, down] = quantized_object("q5_g64_fp16", HIDDEN, INTER, EXPERTS)[0]
+    table = moe.record_table(torch.arange(EXPERTS, device="cuda"), layout.nbytes)
+    per_expert = layout.gate_up.encoded_size + layout.down.encoded_size
+    default = moe.GEMV_TILES
+    for tiles in MOE_TILES:
+        moe.GEMV_TILES = tiles
+        for t in TOKENS:
+            x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(t)])
+            w = torch.softmax(torch.randn(t, TOP_K, device="cuda"), -1).to(torch.bfloat16)
+            us = replay_us(lambda: moe.routed_experts(x, ids, w, records, table, layout))
+            distinct = int(torch.unique(ids).numel())
+            record(entry("routed_experts", us, distinct * per_expert, bandwidth, tokens=t, distinct_experts=distinct,
+                         tile=list(dataclasses.astuple(tiles))))
+    moe.GEMV_TILES = default
+
+
+def sweep_attention(bandwidth: float, record) -> None:
+    k_pool = torch.randn(ATTENTION_CAPACITY, 2, 256, device="cuda").to(torch.bfloat16)
+    v_pool = torch.randn(ATTENTION_CAPACITY, 2, 256, device="cuda").to(torch.bfloat16)
+    q = torch.randn(1, 16, 256, device="cuda", dtype=torch.bfloat16)
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    default = attention.SPAN
+    for span in ATTENTION_SPANS:
+        attention.SPAN = span
+        for length in ATTENTION_LENGTHS:
+            lengths = torch.tensor([length], dtype=torch.int64, device="cuda")
+            us = replay_us(lambda: attention.attention_decode(q, k_pool, v_pool, slots, lengths, 1, ATTENTION_CAPACITY))
+            moved = 2 * length * 2 * 256 * 2  # K and V rows of both KV heads, bf16
+            record(entry("attention_decode", us, moved, bandwidth, length=length, capacity=ATTENTION_CAPACITY, span=span))
+    attention.SPAN = default
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--commit", default=None, help="commit measured (when the tree has no .git)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bandwidth = device_bandwidth()
+    report = {**gpu_report_header(args.commit), "device_bandwidth_GBps": bandwidth / 1e9, "results": []}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(result: dict) -> None:
+        report["results"].append(result)
+        args.out.write_text(json.dumps(report, indent=1))
+        shape = {k: result[k] for k in ("tokens", "tile", "rows_per_program", "length", "span") if k in result}
+        print(f"{result['op']:18s} {json.dumps(shape):48s} {result['us']:9.1f} us ({100 * result['bandwidth_fraction']:5.1f}%)", flush=True)
+
+    sweep_attention(bandwidth, record)
+    sweep_moe(bandwidth, record)
+    sweep_dense(bandwidth, record)
+    sweep_linear(bandwidth, record)
+
+
+if __name__ == "__main__":
+    main()
