@@ -15,7 +15,7 @@ import torch
 
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
-from ninfer_offload.kernels import attention, gdn, moe, norm, rotary, router, shared_expert
+from ninfer_offload.kernels import attention, gdn, moe, norm, quant_linear, rotary, router, shared_expert
 from ninfer_offload.kernels.dense_linear import dense_linear
 from ninfer_offload.kernels.quant_linear import gated_linear, gated_norm_linear, quantized_linear
 from ninfer_offload.model.backend import ReferenceBackend, Weight
@@ -49,6 +49,16 @@ class TritonBackend(ReferenceBackend):
             return dense_linear(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[0])
         out = quantized_linear(x.reshape(-1, x.shape[-1]), w.data, w.geometry)
         return out.reshape(*lead, w.n)
+
+    def linear_pair(self, x: torch.Tensor, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+        dense_second = isinstance(second, torch.Tensor)
+        quantized, dense = (first, second) if dense_second else (second, first)
+        flat = x.reshape(-1, x.shape[-1])
+        if isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor) or flat.shape[0] > quant_linear.GEMV_MAX_TOKENS:
+            return super().linear_pair(x, first, second)
+        yq, yd = quant_linear.paired_gemv(flat.contiguous(), quantized.data, quantized.geometry, dense)
+        yq, yd = yq.reshape(*x.shape[:-1], quantized.n), yd.reshape(*x.shape[:-1], dense.shape[0])
+        return (yq, yd) if dense_second else (yd, yq)
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
         if isinstance(w, torch.Tensor):

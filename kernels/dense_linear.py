@@ -21,8 +21,9 @@ GEMV_WARPS = 4
 
 
 @triton.jit
-def _dense_gemv_kernel(x, w, out, T, N, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+def dense_gemv_rows(pid, x, w, out, T, N, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows [pid * BLOCK_N, (pid + 1) * BLOCK_N) of every token's product (also a part of `quant_linear.paired_gemv`)."""
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < N
     toks = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -37,6 +38,11 @@ def _dense_gemv_kernel(x, w, out, T, N, K, stride_x, BLOCK_T: tl.constexpr, BLOC
             acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
     optr = out + toks[:, None].to(tl.int64) * N + rows[None, :]
     tl.store(optr, acc.to(out.dtype.element_ty), mask=(toks < T)[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _dense_gemv_kernel(x, w, out, T, N, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    dense_gemv_rows(tl.program_id(0), x, w, out, T, N, K, stride_x, BLOCK_T, BLOCK_N, BLOCK_K)
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 
 from ninfer_offload.artifact.formats import ObjectGeometry
+from ninfer_offload.kernels import dense_linear
+from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.norm import gated_rmsnorm
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
@@ -139,6 +141,62 @@ def _input_positions(x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, 
 
 
 @triton.jit
+def _quantized_gemv_rows(
+    pid,
+    x,
+    x2,
+    stride_x,
+    stride_x2,
+    norm_w,
+    eps,
+    w,
+    routed,
+    score,
+    stride_score,
+    out,
+    T,
+    N,
+    K,
+    high_offset,
+    scale_offset,
+    divisor_offset,
+    NVFP4: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT: tl.constexpr,
+    NORM_D: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+):
+    """Rows [pid * BLOCK_N, (pid + 1) * BLOCK_N) of every token's product (also a part of `paired_gemv`)."""
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_mask = rows < N
+    toks = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
+            token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
+            xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K)
+            part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
+            acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+    if NVFP4:
+        acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
+    offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
+    mask = (toks < T)[:, None] & row_mask[None, :]
+    if EPILOGUE == ADD_GATED:
+        shared = acc.to(out.dtype.element_ty).to(tl.float32)
+        sv = tl.load(score + toks.to(tl.int64) * stride_score, mask=toks < T, other=0.0)
+        gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
+        scaled = (gated[:, None] * shared).to(sv.dtype).to(tl.float32)
+        acc = tl.load(routed + offsets, mask=mask, other=0.0).to(tl.float32) + scaled
+    tl.store(out + offsets, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quantized_gemv_kernel(
     x,
     x2,
@@ -168,28 +226,46 @@ def _quantized_gemv_kernel(
     NORM_D: tl.constexpr,
     EPILOGUE: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    row_mask = rows < N
-    toks = tl.arange(0, BLOCK_T)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-        for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
-            token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
-            xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K)
-            part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
-            acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
-    if NVFP4:
-        acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
-    offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
-    mask = (toks < T)[:, None] & row_mask[None, :]
-    if EPILOGUE == ADD_GATED:
-        shared = acc.to(out.dtype.element_ty).to(tl.float32)
-        sv = tl.load(score + toks.to(tl.int64) * stride_score, mask=toks < T, other=0.0)
-        gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
-        scaled = (gated[:, None] * shared).to(sv.dtype).to(tl.float32)
-        acc = tl.load(routed + offsets, mask=mask, other=0.0).to(tl.float32) + scaled
-    tl.store(out + offsets, acc.to(out.dtype.element_ty), mask=mask)
+    _quantized_gemv_rows(
+        tl.program_id(0), x, x2, stride_x, stride_x2, norm_w, eps, w, routed, score, stride_score, out, T, N, K,
+        high_offset, scale_offset, divisor_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_T, BLOCK_N, BLOCK_K, INPUT, NORM_D, EPILOGUE,
+    )
+
+
+@triton.jit
+def _paired_gemv_kernel(
+    x,
+    stride_x,
+    w,
+    out,
+    N,
+    K,
+    high_offset,
+    scale_offset,
+    divisor_offset,
+    dense_w,
+    dense_out,
+    DENSE_N,
+    QUANTIZED_PROGRAMS,
+    T,
+    NVFP4: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DENSE_BLOCK_N: tl.constexpr,
+    DENSE_BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < QUANTIZED_PROGRAMS:
+        _quantized_gemv_rows(
+            pid, x, x, stride_x, stride_x, x, 0.0, w, out, out, 0, out, T, N, K, high_offset, scale_offset, divisor_offset,
+            NVFP4, BITS, GROUP, K_PAD, BLOCK_T, BLOCK_N, BLOCK_K, PLAIN, 1, STORE,
+        )
+    else:
+        dense_gemv_rows(pid - QUANTIZED_PROGRAMS, x, dense_w, dense_out, T, DENSE_N, K, stride_x, BLOCK_T, DENSE_BLOCK_N, DENSE_BLOCK_K)
 
 
 @triton.jit
@@ -323,6 +399,32 @@ def fused_gemv(
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
+
+
+def paired_gemv(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, dense_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W^T, x @ dense_w^T) for up to GEMV_MAX_TOKENS tokens in one launch: the programs of the
+    quantized matrix-vector product (its `fused_gemv` launch shape) followed by those of the dense one
+    (`dense_linear`'s rows per program), e.g. GDN's q/k/v/z projections with its dense a/b rows, or the
+    shared expert's gate/up with the dense router: one launch instead of two small ones."""
+    t, k = x.shape
+    if t > GEMV_MAX_TOKENS or k != geometry.k or dense_w.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"a paired matrix-vector product takes up to {GEMV_MAX_TOKENS} rows of {geometry.k} contiguous columns")
+    g = TileGeometry.of(geometry)
+    n, dense_n = geometry.n, dense_w.shape[0]
+    tiles = gemv_tiles(n)
+    dense_w = dense_w.contiguous()
+    out = torch.empty(t, n, device=x.device, dtype=x.dtype)
+    dense_out = torch.empty(t, dense_n, device=x.device, dtype=x.dtype)
+    quantized_programs = triton.cdiv(n, tiles.block_n)
+    dense_programs = triton.cdiv(dense_n, dense_linear.GEMV_BLOCK_N)
+    _paired_gemv_kernel[(quantized_programs + dense_programs,)](
+        x, x.stride(0), data, out, n, k, g.high_offset, g.scale_offset, g.divisor_offset, dense_w, dense_out, dense_n,
+        quantized_programs, t,
+        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
+        BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
+        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)), num_warps=tiles.warps, num_stages=tiles.stages,
+    )
+    return out, dense_out
 
 
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:

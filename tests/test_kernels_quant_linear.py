@@ -65,6 +65,29 @@ def test_matrix_vector_kernel_walks_rows_in_several_tiles(fmt, monkeypatch):
         torch.testing.assert_close(quant_linear.quantized_linear(x[t : t + 1].to(DEVICE), data, geometry), out[t : t + 1])
 
 
+@pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q5_g64_fp16"])
+def test_paired_product_is_both_products_in_one_launch(fmt):
+    """A quantized and a dense matrix of one input (GDN's projections and a/b, the shared expert's gate/up
+    and the router): each output equals its own product, every token's row what it gets alone."""
+    from ninfer_offload.kernels import quant_linear
+    from ninfer_offload.kernels.dense_linear import dense_linear
+
+    data, weight, geometry = _random_object(fmt, 37, 256, seed=5)
+    dense = torch.randn(7, 256, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    for t in (1, 3, 8):
+        yq, yd = quant_linear.paired_gemv(x[:t], data, geometry, dense.to(DEVICE))
+        assert yq.shape == (t, 37) and yd.shape == (t, 7)
+        assert torch.equal(yq, quant_linear.quantized_linear(x[:t], data, geometry))  # the same programs
+        assert _relative_error(yq, x[:t].double().cpu() @ weight.double().T) < 1e-5
+        torch.testing.assert_close(yd, dense_linear(x[:t], dense.to(DEVICE)), rtol=1e-5, atol=1e-5)
+        for i in range(t):
+            one_q, one_d = quant_linear.paired_gemv(x[i : i + 1], data, geometry, dense.to(DEVICE))
+            assert torch.equal(one_q, yq[i : i + 1]) and torch.equal(one_d, yd[i : i + 1])
+    with pytest.raises(ValueError, match="paired"):
+        quant_linear.paired_gemv(torch.randn(9, 256).to(DEVICE), data, geometry, dense.to(DEVICE))
+
+
 def test_sum_middle_is_a_float32_sum_then_cast():
     from ninfer_offload.kernels.reduce import sum_middle
 

@@ -30,6 +30,7 @@ class Backend(Protocol):
     capturable: bool  # whether its decode ops read only device tensors (a CUDA graph can record them)
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor: ...
+    def linear_pair(self, x: torch.Tensor, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]: ...
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor: ...
     def gated_norm_linear(self, x: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, w: Weight) -> torch.Tensor: ...
     def embedding(self, ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor: ...
@@ -87,6 +88,11 @@ class ReferenceBackend:
         if not isinstance(w, torch.Tensor):
             w = w.dequantize(x.dtype)
         return x @ w.T
+
+    def linear_pair(self, x: torch.Tensor, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x @ first^T, x @ second^T): two products of one input whose weights cannot be stacked into one
+        matrix (different formats: a layer's quantized projections beside its dense control rows)."""
+        return self.linear(x, first), self.linear(x, second)
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
         """(x * sigmoid(gate)) @ w^T: the attention output gated per element [T, K], then projected."""

@@ -9,7 +9,7 @@ import torch
 from ninfer_offload.model.backend import Backend
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.context import StepContext
-from ninfer_offload.model.stacked import StackedLinear
+from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.model.weights import Weight, WeightReader
 
@@ -53,9 +53,8 @@ class GatedDeltaNet:
         t = x.shape[0]
         nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
         nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-        mixed, z = self.projections(backend, x)
+        (mixed, z), (a, b) = both(backend, self.projections, self.gates, x)
         z = z.reshape(t, nv, dv)
-        a, b = self.gates(backend, x)
         conv = backend.conv_update(mixed, state.conv[self.key], self.convolution, ctx, state.conv_snapshots.get(self.key))
         q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q, k, v = q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv)

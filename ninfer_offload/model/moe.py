@@ -10,7 +10,7 @@ import torch
 
 from ninfer_offload.model.backend import Backend
 from ninfer_offload.model.config import ModelConfig
-from ninfer_offload.model.stacked import StackedLinear
+from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.weights import Weight, WeightReader
 
 
@@ -43,8 +43,7 @@ class SparseMoe:
         )
 
     def __call__(self, backend: Backend, x: torch.Tensor) -> torch.Tensor:
-        logits, score = self.gates(backend, x)
+        (logits, score), (gate, up) = both(backend, self.gates, self.shared_in, x)
         topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
         routed = self.experts.routed(backend, self.layer, x, topk_ids, topk_weights)
-        gate, up = self.shared_in(backend, x)
         return backend.shared_expert(gate, up, self.shared_down, routed, score)

@@ -5,7 +5,8 @@ are; the layers read the same normalised input with several matrices (GDN q/k/v/
 attention q/k/v/gate, the shared expert's gate/up, the router and the shared-expert score), so
 each such set becomes one matrix and one launch. Quantized parts are stacked plane by plane
 (row-split planes are row-major, so the stacked object is exactly the object of the stacked
-matrix); parts of different formats stay separate products.
+matrix); parts of different formats stay separate products. Two stacked products of one input
+(`both`) run as one `linear_pair`, which the Triton backend launches as one kernel.
 """
 
 from __future__ import annotations
@@ -71,9 +72,25 @@ class StackedLinear:
         return cls((torch.cat(parts, dim=0),), sizes, groups)
 
     def __call__(self, backend: Backend, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        bounds = [sum(self.groups[:i]) for i in range(len(self.groups) + 1)]
         if len(self.weights) == 1:
-            widths = [sum(self.sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
-            return backend.linear(x, self.weights[0]).split(widths, dim=-1)
+            return self._split(backend.linear(x, self.weights[0]))
+        bounds = self._bounds()
         outputs = [backend.linear(x, w) for w in self.weights]
         return tuple(outputs[a] if b - a == 1 else torch.cat(outputs[a:b], dim=-1) for a, b in zip(bounds, bounds[1:]))
+
+    def _bounds(self) -> list[int]:
+        return [sum(self.groups[:i]) for i in range(len(self.groups) + 1)]
+
+    def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The outputs of the one stacked product y, as views."""
+        bounds = self._bounds()
+        return y.split([sum(self.sizes[a:b]) for a, b in zip(bounds, bounds[1:])], dim=-1)
+
+
+def both(backend: Backend, first: StackedLinear, second: StackedLinear, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """(first's outputs, second's outputs) of one input: one `linear_pair` where each is one stacked
+    matrix (e.g. quantized projections and dense gates, which cannot share a matrix), else each alone."""
+    if len(first.weights) == 1 and len(second.weights) == 1:
+        y1, y2 = backend.linear_pair(x, first.weights[0], second.weights[0])
+        return first._split(y1), second._split(y2)
+    return first(backend, x), second(backend, x)
