@@ -132,10 +132,10 @@ def main() -> None:
         shape = {k: result[k] for k in ("tokens", "tile", "rows_per_program", "length", "span") if k in result}
         print(f"{result['op']:18s} {json.dumps(shape):48s} {result['us']:9.1f} us ({100 * result['bandwidth_fraction']:5.1f}%)", flush=True)
 
-    sweep_attention(bandwidth, record)
-    sweep_moe(bandwidth, record)
-    sweep_dense(bandwidth, record)
     sweep_linear(bandwidth, record)
+    sweep_moe(bandwidth, record)
+    sweep_attention(bandwidth, record)
+    sweep_dense(bandwidth, record)
 
 
 if __name__ == "__main__":
