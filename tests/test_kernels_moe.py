@@ -142,7 +142,7 @@ def test_plan_groups_pairs_by_expert():
     from ninfer_offload.kernels.moe import plan_work
 
     ids = torch.tensor([[2, 0], [2, 5], [2, 0]])
-    plan = plan_work(ids, num_experts=6, block_m=2)
+    plan = plan_work(ids.to(DEVICE), num_experts=6, block_m=2)
     seen = {}
     for e, pairs in zip(plan.block_expert.tolist(), plan.block_pairs.tolist()):
         valid = [p for p in pairs if p >= 0]
