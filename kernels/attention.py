@@ -20,9 +20,10 @@ from torch.nn.attention.bias import causal_lower_right
 import triton
 import triton.language as tl
 
-# Cached positions per program in decode: 128 keeps 16 programs busy at a 1K context (256 kept 8
-# of the H200's 132 multiprocessors reading the cache).
-SPAN = 128
+# Cached positions per program in decode. H200 sweep at a 32K capacity (bench/sweep_decode.py):
+# 256 takes 10.6 / 12.8 / 34.6 us at 1K / 8K / 32K cached rows, 128 takes 9.5 / 16.2 / 52.9 (more
+# partial softmaxes to merge), 64 takes 14.5 / 26.6 / 91.9.
+SPAN = 256
 # Spans the merge combines per step.
 MERGE_BLOCK = 16
 

@@ -60,10 +60,11 @@ class GemvTiles:
 # H200 sweep (bench/results/kernels_h200.json, one token): 16 x 2048 x 8 warps led on the layers'
 # products (Q8 [12288, 2048] 8.0 us = 78 % of bandwidth); products of fewer than FEW_ROWS rows run
 # faster with half the rows per program, twice the programs (H200, bench/sweep_decode.py: [2048, 4096]
-# 4.3 vs 5.0 us, [1024, 2048] 2.3 vs 2.5); the output head (Q6, 248,320 rows) 13 % faster in 32 x 256
-# tiles (175 vs 200 us). Module-level so benchmarks can sweep them.
+# 4.3 vs 5.0 us, [1024, 2048] 2.3 vs 2.5); the output head (Q6, 248,320 rows) in 32 x 512 tiles
+# (bench/results/sweeps/decode_h200.json: 1 / 4 / 8 tokens 167 / 425 / 710 us, 181 / 415 / 740 in
+# 32 x 256). Module-level so benchmarks can sweep them.
 GEMV_TILES = GemvTiles(16, 2048, 8, 3)
-WIDE_GEMV_TILES = GemvTiles(32, 256, 4, 4)
+WIDE_GEMV_TILES = GemvTiles(32, 512, 4, 3)
 WIDE_GEMV_MIN_ROWS = 65536
 FEW_ROWS = 8192
 

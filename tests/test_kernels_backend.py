@@ -258,8 +258,8 @@ def _check_attention_decode(batch, tokens, starts, capacity, q_dtype, kv_dtype, 
         assert torch.equal(one, out[tokens : 2 * tokens])
 
 
-# capacity 300: three spans of 128; the first sequence's tokens end at and past the boundary at 256, the
-# second's reach one span (the merge must not read the unwritten partials of the others).
+# capacity 300: two spans of 256; the first sequence's tokens end at and past the span boundary, the
+# second's reach one span (the merge must not read the unwritten partial of the other).
 # bf16 on CUDA only: the interpreter's bf16 tl.dot returns garbage (Triton 3.9).
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 2e-2, marks=needs_cuda)])
 @pytest.mark.parametrize("batch,tokens", STEPS)
