@@ -338,13 +338,11 @@ def _down_gemv_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < H
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # Both loops unrolled, so the k experts' loads are issued together: a loop over k0 inside the loop
-    # over experts walked them one after the other (each expert's table, weight and x latency in turn).
-    for j in tl.static_range(TOP_K):
+    for j in tl.static_range(TOP_K):  # unrolled: the k experts' loads are issued together
         pair = tok * TOP_K + j
         down = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256) + down_offset
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in tl.static_range(0, K_PAD, BLOCK_K):
+        for k0 in range(0, K_PAD, BLOCK_K):
             xs = load_positions(act + pair * I, k0, I, BLOCK_K)
             acc += gemv_tile(
                 down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
