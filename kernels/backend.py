@@ -18,13 +18,22 @@ from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, quant_linear, rotary, router, shared_expert
 from ninfer_offload.kernels.dense_linear import dense_linear
 from ninfer_offload.kernels.quant_linear import gated_linear, gated_norm_linear, quantized_linear
-from ninfer_offload.model.backend import ReferenceBackend, Weight
+from ninfer_offload.model.backend import Input, ReferenceBackend, ResidualNorm, Weight
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank
 
 
 # bf16 tensor-core products (tl.dot on bf16) need Ampere (sm_80) or newer; sm_90 and sm_120 are the targets.
 MIN_CAPABILITY = (8, 0)
+
+
+def _fusable(x: Input) -> bool:
+    """Whether a matrix-vector kernel can compute this layer input itself: a `ResidualNorm` not yet
+    computed, of at most GEMV_MAX_TOKENS rows with contiguous columns."""
+    return (
+        isinstance(x, ResidualNorm) and x.normed is None and x.tokens <= quant_linear.GEMV_MAX_TOKENS
+        and x.x.dim() == 2 and x.x.stride(1) == 1 and x.delta.stride(1) == 1 and x.delta.shape == x.x.shape
+    )
 
 
 class TritonBackend(ReferenceBackend):
@@ -43,21 +52,32 @@ class TritonBackend(ReferenceBackend):
                 )
         self.fla = gdn.fla_available()
 
-    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+    def linear(self, x: Input, w: Weight) -> torch.Tensor:
+        if _fusable(x) and not isinstance(w, torch.Tensor):  # the product normalises its own input
+            y, x.total, x.normed = quant_linear.residual_norm_gemv(x.x, x.delta, x.weight, x.eps, w.data, w.geometry)
+            return y
+        x = self.resolve(x)
         lead = x.shape[:-1]
         if isinstance(w, torch.Tensor):
             return dense_linear(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[0])
         out = quantized_linear(x.reshape(-1, x.shape[-1]), w.data, w.geometry)
         return out.reshape(*lead, w.n)
 
-    def linear_pair(self, x: torch.Tensor, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear_pair(self, x: Input, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]:
         dense_second = isinstance(second, torch.Tensor)
         quantized, dense = (first, second) if dense_second else (second, first)
-        flat = x.reshape(-1, x.shape[-1])
-        if isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor) or flat.shape[0] > quant_linear.GEMV_MAX_TOKENS:
+        tokens = x.tokens if isinstance(x, ResidualNorm) else x.reshape(-1, x.shape[-1]).shape[0]
+        if isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor) or tokens > quant_linear.GEMV_MAX_TOKENS:
             return super().linear_pair(x, first, second)
-        yq, yd = quant_linear.paired_gemv(flat.contiguous(), quantized.data, quantized.geometry, dense)
-        yq, yd = yq.reshape(*x.shape[:-1], quantized.n), yd.reshape(*x.shape[:-1], dense.shape[0])
+        if _fusable(x):  # both products read the normalised input the kernel computes
+            yq, yd, x.total, x.normed = quant_linear.paired_gemv(
+                x.x, quantized.data, quantized.geometry, dense, residual=(x.delta, x.weight, x.eps)
+            )
+        else:
+            x = self.resolve(x)
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            yq, yd = quant_linear.paired_gemv(flat, quantized.data, quantized.geometry, dense)
+            yq, yd = yq.reshape(*x.shape[:-1], quantized.n), yd.reshape(*x.shape[:-1], dense.shape[0])
         return (yq, yd) if dense_second else (yd, yq)
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:

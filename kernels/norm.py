@@ -36,21 +36,49 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def residual_sum(xv, dv):
+    """x + delta rounded to x's dtype, as float32: the residual stream that `add_rmsnorm` normalises."""
+    return (xv.to(tl.float32) + dv.to(tl.float32)).to(xv.dtype).to(tl.float32)
+
+
+@triton.jit
+def offset_normed(sf, inv_rms, wv):
+    """(1 + w) * sf / rms in float32 (the offset form of `add_rmsnorm`, before its rounding)."""
+    return sf * inv_rms * (1.0 + wv.to(tl.float32))
+
+
+@triton.jit
+def residual_inv_rms(x, delta, D, eps, BLOCK_D: tl.constexpr):
+    """1 / rms of one row's x + delta over its D columns (BLOCK_D >= D): `add_rmsnorm`'s statistic, for a
+    kernel that normalises its own input tile (`quant_linear`'s matrix-vector products)."""
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    xv = tl.load(x + row * D + cols, mask=mask, other=0.0)
-    s = (xv.to(tl.float32) + tl.load(delta + row * D + cols, mask=mask, other=0.0).to(tl.float32)).to(xv.dtype)
-    tl.store(total + row * D + cols, s, mask=mask)
-    sf = s.to(tl.float32)  # the sum rounded to x's dtype, as the reference normalises it
-    normed = sf * tl.rsqrt(tl.sum(sf * sf) / D + eps)
+    sf = residual_sum(tl.load(x + cols, mask=mask, other=0.0), tl.load(delta + cols, mask=mask, other=0.0))
+    return tl.rsqrt(tl.sum(sf * sf) / D + eps)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    add_rmsnorm_row(x + row * D, delta + row * D, total + row * D, out + row * D, w, D, eps, OFFSET, BLOCK_D)
+
+
+@triton.jit
+def add_rmsnorm_row(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row of `add_rmsnorm`: total = x + delta, out = its norm (also written by the matrix-vector
+    kernels that normalise their own input, for the ops after them)."""
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    xv = tl.load(x + cols, mask=mask, other=0.0)
+    sf = residual_sum(xv, tl.load(delta + cols, mask=mask, other=0.0))
+    tl.store(total + cols, sf.to(xv.dtype), mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(sf * sf) / D + eps)
     wv = tl.load(w + cols, mask=mask, other=0.0)
     if OFFSET:
-        y = normed * (1.0 + wv.to(tl.float32))
+        y = offset_normed(sf, inv_rms, wv)
     else:
-        y = wv.to(xv.dtype).to(tl.float32) * normed.to(xv.dtype).to(tl.float32)
-    tl.store(out + row * D + cols, y.to(out.dtype.element_ty), mask=mask)
+        y = wv.to(xv.dtype).to(tl.float32) * (sf * inv_rms).to(xv.dtype).to(tl.float32)
+    tl.store(out + cols, y.to(out.dtype.element_ty), mask=mask)
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ import triton.language as tl
 from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels import dense_linear
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
-from ninfer_offload.kernels.norm import gated_rmsnorm
+from ninfer_offload.kernels.norm import add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, split_positions
@@ -84,8 +84,10 @@ DECODE_WARPS = 4
 
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
-# x; silu(x) * x2; x * sigmoid(x2); rmsnorm(x) per NORM_D columns * norm_w * silu(x2)
+# x; silu(x) * x2; x * sigmoid(x2); rmsnorm(x) per NORM_D columns * norm_w * silu(x2);
+# (1 + norm_w) * rmsnorm(x + x2) over the whole row (`add_rmsnorm`'s offset form: a layer's input)
 PLAIN, SWIGLU, SIGMOID_GATE, GATED_NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+ADD_NORM = tl.constexpr(4)
 STORE, ADD_GATED = tl.constexpr(0), tl.constexpr(1)  # the rows; routed + sigmoid(score) * rows
 
 
@@ -93,9 +95,11 @@ STORE, ADD_GATED = tl.constexpr(0), tl.constexpr(1)  # the rows; routed + sigmoi
 def _position_input(xv, x2v, wv, inv_rms, INPUT: tl.constexpr):
     """One position of a token's input from its x, x2 and norm-weight values there (their dtypes), as
     float32 rounded to the activation dtype where the reference rounds: the plain x, silu(x) * x2,
-    x * sigmoid(x2), or the gated RMSNorm of x (`ReferenceBackend.gated_rmsnorm`, gate x2; `inv_rms`
-    of each column's group)."""
+    x * sigmoid(x2), the gated RMSNorm of x (`ReferenceBackend.gated_rmsnorm`, gate x2; `inv_rms`
+    of each column's group), or the offset RMSNorm of x + x2 (`inv_rms` of the token's row)."""
     xf = xv.to(tl.float32)
+    if INPUT == ADD_NORM:
+        xf = offset_normed(residual_sum(xv, x2v), inv_rms, wv).to(xv.dtype).to(tl.float32)
     if INPUT == GATED_NORM:
         normed = (xf * inv_rms).to(xv.dtype).to(tl.float32)
         weight = wv.to(xv.dtype).to(tl.float32)
@@ -112,9 +116,12 @@ def _position_input(xv, x2v, wv, inv_rms, INPUT: tl.constexpr):
 
 
 @triton.jit
-def _input_positions(x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_K: tl.constexpr):
+def _input_positions(
+    x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr
+):
     """One token's input tile as the eight positions of `rowsplit.load_positions` (`_position_input`);
-    GATED_NORM groups of NORM_D columns (a multiple of 8) are whole words of positions."""
+    GATED_NORM groups of NORM_D columns (a multiple of 8) are whole words of positions; ADD_NORM reads
+    the token's whole rows (ROW_BLOCK >= K columns) for its statistic."""
     W: tl.constexpr = BLOCK_K // 8
     raw = load_positions(x + row, k0, K, BLOCK_K)
     raw2 = raw  # x2 and the norm weights: read by the fused inputs only
@@ -129,6 +136,9 @@ def _input_positions(x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, 
             squares += raw[i].to(tl.float32) * raw[i].to(tl.float32)
         per_group = tl.sum(tl.reshape(squares, [BLOCK_K // NORM_D, NORM_D // 8]), axis=1)
         inv_rms = tl.reshape(tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, None], [BLOCK_K // NORM_D, NORM_D // 8]), [W])
+    if INPUT == ADD_NORM:
+        weights = load_positions(norm_w, k0, K, BLOCK_K)
+        inv_rms = tl.full([W], 1.0, tl.float32) * residual_inv_rms(x + row, x2 + row2, K, eps, ROW_BLOCK)
     return (
         _position_input(raw[0], raw2[0], weights[0], inv_rms, INPUT),
         _position_input(raw[1], raw2[1], weights[1], inv_rms, INPUT),
@@ -155,6 +165,8 @@ def _quantized_gemv_rows(
     score,
     stride_score,
     out,
+    total,
+    normed,
     T,
     N,
     K,
@@ -171,8 +183,11 @@ def _quantized_gemv_rows(
     INPUT: tl.constexpr,
     NORM_D: tl.constexpr,
     EPILOGUE: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):
-    """Rows [pid * BLOCK_N, (pid + 1) * BLOCK_N) of every token's product (also a part of `paired_gemv`)."""
+    """Rows [pid * BLOCK_N, (pid + 1) * BLOCK_N) of every token's product (also a part of `paired_gemv`).
+    With ADD_NORM, program 0 also stores each token's x + x2 and its norm (`add_rmsnorm`'s outputs)
+    in `total` and `normed`, for the ops after this one."""
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < N
     toks = tl.arange(0, BLOCK_T)
@@ -181,9 +196,14 @@ def _quantized_gemv_rows(
         codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
             token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
-            xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K)
+            xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
             part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+    if INPUT == ADD_NORM:
+        if pid == 0:
+            for t in tl.static_range(BLOCK_T):
+                if t < T:
+                    add_rmsnorm_row(x + t * stride_x, x2 + t * stride_x2, total + t * K, normed + t * K, norm_w, K, eps, True, ROW_BLOCK)
     if NVFP4:
         acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
     offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
@@ -210,6 +230,8 @@ def _quantized_gemv_kernel(
     score,
     stride_score,
     out,
+    total,
+    normed,
     T,
     N,
     K,
@@ -226,19 +248,27 @@ def _quantized_gemv_kernel(
     INPUT: tl.constexpr,
     NORM_D: tl.constexpr,
     EPILOGUE: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):
     _quantized_gemv_rows(
-        tl.program_id(0), x, x2, stride_x, stride_x2, norm_w, eps, w, routed, score, stride_score, out, T, N, K,
+        tl.program_id(0), x, x2, stride_x, stride_x2, norm_w, eps, w, routed, score, stride_score, out, total, normed, T, N, K,
         high_offset, scale_offset, divisor_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_T, BLOCK_N, BLOCK_K, INPUT, NORM_D, EPILOGUE,
+        ROW_BLOCK,
     )
 
 
 @triton.jit
 def _paired_gemv_kernel(
     x,
+    x2,
     stride_x,
+    stride_x2,
+    norm_w,
+    eps,
     w,
     out,
+    total,
+    normed,
     N,
     K,
     high_offset,
@@ -258,15 +288,20 @@ def _paired_gemv_kernel(
     BLOCK_K: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     DENSE_BLOCK_K: tl.constexpr,
+    INPUT: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < QUANTIZED_PROGRAMS:
         _quantized_gemv_rows(
-            pid, x, x, stride_x, stride_x, x, 0.0, w, out, out, 0, out, T, N, K, high_offset, scale_offset, divisor_offset,
-            NVFP4, BITS, GROUP, K_PAD, BLOCK_T, BLOCK_N, BLOCK_K, PLAIN, 1, STORE,
+            pid, x, x2, stride_x, stride_x2, norm_w, eps, w, out, out, 0, out, total, normed, T, N, K, high_offset, scale_offset,
+            divisor_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_T, BLOCK_N, BLOCK_K, INPUT, 1, STORE, ROW_BLOCK,
         )
     else:
-        dense_gemv_rows(pid - QUANTIZED_PROGRAMS, x, dense_w, dense_out, T, DENSE_N, K, stride_x, BLOCK_T, DENSE_BLOCK_N, DENSE_BLOCK_K)
+        dense_gemv_rows(
+            pid - QUANTIZED_PROGRAMS, x, x2, stride_x, stride_x2, norm_w, eps, dense_w, dense_out, T, DENSE_N, K,
+            BLOCK_T, DENSE_BLOCK_N, DENSE_BLOCK_K, INPUT == ADD_NORM, ROW_BLOCK,
+        )
 
 
 @triton.jit
@@ -375,57 +410,97 @@ def fused_gemv(
     """The matrix-vector kernel for up to GEMV_MAX_TOKENS tokens: `input_op`(x [T, k], x2) @ W^T, its
     rows stored, or with `routed` [T, n] and `score` [T, 1] given, routed + sigmoid(score) * rows.
     x and x2 [T, k] have contiguous columns (rows may be strided, e.g. column slices of one buffer);
-    GATED_NORM normalises groups of norm_w.numel() columns."""
+    GATED_NORM normalises groups of norm_w.numel() columns (ADD_NORM: `residual_norm_gemv`)."""
+    _check_gemv_inputs(x, x2, geometry)
+    tiles = gemv_tiles(geometry.n)
+    block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, tiles.block_k)
+    norm_d = 1 if norm_w is None else norm_w.numel()
+    if block_k % norm_d or x.shape[1] % norm_d or (norm_w is not None and norm_d % 8):
+        raise ValueError(
+            f"norm groups of {norm_d} columns must divide the row ({x.shape[1]}) and the column tile ({block_k}) in whole words of 8"
+        )
+    out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
+    _launch_gemv(x, x2, norm_w, eps, data, geometry, out, input_op, norm_d, routed, score)
+    return out
+
+
+def residual_norm_gemv(
+    x: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float, data: torch.Tensor, geometry: ObjectGeometry
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, total, normed) for up to GEMV_MAX_TOKENS tokens in one launch: total = x + delta and normed =
+    (1 + norm_w) * rmsnorm(total) as `norm.add_rmsnorm` gives them, y = normed @ W^T; the kernel
+    normalises its own input tiles, so no norm launch comes before the product."""
+    _check_gemv_inputs(x, delta, geometry)
+    out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
+    total, normed = torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    _launch_gemv(x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, None, None, total, normed)
+    return out, total, normed
+
+
+def _check_gemv_inputs(x: torch.Tensor, x2: torch.Tensor | None, geometry: ObjectGeometry) -> None:
+    x2 = x if x2 is None else x2
+    if x.shape[0] > GEMV_MAX_TOKENS or x.shape[1] != geometry.k or x2.shape != x.shape or x.stride(1) != 1 or x2.stride(1) != 1:
+        raise ValueError(f"a fused matrix-vector product takes up to {GEMV_MAX_TOKENS} rows of {geometry.k} contiguous columns")
+
+
+def _launch_gemv(
+    x: torch.Tensor, x2: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float, data: torch.Tensor, geometry: ObjectGeometry,
+    out: torch.Tensor, input_op: tl.constexpr, norm_d: int, routed: torch.Tensor | None, score: torch.Tensor | None,
+    total: torch.Tensor | None = None, normed: torch.Tensor | None = None,
+) -> None:
     t, k = x.shape
     x2 = x if x2 is None else x2
-    if t > GEMV_MAX_TOKENS or k != geometry.k or x2.shape != x.shape or x.stride(1) != 1 or x2.stride(1) != 1:
-        raise ValueError(f"a fused matrix-vector product takes up to {GEMV_MAX_TOKENS} rows of {geometry.k} contiguous columns")
     g = TileGeometry.of(geometry)
     n = geometry.n
     tiles = gemv_tiles(n)
-    block_k = gemv_block_k(g.k_pad, tiles.block_k)
-    norm_d = 1 if norm_w is None else norm_w.numel()
-    if block_k % norm_d or k % norm_d or (norm_w is not None and norm_d % 8):
-        raise ValueError(f"norm groups of {norm_d} columns must divide the row ({k}) and the column tile ({block_k}) in whole words of 8")
-    out = torch.empty(t, n, device=x.device, dtype=x.dtype)
     add_gated = routed is not None
     routed = routed.contiguous() if add_gated else out
     score = score if add_gated else out
     _quantized_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
-        t, n, k,
+        out if total is None else total, out if normed is None else normed, t, n, k,
         g.high_offset, g.scale_offset, g.divisor_offset,
         NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
-        BLOCK_K=block_k, INPUT=input_op.value, NORM_D=norm_d, EPILOGUE=(ADD_GATED if add_gated else STORE).value,
+        BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), INPUT=input_op.value, NORM_D=norm_d,
+        EPILOGUE=(ADD_GATED if add_gated else STORE).value, ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    return out
 
 
-def paired_gemv(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, dense_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def paired_gemv(
+    x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, dense_w: torch.Tensor,
+    residual: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """(x @ W^T, x @ dense_w^T) for up to GEMV_MAX_TOKENS tokens in one launch: the programs of the
     quantized matrix-vector product (its `fused_gemv` launch shape) followed by those of the dense one
     (`dense_linear`'s rows per program), e.g. GDN's q/k/v/z projections with its dense a/b rows, or the
-    shared expert's gate/up with the dense router: one launch instead of two small ones."""
+    shared expert's gate/up with the dense router: one launch instead of two small ones. With
+    `residual` = (delta, norm_w, eps) the input is (1 + norm_w) * rmsnorm(x + delta), computed by the
+    kernel (as in `residual_norm_gemv`), and x + delta and the normed input follow the two products."""
+    delta = None if residual is None else residual[0]
+    _check_gemv_inputs(x, delta, geometry)
+    if dense_w.shape[1] != x.shape[1]:
+        raise ValueError(f"a paired matrix-vector product takes two matrices of {x.shape[1]} columns")
     t, k = x.shape
-    if t > GEMV_MAX_TOKENS or k != geometry.k or dense_w.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"a paired matrix-vector product takes up to {GEMV_MAX_TOKENS} rows of {geometry.k} contiguous columns")
     g = TileGeometry.of(geometry)
     n, dense_n = geometry.n, dense_w.shape[0]
     tiles = gemv_tiles(n)
     dense_w = dense_w.contiguous()
     out = torch.empty(t, n, device=x.device, dtype=x.dtype)
     dense_out = torch.empty(t, dense_n, device=x.device, dtype=x.dtype)
+    total, normed = (out, out) if residual is None else (torch.empty_like(x), torch.empty_like(x))
+    x2, norm_w, eps = (x, x, 0.0) if residual is None else (delta, residual[1].contiguous(), residual[2])
     quantized_programs = triton.cdiv(n, tiles.block_n)
     dense_programs = triton.cdiv(dense_n, dense_linear.GEMV_BLOCK_N)
     _paired_gemv_kernel[(quantized_programs + dense_programs,)](
-        x, x.stride(0), data, out, n, k, g.high_offset, g.scale_offset, g.divisor_offset, dense_w, dense_out, dense_n,
-        quantized_programs, t,
+        x, x2, x.stride(0), x2.stride(0), norm_w, eps, data, out, total, normed, n, k, g.high_offset, g.scale_offset, g.divisor_offset,
+        dense_w, dense_out, dense_n, quantized_programs, t,
         NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
         BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
-        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)), num_warps=tiles.warps, num_stages=tiles.stages,
+        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)), INPUT=(PLAIN if residual is None else ADD_NORM).value,
+        ROW_BLOCK=1 if residual is None else triton.next_power_of_2(k), num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    return out, dense_out
+    return (out, dense_out) if residual is None else (out, dense_out, total, normed)
 
 
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:

@@ -84,8 +84,33 @@ def test_paired_product_is_both_products_in_one_launch(fmt):
         for i in range(t):
             one_q, one_d = quant_linear.paired_gemv(x[i : i + 1], data, geometry, dense.to(DEVICE))
             assert torch.equal(one_q, yq[i : i + 1]) and torch.equal(one_d, yd[i : i + 1])
-    with pytest.raises(ValueError, match="paired"):
+    with pytest.raises(ValueError, match="up to 8 rows"):
         quant_linear.paired_gemv(torch.randn(9, 256).to(DEVICE), data, geometry, dense.to(DEVICE))
+
+
+def test_products_normalise_their_own_residual_input():
+    """A layer's first products read (1 + w) * rmsnorm(x + delta) without a norm launch before them: the
+    outputs and the x + delta and normed rows they store equal `add_rmsnorm` followed by the products."""
+    from ninfer_offload.kernels import quant_linear
+    from ninfer_offload.kernels.dense_linear import dense_linear
+    from ninfer_offload.kernels.norm import add_rmsnorm
+
+    data, _, geometry = _random_object("q8_g32_fp16", 37, 200, seed=8)
+    dense = torch.randn(7, 200, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    gen = torch.Generator().manual_seed(10)
+    x, delta = (torch.randn(8, 200, generator=gen).to(DEVICE) for _ in range(2))
+    w = torch.randn(200, generator=gen).to(DEVICE)
+    for t in (1, 5):
+        total, normed = add_rmsnorm(x[:t], delta[:t], w, 1e-6, offset=True)
+        y, got_total, got_normed = quant_linear.residual_norm_gemv(x[:t], delta[:t], w, 1e-6, data, geometry)
+        assert torch.equal(got_total, total)
+        torch.testing.assert_close(got_normed, normed, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(y, quant_linear.quantized_linear(normed, data, geometry), rtol=1e-5, atol=1e-5)
+        yq, yd, pair_total, pair_normed = quant_linear.paired_gemv(x[:t], data, geometry, dense, residual=(delta[:t], w, 1e-6))
+        assert torch.equal(yq, y) and torch.equal(pair_total, total) and torch.equal(pair_normed, got_normed)
+        torch.testing.assert_close(yd, dense_linear(normed, dense), rtol=1e-5, atol=1e-5)
+        one = quant_linear.residual_norm_gemv(x[t - 1 : t], delta[t - 1 : t], w, 1e-6, data, geometry)
+        assert torch.equal(one[0], y[t - 1 : t])  # a token's row does not depend on the others in the step
 
 
 def test_sum_middle_is_a_float32_sum_then_cast():

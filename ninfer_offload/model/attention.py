@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer_offload.model.backend import Backend
+from ninfer_offload.model.backend import Backend, Input
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
@@ -63,10 +63,10 @@ class GatedAttention:
             key_norm=reader.dense(f"{prefix}/attention/key_norm", (d,)),
         )
 
-    def __call__(self, backend: Backend, x: torch.Tensor, ctx: StepContext, state: StatePool) -> torch.Tensor:
+    def __call__(self, backend: Backend, x: Input, ctx: StepContext, state: StatePool) -> torch.Tensor:
         """Write the tokens' keys and values to their KV rows, attend, gate and project."""
         c = self.config
-        t = x.shape[0]
+        t = ctx.positions.shape[0]
         q, k, v, gate = self.projections(backend, x)
         k_pool, v_pool = state.kv[self.key]
         q = backend.attention_inputs(

@@ -9,6 +9,7 @@ buffers never move; the decode ops read the step context (`model.context.StepCon
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -24,13 +25,37 @@ _ASSIGNMENT_CHUNK = 16
 _GDN_CHUNK = 64
 
 
+@dataclass
+class ResidualNorm:
+    """A layer's input before it is computed: (1 + weight) * rmsnorm(x + delta), the residual add and
+    the offset norm of `Backend.add_rmsnorm`. The layer hands it to its first products so that a
+    backend may compute it inside them (the Triton matrix-vector kernels normalise their own input
+    tiles); whichever op computes it sets `total` (x + delta, the residual stream) and `normed`, and
+    `Backend.resolve` computes them where no op did."""
+
+    x: torch.Tensor
+    delta: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    total: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[0]
+
+
+Input = torch.Tensor | ResidualNorm  # what the products of a layer's input accept
+
+
 class Backend(Protocol):
     """What the layers need from a compute backend; `ReferenceBackend` documents each op's math."""
 
     capturable: bool  # whether its decode ops read only device tensors (a CUDA graph can record them)
 
-    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor: ...
-    def linear_pair(self, x: torch.Tensor, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def resolve(self, x: Input) -> torch.Tensor: ...
+    def linear(self, x: Input, w: Weight) -> torch.Tensor: ...
+    def linear_pair(self, x: Input, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]: ...
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor: ...
     def gated_norm_linear(self, x: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, w: Weight) -> torch.Tensor: ...
     def embedding(self, ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor: ...
@@ -83,15 +108,26 @@ class ReferenceBackend:
     capturable = False  # its attention and GDN decode ops slice by host-side lengths
 
     # ------------------------------------------------------------------ dense
-    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+    def resolve(self, x: Input) -> torch.Tensor:
+        """The tensor of a layer input: x itself, or a `ResidualNorm`'s normed rows (computed by
+        `add_rmsnorm` here unless an op already did, which also sets its `total`)."""
+        if isinstance(x, torch.Tensor):
+            return x
+        if x.normed is None:
+            x.total, x.normed = self.add_rmsnorm(x.x, x.delta, x.weight, x.eps, offset=True)
+        return x.normed
+
+    def linear(self, x: Input, w: Weight) -> torch.Tensor:
         """x [..., K] @ w[N, K]^T -> [..., N]; a quantized w is decoded for this call only."""
+        x = self.resolve(x)
         if not isinstance(w, torch.Tensor):
             w = w.dequantize(x.dtype)
         return x @ w.T
 
-    def linear_pair(self, x: torch.Tensor, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear_pair(self, x: Input, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]:
         """(x @ first^T, x @ second^T): two products of one input whose weights cannot be stacked into one
         matrix (different formats: a layer's quantized projections beside its dense control rows)."""
+        x = self.resolve(x)
         return self.linear(x, first), self.linear(x, second)
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:

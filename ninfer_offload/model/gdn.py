@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer_offload.model.backend import Backend
+from ninfer_offload.model.backend import Backend, Input
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.stacked import StackedLinear, both
@@ -48,9 +48,9 @@ class GatedDeltaNet:
             output=reader.matrix(f"{p}/output", (h, v)),
         )
 
-    def __call__(self, backend: Backend, x: torch.Tensor, ctx: StepContext, state: StatePool) -> torch.Tensor:
+    def __call__(self, backend: Backend, x: Input, ctx: StepContext, state: StatePool) -> torch.Tensor:
         c = self.config
-        t = x.shape[0]
+        t = ctx.positions.shape[0]
         nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
         nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         (mixed, z), (a, b) = both(backend, self.projections, self.gates, x)

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from ninfer_offload.model.backend import Backend
+from ninfer_offload.model.backend import Backend, Input
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.weights import Weight, WeightReader
@@ -42,8 +42,9 @@ class SparseMoe:
             experts=experts,
         )
 
-    def __call__(self, backend: Backend, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, backend: Backend, x: Input) -> torch.Tensor:
         (logits, score), (gate, up) = both(backend, self.gates, self.shared_in, x)
+        x = backend.resolve(x)  # the normalised input: computed by the products above where they could
         topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
         routed = self.experts.routed(backend, self.layer, x, topk_ids, topk_weights)
         return backend.shared_expert(gate, up, self.shared_down, routed, score)

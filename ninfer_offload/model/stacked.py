@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer_offload.artifact.formats import RowSplitGeometry
-from ninfer_offload.model.backend import Backend
+from ninfer_offload.model.backend import Backend, Input
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.model.weights import Weight
 
@@ -71,7 +71,7 @@ class StackedLinear:
             return cls((stack_quantized(parts),), sizes, groups)
         return cls((torch.cat(parts, dim=0),), sizes, groups)
 
-    def __call__(self, backend: Backend, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, backend: Backend, x: Input) -> tuple[torch.Tensor, ...]:
         if len(self.weights) == 1:
             return self._split(backend.linear(x, self.weights[0]))
         bounds = self._bounds()
@@ -87,7 +87,7 @@ class StackedLinear:
         return y.split([sum(self.sizes[a:b]) for a, b in zip(bounds, bounds[1:])], dim=-1)
 
 
-def both(backend: Backend, first: StackedLinear, second: StackedLinear, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], ...]:
+def both(backend: Backend, first: StackedLinear, second: StackedLinear, x: Input) -> tuple[tuple[torch.Tensor, ...], ...]:
     """(first's outputs, second's outputs) of one input: one `linear_pair` where each is one stacked
     matrix (e.g. quantized projections and dense gates, which cannot share a matrix), else each alone."""
     if len(first.weights) == 1 and len(second.weights) == 1:

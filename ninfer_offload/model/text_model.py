@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer_offload.model.attention import GatedAttention, Rotary
-from ninfer_offload.model.backend import Backend
+from ninfer_offload.model.backend import Backend, ResidualNorm
 from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.gdn import GatedDeltaNet
@@ -24,8 +24,10 @@ class DecoderLayer:
     """x = x + mixer(offset_rmsnorm(x)); x = x + moe(offset_rmsnorm(x)).
 
     The residual stream is carried as (x, pending delta) so that each residual add is one op with the
-    norm after it (`backend.add_rmsnorm`), the last one with the next layer's or the final norm. The
-    first layer has no pending delta (None): its input norm is a plain `backend.rmsnorm`.
+    norm after it, the last one with the next layer's or the final norm. The mixer and the MoE block
+    receive their input as a `ResidualNorm` (the add and the norm not yet computed), so that their
+    first products may compute it (`Backend.resolve`). The first layer has no pending delta (None):
+    its input norm is a plain `backend.rmsnorm`.
     """
 
     input_norm: torch.Tensor
@@ -56,11 +58,16 @@ class DecoderLayer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, this layer's output delta)."""
         if delta is None:
-            h = backend.rmsnorm(x, self.input_norm, self.eps, offset=True)
+            mixed = self.mixer(backend, backend.rmsnorm(x, self.input_norm, self.eps, offset=True), ctx, state)
         else:
-            x, h = backend.add_rmsnorm(x, delta, self.input_norm, self.eps, offset=True)
-        x, h = backend.add_rmsnorm(x, self.mixer(backend, h, ctx, state), self.post_attention_norm, self.eps, offset=True)
-        return x, self.moe(backend, h)
+            mixer_input = ResidualNorm(x, delta, self.input_norm, self.eps)
+            mixed = self.mixer(backend, mixer_input, ctx, state)
+            backend.resolve(mixer_input)
+            x = mixer_input.total
+        moe_input = ResidualNorm(x, mixed, self.post_attention_norm, self.eps)
+        out = self.moe(backend, moe_input)
+        backend.resolve(moe_input)
+        return moe_input.total, out
 
 
 @dataclass
