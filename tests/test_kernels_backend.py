@@ -48,6 +48,31 @@ def _weight(fmt: str, values: np.ndarray, dtype: torch.dtype):
     return QuantizedMatrix(GROUPED_FORMATS[fmt], n, k, torch.from_numpy(encode_row_split(values, fmt)))
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 12])
+def test_products_of_a_residual_norm_input(tokens):
+    """A layer's first products on a `ResidualNorm`: the outputs, x + delta and the normed rows equal
+    `add_rmsnorm` then the products (up to 8 tokens the kernels compute the norm themselves; beyond,
+    `resolve` does), and resolving it again computes nothing more."""
+    from ninfer_offload.model.backend import ResidualNorm
+
+    rng = np.random.default_rng(3)
+    x, delta = torch.randn(tokens, 256, generator=_gen(2)), torch.randn(tokens, 256, generator=_gen(3))
+    weight = torch.randn(256, generator=_gen(4)) * 0.1
+    quantized = _weight("q8_g32_fp16", rng.standard_normal((40, 256)).astype(np.float32), torch.float32)
+    dense = torch.randn(9, 256, generator=_gen(5))
+    total, normed = REF.add_rmsnorm(x, delta, weight, 1e-6, offset=True)
+    for op in ("linear", "pair"):
+        inp = ResidualNorm(x.to(DEVICE), delta.to(DEVICE), weight.to(DEVICE), 1e-6)
+        if op == "linear":
+            outs, refs = (_backend().linear(inp, quantized.to(DEVICE)),), (REF.linear(normed, quantized),)
+        else:
+            outs, refs = _backend().linear_pair(inp, dense.to(DEVICE), quantized.to(DEVICE)), REF.linear_pair(normed, dense, quantized)
+        assert all(_close(out, ref) for out, ref in zip(outs, refs))
+        assert torch.equal(inp.total.cpu(), total) and _close(inp.normed, normed, 1e-6)
+        kept = inp.normed
+        assert _backend().resolve(inp) is kept
+
+
 def test_linear_quantized_and_dense():
     rng = np.random.default_rng(0)
     x = torch.randn(2, 3, 300, generator=_gen(0))
