@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks in one go, on a CUDA machine, from the repository root:
+#   OUT=results COMMIT=$(git rev-parse --short HEAD) TESTS="test_kernels_quant_linear.py" BENCHES="resident sweep" bench/gpu_suite.sh
+# Installs the project (and the wheels in $WHEELS, if set, for a machine without a package index),
+# writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
+# copy outside the source tree (the installed package is what they import) and each benchmark in
+# BENCHES (resident, resident_32k, sweep, kernels, serve, spec, offload), their JSON and logs under $OUT.
+set -o pipefail
+: "${OUT:?set OUT to the folder for the results}"
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+if [ -n "$WHEELS" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+COMMIT=${COMMIT:-unknown}
+RUN=$(mktemp -d)
+cp -r bench tests "$RUN"/ && cd "$RUN" || exit 1
+artifact() { [ -f /tmp/q36.ninfer ] || python3 bench/make_synthetic.py /tmp/q36.ninfer > "$OUT/synthetic.log" 2>&1; }
+if [ -n "$TESTS" ]; then
+  (cd tests && timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -15)
+fi
+for bench in $BENCHES; do
+  echo "== $bench"
+  case $bench in
+    resident) artifact && python3 bench/resident.py /tmp/q36.ninfer --out "$OUT/resident.json" --contexts 1024 --prefills 4096 \
+      --skip-transformers --commit "$COMMIT" 2>&1 | tail -8 ;;
+    resident_32k) artifact && python3 bench/resident.py /tmp/q36.ninfer --out "$OUT/resident_32k.json" --contexts 32768 --prefills 16384 \
+      --batches --skip-transformers --commit "$COMMIT" 2>&1 | tail -6 ;;
+    sweep) python3 bench/sweep_decode.py --out "$OUT/sweep.json" --commit "$COMMIT" 2>&1 | tail -100 ;;
+    kernels) python3 bench/kernels.py --out "$OUT/kernels.json" --commit "$COMMIT" 2>&1 | tail -60 ;;
+    serve) artifact && python3 bench/serve.py /tmp/q36.ninfer --out "$OUT/serve.json" --clients 1 8 --max-tokens 96 --commit "$COMMIT" 2>&1 | tail -12 ;;
+    spec) artifact && python3 bench/spec.py /tmp/q36.ninfer --out "$OUT/spec.json" --commit "$COMMIT" 2>&1 | tail -12 ;;
+    offload) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload.json" --budgets 15 --tokens 128 --warmup 128 \
+      --commit "$COMMIT" 2>&1 | tail -12 ;;
+    *) echo "unknown benchmark $bench" ;;
+  esac
+done
