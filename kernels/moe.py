@@ -238,10 +238,8 @@ def _gate_up_swiglu_gemv_kernel(
                 record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
             )
             for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
-                routed = tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0
-                # Loaded outside the branch (masked to nothing for other tokens), so the tokens' loads issue together.
-                xs = load_positions(x + t * stride_x, k0, tl.where(routed, H, 0), BLOCK_K)
-                if routed:
+                if tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0:
+                    xs = load_positions(x + t * stride_x, k0, H, BLOCK_K)
                     gate_part = dot_code_tile(g_codes, g_scales, xs, GROUP, BLOCK_N, BLOCK_K)
                     up_part = dot_code_tile(u_codes, u_scales, xs, GROUP, BLOCK_N, BLOCK_K)
                     acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
@@ -297,10 +295,8 @@ def _down_shared_gemv_kernel(
             )
             for t in tl.static_range(BLOCK_T):
                 pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
-                routed = pair < BLOCK_PAIRS
-                # Loaded outside the branch (masked to nothing for other tokens), so the tokens' loads issue together.
-                xs = load_positions(act + tl.where(routed, pair, 0).to(tl.int64) * I, k0, tl.where(routed, I, 0), BLOCK_K)
-                if routed:
+                if pair < BLOCK_PAIRS:
+                    xs = load_positions(act + pair.to(tl.int64) * I, k0, I, BLOCK_K)
                     part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
                     acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
         if NVFP4:
