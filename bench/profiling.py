@@ -12,7 +12,6 @@ STAGES = (  # kernel-name fragment -> stage of the per-step breakdown (first mat
     ("quantized_gemv", "quantized linear"),
     ("shared_expert_gemv", "quantized linear"),
     ("quantized_matmul", "quantized linear"),
-    ("paired_gemv", "quantized + dense linear"),
     ("dense_gemv", "dense linear"),
     ("decode_partial", "attention"),
     ("decode_merge", "attention"),

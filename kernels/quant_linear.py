@@ -152,72 +152,6 @@ def _input_positions(
 
 
 @triton.jit
-def _quantized_gemv_rows(
-    pid,
-    x,
-    x2,
-    stride_x,
-    stride_x2,
-    norm_w,
-    eps,
-    w,
-    routed,
-    score,
-    stride_score,
-    out,
-    total,
-    normed,
-    T,
-    N,
-    K,
-    high_offset,
-    scale_offset,
-    divisor_offset,
-    NVFP4: tl.constexpr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    INPUT: tl.constexpr,
-    NORM_D: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-):
-    """Rows [pid * BLOCK_N, (pid + 1) * BLOCK_N) of every token's product (also a part of `paired_gemv`).
-    With ADD_NORM, program 0 also stores each token's x + x2 and its norm (`add_rmsnorm`'s outputs)
-    in `total` and `normed`, for the ops after this one."""
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    row_mask = rows < N
-    toks = tl.arange(0, BLOCK_T)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-        for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
-            token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
-            xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
-            part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
-            acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
-    if INPUT == ADD_NORM:
-        if pid == 0:
-            for t in tl.static_range(BLOCK_T):
-                if t < T:
-                    add_rmsnorm_row(x + t * stride_x, x2 + t * stride_x2, total + t * K, normed + t * K, norm_w, K, eps, True, ROW_BLOCK)
-    if NVFP4:
-        acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
-    offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
-    mask = (toks < T)[:, None] & row_mask[None, :]
-    if EPILOGUE == ADD_GATED:
-        shared = acc.to(out.dtype.element_ty).to(tl.float32)
-        sv = tl.load(score + toks.to(tl.int64) * stride_score, mask=toks < T, other=0.0)
-        gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
-        scaled = (gated[:, None] * shared).to(sv.dtype).to(tl.float32)
-        acc = tl.load(routed + offsets, mask=mask, other=0.0).to(tl.float32) + scaled
-    tl.store(out + offsets, acc.to(out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _quantized_gemv_kernel(
     x,
     x2,
@@ -232,9 +166,13 @@ def _quantized_gemv_kernel(
     out,
     total,
     normed,
+    dense_w,
+    dense_out,
     T,
     N,
     K,
+    DENSE_N,
+    QUANTIZED_PROGRAMS,
     high_offset,
     scale_offset,
     divisor_offset,
@@ -249,59 +187,50 @@ def _quantized_gemv_kernel(
     NORM_D: tl.constexpr,
     EPILOGUE: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
-):
-    _quantized_gemv_rows(
-        tl.program_id(0), x, x2, stride_x, stride_x2, norm_w, eps, w, routed, score, stride_score, out, total, normed, T, N, K,
-        high_offset, scale_offset, divisor_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_T, BLOCK_N, BLOCK_K, INPUT, NORM_D, EPILOGUE,
-        ROW_BLOCK,
-    )
-
-
-@triton.jit
-def _paired_gemv_kernel(
-    x,
-    x2,
-    stride_x,
-    stride_x2,
-    norm_w,
-    eps,
-    w,
-    out,
-    total,
-    normed,
-    N,
-    K,
-    high_offset,
-    scale_offset,
-    divisor_offset,
-    dense_w,
-    dense_out,
-    DENSE_N,
-    QUANTIZED_PROGRAMS,
-    T,
-    NVFP4: tl.constexpr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    DENSE: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     DENSE_BLOCK_K: tl.constexpr,
-    INPUT: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
 ):
+    """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
+    W. With DENSE, the programs after them: DENSE_BLOCK_N rows each of the product with `dense_w`
+    (`paired_gemv`). With ADD_NORM, program 0 also stores each token's x + x2 and its norm
+    (`add_rmsnorm`'s outputs) in `total` and `normed`, for the ops after this one."""
     pid = tl.program_id(0)
-    if pid < QUANTIZED_PROGRAMS:
-        _quantized_gemv_rows(
-            pid, x, x2, stride_x, stride_x2, norm_w, eps, w, out, out, 0, out, total, normed, T, N, K, high_offset, scale_offset,
-            divisor_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_T, BLOCK_N, BLOCK_K, INPUT, 1, STORE, ROW_BLOCK,
-        )
-    else:
+    if DENSE and pid >= QUANTIZED_PROGRAMS:
         dense_gemv_rows(
             pid - QUANTIZED_PROGRAMS, x, x2, stride_x, stride_x2, norm_w, eps, dense_w, dense_out, T, DENSE_N, K,
             BLOCK_T, DENSE_BLOCK_N, DENSE_BLOCK_K, INPUT == ADD_NORM, ROW_BLOCK,
         )
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        row_mask = rows < N
+        toks = tl.arange(0, BLOCK_T)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K_PAD, BLOCK_K):
+            codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
+                token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
+                xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
+                part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
+                acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+        if INPUT == ADD_NORM:
+            if pid == 0:
+                for t in tl.static_range(BLOCK_T):
+                    if t < T:
+                        add_rmsnorm_row(
+                            x + t * stride_x, x2 + t * stride_x2, total + t * K, normed + t * K, norm_w, K, eps, True, ROW_BLOCK
+                        )
+        if NVFP4:
+            acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
+        offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
+        mask = (toks < T)[:, None] & row_mask[None, :]
+        if EPILOGUE == ADD_GATED:
+            shared = acc.to(out.dtype.element_ty).to(tl.float32)
+            sv = tl.load(score + toks.to(tl.int64) * stride_score, mask=toks < T, other=0.0)
+            gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
+            scaled = (gated[:, None] * shared).to(sv.dtype).to(tl.float32)
+            acc = tl.load(routed + offsets, mask=mask, other=0.0).to(tl.float32) + scaled
+        tl.store(out + offsets, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -432,39 +361,9 @@ def residual_norm_gemv(
     normalises its own input tiles, so no norm launch comes before the product."""
     _check_gemv_inputs(x, delta, geometry)
     out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
-    total, normed = torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    _launch_gemv(x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, None, None, total, normed)
+    total, normed = torch.empty_like(x), torch.empty_like(x)
+    _launch_gemv(x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, total=total, normed=normed)
     return out, total, normed
-
-
-def _check_gemv_inputs(x: torch.Tensor, x2: torch.Tensor | None, geometry: ObjectGeometry) -> None:
-    x2 = x if x2 is None else x2
-    if x.shape[0] > GEMV_MAX_TOKENS or x.shape[1] != geometry.k or x2.shape != x.shape or x.stride(1) != 1 or x2.stride(1) != 1:
-        raise ValueError(f"a fused matrix-vector product takes up to {GEMV_MAX_TOKENS} rows of {geometry.k} contiguous columns")
-
-
-def _launch_gemv(
-    x: torch.Tensor, x2: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float, data: torch.Tensor, geometry: ObjectGeometry,
-    out: torch.Tensor, input_op: tl.constexpr, norm_d: int, routed: torch.Tensor | None, score: torch.Tensor | None,
-    total: torch.Tensor | None = None, normed: torch.Tensor | None = None,
-) -> None:
-    t, k = x.shape
-    x2 = x if x2 is None else x2
-    g = TileGeometry.of(geometry)
-    n = geometry.n
-    tiles = gemv_tiles(n)
-    add_gated = routed is not None
-    routed = routed.contiguous() if add_gated else out
-    score = score if add_gated else out
-    _quantized_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-        x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
-        out if total is None else total, out if normed is None else normed, t, n, k,
-        g.high_offset, g.scale_offset, g.divisor_offset,
-        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
-        BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), INPUT=input_op.value, NORM_D=norm_d,
-        EPILOGUE=(ADD_GATED if add_gated else STORE).value, ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
-        num_warps=tiles.warps, num_stages=tiles.stages,
-    )
 
 
 def paired_gemv(
@@ -477,30 +376,57 @@ def paired_gemv(
     shared expert's gate/up with the dense router: one launch instead of two small ones. With
     `residual` = (delta, norm_w, eps) the input is (1 + norm_w) * rmsnorm(x + delta), computed by the
     kernel (as in `residual_norm_gemv`), and x + delta and the normed input follow the two products."""
-    delta = None if residual is None else residual[0]
+    delta, norm_w, eps = (None, None, 0.0) if residual is None else residual
     _check_gemv_inputs(x, delta, geometry)
     if dense_w.shape[1] != x.shape[1]:
         raise ValueError(f"a paired matrix-vector product takes two matrices of {x.shape[1]} columns")
-    t, k = x.shape
-    g = TileGeometry.of(geometry)
-    n, dense_n = geometry.n, dense_w.shape[0]
-    tiles = gemv_tiles(n)
-    dense_w = dense_w.contiguous()
-    out = torch.empty(t, n, device=x.device, dtype=x.dtype)
-    dense_out = torch.empty(t, dense_n, device=x.device, dtype=x.dtype)
-    total, normed = (out, out) if residual is None else (torch.empty_like(x), torch.empty_like(x))
-    x2, norm_w, eps = (x, x, 0.0) if residual is None else (delta, residual[1].contiguous(), residual[2])
-    quantized_programs = triton.cdiv(n, tiles.block_n)
-    dense_programs = triton.cdiv(dense_n, dense_linear.GEMV_BLOCK_N)
-    _paired_gemv_kernel[(quantized_programs + dense_programs,)](
-        x, x2, x.stride(0), x2.stride(0), norm_w, eps, data, out, total, normed, n, k, g.high_offset, g.scale_offset, g.divisor_offset,
-        dense_w, dense_out, dense_n, quantized_programs, t,
-        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
-        BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
-        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)), INPUT=(PLAIN if residual is None else ADD_NORM).value,
-        ROW_BLOCK=1 if residual is None else triton.next_power_of_2(k), num_warps=tiles.warps, num_stages=tiles.stages,
+    out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
+    dense_out = torch.empty(x.shape[0], dense_w.shape[0], device=x.device, dtype=x.dtype)
+    if residual is None:
+        _launch_gemv(x, None, None, 0.0, data, geometry, out, PLAIN, 1, dense_w=dense_w.contiguous(), dense_out=dense_out)
+        return out, dense_out
+    total, normed = torch.empty_like(x), torch.empty_like(x)
+    _launch_gemv(
+        x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, total=total, normed=normed,
+        dense_w=dense_w.contiguous(), dense_out=dense_out,
     )
-    return (out, dense_out) if residual is None else (out, dense_out, total, normed)
+    return out, dense_out, total, normed
+
+
+def _check_gemv_inputs(x: torch.Tensor, x2: torch.Tensor | None, geometry: ObjectGeometry) -> None:
+    x2 = x if x2 is None else x2
+    if x.shape[0] > GEMV_MAX_TOKENS or x.shape[1] != geometry.k or x2.shape != x.shape or x.stride(1) != 1 or x2.stride(1) != 1:
+        raise ValueError(f"a fused matrix-vector product takes up to {GEMV_MAX_TOKENS} rows of {geometry.k} contiguous columns")
+
+
+def _launch_gemv(
+    x: torch.Tensor, x2: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float, data: torch.Tensor, geometry: ObjectGeometry,
+    out: torch.Tensor, input_op: tl.constexpr, norm_d: int, routed: torch.Tensor | None = None, score: torch.Tensor | None = None,
+    total: torch.Tensor | None = None, normed: torch.Tensor | None = None,
+    dense_w: torch.Tensor | None = None, dense_out: torch.Tensor | None = None,
+) -> None:
+    """One launch of the matrix-vector kernel (unused pointer arguments point at `out`)."""
+    t, k = x.shape
+    x2 = x if x2 is None else x2
+    g = TileGeometry.of(geometry)
+    n = geometry.n
+    tiles = gemv_tiles(n)
+    add_gated = routed is not None
+    routed = routed.contiguous() if add_gated else out
+    score = score if add_gated else out
+    quantized_programs = triton.cdiv(n, tiles.block_n)
+    dense_n = 0 if dense_w is None else dense_w.shape[0]
+    _quantized_gemv_kernel[(quantized_programs + triton.cdiv(dense_n, dense_linear.GEMV_BLOCK_N),)](
+        x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
+        out if total is None else total, out if normed is None else normed, out if dense_w is None else dense_w,
+        out if dense_out is None else dense_out, t, n, k, dense_n, quantized_programs, g.high_offset, g.scale_offset, g.divisor_offset,
+        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
+        BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), INPUT=input_op.value, NORM_D=norm_d,
+        EPILOGUE=(ADD_GATED if add_gated else STORE).value, ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
+        DENSE=dense_w is not None, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
+        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )
 
 
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
