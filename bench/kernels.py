@@ -141,16 +141,22 @@ def record(results: list[dict], measure, save) -> None:
           + (f" {r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else ""), flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def start_run(doc: str) -> tuple[argparse.Namespace, float, dict]:
+    """A kernel benchmark's command line (--out, --commit), seed, device bandwidth and report header."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit", default=None, help="commit measured (when the tree has no .git)")
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth = device_bandwidth()
-    results = []
     header = {**gpu_report_header(args.commit), "triton": triton.__version__, "host": platform.node(),
               "device_bandwidth_GBps": bandwidth / 1e9}
+    return args, bandwidth, header
+
+
+def main() -> None:
+    args, bandwidth, header = start_run(__doc__)
+    results = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:

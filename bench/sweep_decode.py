@@ -12,18 +12,15 @@ the device bandwidth measured in the same run. Weights are random valid bytes (b
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-from pathlib import Path
 
 import torch
 from triton.testing import do_bench_cudagraph
 
-from kernels import EXPERTS, HIDDEN, INTER, TOP_K, device_bandwidth, quantized_object
+from kernels import EXPERTS, HIDDEN, INTER, TOP_K, quantized_object, start_run
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels import attention, dense_linear, moe, quant_linear
-from provenance import gpu_report_header
 
 TOKENS = (1, 4, 8)
 LINEAR = [("gdn_qkvz", "q8_g32_fp16", 12288, 2048), ("attn_qkgv", "q8_g32_fp16", 9216, 2048), ("mixer_out", "q8_g32_fp16", 2048, 4096),
@@ -117,13 +114,8 @@ def sweep_attention(bandwidth: float, record) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--commit", default=None, help="commit measured (when the tree has no .git)")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    bandwidth = device_bandwidth()
-    report = {**gpu_report_header(args.commit), "device_bandwidth_GBps": bandwidth / 1e9, "results": []}
+    args, bandwidth, header = start_run(__doc__)
+    report = {**header, "results": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def record(result: dict) -> None:
