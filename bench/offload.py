@@ -23,7 +23,28 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   files from disk (cold page cache too);
 * the planner's prediction for the same options, and its projections to the RTX 5060 Ti and
   RTX 5090 (the cost model of `planner.cost`);
-* whether the offloaded logits equal the all-resident ones on a prompt (bitwise).
+* whether the offloaded logits equal the all-resident ones on a prompt (bitwise);
+* last, the floor (`accelerate_floor`; needs `accelerate`, `--skip-accelerate` leaves it out):
+  transformers' `Qwen3_5MoeForCausalLM` with random bf16 weights, dispatched by accelerate at the
+  first budget's (or `--floor-budget`'s) GPU cap as `from_pretrained(device_map="auto",
+  max_memory=...)` dispatches it: `infer_auto_device_map` with `max_memory={0: cap, "cpu": free RAM}`,
+  then `dispatch_model`. accelerate runs every layer on GPU 0; a layer mapped to "cpu" keeps its
+  weights in pageable host memory and copies all of them in for every forward (its 256 experts:
+  1.5 GiB). Greedy decode after the same 64-token prompt, `--floor-tokens` timed steps after 2
+  warm-up ones, each reading its token; `speedup_vs_accelerate` in each run at that budget. GDN runs
+  transformers' PyTorch path, on whatever device a layer's tensors are: flash-linear-attention and
+  causal-conv1d are hidden while its model code is imported (`hf_baseline.import_torch_kernels`);
+  for one token that path is a few small ops per layer, next to the weights an offloaded layer
+  copies in.
+  The default measures the full 40-layer model, well inside 5 minutes on the H200 machine: the
+  model is built on the GPU (69 GB; transformers' random init takes seconds there, while on the CPU
+  its normal_ runs on one thread, about 0.2 G values/s: 3 minutes for the 35 G parameters however
+  many cores), then the modules mapped to "cpu" move to host memory (about 50 GiB at 15 GiB, of 128
+  GiB) and each of the 7 forwards copies them to the GPU again: seconds each at pageable PCIe
+  rates. `--floor-layers A B` measures two reduced depths instead and extrapolates linearly in
+  layers (less host memory): a d-layer model's cap is the budget less (1 - d/40) of the bytes of
+  the layers the full model keeps on the GPU, so the same fraction of its layers' weights is there,
+  up to whole layers (`gpu_layers` per depth against `full_model_gpu_layers`).
 Results are rewritten to --out after every run, so a partial run still reports.
 """
 
@@ -31,12 +52,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 from ninfer_offload.artifact.inventory import Inventory
@@ -46,11 +69,13 @@ from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
 from ninfer_offload.runtime.engine import PREFILL_CHUNK, Engine
+from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from provenance import gpu_report_header
 
 GiB = 2**30
 PROMPT_TOKENS = 64
 PREFILL_TOKENS = 4096
+FLOOR_WARMUP = 2  # accelerate floor: decode steps before timing
 
 
 def artifact_files(path: Path) -> list[Path]:
@@ -179,6 +204,103 @@ def release(engine: Engine) -> None:
     getattr(torch._C, "_host_emptyCache", lambda: None)()  # give the pinned pool back to the OS
 
 
+def auto_device_map(model: torch.nn.Module, gpu_bytes: int | None) -> dict:
+    """accelerate's device map of `model` for `gpu_bytes` of GPU 0 (None: no GPU) and the free host memory."""
+    from accelerate import infer_auto_device_map
+
+    max_memory = {"cpu": psutil.virtual_memory().available} | ({} if gpu_bytes is None else {0: gpu_bytes})
+    return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=list(model._no_split_modules), dtype=torch.bfloat16)
+
+
+def full_model_gpu_layers(config: dict, budget: int) -> dict[str, int]:
+    """Name -> bytes of the decoder layers accelerate puts on GPU 0 for the full model at `budget` (sized on the meta device)."""
+    from accelerate.utils import compute_module_sizes
+
+    model = random_model(config, config["num_hidden_layers"], "meta")
+    sizes = compute_module_sizes(model, dtype=torch.bfloat16)
+    return {name: sizes[name] for name, where in auto_device_map(model, budget).items() if where == 0 and name.startswith("model.layers.")}
+
+
+def offloaded_model(config: dict, depth: int, gpu_bytes: int | None, device: str) -> torch.nn.Module:
+    """The `depth`-layer model dispatched by accelerate for `gpu_bytes` of GPU 0 (None, device "cpu": all on the CPU)."""
+    from accelerate import dispatch_model
+
+    model = random_model(config, depth, device)
+    device_map = auto_device_map(model, gpu_bytes)
+    for name, where in device_map.items():
+        if where == "cpu":  # dispatch_model offloads the weights where they lie: host memory, as from_pretrained leaves them
+            model.get_submodule(name).to("cpu")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return dispatch_model(model, device_map, skip_keys=list(model._skip_keys_device_placement))
+
+
+@torch.no_grad()
+def greedy_step_seconds(model: torch.nn.Module, device: str, warmup: int, steps: int) -> float:
+    """Seconds per greedy step of `model` after a PROMPT_TOKENS-token prompt and `warmup` steps (each step reads its token)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+
+    def forward(ids: list[int]) -> int:
+        logits = model(torch.tensor([ids], device=device), past_key_values=cache, use_cache=True).logits
+        return int(logits[0, -1].argmax())
+
+    token = forward(list(range(1, PROMPT_TOKENS + 1)))
+    for _ in range(warmup):
+        token = forward([token])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(steps):
+        token = forward([token])
+    return (time.perf_counter() - began) / steps
+
+
+def accelerate_floor(config: dict, budget: int, depths: tuple[int, ...], steps: int, device: str = "cuda") -> dict:
+    """Decode tokens/s of transformers + accelerate offload at `budget` bytes of GPU 0 (the module docstring's floor)."""
+    import accelerate
+    import transformers
+
+    full = config["num_hidden_layers"]
+    # accelerate fills GPU 0 in module order with room kept for the largest layer it copies in; the
+    # embedding, the head and that room do not shrink with depth, only the layers' share does: a
+    # d-layer model's cap is the budget less (1 - d/full) of the bytes of the layers the full model
+    # keeps on GPU 0, so d/full of those bytes remain, the full model's fraction of its layers' weights.
+    full_gpu = full_model_gpu_layers(config, budget) if device == "cuda" else {}
+    share = sum(full_gpu.values())
+    measured = {}
+    for depth in depths:
+        cap = budget - round(share * (1 - depth / full))
+        model = offloaded_model(config, depth, cap if device == "cuda" else None, device)
+        on_gpu = sum(next(layer.parameters()).device.type == "cuda" for layer in model.model.layers)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        seconds = greedy_step_seconds(model, device, FLOOR_WARMUP, steps)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        measured[depth] = {"gpu_cap_bytes": cap, "gpu_layers": on_gpu, "step_s": seconds, "peak_vram_bytes": peak}
+        del model
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    step = full_depth_seconds({d: m["step_s"] for d, m in measured.items()}, full)
+    return {
+        "vram_budget_bytes": budget,
+        "depths": list(depths),
+        "method": depth_method(depths, full),
+        "extrapolated": depths != (full,),
+        "decode_tok_s": 1 / step,
+        "tokens": steps,
+        "warmup": FLOOR_WARMUP,
+        "prompt_tokens": PROMPT_TOKENS,
+        "full_model_gpu_layers": len(full_gpu),
+        "measured": {str(d): m for d, m in measured.items()},
+        "gdn": "transformers' PyTorch path (flash-linear-attention and causal-conv1d hidden)",
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact", type=Path)
@@ -192,8 +314,20 @@ def main() -> None:
     parser.add_argument(
         "--miss-paths", nargs="*", default=[], choices=["cpu", "auto"], help="also decode with these CPU miss paths at the first budget"
     )
+    parser.add_argument("--skip-accelerate", action="store_true", help="leave out the transformers + accelerate offload floor")
+    parser.add_argument("--floor-budget", type=float, default=None, help="GiB of GPU 0 for the floor (default: the first budget)")
+    parser.add_argument(
+        "--floor-layers", type=int, nargs=2, default=None, metavar=("A", "B"),
+        help="floor at two reduced depths, extrapolated to the full model (default: the full model)",
+    )
+    parser.add_argument("--floor-tokens", type=int, default=4, help="timed decode steps of the floor")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
+    if args.floor_layers and args.floor_layers[0] == args.floor_layers[1]:
+        parser.error("--floor-layers takes two different depths")
+    missing = [name for name in ("accelerate", "transformers") if not args.skip_accelerate and importlib.util.find_spec(name) is None]
+    if missing:  # now rather than after the engine runs
+        parser.error(f"the accelerate floor needs {' and '.join(missing)} (or pass --skip-accelerate)")
 
     hits = np.array(shipped_routing_stats().hits)
     length = PROMPT_TOKENS + args.warmup + args.tokens + PREFILL_TOKENS
@@ -222,6 +356,7 @@ def main() -> None:
     check_ids = list(range(3, 3 + 24))
     resident, resident_ready = load(args.artifact, experts="resident")
     reference = resident.logits(check_ids)
+    config = resident.artifact.components["text"].config
     step, _ = runner.decode(resident, args.warmup, args.tokens)
     runner.prefill(resident, prefill_offset)  # compiles and tunes the prefill kernels
     prefill = runner.prefill(resident, prefill_offset)
@@ -286,6 +421,18 @@ def main() -> None:
         save()
         print(json.dumps(report["miss_paths"][-1]), flush=True)
         release(engine)
+    if not args.skip_accelerate:
+        import_torch_kernels()  # transformers is imported only now, after the engine runs
+        budget = int((args.floor_budget or args.budgets[0]) * GiB)
+        depths = tuple(args.floor_layers or (config["num_hidden_layers"],))
+        floor = report["accelerate_floor"] = accelerate_floor(config, budget, depths, args.floor_tokens)
+        for run in report["runs"]:
+            if run["vram_budget_bytes"] == budget:
+                run["speedup_vs_accelerate"] = run["decode_tok_s"] / floor["decode_tok_s"]
+        save()
+        speedups = ", ".join(f"x{run['speedup_vs_accelerate']:.0f}" for run in report["runs"] if "speedup_vs_accelerate" in run)
+        print(f"accelerate floor @{budget / GiB:g} GiB: {floor['decode_tok_s']:.3f} tok/s ({floor['method']}), "
+              f"engine {speedups or 'not run at this budget'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.planner import PlanOptions, plan
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.runtime.engine import Engine
+from hf_baseline import depth_method, full_depth_seconds, random_model
 from profiling import kernel_breakdown
 from provenance import gpu_report_header
 
@@ -211,17 +212,11 @@ def planner_prediction(engine: Engine, max_context: int) -> dict:
 def bench_transformers(config: dict, layers: tuple[int, ...], contexts: list[int], prefills: list[int], report: dict, save) -> None:
     """transformers' model at its full depth (one entry in `layers`), or at two reduced depths with the
     full-depth times extrapolated from the per-layer difference (for GPUs the full model does not fit)."""
-    from transformers import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
-
     full_layers = config["num_hidden_layers"]
     measured: dict[int, dict] = {}
     for depth in layers:
-        cfg = dict(config, num_hidden_layers=depth, layer_types=config["layer_types"][:depth])
-        hf_config = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-        with torch.device("cuda"):
-            model = Qwen3_5MoeForCausalLM(hf_config).to(torch.bfloat16).eval()
-        result: dict = {"prefill_s": {}, "decode_s": {}, "attn_implementation": hf_config._attn_implementation}
+        model = random_model(config, depth, "cuda")
+        result: dict = {"prefill_s": {}, "decode_s": {}, "attn_implementation": model.config._attn_implementation}
         with torch.no_grad():
             for length in prefills:
                 ids = torch.randint(0, 1000, (1, length), device="cuda")
@@ -247,26 +242,14 @@ def bench_transformers(config: dict, layers: tuple[int, ...], contexts: list[int
         torch.cuda.empty_cache()
         report["transformers_measured"] = {str(d): r for d, r in measured.items()}
         save()
-    if layers == (full_layers,):
-        method = f"measured at all {full_layers} layers"
 
-        def extrapolate(_: float, b: float) -> float:
-            return b
-
-        lo = hi = full_layers
-    else:
-        lo, hi = layers
-        method = f"measured at {lo} and {hi} layers, per-layer cost by difference, extrapolated to {full_layers}"
-
-        def extrapolate(a: float, b: float) -> float:
-            if b <= a:  # no measurable per-layer cost: scale the deeper model proportionally instead
-                return b * full_layers / hi
-            return a + (b - a) * (full_layers - lo) / (hi - lo)
+    def extrapolate(key: str, point: int) -> float:
+        return full_depth_seconds({d: measured[d][key][point] for d in layers}, full_layers)
 
     report["transformers"] = {
-        "method": method,
-        "decode": [{"context": c, "tok_s": 1 / extrapolate(measured[lo]["decode_s"][c], measured[hi]["decode_s"][c])} for c in contexts],
-        "prefill": [{"tokens": n, "tok_s": n / extrapolate(measured[lo]["prefill_s"][n], measured[hi]["prefill_s"][n])} for n in prefills],
+        "method": depth_method(layers, full_layers),
+        "decode": [{"context": c, "tok_s": 1 / extrapolate("decode_s", c)} for c in contexts],
+        "prefill": [{"tokens": n, "tok_s": n / extrapolate("prefill_s", n)} for n in prefills],
     }
     save()
 
