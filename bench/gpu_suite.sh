@@ -4,7 +4,7 @@
 # Installs the project (and the wheels in $WHEELS, if set, for a machine without a package index),
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
-# BENCHES (resident, resident_32k, sweep, kernels, serve, spec, offload), their JSON and logs under $OUT.
+# BENCHES (resident, resident_32k, sweep, kernels, serve, spec, offload, offload_sweep, offload_cpu, nvfp4), their JSON and logs under $OUT.
 set -o pipefail
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONUNBUFFERED=1
@@ -34,6 +34,15 @@ for bench in $BENCHES; do
     spec) artifact && python3 bench/spec.py /tmp/q36.ninfer --out "$OUT/spec.json" --commit "$COMMIT" 2>&1 | tail -12 ;;
     offload) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload.json" --budgets 15 --tokens 128 --warmup 128 \
       --commit "$COMMIT" 2>&1 | tail -12 ;;
+    offload_sweep) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_sweep.json" --budgets 15 12 18 20 24 \
+      --tokens 128 --warmup 128 --miss-paths cpu auto --skip-accelerate --commit "$COMMIT" 2>&1 | tail -16 ;;
+    nvfp4) { [ -f /tmp/q36_nvfp4.ninfer ] || python3 bench/make_synthetic.py /tmp/q36_nvfp4.ninfer --recipe nvfp4 > "$OUT/synthetic_nvfp4.log" 2>&1; } &&
+      python3 bench/resident.py /tmp/q36_nvfp4.ninfer --out "$OUT/resident_nvfp4.json" --contexts 1024 --prefills 4096 --batches 1 \
+        --skip-transformers --commit "$COMMIT" 2>&1 | tail -5 &&
+      python3 bench/offload.py /tmp/q36_nvfp4.ninfer --out "$OUT/offload_nvfp4.json" --budgets 15 --tokens 128 --warmup 128 \
+        --skip-accelerate --commit "$COMMIT" 2>&1 | tail -3 ;;
+    offload_cpu) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_cpu.json" --budgets 15 --tokens 128 --warmup 128 \
+      --miss-paths cpu auto --skip-accelerate --commit "$COMMIT" 2>&1 | tail -6 ;;
     *) echo "unknown benchmark $bench" ;;
   esac
 done

@@ -168,7 +168,7 @@ class TraceRun:
 
 def _difference(after: dict | None, before: dict | None) -> dict:
     if after is None:
-        return {"hit_rate": 1.0, "pcie_bytes_per_token": 0, "promotions_per_token": 0.0, "tokens": 0}
+        return {"hit_rate": 1.0, "pcie_bytes_per_token": 0, "promotions_per_token": 0.0, "tokens": 0, "cpu_assignments": 0}
     tokens = after["tokens"] - before["tokens"]
     uses = after["uses"] - before["uses"]
     return {
@@ -176,6 +176,7 @@ def _difference(after: dict | None, before: dict | None) -> dict:
         "pcie_bytes_per_token": (after["pcie_bytes"] - before["pcie_bytes"]) / max(tokens, 1),
         "promotions_per_token": (after["promotions"] - before["promotions"]) / max(tokens, 1),
         "tokens": tokens,
+        "cpu_assignments": after["cpu_assignments"] - before["cpu_assignments"],
     }
 
 
@@ -411,16 +412,24 @@ def main() -> None:
         save()
         print(json.dumps(run), flush=True)
         release(engine)
-    for miss_path in args.miss_paths:  # the CPU miss paths sync on the routing every layer: fewer steps
+    pcie = next(run["decode_tok_s"] for run in report["runs"]) if report["runs"] else None
+    for miss_path in args.miss_paths:  # the same steps as the first budget's run; "auto" runs its trials in the warm-up
         engine, _ = load(args.artifact, profile=args.profile, vram_budget=int(args.budgets[0] * GiB), miss_path=miss_path)
-        seconds, stats = runner.decode(engine, args.warmup // 8, args.tokens // 4)
+        seconds, stats = runner.decode(engine, args.warmup, args.tokens)
         report["miss_paths"].append({
             "vram_budget_bytes": int(args.budgets[0] * GiB), "miss_path": miss_path, "decode_tok_s": 1 / seconds,
-            "hit_rate": stats["hit_rate"], "cpu": engine.store.stats.miss_path,
+            "pcie_decode_tok_s": pcie, "hit_rate": stats["hit_rate"], "pcie_bytes_per_token": stats["pcie_bytes_per_token"],
+            "cpu_assignments_per_token": stats["cpu_assignments"] / max(stats["tokens"], 1), "graphs": engine.graphs is not None,
+            "cpu": engine.store.stats.miss_path,
         })
         save()
         print(json.dumps(report["miss_paths"][-1]), flush=True)
         release(engine)
+    by_path = {entry["miss_path"]: entry["decode_tok_s"] for entry in report["miss_paths"]}
+    if "auto" in by_path and pcie is not None:  # "auto" must not be slower than the better pure path
+        best = max(pcie, by_path.get("cpu", 0.0))
+        report["auto_vs_best_pure_path"] = by_path["auto"] / best
+        save()
     if not args.skip_accelerate:
         import_torch_kernels()  # transformers is imported only now, after the engine runs
         budget = int((args.floor_budget or args.budgets[0]) * GiB)

@@ -1,4 +1,4 @@
-"""CPU expert kernels (numba) against the reference op, the executor, the miss split."""
+"""CPU expert kernels (numba) against the reference op, the host experts of the miss path, its share tuner."""
 
 from __future__ import annotations
 
@@ -188,56 +188,42 @@ def test_bad_inputs_give_one_line_errors():
         ck.routed_experts_cpu(plan, records, missing, x, ids, weights)
 
 
-def test_executor_runs_torch_inputs_in_a_worker_and_feeds_the_splitter():
+def test_host_experts_compute_selected_assignments_into_out():
     layout, records, offsets = make_records("q4_g64_fp16", "q6_g64_fp16")
     padded = torch.zeros(EXPERTS, layout.nbytes + 256, dtype=torch.uint8)  # rows wider than a record
     for e in range(EXPERTS):
         padded[e, : layout.nbytes] = torch.from_numpy(records[offsets[e] : offsets[e] + layout.nbytes])
     table = padded[:, : layout.nbytes]
     x, ids, weights = routing(tokens=2, k=2, seed=9)
-    selected = torch.tensor([[True, False], [True, True]])
-    splitter = ce.MissSplitter(cpu_rate=1e15, pcie_rate=1e9)
-    executor = ce.CpuExpertExecutor(threads=1, splitter=splitter)
-    try:
-        future = executor.submit(layout, table, torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), selected)
-        got = future.result(timeout=60)
-    finally:
-        executor.close()
-    masked = np.where(selected.numpy(), weights, 0).astype(np.float32)
-    assert got.dtype == torch.float32 and got.shape == (2, HIDDEN)
-    assert_close(got.numpy(), ck.reference_routed(layout, records, offsets, x, ids, masked))
-    assert executor.calls == 1 and executor.stats()["gbs"] > 0
-    assert splitter.cpu_rate < 1e15  # the measured call pulled the optimistic start down
+    selected = np.array([[True, False], [True, True]])
+    experts = ce.HostExperts(ck.EXACT_PARTS)
+    out = np.full((2, HIDDEN), 7.0, dtype=np.float32)  # stale rows: the answer overwrites them
+    experts.compute(layout, table, x, ids, weights, selected, out)
+    masked = np.where(selected, weights, 0).astype(np.float32)
+    assert_close(out, ck.reference_routed(layout, records, offsets, x, ids, masked))
+    assert experts.calls == 1 and experts.stats()["gbs"] > 0 and experts.bytes == len(np.unique(ids[selected])) * layout.nbytes
 
 
-def test_executor_splits_activations_by_their_dtype():
-    """float32 activations take the exact split, bfloat16 ones the 16-bit split."""
+def test_host_experts_split_activations_by_parts():
+    """The exact split for float32 activations, the 16-bit split for bf16 engines."""
     layout, records, offsets = make_records("q4_g64_fp16", "q5_g64_fp16")
     table = torch.stack([torch.from_numpy(records[o : o + layout.nbytes]) for o in offsets])
     x, ids, weights = routing(tokens=3, k=2, seed=8)
-    executor = ce.CpuExpertExecutor(threads=1)
-    try:
-        for dtype, parts in ((torch.float32, ck.EXACT_PARTS), (torch.bfloat16, ck.SIXTEEN_BIT_PARTS)):
-            xt = torch.from_numpy(x).to(dtype)
-            got = executor.run(layout, table, xt, torch.from_numpy(ids), torch.from_numpy(weights))
-            want = ck.routed_experts_cpu(
-                ck.RecordKernelPlan.create(layout), table.numpy(), np.arange(EXPERTS) * layout.nbytes, xt.float().numpy(), ids, weights,
-                activation_parts=parts,
-            )
-            np.testing.assert_array_equal(got.numpy(), want)
-    finally:
-        executor.close()
+    for parts in (ck.EXACT_PARTS, ck.SIXTEEN_BIT_PARTS):
+        out = np.empty((3, HIDDEN), dtype=np.float32)
+        ce.HostExperts(parts).compute(layout, table, x, ids, weights, np.ones(ids.shape, dtype=bool), out)
+        want = ck.routed_experts_cpu(
+            ck.RecordKernelPlan.create(layout), table.numpy(), np.arange(EXPERTS) * layout.nbytes, x, ids, weights, activation_parts=parts
+        )
+        np.testing.assert_array_equal(out, want)
 
 
-def test_executor_rejects_device_or_malformed_records():
+def test_host_experts_reject_malformed_records():
     layout, records, _ = make_records("q4_g64_fp16", "q5_g64_fp16")
     x, ids, weights = routing(tokens=1, k=2, seed=2)
-    executor = ce.CpuExpertExecutor()
-    try:
-        with pytest.raises(NinferError, match="host records"):
-            executor.run(layout, torch.from_numpy(records), torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights))
-    finally:
-        executor.close()
+    out = np.empty((1, HIDDEN), dtype=np.float32)
+    with pytest.raises(NinferError, match="host records"):
+        ce.HostExperts(ck.EXACT_PARTS).compute(layout, torch.from_numpy(records), x, ids, weights, np.ones(ids.shape, dtype=bool), out)
 
 
 def test_kernels_release_the_gil_and_run_in_parallel():
@@ -245,53 +231,54 @@ def test_kernels_release_the_gil_and_run_in_parallel():
     assert ck._routed_kernel.targetoptions["nogil"] and ck._routed_kernel.targetoptions["parallel"]
 
 
-def test_miss_splitter_balances_by_rates_and_keeps_stats():
-    splitter = ce.MissSplitter(cpu_rate=30e9, pcie_rate=60e9)
-    assert splitter.cpu_share(9) == 3  # both sides then take the same time
-    assert splitter.cpu_share(0) == 0
-    assert ce.MissSplitter(cpu_rate=0.0, pcie_rate=1e9).cpu_share(5) == 0
-    assert ce.MissSplitter(cpu_rate=1e9, pcie_rate=0.0).cpu_share(5) == 5
-    missing = np.array([11, 3, 7, 5, 9, 1])
-    tokens = np.array([1, 4, 1, 2, 3, 1])
-    cpu, pcie = splitter.split(missing, tokens)
-    assert cpu.tolist() == [1, 7] and pcie.tolist() == [3, 5, 9, 11]  # CPU takes the fewest-token experts
-    splitter.observe("pcie", nbytes=10**9, seconds=1 / 30)  # measured 30 GB/s: the PCIe rate moves toward it
-    assert 30e9 < splitter.pcie_rate < 60e9
-    splitter.split(np.array([2]), np.array([1]))
-    stats = splitter.stats()
-    assert stats["cpu_experts"] + stats["pcie_experts"] == 7 and stats["cpu_experts"] >= 2
-    assert sum(stats["last_split"].values()) == 1
+def test_split_tuner_tries_each_share_and_keeps_the_fastest():
+    tuner = ce.SplitTuner((0.0, 0.25, 1.0), window=2, rounds=2, warmup=1, hold=5)
+    cost = {0.0: 3.0, 0.25: 1.0, 1.0: 2.0}
+    seen = []
+    for _ in range(tuner.trial_steps):
+        share = tuner.share()
+        seen.append(share)
+        tuner.observe(share, cost[share])
+    assert seen == [1.0] + [0.0, 0.0, 0.25, 0.25, 1.0, 1.0] * 2  # warm-up, then each share in turn
+    assert tuner.chosen == 0.25 and tuner.stats()["share"] == 0.25
+    held = []
+    for _ in range(5):
+        held.append(tuner.share())
+        tuner.observe(held[-1], 9.0)  # held steps do not count as trials
+    assert held == [0.25] * 5
+    cost[1.0] = 0.5  # the next trials see the host get faster
+    for _ in range(tuner.trial_steps):
+        share = tuner.share()
+        tuner.observe(share, cost[share])
+    assert tuner.chosen == 1.0
 
 
-def test_miss_splitter_starts_from_the_profile():
-    from types import SimpleNamespace
-
+def test_auto_candidates_include_both_pure_paths():
     from ninfer_offload.planner.cost import CPU_EXPERT_SHARE_OF_DRAM
 
-    splitter = ce.MissSplitter.from_profile(SimpleNamespace(h2d_bandwidth_gbs=27.5, dram_bandwidth_gbs=60.0))
-    assert splitter.pcie_rate == 27.5e9 and splitter.cpu_rate == pytest.approx(CPU_EXPERT_SHARE_OF_DRAM * 60e9)
-    cpu = CPU_EXPERT_SHARE_OF_DRAM * 60
-    assert splitter.cpu_share(8) == round(8 * cpu / (cpu + 27.5))
+    assert ce._candidates(0.3) == (0.0, 0.3125, 1.0)
+    assert ce._candidates(0.99) == (0.0, 1.0)
+    assert 0 < ce._rate_share() < 1 and CPU_EXPERT_SHARE_OF_DRAM > 0
 
 
 _STARTUP_PROBE = """
+import numpy as np
 import torch
 import numba.np.ufunc.parallel as parallel
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.cpu import experts as ck
 from ninfer_offload.runtime import cpu_experts as ce
 assert not parallel._is_initialized
-executor = ce.CpuExpertExecutor()
-assert parallel._is_initialized, "thread pool not started by the executor"
+experts = ce.HostExperts(ck.EXACT_PARTS)
+assert parallel._is_initialized, "thread pool not started by the host experts"
 compiled = len(ck._routed_kernel.signatures)
 for fmt, down in [(f, "q5_g64_fp16") for f in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16")] + [("nvfp4", "nvfp4")]:
     layout = ExpertRecordLayout.create(fmt, down, 128, 64)
     records = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
     for t in range(1, 9):
-        ids = torch.tensor([[0, 1]] * t)
-        executor.submit(layout, records, torch.ones(t, 128), ids, torch.ones(t, 2)).result()
-ce.CpuExpertExecutor().close()
-executor.close()
+        ids = np.array([[0, 1]] * t)
+        experts.compute(layout, records, np.ones((t, 128), np.float32), ids, np.ones((t, 2), np.float32), ids >= 0, np.empty((t, 128), np.float32))
+ce.HostExperts(ck.SIXTEEN_BIT_PARTS)
 assert len(ck._routed_kernel.signatures) == compiled == 1, ck._routed_kernel.signatures
 print("ok", compiled)
 """

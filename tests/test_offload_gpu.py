@@ -56,10 +56,11 @@ def test_planned_split_equals_resident(tiny_artifact_official, resident, small_c
         assert torch.equal(got, want)
 
 
-def test_an_offloaded_step_has_no_host_sync(tiny_artifact_official):
+@pytest.mark.parametrize("miss_path", [None, "cpu"])
+def test_an_offloaded_step_has_no_host_sync(tiny_artifact_official, miss_path):
     """The forward a decode graph records, run eagerly in sync-debug mode: a synchronizing call anywhere
-    in it (routing to the host, reading the table, counting uses) raises."""
-    engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
+    in it (routing to the host, reading the table, counting uses, handing misses to the host) raises."""
+    engine = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none", miss_path=miss_path)
     packed = pack_inputs([5], [engine.state.scratch_slot], [0], 1, engine.state.capacity).to("cuda")
     tokens, ctx = unpack_inputs(packed, 1, 1, prefill=False, keep_states=False, host=None)
     torch.cuda.synchronize()
@@ -68,6 +69,25 @@ def test_an_offloaded_step_has_no_host_sync(tiny_artifact_official):
         engine.forward(tokens, ctx)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("miss_path", ["cpu", "auto"])
+def test_cpu_miss_path_graph_steps_match_resident(tiny_artifact_official, miss_path):
+    """With a CPU miss path the decode steps are still captured: the host answers each layer's misses
+    through the mailbox inside the graph, and the logits stay the resident ones (float32)."""
+    resident = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", spec="none")
+    host = Engine.load(
+        tiny_artifact_official, device="cuda", dtype="float32", experts="host", num_slots=4, spec="none", miss_path=miss_path
+    )
+    assert host.graphs is not None
+    if miss_path == "auto":
+        host.store.cpu_path.tuner.window, host.store.cpu_path.tuner.warmup = 2, 0
+    for got, want in zip(_decode(host, 16), _decode(resident, 16)):
+        assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, want.abs().max().item()))
+    stats = host.store.stats
+    assert stats.cpu_assignments > 0 and stats.miss_path["requests"] > 0
+    assert host.graphs.graphs  # the steps ran as graphs
+    host.close()
 
 
 def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_official, monkeypatch):

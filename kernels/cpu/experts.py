@@ -37,6 +37,7 @@ from ninfer_offload.artifact.formats import BlockScaleGeometry, ObjectGeometry
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels.cpu import simd
+from ninfer_offload.kernels.cpu.atomics import fetch_add as _fetch_add, load_acquire as _load_acquire
 
 # float32 value of every binary16 word (exact, subnormals included).
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -354,30 +355,6 @@ def _rows_dot(u8, i8, u32, u16, f32, lut, fp4, fp8, geo, record_at, row_a, row_b
     return _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_a, x, tok), _row_dot(u8, i8, u32, u16, lut, geo, record_at, row_b, x, tok)
 
 
-@intrinsic
-def _fetch_add(typingctx, counters, index, amount):
-    """Atomically counters[index] += amount (acquire-release); the value before."""
-    sig = types.int64(counters, types.intp, types.int64)
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", builder.gep(array.data, [args[1]]), args[2], "acq_rel")
-
-    return sig, codegen
-
-
-@intrinsic
-def _load_acquire(typingctx, counters, index):
-    """counters[index], read atomically with acquire ordering (polling without taking the line)."""
-    sig = types.int64(counters, types.intp)
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.load_atomic(builder.gep(array.data, [args[1]]), "acquire", 8)
-
-    return sig, codegen
-
-
 @njit(nogil=True, cache=True)
 def _zeros_serial(n, dtype):
     """np.zeros without a parallel region (inside a parallel function np.zeros is one)."""
@@ -576,8 +553,10 @@ def routed_experts_cpu(
     topk_weights: np.ndarray,
     selected: np.ndarray | None = None,
     activation_parts: int = EXACT_PARTS,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Sum over assignments of weight * expert(x[token]) -> [T, H] float32 (numba kernels).
+    """Sum over assignments of weight * expert(x[token]) -> [T, H] float32 (numba kernels), added
+    into `out` (contiguous float32 [T, H]) when given.
 
     records: uint8 buffer holding the records; record_offsets[e]: byte offset of expert e's record
     in it. selected: optional bool mask [T, k] of the assignments to compute (others skipped).
@@ -593,7 +572,10 @@ def routed_experts_cpu(
         raise NinferError(f"activations have width {x.shape[1]}, the expert records expect {plan.layout.gate_up.k}")
     ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
     mask = np.ones(ids.shape, dtype=np.bool_) if selected is None else np.ascontiguousarray(selected, dtype=np.bool_)
-    out = np.zeros(x.shape, dtype=np.float32)
+    if out is None:
+        out = np.zeros(x.shape, dtype=np.float32)
+    elif out.shape != x.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise NinferError(f"out must be contiguous float32 {list(x.shape)}")
     ok = _routed_kernel(
         np.ascontiguousarray(records).reshape(-1).view(np.uint8), F16_TO_F32, E2M1_VALUES, E4M3FN_VALUES, plan.geometry,
         plan.gate_up_perm, plan.gate_up_scale, plan.down_perm, plan.down_scale, np.ascontiguousarray(record_offsets, dtype=np.int64),

@@ -1,15 +1,19 @@
-"""Routed experts on the host at run time: the worker-thread executor and the store's CPU miss path.
+"""Routed experts on the host at run time: the CPU miss path.
 
-`CpuExpertExecutor` runs the numba kernels of `ninfer_offload.kernels.cpu.experts` in a worker
-thread so CPU work overlaps the GPU; `MissSplitter` splits missing experts between CPU compute and
-PCIe transfer by measured rates; `CpuMissPath` is the seam the expert store calls.
+The device hands a layer's missing experts to the host through the mailbox of
+`runtime.miss_handoff` (no host sync: an offloaded step with a CPU miss path is still one CUDA
+graph); `CpuMissPath` answers in a worker thread with the numba kernels of
+`ninfer_offload.kernels.cpu.experts` (`HostExperts`) while the device computes the experts in VRAM.
+Which misses the host takes is a device mask per (layer, expert): "cpu" takes every miss; "auto"
+takes a share of each layer's experts that `SplitTuner` picks by measured step time among no share,
+all, and the share the host's and the PCIe link's rates would give, so it is never slower than the
+better pure path by more than the trials' noise.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numba
@@ -19,249 +23,271 @@ import torch
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels.cpu.experts import EXACT_PARTS, SIXTEEN_BIT_PARTS, RecordKernelPlan, routed_experts_cpu, warm_up
+from ninfer_offload.kernels.cpu.handoff import answer_request, next_request
+from ninfer_offload.runtime import miss_handoff
+from ninfer_offload.runtime.miss_handoff import DONE, HEADER_WORDS, READY, Mailbox
+
+SWEEPS = 2000  # mailbox polls per `next_request` call (~0.2 ms for 41 layers)
+IDLE_AFTER_S = 0.005  # the worker sleeps once no request came for this long after a step began
+SHARE_SEED = 0  # which experts a share takes: a fixed random order per layer
 
 
-@dataclass
-class MissSplitter:
-    """Splits a step's missing experts between CPU compute and PCIe transfer by measured rates.
+class HostExperts:
+    """Computes routed experts from a layer's host records [E, stride] (uint8) with the numba
+    kernels; lossless bf16/fp32 records (a test recipe) through the torch reference op. Counts
+    calls, seconds and record bytes read."""
 
-    Rates are bytes of expert records per second. They start from the device profile (host: a
-    fraction of its DRAM bandwidth; PCIe: its H2D bandwidth) and every measured call moves them
-    by an exponential moving average. Counts and the last split are kept for stats.
-    """
-
-    cpu_rate: float
-    pcie_rate: float
-    smoothing: float = 0.25
-    cpu_experts: int = 0
-    pcie_experts: int = 0
-    last_split: tuple[int, int] = (0, 0)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @classmethod
-    def from_profile(cls, profile) -> "MissSplitter":
-        """Starting rates from a DeviceProfile, as the planner's cost model assumes them."""
-        from ninfer_offload.planner.cost import CPU_EXPERT_SHARE_OF_DRAM
-
-        return cls(cpu_rate=CPU_EXPERT_SHARE_OF_DRAM * profile.dram_bandwidth_gbs * 1e9, pcie_rate=profile.h2d_bandwidth_gbs * 1e9)
-
-    def cpu_share(self, missing: int) -> int:
-        """How many of `missing` equally sized experts the CPU should compute (both sides finish together)."""
-        if missing <= 0 or self.cpu_rate <= 0:
-            return 0
-        if self.pcie_rate <= 0:
-            return missing
-        return int(round(missing * self.cpu_rate / (self.cpu_rate + self.pcie_rate)))
-
-    def split(self, missing: np.ndarray, tokens_per_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(CPU experts, PCIe experts) of `missing`: the CPU takes its share, fewest tokens
-        first: its cost grows with tokens, a transfer's does not.
-        Recorded in the stats."""
-        missing = np.asarray(missing, dtype=np.int64)
-        order = np.lexsort((missing, np.asarray(tokens_per_expert)))
-        share = self.cpu_share(missing.size)
-        cpu, pcie = np.sort(missing[order[:share]]), np.sort(missing[order[share:]])
-        with self._lock:
-            self.cpu_experts += cpu.size
-            self.pcie_experts += pcie.size
-            self.last_split = (int(cpu.size), int(pcie.size))
-        return cpu, pcie
-
-    def observe(self, path: str, nbytes: int, seconds: float) -> None:
-        """Fold one measured transfer or computation (path "cpu" or "pcie") into its rate."""
-        if nbytes <= 0 or seconds <= 0:
-            return
-        rate = nbytes / seconds
-        with self._lock:
-            if path == "cpu":
-                self.cpu_rate += self.smoothing * (rate - self.cpu_rate)
-            else:
-                self.pcie_rate += self.smoothing * (rate - self.pcie_rate)
-
-    def stats(self) -> dict:
-        return {
-            "cpu_rate_gbs": float(f"{self.cpu_rate / 1e9:.4g}"),  # significant digits: tiny test records
-            "pcie_rate_gbs": float(f"{self.pcie_rate / 1e9:.4g}"),  # can run at well under 1 MB/s
-            "cpu_experts": self.cpu_experts,
-            "pcie_experts": self.pcie_experts,
-            "last_split": {"cpu": self.last_split[0], "pcie": self.last_split[1]},
-        }
-
-
-class CpuExpertExecutor:
-    """Computes routed experts on the host from a layer's host records, in a worker thread.
-
-    Records are a CPU uint8 tensor [E, stride] (row e = expert e's record, pinned or not).
-    `submit` returns a Future of the [T, H] float32 CPU partial output, so the caller overlaps it
-    with device work and adds it later (numba releases the GIL); `run` is the synchronous form.
-    Quantized records run through the numba kernels; lossless bf16/fp32 records (a test recipe)
-    through the torch reference op. One call at a time uses the thread pool (`threads` numba
-    threads, default all); measured rates feed the optional `MissSplitter`. float32 activations
-    are computed exactly, bf16/fp16 ones with the kernels' 16-bit activation split.
-    """
-
-    def __init__(self, threads: int | None = None, splitter: MissSplitter | None = None):
+    def __init__(self, parts: int):
         warm_up()
-        self.threads = threads
-        self.splitter = splitter
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
-        self._lock = threading.Lock()
+        self.parts = parts
         self._plans: dict[ExpertRecordLayout, RecordKernelPlan] = {}
+        self._flat: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.calls = 0
         self.seconds = 0.0
         self.bytes = 0
 
-    def run(
-        self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        selected: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """sum over the (selected) assignments of w * expert(x[token]) -> CPU float32 [T, H]."""
-        return self._compute(layout, records, *_host_inputs(x, topk_ids, topk_weights, selected), _parts_for(x))
-
-    def submit(
-        self, layout, records: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        selected: torch.Tensor | None = None,
-    ) -> Future:
-        """`run` in the worker thread; inputs are brought to the host first, in the caller's stream order."""
-        return self._worker.submit(self._compute, layout, records, *_host_inputs(x, topk_ids, topk_weights, selected), _parts_for(x))
-
-    def _compute(
-        self, layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None, parts: int
-    ) -> torch.Tensor:
-        if records.device.type != "cpu" or records.dtype != torch.uint8 or records.dim() != 2 or records.stride(1) != 1:
-            raise NinferError("CPU expert compute needs host records as a CPU uint8 tensor [experts, bytes]")
-        used = np.unique(ids if selected is None else ids[selected])
-        with self._lock:
-            if self.threads is not None:
-                numba.set_num_threads(self.threads)
-            start = time.perf_counter()
-            if isinstance(layout, ExpertRecordLayout):
-                flat = records.as_strided(((records.shape[0] - 1) * records.stride(0) + records.shape[1],), (1,)).numpy()
-                offsets = np.arange(records.shape[0], dtype=np.int64) * records.stride(0)
-                out = torch.from_numpy(routed_experts_cpu(self._plan(layout), flat, offsets, x, ids, weights, selected, parts))
-            else:
-                out = _reference_dense(layout, records, x, ids, weights, selected)
-            elapsed = time.perf_counter() - start
+    def compute(self, layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray, out: np.ndarray) -> None:
+        """out [T, H] (float32, zeroed here) = sum over the selected (t, j) of weights * expert_{ids}(x[t])."""
+        start = time.perf_counter()
+        out[:] = 0
+        if isinstance(layout, ExpertRecordLayout):
+            flat, offsets = self._records(records)
+            routed_experts_cpu(self._plan(layout), flat, offsets, x, ids, weights, selected, self.parts, out=out)
+        else:
+            out[:] = _reference_dense(layout, records, x, ids, weights, selected).numpy()
         self.calls += 1
-        self.seconds += elapsed
-        self.bytes += used.size * layout.nbytes
-        if self.splitter is not None and used.size:
-            self.splitter.observe("cpu", used.size * layout.nbytes, elapsed)
-        return out
+        self.seconds += time.perf_counter() - start
+        self.bytes += np.unique(ids[selected]).size * layout.nbytes
+
+    def _records(self, records: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        key = records.data_ptr()
+        if key not in self._flat:
+            if records.device.type != "cpu" or records.dtype != torch.uint8 or records.dim() != 2 or records.stride(1) != 1:
+                raise NinferError("CPU expert compute needs host records as a CPU uint8 tensor [experts, bytes]")
+            flat = records.as_strided(((records.shape[0] - 1) * records.stride(0) + records.shape[1],), (1,)).numpy()
+            self._flat[key] = flat, np.arange(records.shape[0], dtype=np.int64) * records.stride(0)
+        return self._flat[key]
 
     def _plan(self, layout: ExpertRecordLayout) -> RecordKernelPlan:
         if layout not in self._plans:
             self._plans[layout] = RecordKernelPlan.create(layout)
         return self._plans[layout]
 
+    @property
+    def rate(self) -> float:
+        """Record bytes per second computed so far (0 before the first call)."""
+        return self.bytes / self.seconds if self.seconds else 0.0
+
     def stats(self) -> dict:
-        return {
-            "calls": self.calls,
-            "seconds": round(self.seconds, 6),
-            "gbs": round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0,
-        }
-
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        return {"calls": self.calls, "seconds": round(self.seconds, 6), "gbs": round(self.rate / 1e9, 3)}
 
 
-def _host_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, selected: torch.Tensor | None):
-    """float32/int64/bool numpy copies on the host of a call's inputs (copies, so the caller may
-    reuse its tensors while the worker runs)."""
-    return (
-        x.detach().to("cpu", torch.float32, copy=True).contiguous().numpy(),
-        topk_ids.detach().to("cpu", torch.int64, copy=True).numpy(),
-        topk_weights.detach().to("cpu", torch.float32, copy=True).numpy(),
-        None if selected is None else selected.detach().to("cpu", torch.bool, copy=True).numpy(),
-    )
-
-
-def _parts_for(x: torch.Tensor) -> int:
-    """Activation parts of the integer path for activations of x's dtype."""
-    return EXACT_PARTS if x.dtype == torch.float32 else SIXTEEN_BIT_PARTS
-
-
-def _reference_dense(
-    layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray | None
-) -> torch.Tensor:
+def _reference_dense(layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray) -> torch.Tensor:
     """Lossless (bf16/fp32) records: the torch reference op on the host."""
     from ninfer_offload.model.backend import ReferenceBackend
     from ninfer_offload.model.experts import ExpertBank
 
-    if selected is not None:
-        weights = np.where(selected, weights, 0).astype(np.float32)
     bank = ExpertBank.of_records(layout, records)
-    return ReferenceBackend().routed_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), bank)
+    w = np.where(selected, weights, 0).astype(np.float32)
+    return ReferenceBackend().routed_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), bank)
+
+
+@dataclass
+class SplitTuner:
+    """"auto": the share of each layer's experts the host takes when they miss. Trials run each
+    candidate share for `window` decode steps, `rounds` times in turn, after `warmup` steps; the
+    share with the lowest mean seconds per token is kept for `hold` steps, then trials run again."""
+
+    candidates: tuple[float, ...]
+    window: int = 8
+    rounds: int = 3
+    warmup: int = 4
+    hold: int = 4096
+    _step: int = 0
+    _times: list[list[float]] = field(default_factory=list)
+    chosen: float | None = None
+
+    def __post_init__(self):
+        self._times = [[] for _ in self.candidates]
+
+    @property
+    def trial_steps(self) -> int:
+        return self.warmup + self.window * len(self.candidates) * self.rounds
+
+    def share(self) -> float:
+        """The share for the next step."""
+        step = self._step % (self.trial_steps + self.hold)
+        if step >= self.trial_steps or step < self.warmup:
+            return self.chosen if self.chosen is not None else self.candidates[-1]
+        return self.candidates[(step - self.warmup) // self.window % len(self.candidates)]
+
+    def observe(self, share: float, seconds_per_token: float) -> None:
+        """One finished step run with `share`; after the last trial step, choose."""
+        step = self._step % (self.trial_steps + self.hold)
+        if self.warmup <= step < self.trial_steps and share in self.candidates:
+            self._times[self.candidates.index(share)].append(seconds_per_token)
+        self._step += 1
+        if self._step % (self.trial_steps + self.hold) == self.trial_steps:
+            means = [np.mean(t) if t else np.inf for t in self._times]
+            self.chosen = self.candidates[int(np.argmin(means))]
+            self._times = [[] for _ in self.candidates]
+
+    def stats(self) -> dict:
+        return {"candidates": list(self.candidates), "share": self.chosen, "steps": self._step}
 
 
 class CpuMissPath:
-    """The expert store's CPU miss path: which assignments the host computes, and computing them.
+    """The expert store's CPU miss path: the mailbox, the host worker that answers it, and which
+    misses the host takes (`take`, int8 [layers, experts] on the device)."""
 
-    "cpu": every assignment whose expert is not in VRAM runs on the host. "auto": the missing
-    experts are split between host compute and the device's zero-copy reads (PCIe) by `MissSplitter`, seeded
-    from this machine's stored profile (`ninfer profile`) or the default profile and refined by
-    measuring both paths. Host work runs in the executor's worker thread while the device works.
-    """
-
-    DEFAULT_PROFILE = "rtx5090"
-
-    def __init__(self, mode: str, device: torch.device):
+    def __init__(self, mode: str, layouts: list, num_experts: int, top_k: int, hidden: int, device: torch.device, host: list[torch.Tensor]):
         self.mode = mode
-        self.splitter = _initial_splitter(self.DEFAULT_PROFILE) if mode == "auto" else None
+        self.layouts = layouts
+        self.host = host  # the store's per-layer host records (filled while loading)
+        self.device = device
+        self.mailbox = Mailbox(len(layouts), top_k, hidden, device)
+        self.take = torch.ones(len(layouts), num_experts, dtype=torch.int8, device=device)
+        self._order = np.argsort(np.random.default_rng(SHARE_SEED).random((len(layouts), num_experts)), axis=1).argsort(axis=1)
+        self.tuner = SplitTuner(_candidates(_rate_share())) if mode == "auto" else None
+        self._share = 1.0
+        self.experts = HostExperts(EXACT_PARTS)
         # With a GPU, leave one core to the thread that drives it.
-        threads = max(1, numba.config.NUMBA_NUM_THREADS - 1) if device.type == "cuda" else None
-        self.executor = CpuExpertExecutor(threads=threads, splitter=self.splitter)
-        self._pending: list[tuple[int, object, object]] = []  # PCIe bytes read with their CUDA events
+        self.threads = max(1, numba.config.NUMBA_NUM_THREADS - 1) if device.type == "cuda" else None
+        self.requests = 0
+        self._error: BaseException | None = None
+        self._stop = False
+        self._wake = threading.Event()
+        self._steps: list[tuple[float, object, object, int]] = []  # (share, start, end, tokens) of timed steps not yet read
+        self._worker: threading.Thread | None = None
 
-    def host_assignments(self, ids: torch.Tensor, in_vram: torch.Tensor) -> torch.Tensor:
-        """bool [T, k]: the assignments the host computes, given which experts sit in VRAM
-        (`in_vram` [num_experts]); "auto" leaves the device its measured share of the others."""
-        missing = ~in_vram[ids]
-        if self.splitter is None or not bool(missing.any()):
-            return missing
-        experts, counts = torch.unique(ids[missing], return_counts=True)
-        cpu, _ = self.splitter.split(experts.numpy(), counts.numpy())
-        return missing & torch.from_numpy(np.isin(ids.numpy(), cpu))
+    @property
+    def tokens(self) -> int:
+        """Most tokens of a forward that hands misses to the host."""
+        return self.mailbox.tokens
 
-    def submit(
-        self, layout, records: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor
-    ) -> Future:
-        return self.executor.submit(layout, records, x, ids, weights, selected)
+    # ------------------------------------------------------------------ device side
+    def routed(self, backend, bank, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, anchor: torch.Tensor, cpu_uses: torch.Tensor) -> torch.Tensor:
+        """The routed experts of one layer: the host's share of the misses through the mailbox, the rest
+        on the device (VRAM, or host records over PCIe), the host's rows added."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="cpu-miss-path", daemon=True)
+            self._worker.start()
+        self.experts.parts = EXACT_PARTS if x.dtype == torch.float32 else SIXTEEN_BIT_PARTS
+        ids, weights = miss_handoff.publish(
+            self.mailbox, layer, x, topk_ids, topk_weights, bank.offsets, self.take[layer], anchor, cpu_uses, bank.arena
+        )
+        out = backend.routed_experts(x, ids, weights, bank)
+        return miss_handoff.collect(self.mailbox, layer, out, bank.arena)
 
-    def device_started(self, device: torch.device):
-        """A mark taken before the device's share is launched (for `device_finished`)."""
-        if self.splitter is None or device.type != "cuda":
+    # ------------------------------------------------------------------ step boundary
+    def step_started(self, tokens: int | None) -> object:
+        """Before a forward of `tokens` rows is launched (None: a prompt chunk, not timed): raise a
+        failure of the previous ones, wake the worker, apply the tuner's share; a mark for
+        `step_finished` (the tuner times decode steps per token)."""
+        self.check()
+        self._wake.set()
+        if self.tuner is None or tokens is None:
+            return None
+        self._read_timings()
+        share = self.tuner.share()
+        if share != self._share:
+            self.set_share(share)
+        return share, self._mark(), tokens
+
+    def step_finished(self, mark) -> None:
+        if mark is not None:
+            share, start, tokens = mark
+            self._steps.append((share, start, self._mark(), tokens))
+
+    def _mark(self):
+        if self.device.type != "cuda":
             return time.perf_counter()
-        begin = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        return begin
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def device_finished(self, mark, nbytes: int) -> None:
-        """Fold the device's share, which read `nbytes` of host records over PCIe since `mark`, into the
-        PCIe rate. CUDA work is asynchronous: its end event is read on a later call, once complete, so
-        no step waits for it."""
-        if self.splitter is None:
-            return
-        if isinstance(mark, float):
-            if nbytes > 0:
-                self.splitter.observe("pcie", nbytes, time.perf_counter() - mark)
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        pending = self._pending + ([(nbytes, mark, end)] if nbytes > 0 else [])
-        self._pending = []
-        for n, begin, finish in pending:
-            if finish.query():
-                self.splitter.observe("pcie", n, begin.elapsed_time(finish) / 1e3)
+    def _read_timings(self) -> None:
+        """Fold the finished timed steps into the tuner (events that are not done yet wait)."""
+        while self._steps:
+            share, start, end, tokens = self._steps[0]
+            if isinstance(end, float):
+                seconds = end - start
+            elif end.query():
+                seconds = start.elapsed_time(end) / 1e3
             else:
-                self._pending.append((n, begin, finish))
+                return
+            self._steps.pop(0)
+            self.tuner.observe(share, seconds / tokens)
+
+    def set_share(self, share: float) -> None:
+        """The host takes the first `share` of each layer's experts in a fixed random order (in stream order)."""
+        mask = (self._order < round(share * self._order.shape[1])).astype(np.int8)
+        self.take.copy_(torch.from_numpy(mask))
+        self._share = share
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise NinferError(f"the CPU miss path failed: {self._error}") from self._error
+        if self.mailbox.failed():
+            raise NinferError("the CPU miss path did not answer the device in time (its worker thread is stalled)")
+
+    # ------------------------------------------------------------------ host worker
+    def _run(self) -> None:
+        if self.threads is not None:
+            numba.set_num_threads(self.threads)
+        flags, layers = self.mailbox.flags, len(self.layouts)
+        idle_since = time.monotonic()
+        while not self._stop:
+            layer = next_request(flags, layers, HEADER_WORDS, READY, DONE, SWEEPS)
+            if layer >= 0:
+                self._answer(layer)
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > IDLE_AFTER_S:
+                self._wake.wait(0.1)
+                self._wake.clear()
+                idle_since = time.monotonic()
+
+    def _answer(self, layer: int) -> None:
+        """Compute layer `layer`'s open request into its answer rows, then release the answer."""
+        flags = self.mailbox.flags
+        ticket = int(flags[layer * HEADER_WORDS + READY])
+        t, ids, weights, x = self.mailbox.request(layer)
+        out = self.mailbox.answer(layer, t)
+        try:
+            selected = ids >= 0
+            self.experts.compute(self.layouts[layer], self.host[layer], x, np.where(selected, ids, 0).astype(np.int64), weights, selected, out)
+        except BaseException as err:  # the device waits for an answer: give it NaN, report at the next step
+            self._error = err
+            out[:] = np.nan
+        self.requests += 1
+        answer_request(flags, layer * HEADER_WORDS + DONE, ticket)
 
     def stats(self) -> dict:
-        return {"mode": self.mode, "cpu": self.executor.stats(), **({"split": self.splitter.stats()} if self.splitter else {})}
+        return {
+            "mode": self.mode,
+            "requests": self.requests,
+            "cpu": self.experts.stats(),
+            **({"auto": self.tuner.stats()} if self.tuner else {}),
+        }
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._worker is not None:
+            self._worker.join(timeout=5)
 
 
-def _initial_splitter(default_profile: str) -> MissSplitter:
+def _rate_share() -> float:
+    """The share of misses the host would take if the two paths ran at this machine's profiled rates."""
+    from ninfer_offload.planner.cost import CPU_EXPERT_SHARE_OF_DRAM
     from ninfer_offload.profiles import load_profile, stored_profile_path
 
     stored = stored_profile_path()
-    return MissSplitter.from_profile(load_profile(str(stored) if stored.is_file() else default_profile))
+    profile = load_profile(str(stored) if stored.is_file() else "rtx5090")
+    cpu = CPU_EXPERT_SHARE_OF_DRAM * profile.dram_bandwidth_gbs
+    return cpu / (cpu + profile.h2d_bandwidth_gbs)
+
+
+def _candidates(rate_share: float) -> tuple[float, ...]:
+    """No share, the rates' share, all (the rates' share rounded to a sixteenth)."""
+    return tuple(sorted({0.0, round(rate_share * 16) / 16, 1.0}))

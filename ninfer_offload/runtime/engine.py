@@ -282,7 +282,7 @@ class Engine:
             self._check_room(session.length, t)
         flat = self._token_list([token for row in tokens for token in row])
         starts = [s.length for s in sessions]
-        with torch.no_grad(), self.store.forward():
+        with torch.no_grad(), self.store.forward(tokens=len(flat)):
             if self.graphs is not None:
                 logits, hidden = self.graphs.run(flat, slots, starts, t)
             else:
@@ -321,7 +321,7 @@ class Engine:
         if len(ids) != hidden.shape[0] or session.mtp_length + len(ids) > self.max_context:
             raise NinferError(f"MTP needs one next token per hidden state within the context limit {self.max_context}")
         tokens, ctx = step_inputs(ids, [slot], [session.mtp_length], len(ids), self.max_context, self.device, prefill=True)
-        with torch.no_grad(), self.store.forward():
+        with torch.no_grad(), self.store.forward(tokens=len(ids)):
             logits, out = self.mtp_forward_step(hidden, tokens, ctx)
         session.mtp_length += len(ids)
         return logits, out
@@ -346,7 +346,7 @@ class Engine:
                 f"context limit {self.max_context}"
             )
         starts = [s.mtp_length for s in sessions]
-        with torch.no_grad(), self.store.forward():
+        with torch.no_grad(), self.store.forward(tokens=len(ids)):
             if self.graphs is not None:
                 logits, out = self.graphs.run_mtp(hidden, ids, slots, starts, t)
             else:

@@ -41,14 +41,14 @@ class ExpertCache:
         self.owner: list[tuple[int, int] | None] = [None] * store.cache_slots
         self.free = list(range(store.cache_slots - 1, -1, -1))
         self.nbytes = np.array([layout.nbytes for layout in store.layouts], dtype=np.int64)
-        self._seen = np.zeros((2, layers, experts), dtype=np.int64)  # the store's counts: uses, staged uses
+        self._seen = np.zeros((3, layers, experts), dtype=np.int64)  # the store's counts: uses, staged uses, CPU uses
         self._cuda = store.device.type == "cuda"
         self._inflight: tuple[list[tuple[int, int, int]], object] | None = None  # ((layer, expert, slot)...), done event
         self._queued = None  # event after the steps queued before the current one
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(store.device)
             self._count_stream = torch.cuda.Stream(store.device)
-            self._snapshot = torch.empty(2, layers, experts, dtype=torch.int32, pin_memory=True)
+            self._snapshot = torch.empty(3, layers, experts, dtype=torch.int32, pin_memory=True)
 
     @property
     def in_vram(self) -> np.ndarray:
@@ -100,18 +100,18 @@ class ExpertCache:
         self._observe(self.store.counts.cpu().numpy().astype(np.int64))
 
     def _observe(self, total: np.ndarray) -> None:
-        """Fold the store's counts `total` [2, layers, experts] (uses, staged uses) into the stats and the policy."""
-        (delta, staged), self._seen = total - self._seen, total
+        """Fold the store's counts `total` [3, layers, experts] (uses, staged uses, CPU uses) into the stats and the policy."""
+        (delta, staged, on_host), self._seen = total - self._seen, total
         if not delta.any():
             return
         stats, in_vram = self.store.counters, self.in_vram
         stats.tokens += int(delta[0].sum()) // self.store.top_k
         stats.uses += int(delta.sum())
         stats.hits += int(delta[in_vram].sum())
-        if self.store.cpu_path is None:  # the CPU miss path counts the PCIe reads of the device's share itself
-            # one read per assignment of an expert neither in VRAM nor staged (the store counts staged records)
-            reads = np.where(in_vram, 0, delta - staged)
-            stats.pcie_bytes += int((reads.sum(axis=1) * self.nbytes).sum())
+        stats.cpu_assignments += int(on_host.sum())
+        # one read per assignment of an expert neither in VRAM, staged nor computed by the host (the store counts staged records)
+        reads = np.where(in_vram, 0, delta - staged - on_host)
+        stats.pcie_bytes += int((reads.sum(axis=1) * self.nbytes).sum())
         self.policy.observe(delta)
         if self.policy.adaptive and self._inflight is None and self.limit > 0:
             promote, evict = plan_promotions(self.policy.scores(), self.cached, self.store.pinned, len(self.free), self.limit)
@@ -167,6 +167,8 @@ class ExpertCache:
             index = index.pin_memory().to(self.store.device, non_blocking=True)
             values = values.pin_memory().to(self.store.device, non_blocking=True)
         self.store.table.view(-1).index_copy_(0, index, values)
+        if self.store.cpu_path is not None:
+            self.store.set_anchors(self.in_vram, sorted({layer for layer, _, _ in entries}))
 
     def close(self) -> None:
         if self._cuda and self._inflight is not None:

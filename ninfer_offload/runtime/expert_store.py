@@ -25,11 +25,13 @@ staged experts' pairs with the VRAM tiles. The copy stream first waits for the w
 compute stream, so a layer's copies never overwrite slots the previous layer's second pass reads.
 Decode steps never stage. Staged records count as PCIe bytes (`StoreStats.staged`), their uses not.
 
-With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), assignments of experts that are
-not in VRAM are computed on the host from the host records (numba kernels) while the device works
-on the others ("auto": only the share the measured rates give the host; the device reads the rest
-over PCIe), and the partial outputs are added. That needs the routing on the host (one sync per
-layer), so such steps are not captured.
+With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), a forward of at most
+`miss_handoff.HANDOFF_TOKENS` tokens that is not staged hands the assignments of experts not in
+VRAM (those the path's `take` mask gives the host) to a host worker through a mailbox in pinned
+memory and computes the others on the device meanwhile; the host's rows are added after. Routing
+still never goes to the host, so these steps are captured too. Each host expert counts on the
+device as a CPU assignment, not a PCIe read; a host assignment becomes a zero-weight use of the
+layer's `anchor`, an expert in VRAM.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ class StoreStats:
     pcie_bytes: int = 0  # record bytes read from host memory by the device (one read per assignment, one per staged record)
     promotions: int = 0
     staged: int = 0  # records copied into the prefill staging slots
-    cpu_assignments: int = 0
-    miss_path: dict = field(default_factory=dict)  # the CPU miss path's rates and split
+    cpu_assignments: int = 0  # assignments the host computed (CPU miss path)
+    miss_path: dict = field(default_factory=dict)  # the CPU miss path's work and its tuner
 
     @property
     def hit_rate(self) -> float:
@@ -128,6 +130,7 @@ class ExpertStore:
     def __init__(
         self,
         layouts: list[RecordLayout],
+        hidden: int,
         num_experts: int,
         top_k: int,
         placement: ExpertPlacement,
@@ -163,17 +166,20 @@ class ExpertStore:
         self.arena = torch.empty(at + slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.host: list[torch.Tensor] = []  # per layer, every expert's record, when experts are offloaded (filled by `fill`)
         self.table = torch.zeros(layers, num_experts, dtype=torch.int64, device=device)
-        # Per (layer, expert): assignments routed, and those of them served from a staging slot.
-        self.counts = torch.zeros(2, layers, num_experts, dtype=torch.int32, device=device)
-        self.uses, self.staged_uses = self.counts[0], self.counts[1]
+        # Per (layer, expert): assignments routed, those of them served from a staging slot, and those computed by the host.
+        self.counts = torch.zeros(3, layers, num_experts, dtype=torch.int32, device=device)
+        self.uses, self.staged_uses, self.cpu_uses = self.counts[0], self.counts[1], self.counts[2]
+        self.anchor = torch.zeros(layers, 1, dtype=torch.int64, device=device)  # per layer an expert in VRAM (`set_anchors`)
         self.prefilling = False  # inside `forward(prefill=True)`
         self.replayed: torch.Tensor | None = None  # benchmark hook: routing ids replayed instead of the router's
         self.cpu_path = None
         if miss_path is not None:
             from ninfer_offload.runtime.cpu_experts import CpuMissPath
 
-            self.cpu_path = CpuMissPath(miss_path, device)
+            self.cpu_path = CpuMissPath(miss_path, layouts, num_experts, top_k, hidden, device, self.host)
         self.cache = ExpertCache(self, cache_policy) if placement.offloaded else None
+        if self.cpu_path is not None:
+            self.set_anchors(self.pinned, range(layers))
         self._copy_stream = None  # the prefill staging copies' (CUDA)
         if device.type == "cuda" and self.staging_slots:
             self._copy_stream = torch.cuda.Stream(device)
@@ -182,15 +188,26 @@ class ExpertStore:
 
     @property
     def capturable(self) -> bool:
-        """Whether a step can be captured as a CUDA graph: the CPU miss path syncs on the routing, and
-        lossless records (computed by the reference op, which indexes records) cannot be read from host memory."""
-        return self.miss_path is None and (not self.offloaded or all(isinstance(x, ExpertRecordLayout) for x in self.layouts))
+        """Whether a step can be captured as a CUDA graph: lossless records (computed by the reference
+        op, which indexes records) cannot be read from host memory."""
+        return not self.offloaded or all(isinstance(x, ExpertRecordLayout) for x in self.layouts)
+
+    def set_anchors(self, in_vram: np.ndarray, layers) -> None:
+        """Point `anchor[layer]` of `layers` at an expert in VRAM (`in_vram` [layers, experts]; expert 0
+        where none is), in stream order after the queued steps."""
+        index = torch.tensor(list(layers), dtype=torch.int64)
+        values = torch.tensor([[int(np.argmax(in_vram[layer]))] for layer in layers], dtype=torch.int64)
+        if self.device.type == "cuda":
+            index, values = (t.pin_memory().to(self.device, non_blocking=True) for t in (index, values))
+        self.anchor.index_copy_(0, index, values)
 
     @property
     def stats(self) -> StoreStats:
         """Hit rate, PCIe bytes, promotions... up to the last step run (waits for it on CUDA)."""
         if self.cache is not None:
             self.cache.refresh()
+        if self.cpu_path is not None:
+            self.counters.miss_path = self.cpu_path.stats()
         return self.counters
 
     @property
@@ -254,13 +271,13 @@ class ExpertStore:
         if self.cache is not None:
             flat = topk_ids.reshape(-1)
             self.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        if self.cpu_path is not None:
-            return self._routed_cpu_misses(backend, layer, x, topk_ids, topk_weights)
         if self._stages(topk_ids):
             bank, later = self.prefill_bank(layer, topk_ids)
             if later is not None:
                 return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.wait_for_staging)
             return backend.routed_experts(x, topk_ids, topk_weights, bank)
+        if self.cpu_path is not None and topk_ids.shape[0] <= self.cpu_path.tokens:
+            return self.cpu_path.routed(backend, self.bank(layer), layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])
         return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer))
 
     def _stages(self, topk_ids: torch.Tensor) -> bool:
@@ -320,29 +337,6 @@ class ExpertStore:
         if self._copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_event(self._staged)
 
-    def _routed_cpu_misses(self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Experts in VRAM run on the device; the host computes the others ("cpu") or its measured
-        share of them ("auto": the device reads the rest over PCIe), while the device works."""
-        ids = topk_ids.cpu()
-        in_vram = torch.from_numpy(self.cache.in_vram[layer])
-        on_host = self.cpu_path.host_assignments(ids, in_vram)
-        self.counters.cpu_assignments += int(on_host.sum())
-        host = self.cpu_path.submit(self.layouts[layer], self.host[layer], x, ids, topk_weights, on_host)
-        out = None
-        on_device = ~on_host
-        if bool(on_device.any()):
-            mark = self.cpu_path.device_started(self.device)
-            # Host assignments become zero-weight uses of an expert the device computes anyway.
-            device_ids = torch.where(on_device, ids, ids[on_device][0]).to(x.device, non_blocking=True)
-            weights = topk_weights * on_device.to(device=x.device, dtype=topk_weights.dtype)
-            out = backend.routed_experts(x, device_ids, weights, self.bank(layer))
-            read = int((on_device & ~in_vram[ids]).sum()) * self.layouts[layer].nbytes  # one read per assignment
-            self.counters.pcie_bytes += read
-            self.cpu_path.device_finished(mark, read)
-        partial = host.result().to(device=x.device, dtype=x.dtype)
-        self.counters.miss_path = self.cpu_path.stats()
-        return partial if out is None else out + partial
-
     def replay_routing(self, ids: torch.Tensor) -> None:
         """Benchmarks and tests: route the next forwards' tokens to `ids` [layers, tokens, top_k] (int64)
         instead of the router's choice (the router's weights stay). Updated in place, so a captured step
@@ -353,20 +347,25 @@ class ExpertStore:
         self.replayed[:, : ids.shape[1]].copy_(ids, non_blocking=True)
 
     @contextmanager
-    def forward(self, prefill: bool = False) -> Iterator[None]:
+    def forward(self, prefill: bool = False, tokens: int = 1) -> Iterator[None]:
         """Wraps the launch of one forward: cache bookkeeping due before it, then the part that
         overlaps it (see `expert_cache`). `prefill`: a prompt chunk (never captured), whose host
-        experts may be staged."""
+        experts may be staged; `tokens`: the forward's token rows (the CPU miss path times decode steps per token)."""
         if self.cache is not None:
             self.cache.before_step()
+        mark = self.cpu_path.step_started(None if prefill else tokens) if self.cpu_path is not None else None
         self.prefilling = prefill
         try:
             yield
         finally:
             self.prefilling = False
+        if self.cpu_path is not None:
+            self.cpu_path.step_finished(mark)
         if self.cache is not None:
             self.cache.after_launch()
 
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+        if self.cpu_path is not None:
+            self.cpu_path.close()
