@@ -94,7 +94,8 @@ def publish(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(device ids, device weights) [T, k] for the routed-experts kernels; the host's share of the
     assignments published to the mailbox at `header_offset` / `data_offset` (bytes from `base`).
-    take: int8 [E] (nonzero: the host computes the expert when it is not in VRAM); anchor: int64 [1]; base: the expert arena (uint8: its size tells VRAM offsets from host ones);
+    take: int8 [E] (nonzero: the host computes the expert when it is not in VRAM); anchor: int64 [1];
+    base: the expert arena (uint8: its size tells VRAM offsets from host ones);
     cpu_uses: int32 [E], counts the host's assignments; state: int64 [2] (requests published,
     whether this call published one); regions: the mailbox's `MailboxRegions`."""
     t, k = topk_ids.shape

@@ -277,7 +277,8 @@ for fmt, down in [(f, "q5_g64_fp16") for f in ("q4_g64_fp16", "q5_g64_fp16", "q6
     records = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
     for t in range(1, 9):
         ids = np.array([[0, 1]] * t)
-        experts.compute(layout, records, np.ones((t, 128), np.float32), ids, np.ones((t, 2), np.float32), ids >= 0, np.empty((t, 128), np.float32))
+        x, w, out = np.ones((t, 128), np.float32), np.ones((t, 2), np.float32), np.empty((t, 128), np.float32)
+        experts.compute(layout, records, x, ids, w, ids >= 0, out)
 ce.HostExperts(ck.SIXTEEN_BIT_PARTS)
 assert len(ck._routed_kernel.signatures) == compiled == 1, ck._routed_kernel.signatures
 print("ok", compiled)

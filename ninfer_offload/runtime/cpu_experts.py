@@ -46,7 +46,9 @@ class HostExperts:
         self.seconds = 0.0
         self.bytes = 0
 
-    def compute(self, layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray, out: np.ndarray) -> None:
+    def compute(
+        self, layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray, out: np.ndarray
+    ) -> None:
         """out [T, H] (float32, zeroed here) = sum over the selected (t, j) of weights * expert_{ids}(x[t])."""
         start = time.perf_counter()
         out[:] = 0
@@ -82,7 +84,9 @@ class HostExperts:
         return {"calls": self.calls, "seconds": round(self.seconds, 6), "gbs": round(self.rate / 1e9, 3)}
 
 
-def _reference_dense(layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray) -> torch.Tensor:
+def _reference_dense(
+    layout, records: torch.Tensor, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, selected: np.ndarray
+) -> torch.Tensor:
     """Lossless (bf16/fp32) records: the torch reference op on the host."""
     from ninfer_offload.model.backend import ReferenceBackend
     from ninfer_offload.model.experts import ExpertBank
@@ -166,7 +170,10 @@ class CpuMissPath:
         return self.mailbox.tokens
 
     # ------------------------------------------------------------------ device side
-    def routed(self, backend, bank, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, anchor: torch.Tensor, cpu_uses: torch.Tensor) -> torch.Tensor:
+    def routed(
+        self, backend, bank, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, anchor: torch.Tensor,
+        cpu_uses: torch.Tensor,
+    ) -> torch.Tensor:
         """The routed experts of one layer: the host's share of the misses through the mailbox, the rest
         on the device (VRAM, or host records over PCIe), the host's rows added."""
         if self._worker is None:
@@ -255,7 +262,8 @@ class CpuMissPath:
         out = self.mailbox.answer(layer, t)
         try:
             selected = ids >= 0
-            self.experts.compute(self.layouts[layer], self.host[layer], x, np.where(selected, ids, 0).astype(np.int64), weights, selected, out)
+            ids = np.where(selected, ids, 0).astype(np.int64)
+            self.experts.compute(self.layouts[layer], self.host[layer], x, ids, weights, selected, out)
         except BaseException as err:  # the device waits for an answer: give it NaN, report at the next step
             self._error = err
             out[:] = np.nan

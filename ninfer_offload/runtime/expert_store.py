@@ -277,7 +277,8 @@ class ExpertStore:
                 return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.wait_for_staging)
             return backend.routed_experts(x, topk_ids, topk_weights, bank)
         if self.cpu_path is not None and topk_ids.shape[0] <= self.cpu_path.tokens:
-            return self.cpu_path.routed(backend, self.bank(layer), layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])
+            bank = self.bank(layer)
+            return self.cpu_path.routed(backend, bank, layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])
         return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer))
 
     def _stages(self, topk_ids: torch.Tensor) -> bool:

@@ -101,7 +101,8 @@ def load_model(
         )
     prefixes = [f"text/layers/{i}" for i in range(config.num_layers)] + ([MTP_PREFIX] if with_mtp else [])
     banks = [_record_layout(artifact, prefix, config) for prefix in prefixes]
-    store = ExpertStore([layout for layout, _, _ in banks], config.hidden_size, config.num_experts, config.top_k, placement, device, miss_path, cache_policy)
+    layouts = [layout for layout, _, _ in banks]
+    store = ExpertStore(layouts, config.hidden_size, config.num_experts, config.top_k, placement, device, miss_path, cache_policy)
     if artifact.payload_bytes + (store.nbytes if store.offloaded else 0) < psutil.virtual_memory().available:
         artifact.prefetch()  # read ahead of the packing threads, when the page cache can hold the file next to the host pool
     steps = range(len(prefixes))

@@ -155,7 +155,8 @@ def publish(
     from ninfer_offload.kernels import miss_handoff
 
     header, data = mailbox.offsets(layer, arena)
-    return miss_handoff.publish(x, topk_ids, topk_weights, table, take, anchor, cpu_uses, mailbox.state[layer], arena, header, data, mailbox.regions)
+    state = mailbox.state[layer]
+    return miss_handoff.publish(x, topk_ids, topk_weights, table, take, anchor, cpu_uses, state, arena, header, data, mailbox.regions)
 
 
 def collect(mailbox: Mailbox, layer: int, out: torch.Tensor, arena: torch.Tensor) -> torch.Tensor:
