@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-READY, TOKENS, DONE, FAILED = 0, 1, 8, 9  # int64 words of a layer's mailbox header
+# int64 words of a layer's mailbox header (`runtime.miss_handoff` names the same ones)
+READY, TOKENS, DONE, FAILED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(8), tl.constexpr(9)
 SPIN_LIMIT = 1 << 24  # answer-counter reads before `collect` gives up (seconds), flags FAILED and adds NaN
 
 
