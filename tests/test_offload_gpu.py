@@ -86,7 +86,9 @@ def test_cpu_miss_path_graph_steps_match_resident(tiny_artifact_official, miss_p
         assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, want.abs().max().item()))
     stats = host.store.stats
     assert stats.cpu_assignments > 0 and stats.miss_path["requests"] > 0
-    assert host.graphs.graphs  # the steps ran as graphs
+    assert any(key[3:] == ("handoff",) for key in host.graphs.graphs)  # the steps ran as graphs with the hand-off
+    if miss_path == "auto":  # and its share-zero trials as the plain step
+        assert any(len(key) == 3 for key in host.graphs.graphs)
     host.close()
 
 

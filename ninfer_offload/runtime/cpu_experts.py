@@ -99,8 +99,9 @@ def _reference_dense(
 @dataclass
 class SplitTuner:
     """"auto": the share of each layer's experts the host takes when they miss. Trials run each
-    candidate share for `window` decode steps, `rounds` times in turn, after `warmup` steps; the
-    share with the lowest mean seconds per token is kept for `hold` steps, then trials run again."""
+    candidate share for `window` decode steps (the first of each not counted), `rounds` times in turn,
+    after `warmup` steps; the share with the lowest mean seconds per token is kept for `hold` steps,
+    then trials run again."""
 
     candidates: tuple[float, ...]
     window: int = 8
@@ -126,9 +127,10 @@ class SplitTuner:
         return self.candidates[(step - self.warmup) // self.window % len(self.candidates)]
 
     def observe(self, share: float, seconds_per_token: float) -> None:
-        """One finished step run with `share`; after the last trial step, choose."""
+        """One finished step run with `share`; after the last trial step, choose. The first step of
+        each window does not count (it may capture the step's graph for its share)."""
         step = self._step % (self.trial_steps + self.hold)
-        if self.warmup <= step < self.trial_steps and share in self.candidates:
+        if self.warmup <= step < self.trial_steps and (step - self.warmup) % self.window and share in self.candidates:
             self._times[self.candidates.index(share)].append(seconds_per_token)
         self._step += 1
         if self._step % (self.trial_steps + self.hold) == self.trial_steps:
@@ -168,6 +170,11 @@ class CpuMissPath:
     def tokens(self) -> int:
         """Most tokens of a forward that hands misses to the host."""
         return self.mailbox.tokens
+
+    @property
+    def active(self) -> bool:
+        """Whether the host takes any misses now (with share zero the steps skip the hand-off)."""
+        return self._share > 0
 
     # ------------------------------------------------------------------ device side
     def routed(

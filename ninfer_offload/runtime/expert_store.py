@@ -192,6 +192,13 @@ class ExpertStore:
         op, which indexes records) cannot be read from host memory."""
         return not self.offloaded or all(isinstance(x, ExpertRecordLayout) for x in self.layouts)
 
+    @property
+    def graph_variant(self) -> tuple:
+        """What distinguishes the captured steps of this store: whether they hand misses to the host
+        (a CPU miss path whose host share is not zero records the hand-off kernels; with share zero the
+        step is the plain one)."""
+        return ("handoff",) if self.cpu_path is not None and self.cpu_path.active else ()
+
     def set_anchors(self, in_vram: np.ndarray, layers) -> None:
         """Point `anchor[layer]` of `layers` at an expert in VRAM (`in_vram` [layers, experts]; expert 0
         where none is), in stream order after the queued steps."""
@@ -276,7 +283,7 @@ class ExpertStore:
             if later is not None:
                 return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.wait_for_staging)
             return backend.routed_experts(x, topk_ids, topk_weights, bank)
-        if self.cpu_path is not None and topk_ids.shape[0] <= self.cpu_path.tokens:
+        if self.cpu_path is not None and self.cpu_path.active and topk_ids.shape[0] <= self.cpu_path.tokens:
             bank = self.bank(layer)
             return self.cpu_path.routed(backend, bank, layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])
         return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer))

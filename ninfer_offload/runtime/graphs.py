@@ -31,7 +31,7 @@ class StepGraphs:
         self.engine = engine
         self.buckets = batch_buckets(engine.state.sequences)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]] = {}
 
     def run(self, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B * T, vocab], hidden states [B * T, H]) of one target decode step (T tokens per
@@ -64,9 +64,11 @@ class StepGraphs:
         return logits[: batch * t], out[: batch * t]
 
     def capture(self, model: str, bucket: int, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]:
-        """The graph of (`model`, `bucket`, `t`) with its static inputs and outputs, captured on first use."""
-        if (model, bucket, t) in self.graphs:
-            return self.graphs[(model, bucket, t)]
+        """The graph of (`model`, `bucket`, `t`) with its static inputs and outputs, captured on first use
+        (one per variant of the expert store's step: `ExpertStore.graph_variant`)."""
+        key = (model, bucket, t, *self.engine.store.graph_variant)
+        if key in self.graphs:
+            return self.graphs[key]
         engine = self.engine
         scratch = engine.state.scratch_slot
         packed = pack_inputs([0] * (bucket * t), [scratch] * bucket, [0] * bucket, t, engine.state.capacity)
@@ -89,5 +91,5 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
             outputs = forward()
-        self.graphs[(model, bucket, t)] = (graph, packed, hidden_in, outputs)
-        return self.graphs[(model, bucket, t)]
+        self.graphs[key] = (graph, packed, hidden_in, outputs)
+        return self.graphs[key]
