@@ -140,11 +140,11 @@ def test_a_staged_prefill_waits_for_late_copies(tiny_artifact_official, resident
     another layer's expert, and the logits would differ from the resident ones."""
     copy = ExpertStore._copy_records
 
-    def late_copy(self, layer, experts):
+    def late_copy(self, layer, *records):
         at = self.staging_offset(0)
         self.arena[at : at + self.staging_slots * self.slot_bytes].fill_(0xFF)
         torch.cuda._sleep(2_000_000)
-        copy(self, layer, experts)
+        copy(self, layer, *records)
 
     monkeypatch.setattr(ExpertStore, "_copy_records", late_copy)
     host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")

@@ -41,14 +41,14 @@ class ExpertCache:
         self.owner: list[tuple[int, int] | None] = [None] * store.cache_slots
         self.free = list(range(store.cache_slots - 1, -1, -1))
         self.nbytes = np.array([layout.nbytes for layout in store.layouts], dtype=np.int64)
-        self._seen = np.zeros((3, layers, experts), dtype=np.int64)  # the store's counts: uses, staged uses, CPU uses
+        self._seen = np.zeros((4, layers, experts), dtype=np.int64)  # the store's counts: uses, staged uses, CPU uses, staged records
         self._cuda = store.device.type == "cuda"
         self._inflight: tuple[list[tuple[int, int, int]], object] | None = None  # ((layer, expert, slot)...), done event
         self._queued = None  # event after the steps queued before the current one
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(store.device)
             self._count_stream = torch.cuda.Stream(store.device)
-            self._snapshot = torch.empty(3, layers, experts, dtype=torch.int32, pin_memory=True)
+            self._snapshot = torch.empty(4, layers, experts, dtype=torch.int32, pin_memory=True)
 
     @property
     def in_vram(self) -> np.ndarray:
@@ -100,18 +100,20 @@ class ExpertCache:
         self._observe(self.store.counts.cpu().numpy().astype(np.int64))
 
     def _observe(self, total: np.ndarray) -> None:
-        """Fold the store's counts `total` [3, layers, experts] (uses, staged uses, CPU uses) into the stats and the policy."""
-        (delta, staged, on_host), self._seen = total - self._seen, total
-        if not delta.any():
+        """Fold the store's counts `total` [4, layers, experts] (uses, staged uses, CPU uses, staged records) into the
+        stats and the policy."""
+        (delta, staged, on_host, records), self._seen = total - self._seen, total
+        if not delta.any() and not records.any():
             return
         stats, in_vram = self.store.counters, self.in_vram
         stats.tokens += int(delta[0].sum()) // self.store.top_k
         stats.uses += int(delta.sum())
         stats.hits += int(delta[in_vram].sum())
         stats.cpu_assignments += int(on_host.sum())
-        # one read per assignment of an expert neither in VRAM, staged nor computed by the host (the store counts staged records)
-        reads = np.where(in_vram, 0, delta - staged - on_host)
+        # one read per assignment of an expert neither in VRAM, staged nor computed by the host, one per staged record
+        reads = np.where(in_vram, 0, delta - staged - on_host) + records
         stats.pcie_bytes += int((reads.sum(axis=1) * self.nbytes).sum())
+        stats.staged += int(records.sum())
         self.policy.observe(delta)
         if self.policy.adaptive and self._inflight is None and self.limit > 0:
             promote, evict = plan_promotions(self.policy.scores(), self.cached, self.store.pinned, len(self.free), self.limit)

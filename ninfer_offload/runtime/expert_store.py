@@ -15,15 +15,17 @@ cache reads the counts and moves records (`forward`).
 
 A prefill chunk (`forward(prefill=True)`, never captured) with more (token, expert) pairs than the
 MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per block of its tokens,
-in short runs. Instead the store reads the chunk's per-expert counts on the host (one sync per
-layer) and copies each expert it uses that is not in VRAM into a staging slot, once, the most used
-first. The kernels run on a copy of the layer's table pointing those experts at their slots, in two
-passes (`Backend.routed_experts_split`): on CUDA the copies run on the store's copy stream while the
+in short runs. Instead the store copies each expert the chunk uses that is not in VRAM into a
+staging slot, once, the most used first, all decided on the device (per-expert counts, a top-k, a
+copy of the layer's table pointing the staged experts at their slots) and copied by one gather
+kernel (`kernels.staging`); the host waits only for whether some used expert is left in host memory. The MoE kernels run on that table in two passes
+(`Backend.routed_experts_split`): on CUDA the gather runs on the store's copy stream while the
 compute stream computes the pairs of the other experts (those in VRAM, and those left over in host
-memory, read over PCIe as before); then the compute stream waits for the copies and computes the
+memory, read over PCIe as before); then the compute stream waits for the copy and computes the
 staged experts' pairs with the VRAM tiles. The copy stream first waits for the work queued on the
-compute stream, so a layer's copies never overwrite slots the previous layer's second pass reads.
-Decode steps never stage. Staged records count as PCIe bytes (`StoreStats.staged`), their uses not.
+compute stream, so a layer's copy never overwrites slots the previous layer's second pass reads.
+Decode steps never stage. Staged records count as PCIe bytes (`StoreStats.staged`), their uses not;
+both are counted on the device.
 
 With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), a forward of at most
 `miss_handoff.HANDOFF_TOKENS` tokens that is not staged hands the assignments of experts not in
@@ -115,6 +117,14 @@ def _host_records(num_experts: int, nbytes: int, device: torch.device) -> torch.
         ) from None
 
 
+def gather_records_reference(
+    arena: torch.Tensor, host: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, nbytes: int
+) -> None:
+    """What `kernels.staging.gather_records` does, from the layer's host records [E, nbytes] (syncs on CUDA)."""
+    for expert, slot in zip(experts[valid].tolist(), slots[valid].tolist()):
+        arena[slot : slot + nbytes].copy_(host[expert])
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -166,9 +176,10 @@ class ExpertStore:
         self.arena = torch.empty(at + slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.host: list[torch.Tensor] = []  # per layer, every expert's record, when experts are offloaded (filled by `fill`)
         self.table = torch.zeros(layers, num_experts, dtype=torch.int64, device=device)
-        # Per (layer, expert): assignments routed, those of them served from a staging slot, and those computed by the host.
-        self.counts = torch.zeros(3, layers, num_experts, dtype=torch.int32, device=device)
-        self.uses, self.staged_uses, self.cpu_uses = self.counts[0], self.counts[1], self.counts[2]
+        # Per (layer, expert): assignments routed, those of them served from a staging slot, those computed by the
+        # host, and records staged.
+        self.counts = torch.zeros(4, layers, num_experts, dtype=torch.int32, device=device)
+        self.uses, self.staged_uses, self.cpu_uses, self.staged_records = self.counts
         self.anchor = torch.zeros(layers, 1, dtype=torch.int64, device=device)  # per layer an expert in VRAM (`set_anchors`)
         self.prefilling = False  # inside `forward(prefill=True)`
         self.replayed: torch.Tensor | None = None  # benchmark hook: routing ids replayed instead of the router's
@@ -180,6 +191,8 @@ class ExpertStore:
         self.cache = ExpertCache(self, cache_policy) if placement.offloaded else None
         if self.cpu_path is not None:
             self.set_anchors(self.pinned, range(layers))
+        self._staging_offsets = torch.tensor([self.staging_offset(slot) for slot in range(self.staging_slots)], dtype=torch.int64)
+        self._staging_offsets = self._staging_offsets.to(device)
         self._copy_stream = None  # the prefill staging copies' (CUDA)
         if device.type == "cuda" and self.staging_slots:
             self._copy_stream = torch.cuda.Stream(device)
@@ -280,9 +293,7 @@ class ExpertStore:
             self.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         if self._stages(topk_ids):
             bank, later = self.prefill_bank(layer, topk_ids)
-            if later is not None:
-                return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.wait_for_staging)
-            return backend.routed_experts(x, topk_ids, topk_weights, bank)
+            return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.wait_for_staging)
         if self.cpu_path is not None and self.cpu_path.active and topk_ids.shape[0] <= self.cpu_path.tokens:
             bank = self.bank(layer)
             return self.cpu_path.routed(backend, bank, layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])
@@ -297,48 +308,52 @@ class ExpertStore:
 
         return topk_ids.numel() > PREFILL_MIN_PAIRS
 
-    def prefill_bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor | None]:
-        """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device;
-        None if none). The experts its tokens use that are not in VRAM start copying into the staging slots
-        (the most used first, as many as fit; one host sync for the counts), and a copy of the layer's
-        table points at them: they can be read once `wait_for_staging` was called. The bank keeps `host`
-        only while some of them are still read from host memory."""
+    def prefill_bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
+        """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device).
+        The experts its tokens use that are not in VRAM (their table offsets fall outside the arena) start
+        copying into the staging slots, the most used first, as many as fit, and a copy of the layer's
+        table points at them: they can be read once `wait_for_staging` was called. It is decided on the
+        device, staged uses and records counted there; the host then waits once, for whether any used
+        expert is left in host memory (the bank keeps `host` only then: the first pass takes the PCIe
+        tiles), while the copy already runs."""
+        offsets = self.table[layer]
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-        used = counts.cpu().numpy()
-        missing = np.flatnonzero((used > 0) & ~self.cache.in_vram[layer])
-        order = missing[np.argsort(-used[missing], kind="stable")]
-        staged, left = order[: self.staging_slots], order.size - min(order.size, self.staging_slots)
-        host = self.host[layer] if left else None
-        if not staged.size:
-            return ExpertBank(self.layouts[layer], self.arena, self.table[layer], host), None
-        ids = torch.from_numpy(staged).to(self.device)
-        table = self.table[layer].clone()
-        table[ids] = torch.tensor([self.staging_offset(slot) for slot in range(staged.size)], dtype=torch.int64, device=self.device)
-        later = torch.zeros(self.num_experts, dtype=torch.bool, device=self.device)
-        later[ids] = True
-        self.staged_uses[layer].index_add_(0, ids, counts[ids].to(torch.int32))
-        self._stage(layer, staged)  # after the small transfers above, which would otherwise queue behind the copies
-        self.counters.staged += staged.size
-        self.counters.pcie_bytes += staged.size * self.layouts[layer].nbytes
-        return ExpertBank(self.layouts[layer], self.arena, table, host), later
+        missing = (counts > 0) & ((offsets < 0) | (offsets >= self.arena.numel()))
+        used, experts = torch.topk(torch.where(missing, counts, 0), min(self.staging_slots, self.num_experts))
+        valid = used > 0
+        slots = self._staging_offsets[: experts.numel()]
+        table = offsets.clone()
+        table.scatter_(0, experts, torch.where(valid, slots, offsets[experts]))
+        later = torch.zeros(self.num_experts, dtype=torch.bool, device=self.device).scatter_(0, experts, valid)
+        self.staged_uses[layer].index_add_(0, experts, torch.where(valid, used, 0).to(torch.int32))
+        self.staged_records[layer].index_add_(0, experts, valid.to(torch.int32))
+        self._stage(layer, experts, slots, valid)
+        left = bool(missing.sum() > valid.sum())  # the one host sync, with the copy already under way
+        return ExpertBank(self.layouts[layer], self.arena, table, self.host[layer] if left else None), later
 
-    def _stage(self, layer: int, experts: np.ndarray) -> None:
-        """Copy the host records of `experts` into staging slots 0, 1, ... On CUDA the copies run on the
-        store's copy stream, after the work queued on the compute stream (the previous chunk's and layer's
-        kernels that read the slots), and an event marks their end (`wait_for_staging`)."""
+    def _stage(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """Copy the host records of `experts` (where `valid`) into the staging slots at byte offsets `slots`.
+        On CUDA the copy runs on the store's copy stream, after the work queued on the compute stream (the
+        previous chunk's and layer's kernels that read the slots, and the choice of experts), and an event
+        marks its end (`wait_for_staging`)."""
         if self._copy_stream is None:
-            self._copy_records(layer, experts)
+            self._copy_records(layer, experts, slots, valid)
             return
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
-            self._copy_records(layer, experts)
+            self._copy_records(layer, experts, slots, valid)
             self._staged.record()
+        for tensor in (experts, valid):
+            tensor.record_stream(self._copy_stream)
 
-    def _copy_records(self, layer: int, experts: np.ndarray) -> None:
+    def _copy_records(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
         nbytes = self.layouts[layer].nbytes
-        for slot, expert in enumerate(experts):
-            at = self.staging_offset(slot)
-            self.arena[at : at + nbytes].copy_(self.host[layer][expert], non_blocking=True)
+        if self.device.type == "cuda":
+            from ninfer_offload.kernels.staging import gather_records
+
+            gather_records(self.arena, self.table[layer], experts, slots, valid, nbytes)
+        else:
+            gather_records_reference(self.arena, self.host[layer], experts, slots, valid, nbytes)
 
     def wait_for_staging(self) -> None:
         """Make the compute stream wait for the last staging copies (nothing to wait for on the CPU)."""

@@ -1,0 +1,41 @@
+"""Copying the host records a prefill chunk stages into the arena's staging slots, in one launch.
+
+`gather_records` reads each chosen expert's record where the layer's table points (host memory
+mapped for the device: a read over PCIe) and writes it into its slot; a fixed number of programs
+walk the (record, block) pairs, so the copy takes a few SMs beside the kernels that compute
+meanwhile. Which experts and slots are device tensors: nothing is decided on the host. The
+reference op is `runtime.expert_store.gather_records_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PROGRAMS = 64  # enough loads in flight for the PCIe link, few SMs
+BLOCK = 1024  # words per load
+
+
+@triton.jit
+def _gather_records_kernel(arena, table, experts, slots, valid, n, words, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    blocks = tl.cdiv(words, BLOCK)
+    for item in range(tl.program_id(0), n * blocks, tl.num_programs(0)):
+        i = item // blocks
+        if tl.load(valid + i) != 0:
+            w = (item % blocks) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            src = arena + tl.multiple_of(tl.load(table + tl.load(experts + i)), 256)  # record offsets are 256-aligned
+            dst = arena + tl.multiple_of(tl.load(slots + i), 256)
+            if WORD == 8:
+                src_words, dst_words = src.to(tl.pointer_type(tl.int64)), dst.to(tl.pointer_type(tl.int64))
+            else:
+                src_words, dst_words = src, dst
+            tl.store(dst_words + w, tl.load(src_words + w, mask=w < words), mask=w < words)
+
+
+def gather_records(arena: torch.Tensor, table: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, nbytes: int) -> None:
+    """For each i with valid[i]: arena[slots[i] : slots[i] + nbytes] = the record table[experts[i]] points at."""
+    word = 8 if nbytes % 8 == 0 else 1
+    n = experts.numel()
+    programs = max(1, min(PROGRAMS, n * triton.cdiv(nbytes // word, BLOCK)))
+    _gather_records_kernel[(programs,)](arena, table, experts, slots, valid, n, nbytes // word, WORD=word, BLOCK=BLOCK, num_warps=4)
