@@ -33,7 +33,9 @@ def _gather_records_kernel(arena, table, experts, slots, valid, n, words, WORD: 
             tl.store(dst_words + w, tl.load(src_words + w, mask=w < words), mask=w < words)
 
 
-def gather_records(arena: torch.Tensor, table: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, nbytes: int) -> None:
+def gather_records(
+    arena: torch.Tensor, table: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, nbytes: int
+) -> None:
     """For each i with valid[i]: arena[slots[i] : slots[i] + nbytes] = the record table[experts[i]] points at."""
     word = 8 if nbytes % 8 == 0 else 1
     n = experts.numel()

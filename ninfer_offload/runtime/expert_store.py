@@ -18,7 +18,8 @@ MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per 
 in short runs. Instead the store copies each expert the chunk uses that is not in VRAM into a
 staging slot, once, the most used first, all decided on the device (per-expert counts, a top-k, a
 copy of the layer's table pointing the staged experts at their slots) and copied by one gather
-kernel (`kernels.staging`); the host waits only for whether some used expert is left in host memory. The MoE kernels run on that table in two passes
+kernel (`kernels.staging`); the host waits only for whether some used expert is left in host
+memory. The MoE kernels run on that table in two passes
 (`Backend.routed_experts_split`): on CUDA the gather runs on the store's copy stream while the
 compute stream computes the pairs of the other experts (those in VRAM, and those left over in host
 memory, read over PCIe as before); then the compute stream waits for the copy and computes the
