@@ -15,6 +15,7 @@ Lossless banks (bf16/fp32, the `bf16` recipe) use `DenseRecordLayout`: the exper
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -45,11 +46,11 @@ class ExpertRecordLayout:
     def gate_up_offset(self) -> int:
         return 0
 
-    @property
+    @cached_property  # these two once per layout: the CPU miss path reads them per request
     def down_offset(self) -> int:
         return align_up(self.gate_up.encoded_size, 256)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Record size, padded to 256 bytes so records can be packed back to back."""
         return align_up(self.down_offset + self.down.encoded_size, 256)
