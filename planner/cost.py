@@ -4,7 +4,8 @@ engine's measured timings.
 A decode forward costs its fixed work (small kernels, launches), the weight-reading kernels (at
 least their latency floor, at most the weight bytes at the reachable share of the memory
 bandwidth), with offloaded experts the cache bookkeeping, and the routed experts not in VRAM served
-by the miss path (read over PCIe zero-copy, computed on the host, or both). Prefill of a chunk is
+by the miss path (read over PCIe zero-copy, or computed on the host at a cost per layer handed over;
+"auto" the faster). Prefill of a chunk is
 compute- or weight-bound on the GPU plus one read of every host-resident expert the chunk touches,
 partly overlapped. The timings come from the profile's `[engine]` table, measured by
 `bench/resident.py` and `bench/offload.py`; a card without one borrows the benchmark machine's
@@ -58,18 +59,22 @@ def expected_touched(hits: float, tokens: int) -> float:
     return 1.0 - (1.0 - q) ** tokens
 
 
-def _expert_traffic(stats: RoutingStats, resident: list[list[int]], expert_bytes: list[int], tokens: int) -> tuple[float, float]:
-    """(VRAM bytes, PCIe bytes) of routed experts for one step of `tokens` tokens."""
-    vram = pcie = 0.0
+def _expert_traffic(stats: RoutingStats, resident: list[list[int]], expert_bytes: list[int], tokens: int) -> tuple[float, float, float]:
+    """(VRAM bytes, host-resident bytes, expected layers that need a host-resident expert) of routed
+    experts for one step of `tokens` tokens."""
+    vram = host = layers = 0.0
     for row, ids, size in zip(stats.hits, resident, expert_bytes):
         held = set(ids)
+        none_on_host = 1.0
         for expert, hits in enumerate(row):
-            moved = expected_touched(hits, tokens) * size
+            touched = expected_touched(hits, tokens)
             if expert in held:
-                vram += moved
+                vram += touched * size
             else:
-                pcie += moved
-    return vram, pcie
+                host += touched * size
+                none_on_host *= 1.0 - touched
+        layers += 1.0 - none_on_host
+    return vram, host, layers
 
 
 def predict(
@@ -85,26 +90,36 @@ def predict(
     timings, source = engine_timings(profile)
     vram_rate = profile.memory_bandwidth_gbs * 1e9 * timings["weight_bandwidth_efficiency"]
     zero_copy = profile.h2d_bandwidth_gbs * 1e9 * timings["zero_copy_efficiency"]
-    miss_rate, pcie_share = miss_rates(profile, options.miss_path, zero_copy)
     context = min(options.at_context, options.max_context)
     kv_layer = kv_layer_bytes_per_token(shape, options.kv_dtype) * context
     offloaded = any(len(ids) < len(row) for ids, row in zip(resident, stats.hits))
     bookkeeping = timings["offload_step_s"] if offloaded else 0.0
+    cpu_rate = profile.dram_bandwidth_gbs * 1e9 * CPU_EXPERT_SHARE_OF_DRAM
 
-    def step(tokens: int) -> tuple[float, float, float]:
-        """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions."""
-        expert_vram, expert_pcie = _expert_traffic(stats, resident, expert_bytes, tokens)
+    def path_step(tokens: int, path: str) -> tuple[float, float, float]:
+        """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions, misses served by `path`."""
+        expert_vram, expert_host, host_layers = _expert_traffic(stats, resident, expert_bytes, tokens)
         embedding = weights.embedding_row_bytes * tokens
         vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + shape.attention_layers * kv_layer
         vram += gdn_state_bytes(shape) * (1 + tokens)  # read the state, write one per position
-        pcie = expert_pcie * pcie_share
+        pcie = expert_host if path == "pcie" else 0.0
         if weights.embedding_on_device:
             vram += embedding
         else:
             pcie += embedding
         seconds = timings["decode_fixed_s"] + max(timings["decode_weight_floor_s"], vram / vram_rate) + bookkeeping
-        seconds += expert_pcie / miss_rate + (0.0 if weights.embedding_on_device else embedding / zero_copy)
+        seconds += 0.0 if weights.embedding_on_device else embedding / zero_copy
+        if path == "pcie":
+            seconds += expert_host / zero_copy
+        else:  # each layer with host work hands it to the host and waits for the answer
+            seconds += expert_host / cpu_rate + host_layers * timings["cpu_request_s"]
         return seconds, vram, pcie
+
+    def step(tokens: int) -> tuple[float, float, float]:
+        """`path_step` by the miss path; "auto" keeps the faster of the two (it chooses by measured step time)."""
+        if options.miss_path != "auto":
+            return path_step(tokens, options.miss_path)
+        return min(path_step(tokens, "pcie"), path_step(tokens, "cpu"))
 
     seconds, vram_bytes, pcie_bytes = step(1)
     decode_mtp = None
@@ -122,7 +137,7 @@ def predict(
     attention_flops = shape.attention_layers * 4 * context * shape.query_heads * shape.head_dim
     flops = chunk * (2 * (weights.dense_text_params + expert_params) + attention_flops)
     compute_seconds = flops / (profile.tensor_tflops * 1e12 * timings["prefill_efficiency"])
-    expert_vram, expert_pcie = _expert_traffic(stats, resident, expert_bytes, chunk)
+    expert_vram, expert_pcie, _ = _expert_traffic(stats, resident, expert_bytes, chunk)
     weight_seconds = (weights.dense_text_bytes + weights.head_bytes + expert_vram) / vram_rate
     gpu_seconds, transfer_seconds = max(compute_seconds, weight_seconds), expert_pcie / zero_copy
     hidden = timings["prefill_transfer_overlap"] * min(gpu_seconds, transfer_seconds)
@@ -138,25 +153,16 @@ def predict(
     )
 
 
-def miss_rates(profile: DeviceProfile, miss_path: str, zero_copy: float) -> tuple[float, float]:
-    """(bytes/s at which decode serves host-resident experts, share of them that crosses PCIe).
-    `auto` divides the misses so that the CPU and the GPU's PCIe reads finish together."""
-    cpu = profile.dram_bandwidth_gbs * 1e9 * CPU_EXPERT_SHARE_OF_DRAM
-    if miss_path == "cpu":
-        return cpu, 0.0
-    if miss_path == "auto":
-        return zero_copy + cpu, zero_copy / (zero_copy + cpu)
-    return zero_copy, 1.0
-
-
 def device_assumptions(profile: DeviceProfile, miss_path: str, timings: dict[str, float]) -> tuple[str, ...]:
     """The assumptions that depend on the device profile."""
     cpu = f"{CPU_EXPERT_SHARE_OF_DRAM:.0%} of the {profile.dram_bandwidth_gbs:g} GB/s host DRAM bandwidth"
     pcie = f"{timings['zero_copy_efficiency']:.0%} of the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth"
     misses = {
         "pcie": f"decode reads host-resident experts over PCIe at {pcie}",
-        "cpu": f"decode computes host-resident experts on the host, streaming them at {cpu}",
-        "auto": f"decode splits host-resident experts between PCIe reads at {pcie} and host compute at {cpu}",
+        "cpu": f"decode computes host-resident experts on the host, streaming them at {cpu}, "
+        f"{timings['cpu_request_s'] * 1e3:.2f} ms per layer handed to the host",
+        "auto": f"decode serves host-resident experts by the faster of PCIe reads at {pcie} and host compute at {cpu} "
+        f"({timings['cpu_request_s'] * 1e3:.2f} ms per layer handed to the host)",
     }[miss_path]
     return (
         f"a decode forward: {timings['decode_fixed_s'] * 1e3:.2f} ms of fixed work + the weight kernels, at least "

@@ -41,6 +41,7 @@ ENGINE_KEYS = {
     "weight_bandwidth_efficiency": float,  # share of memory bandwidth they reach once bandwidth-bound
     "offload_step_s": float,  # per forward with offloaded experts: use counting and cache bookkeeping
     "zero_copy_efficiency": float,  # share of H2D bandwidth the MoE kernels reach reading host records
+    "cpu_request_s": float,  # CPU miss path: what one layer's hand-off to the host adds, besides the bytes computed
     "prefill_efficiency": float,  # share of tensor throughput a prefill chunk reaches
     "prefill_transfer_overlap": float,  # share of the shorter of prefill compute and expert transfers hidden
     "mtp_draft_step_s": float,  # one MTP draft step when latency-bound
