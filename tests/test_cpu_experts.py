@@ -321,3 +321,26 @@ def test_integer_path_without_vnni(tmp_path):
     result = subprocess.run([sys.executable, "-c", _PORTABLE_PROBE], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["ok"]
+
+
+def test_host_poll_finds_open_requests_and_answers_them():
+    """The worker's poll (`kernels.cpu.handoff`): a layer whose READY counter passed its DONE counter is
+    the next request, even when raised by another thread while polling; answering closes it."""
+    import threading
+
+    from ninfer_offload.kernels.cpu.handoff import answer_request, next_request
+    from ninfer_offload.runtime.miss_handoff import DONE, HEADER_WORDS, READY
+
+    flags = np.zeros(4 * HEADER_WORDS, dtype=np.int64)
+    assert next_request(flags, 4, HEADER_WORDS, READY, DONE, 10) == -1
+    flags[2 * HEADER_WORDS + READY] = 1
+    assert next_request(flags, 4, HEADER_WORDS, READY, DONE, 10) == 2
+    answer_request(flags, 2 * HEADER_WORDS + DONE, 1)
+    assert next_request(flags, 4, HEADER_WORDS, READY, DONE, 10) == -1
+    raise_later = threading.Timer(0.05, lambda: flags.__setitem__(3 * HEADER_WORDS + READY, 7))
+    raise_later.start()
+    found = -1
+    while found < 0:  # polls release the GIL, so the timer thread gets to raise it
+        found = next_request(flags, 4, HEADER_WORDS, READY, DONE, 100_000)
+    raise_later.join()
+    assert found == 3

@@ -3,7 +3,8 @@
 The device hands a layer's missing experts to the host through the mailbox of
 `runtime.miss_handoff` (no host sync: an offloaded step with a CPU miss path is still one CUDA
 graph); `CpuMissPath` answers in a worker thread with the numba kernels of
-`ninfer_offload.kernels.cpu.experts` (`HostExperts`) while the device computes the experts in VRAM.
+`ninfer_offload.kernels.cpu.experts` (`HostExperts`) while the device computes the experts in VRAM
+(on a CPU-only engine the calling thread answers in place).
 Which misses the host takes is a device mask per (layer, expert): "cpu" takes every miss; "auto"
 takes a share of each layer's experts that `SplitTuner` picks by measured step time among no share,
 all, and the share the host's and the PCIe link's rates would give, so it is never slower than the
@@ -182,14 +183,18 @@ class CpuMissPath:
         cpu_uses: torch.Tensor,
     ) -> torch.Tensor:
         """The routed experts of one layer: the host's share of the misses through the mailbox, the rest
-        on the device (VRAM, or host records over PCIe), the host's rows added."""
-        if self._worker is None:
+        on the device (VRAM, or host records over PCIe), the host's rows added. On CUDA the worker thread
+        answers while the device computes; on the CPU, with nothing to overlap, the calling thread does."""
+        on_cuda = bank.arena.device.type == "cuda"
+        if on_cuda and self._worker is None:
             self._worker = threading.Thread(target=self._run, name="cpu-miss-path", daemon=True)
             self._worker.start()
         self.experts.parts = EXACT_PARTS if x.dtype == torch.float32 else SIXTEEN_BIT_PARTS
         ids, weights = miss_handoff.publish(
             self.mailbox, layer, x, topk_ids, topk_weights, bank.offsets, self.take[layer], anchor, cpu_uses, bank.arena
         )
+        if not on_cuda and int(self.mailbox.state[layer, 1]):
+            self._answer(layer)
         out = backend.routed_experts(x, ids, weights, bank)
         return miss_handoff.collect(self.mailbox, layer, out, bank.arena)
 
