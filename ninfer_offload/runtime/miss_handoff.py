@@ -68,8 +68,14 @@ class Mailbox:
     def __init__(self, layers: int, top_k: int, hidden: int, device: torch.device, tokens: int = HANDOFF_TOKENS):
         pinned = device.type == "cuda"
         self.regions = MailboxRegions(tokens, top_k, hidden)
-        self.headers = torch.zeros(layers, HEADER_WORDS, dtype=torch.int64, pin_memory=pinned)
-        self.data = torch.zeros(layers, self.regions.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        try:
+            self.headers = torch.zeros(layers, HEADER_WORDS, dtype=torch.int64, pin_memory=pinned)
+            self.data = torch.zeros(layers, self.regions.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        except RuntimeError as err:
+            raise NinferError(
+                f"pinning {layers * self.regions.nbytes / 2**20:.0f} MiB of host memory for the CPU miss path failed "
+                f"({str(err).splitlines()[0]}); use --miss-path pcie or raise the locked-memory limit (ulimit -l)"
+            ) from None
         self.state = torch.zeros(layers, 2, dtype=torch.int64, device=device)
         self.flags = self.headers.numpy().reshape(-1)  # what the host polls (numba)
         self._data = self.data.numpy()
