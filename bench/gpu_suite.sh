@@ -19,7 +19,8 @@ RUN=$(mktemp -d)
 cp -r bench tests "$RUN"/ && cd "$RUN" || exit 1
 artifact() { [ -f /tmp/q36.ninfer ] || python3 bench/make_synthetic.py /tmp/q36.ninfer > "$OUT/synthetic.log" 2>&1; }
 if [ -n "$TESTS" ]; then
-  (cd tests && timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -15)
+  # SIGINT at the limit: pytest stops and still prints which tests passed and failed
+  (cd tests && timeout -s INT -k 30 "${TEST_TIMEOUT:-600}" python3 -m pytest -q -rfE -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -15)
 fi
 for bench in $BENCHES; do
   echo "== $bench"
