@@ -241,6 +241,7 @@ def test_split_tuner_tries_each_share_and_keeps_the_fastest():
         tuner.observe(share, cost[share])
     assert seen == [1.0] + [0.0, 0.0, 0.25, 0.25, 1.0, 1.0] * 2  # warm-up, then each share in turn (the first of each not counted)
     assert tuner.chosen == 0.25 and tuner.stats()["share"] == 0.25
+    assert tuner.stats()["ms_per_token"] == [3000.0, 1000.0, 2000.0]  # the trials' evidence
     held = []
     for _ in range(5):
         held.append(tuner.share())

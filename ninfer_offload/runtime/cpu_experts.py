@@ -112,6 +112,7 @@ class SplitTuner:
     _step: int = 0
     _times: list[list[float]] = field(default_factory=list)
     chosen: float | None = None
+    means: list[float] = field(default_factory=list)  # seconds per token of each candidate in the last trials
 
     def __post_init__(self):
         self._times = [[] for _ in self.candidates]
@@ -135,12 +136,17 @@ class SplitTuner:
             self._times[self.candidates.index(share)].append(seconds_per_token)
         self._step += 1
         if self._step % (self.trial_steps + self.hold) == self.trial_steps:
-            means = [np.mean(t) if t else np.inf for t in self._times]
-            self.chosen = self.candidates[int(np.argmin(means))]
+            self.means = [float(np.mean(t)) if t else float("inf") for t in self._times]
+            self.chosen = self.candidates[int(np.argmin(self.means))]
             self._times = [[] for _ in self.candidates]
 
     def stats(self) -> dict:
-        return {"candidates": list(self.candidates), "share": self.chosen, "steps": self._step}
+        return {
+            "candidates": list(self.candidates),
+            "ms_per_token": [round(m * 1e3, 4) for m in self.means],
+            "share": self.chosen,
+            "steps": self._step,
+        }
 
 
 class CpuMissPath:
