@@ -19,7 +19,7 @@ in short runs. Instead the store copies each expert the chunk uses that is not i
 staging slot, once, the most used first, all decided on the device (per-expert counts, a top-k, a
 copy of the layer's table pointing the staged experts at their slots) and copied by one gather
 kernel (`kernels.staging`); the host waits only for whether some used expert is left in host
-memory. The MoE kernels run on that table in two passes
+memory, and only when more experts are outside VRAM than there are slots. The MoE kernels run on that table in two passes
 (`Backend.routed_experts_split`): on CUDA the gather runs on the store's copy stream while the
 compute stream computes the pairs of the other experts (those in VRAM, and those left over in host
 memory, read over PCIe as before); then the compute stream waits for the copy and computes the
@@ -314,9 +314,9 @@ class ExpertStore:
         The experts its tokens use that are not in VRAM (their table offsets fall outside the arena) start
         copying into the staging slots, the most used first, as many as fit, and a copy of the layer's
         table points at them: they can be read once `wait_for_staging` was called. It is decided on the
-        device, staged uses and records counted there; the host then waits once, for whether any used
-        expert is left in host memory (the bank keeps `host` only then: the first pass takes the PCIe
-        tiles), while the copy already runs."""
+        device, staged uses and records counted there. The bank keeps `host` only if some used expert is
+        left in host memory (the first pass then takes the PCIe tiles): when more experts are outside VRAM
+        than there are slots, the host waits for that answer while the copy runs; otherwise none can be."""
         offsets = self.table[layer]
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
         missing = (counts > 0) & ((offsets < 0) | (offsets >= self.arena.numel()))
@@ -329,7 +329,10 @@ class ExpertStore:
         self.staged_uses[layer].index_add_(0, experts, torch.where(valid, used, 0).to(torch.int32))
         self.staged_records[layer].index_add_(0, experts, valid.to(torch.int32))
         self._stage(layer, experts, slots, valid)
-        left = bool(missing.sum() > valid.sum())  # the one host sync, with the copy already under way
+        # Whether some used expert stays in host memory: impossible when every expert outside VRAM has a slot
+        # (the host's view of the table tells, no sync); otherwise one host sync, with the copy under way.
+        outside = int((~self.cache.in_vram[layer]).sum())
+        left = outside > self.staging_slots and bool(missing.sum() > valid.sum())
         return ExpertBank(self.layouts[layer], self.arena, table, self.host[layer] if left else None), later
 
     def _stage(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
