@@ -196,7 +196,8 @@ class ExpertStore:
         self._staging_offsets = self._staging_offsets.to(device)
         self._copy_stream = None  # the prefill staging copies' (CUDA)
         if device.type == "cuda" and self.staging_slots:
-            self._copy_stream = torch.cuda.Stream(device)
+            # high priority: the gather's few programs take SMs as the compute kernels free them
+            self._copy_stream = torch.cuda.Stream(device, priority=-1)
             self._staged = torch.cuda.Event()  # after the last layer's staging copies
             self.arena.record_stream(self._copy_stream)  # freed arena memory is reused only after the copies queued by then
 
