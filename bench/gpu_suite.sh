@@ -4,7 +4,7 @@
 # Installs the project (and the wheels in $WHEELS, if set, for a machine without a package index),
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
-# BENCHES (resident, resident_32k, sweep, kernels, serve, spec, offload, offload_sweep, offload_cpu, nvfp4), their JSON and logs under $OUT.
+# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, kernels, serve, spec, offload, offload_sweep, offload_cpu, nvfp4), their JSON and logs under $OUT.
 set -o pipefail
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONUNBUFFERED=1
@@ -27,6 +27,8 @@ for bench in $BENCHES; do
   case $bench in
     resident) artifact && python3 bench/resident.py /tmp/q36.ninfer --out "$OUT/resident.json" --contexts 1024 --prefills 4096 \
       --skip-transformers --commit "$COMMIT" 2>&1 | tail -8 ;;
+    resident_hf) artifact && python3 bench/resident.py /tmp/q36.ninfer --out "$OUT/resident_hf.json" --contexts 1024 --prefills 4096 \
+      --batches 1 --commit "$COMMIT" 2>&1 | tail -8 ;;
     resident_32k) artifact && python3 bench/resident.py /tmp/q36.ninfer --out "$OUT/resident_32k.json" --contexts 32768 --prefills 16384 \
       --batches --skip-transformers --commit "$COMMIT" 2>&1 | tail -6 ;;
     sweep) python3 bench/sweep_decode.py --out "$OUT/sweep.json" --commit "$COMMIT" 2>&1 | tail -100 ;;
