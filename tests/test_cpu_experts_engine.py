@@ -127,3 +127,32 @@ def test_generate_cli_miss_path_flag(tiny_artifact_official):
     assert json.loads(on_host.stdout)["ids"] == json.loads(resident.stdout)["ids"]
     bad = _generate(tiny_artifact_official, "--experts", "host", "--miss-path", "gpu")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+
+
+def test_the_worker_thread_answers_requests_as_on_cuda(tiny_artifact_official):
+    """The host worker of the CUDA path, here on the CPU: requests published to the mailbox are answered
+    by the worker thread, also after it went idle (no wake-up call), with the rows the calling thread
+    computes itself; `close` stops it."""
+    import time
+
+    from ninfer_offload.runtime import miss_handoff
+
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=4, miss_path="cpu")
+    store, path = engine.store, engine.store.cpu_path
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(3, engine.config.hidden_size, generator=generator)
+    ids = torch.stack([torch.randperm(engine.config.num_experts, generator=generator)[: engine.config.top_k] for _ in range(3)])
+    weights = torch.softmax(torch.randn(3, engine.config.top_k, generator=generator), -1)
+    wants = [store.routed(engine.backend, layer, x, ids, weights) for layer in (0, 1)]  # answered by this thread
+    path.start_worker()
+    for layer, pause, want in ((0, 0.0, wants[0]), (1, 0.05, wants[1])):  # the second request comes after the worker went idle
+        time.sleep(pause)
+        bank = store.bank(layer)
+        args = (x, ids, weights, bank.offsets, path.take[layer], store.anchor[layer], store.cpu_uses[layer], bank.arena)
+        device_ids, device_weights = miss_handoff.publish(path.mailbox, layer, *args)
+        assert int(path.mailbox.state[layer, 1]) == 1  # a request is open: the worker must answer it
+        out = engine.backend.routed_experts(x, device_ids, device_weights, bank)
+        assert torch.equal(miss_handoff.collect(path.mailbox, layer, out, bank.arena), want)
+    worker = path._worker
+    engine.close()
+    assert not worker.is_alive()

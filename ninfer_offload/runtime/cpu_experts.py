@@ -192,15 +192,14 @@ class CpuMissPath:
         on the device (VRAM, or host records over PCIe), the host's rows added. On CUDA the worker thread
         answers while the device computes; on the CPU, with nothing to overlap, the calling thread does."""
         on_cuda = bank.arena.device.type == "cuda"
-        if on_cuda and self._worker is None:
-            self._worker = threading.Thread(target=self._run, name="cpu-miss-path", daemon=True)
-            self._worker.start()
+        if on_cuda:
+            self.start_worker()
         self.experts.parts = EXACT_PARTS if x.dtype == torch.float32 else SIXTEEN_BIT_PARTS
         ids, weights = miss_handoff.publish(
             self.mailbox, layer, x, topk_ids, topk_weights, bank.offsets, self.take[layer], anchor, cpu_uses, bank.arena
         )
-        if not on_cuda and int(self.mailbox.state[layer, 1]):
-            self._answer(layer)
+        if self._worker is None and not on_cuda and int(self.mailbox.state[layer, 1]):
+            self._answer(layer)  # (with a worker running, it answers: one answer per request)
         out = backend.routed_experts(x, ids, weights, bank)
         return miss_handoff.collect(self.mailbox, layer, out, bank.arena)
 
@@ -257,6 +256,12 @@ class CpuMissPath:
             raise NinferError("the CPU miss path did not answer the device in time (its worker thread is stalled)")
 
     # ------------------------------------------------------------------ host worker
+    def start_worker(self) -> None:
+        """Start the thread that answers the mailbox's requests (once; `close` stops it)."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="cpu-miss-path", daemon=True)
+            self._worker.start()
+
     def _run(self) -> None:
         if self.threads is not None:
             numba.set_num_threads(self.threads)
