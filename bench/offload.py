@@ -203,13 +203,13 @@ def logits_equal(engine: Engine, reference: torch.Tensor, ids: list[int]) -> boo
     return bool(torch.equal(engine.logits(ids), reference))
 
 
-def planned_decode(engine: Engine, profile: str, miss_path: str) -> float | None:
+def planned_decode(engine: Engine, inventory: Inventory, profile: str, miss_path: str) -> float | None:
     """The planner's decode tokens/s for the engine's plan with `miss_path`."""
     placement = engine.expert_plan.plan
     if placement is None:
         return None
     options = dataclasses.replace(placement.options, miss_path=miss_path)
-    return plan(Inventory.from_artifact(engine.artifact), load_profile(profile), options).predicted.decode_tok_s
+    return plan(inventory, load_profile(profile), options).predicted.decode_tok_s
 
 
 def release(engine: Engine) -> None:
@@ -435,7 +435,7 @@ def main() -> None:
             "vram_budget_bytes": int(args.budgets[0] * GiB), "miss_path": miss_path, "decode_tok_s": 1 / seconds,
             "pcie_decode_tok_s": pcie, "hit_rate": stats["hit_rate"], "pcie_bytes_per_token": stats["pcie_bytes_per_token"],
             "cpu_assignments_per_token": stats["cpu_assignments"] / max(stats["tokens"], 1), "graphs": engine.graphs is not None,
-            "planner_decode_tok_s": planned_decode(engine, args.profile, miss_path),
+            "planner_decode_tok_s": planned_decode(engine, inventory or Inventory.from_artifact(engine.artifact), args.profile, miss_path),
             "cpu": engine.store.stats.miss_path,
         })
         save()

@@ -191,7 +191,7 @@ class CpuMissPath:
         """The routed experts of one layer: the host's share of the misses through the mailbox, the rest
         on the device (VRAM, or host records over PCIe), the host's rows added. On CUDA the worker thread
         answers while the device computes; on the CPU, with nothing to overlap, the calling thread does."""
-        on_cuda = bank.arena.device.type == "cuda"
+        on_cuda = self.device.type == "cuda"
         if on_cuda:
             self.start_worker()
         self.experts.parts = EXACT_PARTS if x.dtype == torch.float32 else SIXTEEN_BIT_PARTS

@@ -163,11 +163,10 @@ class ExpertCache:
         if not entries:
             return
         experts = self.store.num_experts
-        index = torch.tensor([layer * experts + expert for layer, expert, _ in entries], dtype=torch.int64)
-        values = torch.tensor([offset for _, _, offset in entries], dtype=torch.int64)
-        if self._cuda:
-            index = index.pin_memory().to(self.store.device, non_blocking=True)
-            values = values.pin_memory().to(self.store.device, non_blocking=True)
+        index, values = self.store.upload(
+            torch.tensor([layer * experts + expert for layer, expert, _ in entries], dtype=torch.int64),
+            torch.tensor([offset for _, _, offset in entries], dtype=torch.int64),
+        )
         self.store.table.view(-1).index_copy_(0, index, values)
         if self.store.cpu_path is not None:
             self.store.set_anchors(self.in_vram, sorted({layer for layer, _, _ in entries}))

@@ -19,8 +19,9 @@ in short runs. Instead the store copies each expert the chunk uses that is not i
 staging slot, once, the most used first, all decided on the device (per-expert counts, a top-k, a
 copy of the layer's table pointing the staged experts at their slots) and copied by one gather
 kernel (`kernels.staging`); the host waits only for whether some used expert is left in host
-memory, and only when more experts are outside VRAM than there are slots. The MoE kernels run on that table in two passes
-(`Backend.routed_experts_split`): on CUDA the gather runs on the store's copy stream while the
+memory, and only when more experts are outside VRAM than there are slots. The MoE kernels run on
+that table in two passes (`Backend.routed_experts_split`): on CUDA the gather runs on the store's
+copy stream while the
 compute stream computes the pairs of the other experts (those in VRAM, and those left over in host
 memory, read over PCIe as before); then the compute stream waits for the copy and computes the
 staged experts' pairs with the VRAM tiles. The copy stream first waits for the work queued on the
@@ -192,8 +193,8 @@ class ExpertStore:
         self.cache = ExpertCache(self, cache_policy) if placement.offloaded else None
         if self.cpu_path is not None:
             self.set_anchors(self.pinned, range(layers))
-        self._staging_offsets = torch.tensor([self.staging_offset(slot) for slot in range(self.staging_slots)], dtype=torch.int64)
-        self._staging_offsets = self._staging_offsets.to(device)
+        slot_offsets = [self.staging_offset(slot) for slot in range(self.staging_slots)]
+        self._staging_offsets = torch.tensor(slot_offsets, dtype=torch.int64, device=device)
         self._copy_stream = None  # the prefill staging copies' (CUDA)
         if device.type == "cuda" and self.staging_slots:
             # high priority: the gather's few programs take SMs as the compute kernels free them
@@ -217,11 +218,18 @@ class ExpertStore:
     def set_anchors(self, in_vram: np.ndarray, layers) -> None:
         """Point `anchor[layer]` of `layers` at an expert in VRAM (`in_vram` [layers, experts]; expert 0
         where none is), in stream order after the queued steps."""
-        index = torch.tensor(list(layers), dtype=torch.int64)
-        values = torch.tensor([[int(np.argmax(in_vram[layer]))] for layer in layers], dtype=torch.int64)
-        if self.device.type == "cuda":
-            index, values = (t.pin_memory().to(self.device, non_blocking=True) for t in (index, values))
+        index, values = self.upload(
+            torch.tensor(list(layers), dtype=torch.int64),
+            torch.tensor([[int(np.argmax(in_vram[layer]))] for layer in layers], dtype=torch.int64),
+        )
         self.anchor.index_copy_(0, index, values)
+
+    def upload(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Small host tensors on the store's device, in stream order (through pinned memory, without a
+        host sync, on CUDA): the table and anchor updates between steps."""
+        if self.device.type != "cuda":
+            return tensors
+        return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
 
     @property
     def stats(self) -> StoreStats:

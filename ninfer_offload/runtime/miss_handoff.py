@@ -119,9 +119,9 @@ def publish_reference(
     host = (take[topk_ids] != 0) & ((offsets < 0) | (offsets >= arena_bytes))
     device_ids = torch.where(host, anchor[0], topk_ids)
     device_weights = torch.where(host, torch.zeros_like(topk_weights), topk_weights)
-    state = mailbox.state[layer]
-    state[1] = int(host.any())
-    if not bool(host.any()):
+    state, work = mailbox.state[layer], bool(host.any())
+    state[1] = int(work)
+    if not work:
         return device_ids, device_weights
     cpu_uses.index_add_(0, topk_ids[host], torch.ones_like(topk_ids[host], dtype=cpu_uses.dtype))
     t = x.shape[0]
