@@ -115,10 +115,10 @@ def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_offic
     def draw(tokens: int) -> torch.Tensor:
         return torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(layers * tokens)]).view(layers, tokens, k).cuda()
 
-    prompt_routing, routing = draw(len(PROMPT)), [draw(1) for _ in range(24)]
+    prompt_routing, routing = draw(len(PROMPT)), [draw(1) for _ in range(48)]
     engine.store.replay_routing(prompt_routing)
     resident.store.replay_routing(prompt_routing)
-    for got, want in zip(_decode(engine, 24, routing), _decode(resident, 24, routing)):
+    for got, want in zip(_decode(engine, 48, routing), _decode(resident, 48, routing)):
         assert torch.equal(got, want)
     assert engine.store.stats.promotions > 10
 

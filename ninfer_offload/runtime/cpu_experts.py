@@ -28,8 +28,10 @@ from ninfer_offload.kernels.cpu.handoff import answer_request, next_request
 from ninfer_offload.runtime import miss_handoff
 from ninfer_offload.runtime.miss_handoff import DONE, HEADER_WORDS, READY, Mailbox
 
-SWEEPS = 2000  # mailbox polls per `next_request` call (~0.2 ms for 41 layers)
-IDLE_AFTER_S = 0.005  # the worker sleeps once no request came for this long after a step began
+# Mailbox polls per `next_request` call (~5 ms for 41 layers; 2,000 took 0.2 ms): the worker spins without the
+# GIL that long, then sleeps until a step wakes it. Taking the GIL back after every short poll stalled the thread
+# that drives the device.
+SWEEPS = 50_000
 SHARE_SEED = 0  # which experts a share takes: a fixed random order per layer
 
 
@@ -206,17 +208,19 @@ class CpuMissPath:
     # ------------------------------------------------------------------ step boundary
     def step_started(self, tokens: int | None) -> object:
         """Before a forward of `tokens` rows is launched (None: a prompt chunk, not timed): raise a
-        failure of the previous ones, wake the worker, apply the tuner's share; a mark for
-        `step_finished` (the tuner times decode steps per token)."""
+        failure of the previous ones, apply the tuner's share, wake the worker if the host takes a share;
+        a mark for `step_finished` (the tuner times decode steps per token)."""
         self.check()
-        self._wake.set()
-        if self.tuner is None or tokens is None:
-            return None
-        self._read_timings()
-        share = self.tuner.share()
-        if share != self._share:
-            self.set_share(share)
-        return share, self._mark(), tokens
+        mark = None
+        if self.tuner is not None and tokens is not None:
+            self._read_timings()
+            share = self.tuner.share()
+            if share != self._share:
+                self.set_share(share)
+            mark = share, self._mark(), tokens
+        if self.active:
+            self._wake.set()
+        return mark
 
     def step_finished(self, mark) -> None:
         if mark is not None:
@@ -266,16 +270,13 @@ class CpuMissPath:
         if self.threads is not None:
             numba.set_num_threads(self.threads)
         flags, layers = self.mailbox.flags, len(self.layouts)
-        idle_since = time.monotonic()
         while not self._stop:
+            self._wake.clear()  # before polling: a step that starts meanwhile makes the wait below return at once
             layer = next_request(flags, layers, HEADER_WORDS, READY, DONE, SWEEPS)
             if layer >= 0:
                 self._answer(layer)
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > IDLE_AFTER_S:
+            else:
                 self._wake.wait(0.1)
-                self._wake.clear()
-                idle_since = time.monotonic()
 
     def _answer(self, layer: int) -> None:
         """Compute layer `layer`'s open request into its answer rows, then release the answer."""
