@@ -384,8 +384,23 @@ class ExpertStore:
         if not wanted.size:
             return
         (experts,) = self.upload(torch.from_numpy(wanted))
-        self._stage(layer, experts, self._buffer(layer)[: wanted.size], torch.ones_like(experts, dtype=torch.bool))
+        first = (layer % 2) * (self.staging_slots // 2)
+        slots = [self.staging_offset(slot) for slot in range(first, first + wanted.size)]
+        if self._copy_stream is None:
+            self._copy_prefetched(layer, wanted.tolist(), slots)
+        else:  # after the work queued so far (the reads of the buffer's previous layer)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_prefetched(layer, wanted.tolist(), slots)
         self._ahead[layer] = experts
+
+    def _copy_prefetched(self, layer: int, experts: list[int], slots: list[int]) -> None:
+        """Copy the host records of `experts` to the arena at byte offsets `slots`, one copy each: the host
+        chose them, so on CUDA the copy engines move them (a gather kernel's SMs would compete with the
+        layers computing meanwhile)."""
+        nbytes = self.layouts[layer].nbytes
+        for expert, at in zip(experts, slots):
+            self.arena[at : at + nbytes].copy_(self.host[layer][expert], non_blocking=True)
 
     def _stage(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """Copy the host records of `experts` (where `valid`) into the staging slots at byte offsets `slots`.
