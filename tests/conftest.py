@@ -103,16 +103,14 @@ def small_card(tmp_path_factory):
 @pytest.fixture(scope="session")
 def half_expert_budget(tiny_artifact_official, small_card) -> int:
     """A VRAM budget on `small_card` that holds everything of the official tiny artifact but half of the
-    routed experts (and the embedding), plus the prefill staging buffers an offloaded load sets aside."""
+    routed experts (and the embedding)."""
     from ninfer_offload import Engine
-    from ninfer_offload.planner.memory import prefill_staging_slots
 
     full = Engine.load(tiny_artifact_official, profile=str(small_card), spec="none")
-    plan, experts = full.expert_plan.plan, full.config.num_experts
+    plan = full.expert_plan.plan
     full.close()
     assert plan.components["routed_experts"].host_bytes == 0
-    staging = prefill_staging_slots(experts) * max(plan.expert_bytes)
-    return plan.vram_used_bytes - plan.components["token_embedding"].bytes - plan.components["routed_experts"].bytes // 2 + staging
+    return plan.vram_used_bytes - plan.components["token_embedding"].bytes - plan.components["routed_experts"].bytes // 2
 
 
 @pytest.fixture(scope="session")

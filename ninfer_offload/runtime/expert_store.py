@@ -55,11 +55,6 @@ from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
 MODES = ("auto", "resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
 ALIGN = RECORD_ALIGN  # record offsets are multiples of this (the MoE kernels' 16-byte vector loads rely on it)
-# A prefill chunk prefetches the host experts it is expected to use at least this often (from the plan's pick
-# rates). On the benchmark trace (2048-token chunks, 160 experts per layer in VRAM) 3 prefetches 7 % more
-# records than the chunks use and leaves 4 % of the used ones to the copy after routing; 1 (63 % sure to be
-# used) wastes 12 %, 8 leaves 18 %.
-PREFETCH_MIN_USES = 3.0
 
 
 @dataclass(frozen=True)
@@ -200,12 +195,11 @@ class ExpertStore:
             self.set_anchors(self.pinned, range(layers))
         slot_offsets = [self.staging_offset(slot) for slot in range(self.staging_slots)]
         self._staging_offsets = torch.tensor(slot_offsets, dtype=torch.int64, device=device)
-        self._ahead: dict[int, torch.Tensor] = {}  # per layer, the experts prefetched into its staging buffer
         self._copy_stream = None  # the prefill staging copies' (CUDA)
         if device.type == "cuda" and self.staging_slots:
             # high priority: the gather's few programs take SMs as the compute kernels free them
             self._copy_stream = torch.cuda.Stream(device, priority=-1)
-            self._staged = torch.cuda.Event()  # after the copies into the buffer of the layer computing
+            self._staged = torch.cuda.Event()  # after the last layer's staging copies
             self.arena.record_stream(self._copy_stream)  # freed arena memory is reused only after the copies queued by then
 
     @property
@@ -326,93 +320,43 @@ class ExpertStore:
 
     def prefill_bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
         """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device).
-        The layer's staging buffer holds the experts prefetched while the previous layer computed
-        (`_prefetch`); the experts its tokens use that are still outside VRAM (their table offsets fall
-        outside the arena) start copying into the buffer's other slots, the most used first, as many as
-        fit. A copy of the layer's table points at both: they can be read once `wait_for_staging` was
-        called. It is decided on the device, staged uses and records counted there. Then the next layer's
-        prefetch is queued. The bank keeps `host` only if some used expert is left in host memory (the
-        first pass then takes the PCIe tiles): when more experts are outside VRAM than the buffer has
-        slots, the host waits for that answer while the copies run; otherwise none can be."""
-        buffer = self._buffer(layer)
-        ahead = self._ahead.pop(layer, None)
-        table = self.table[layer].clone()
+        The experts its tokens use that are not in VRAM (their table offsets fall outside the arena) start
+        copying into the staging slots, the most used first, as many as fit, and a copy of the layer's
+        table points at them: they can be read once `wait_for_staging` was called. It is decided on the
+        device, staged uses and records counted there. The bank keeps `host` only if some used expert is
+        left in host memory (the first pass then takes the PCIe tiles): when more experts are outside VRAM
+        than there are slots, the host waits for that answer while the copy runs; otherwise none can be."""
+        offsets = self.table[layer]
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-        later = torch.zeros(self.num_experts, dtype=torch.bool, device=self.device)
-        prefetched = 0 if ahead is None else ahead.numel()
-        if prefetched:
-            table[ahead] = buffer[:prefetched]
-            later[ahead] = True
-            self.staged_uses[layer].index_add_(0, ahead, counts[ahead].to(torch.int32))
-            self.staged_records[layer].index_add_(0, ahead, torch.ones_like(ahead, dtype=torch.int32))
-        missing = (counts > 0) & ((table < 0) | (table >= self.arena.numel()))
-        staged = missing.new_zeros(())
-        if prefetched < buffer.numel():
-            used, experts = torch.topk(torch.where(missing, counts, 0), min(buffer.numel() - prefetched, self.num_experts))
-            valid = used > 0
-            slots = buffer[prefetched : prefetched + experts.numel()]
-            table.scatter_(0, experts, torch.where(valid, slots, table[experts]))
-            later |= torch.zeros_like(later).scatter_(0, experts, valid)
-            self.staged_uses[layer].index_add_(0, experts, torch.where(valid, used, 0).to(torch.int32))
-            self.staged_records[layer].index_add_(0, experts, valid.to(torch.int32))
-            self._stage(layer, experts, slots, valid)
-            staged = valid.sum()
-        if self._copy_stream is not None:
-            self._staged.record(self._copy_stream)
-        self._prefetch(layer + 1, topk_ids.shape[0])
+        missing = (counts > 0) & ((offsets < 0) | (offsets >= self.arena.numel()))
+        used, experts = torch.topk(torch.where(missing, counts, 0), min(self.staging_slots, self.num_experts))
+        valid = used > 0
+        slots = self._staging_offsets[: experts.numel()]
+        table = offsets.clone()
+        table.scatter_(0, experts, torch.where(valid, slots, offsets[experts]))
+        later = torch.zeros(self.num_experts, dtype=torch.bool, device=self.device).scatter_(0, experts, valid)
+        self.staged_uses[layer].index_add_(0, experts, torch.where(valid, used, 0).to(torch.int32))
+        self.staged_records[layer].index_add_(0, experts, valid.to(torch.int32))
+        self._stage(layer, experts, slots, valid)
         # Whether some used expert stays in host memory: impossible when every expert outside VRAM has a slot
-        # (the host's view of the table tells, no sync); otherwise one host sync, with the copies under way.
+        # (the host's view of the table tells, no sync); otherwise one host sync, with the copy under way.
         outside = int((~self.cache.in_vram[layer]).sum())
-        left = outside > buffer.numel() and bool(missing.sum() > staged)
+        left = outside > self.staging_slots and bool(missing.sum() > valid.sum())
         return ExpertBank(self.layouts[layer], self.arena, table, self.host[layer] if left else None), later
-
-    def _buffer(self, layer: int) -> torch.Tensor:
-        """Byte offsets of the staging slots of `layer`'s buffer: consecutive layers alternate between the
-        two halves, so one layer's prefetch never overwrites what the layer before it still reads."""
-        half = self.staging_slots // 2
-        return self._staging_offsets[(layer % 2) * half : (layer % 2 + 1) * half]
-
-    def _prefetch(self, layer: int, tokens: int) -> None:
-        """Start copying into `layer`'s buffer the experts outside VRAM that a chunk of `tokens` tokens is
-        expected to use at least `PREFETCH_MIN_USES` times (the plan's per-token pick rates), the likeliest
-        first, before its routing is known: the copy overlaps the layers computed meanwhile."""
-        if layer >= len(self.layouts):
-            return
-        rates = self.placement.scores[layer]
-        wanted = np.flatnonzero(~self.cache.in_vram[layer] & (rates * tokens >= PREFETCH_MIN_USES))
-        wanted = wanted[np.argsort(-rates[wanted], kind="stable")][: self.staging_slots // 2]
-        if not wanted.size:
-            return
-        (experts,) = self.upload(torch.from_numpy(wanted))
-        first = (layer % 2) * (self.staging_slots // 2)
-        slots = [self.staging_offset(slot) for slot in range(first, first + wanted.size)]
-        if self._copy_stream is None:
-            self._copy_prefetched(layer, wanted.tolist(), slots)
-        else:  # after the work queued so far (the reads of the buffer's previous layer)
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copy_stream):
-                self._copy_prefetched(layer, wanted.tolist(), slots)
-        self._ahead[layer] = experts
-
-    def _copy_prefetched(self, layer: int, experts: list[int], slots: list[int]) -> None:
-        """Copy the host records of `experts` to the arena at byte offsets `slots`, one copy each: the host
-        chose them, so on CUDA the copy engines move them (a gather kernel's SMs would compete with the
-        layers computing meanwhile)."""
-        nbytes = self.layouts[layer].nbytes
-        for expert, at in zip(experts, slots):
-            self.arena[at : at + nbytes].copy_(self.host[layer][expert], non_blocking=True)
 
     def _stage(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """Copy the host records of `experts` (where `valid`) into the staging slots at byte offsets `slots`.
         On CUDA the copy runs on the store's copy stream, after the work queued on the compute stream (the
-        previous chunk's and layers' kernels that read the slots, and the choice of experts)."""
+        previous chunk's and layer's kernels that read the slots, and the choice of experts), and an event
+        marks its end (`wait_for_staging`)."""
         if self._copy_stream is None:
             self._copy_records(layer, experts, slots, valid)
             return
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             self._copy_records(layer, experts, slots, valid)
-        for tensor in (experts, slots, valid):
+            self._staged.record()
+        for tensor in (experts, valid):
             tensor.record_stream(self._copy_stream)
 
     def _copy_records(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
@@ -451,7 +395,6 @@ class ExpertStore:
             yield
         finally:
             self.prefilling = False
-            self._ahead.clear()  # a prefetch for a layer this forward did not reach
         if self.cpu_path is not None:
             self.cpu_path.step_finished(mark)
         if self.cache is not None:
