@@ -33,6 +33,7 @@ GPU_KEYS = {
     "tensor_tflops": float,
 }
 HOST_KEYS = {"ram_bytes": int, "dram_bandwidth_gbs": float, "cores": int}
+MAY_BE_ZERO = {"reserve_bytes", "prefill_transfer_overlap"}  # every other number must be positive
 # How this engine's kernels perform on the card, measured by the benchmarks (optional: the planner
 # falls back to the H200's measured values, see planner.cost).
 ENGINE_KEYS = {
@@ -189,6 +190,6 @@ def _checked(origin: str, section: str, key: str, value, kind: type):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise NinferError(f"profile {origin}: {section}.{key} must be {kind.__name__}, got {value!r}")
-    if kind in (int, float) and value < 0 or (key != "reserve_bytes" and kind in (int, float) and value == 0):
+    if kind in (int, float) and value < 0 or (key not in MAY_BE_ZERO and kind in (int, float) and value == 0):
         raise NinferError(f"profile {origin}: {section}.{key} must be positive, got {value!r}")
     return value

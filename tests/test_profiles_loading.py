@@ -79,6 +79,7 @@ def test_engine_timings_merge_over_the_base(tmp_path):
         ('base = "rtx5090"\ncolour = 1\n', "unknown key 'colour'"),
         ('base = "rtx5090"\n[engine]\nwarp_factor = 0.5\n', "unknown key engine.warp_factor"),
         ('base = "rtx5090"\n[engine]\ndecode_fixed_s = -0.001\n', "must be positive"),
+        ('base = "rtx5090"\n[engine]\ndecode_fixed_s = 0.0\n', "must be positive"),
     ],
 )
 def test_bad_profiles_give_one_line(tmp_path, text, message):
@@ -87,6 +88,13 @@ def test_bad_profiles_give_one_line(tmp_path, text, message):
     with pytest.raises(NinferError, match=message) as info:
         load_profile(str(path))
     assert "\n" not in str(info.value)
+
+
+def test_an_overlap_share_may_be_zero(tmp_path):
+    """A measured share of nothing hidden is a valid calibration (the other engine numbers must be positive)."""
+    path = tmp_path / "no_overlap.toml"
+    path.write_text('base = "rtx5090"\n[engine]\nprefill_transfer_overlap = 0.0\n')
+    assert load_profile(str(path)).engine["prefill_transfer_overlap"] == 0.0
 
 
 def test_unknown_name_and_missing_file(tmp_path):
