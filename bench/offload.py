@@ -18,7 +18,9 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
 * hit rate, PCIe bytes and promotions per token (the store's stats), and Belady's optimal hit
   rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
-  roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D);
+  roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D); the
+  bytes it moved; one more prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
+  how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
   files from disk (cold page cache too);
 * the planner's prediction for the same options, and its projections to the RTX 5060 Ti and
@@ -71,6 +73,7 @@ from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
 from ninfer_offload.runtime.engine import PREFILL_CHUNK, Engine
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
+from profiling import stream_timeline
 from provenance import gpu_report_header
 
 GiB = 2**30
@@ -376,8 +379,10 @@ def main() -> None:
     step, _ = runner.decode(resident, args.warmup, args.tokens)
     runner.prefill(resident, prefill_offset)  # compiles and tunes the prefill kernels
     prefill = runner.prefill(resident, prefill_offset)
+    resident_streams = stream_timeline(lambda: runner.prefill(resident, prefill_offset, repeats=1))
     report["resident"] = {
         "decode_tok_s": 1 / step, "step_s": step, "prefill_4k_tok_s": PREFILL_TOKENS / prefill, "time_to_ready_s": resident_ready,
+        "prefill_streams": resident_streams,
     }
     save()
     release(resident)
@@ -393,6 +398,7 @@ def main() -> None:
         moved = engine.store.stats.pcie_bytes
         prefill_s = runner.prefill(engine, prefill_offset, repeats=2)
         moved = (engine.store.stats.pcie_bytes - moved) // 2
+        streams = stream_timeline(lambda: runner.prefill(engine, prefill_offset, repeats=1))
         inventory = inventory or Inventory.from_artifact(engine.artifact)
         placement = engine.expert_plan.plan
         options = placement.options if placement is not None else PlanOptions(speculative="none", max_context=engine.max_context)
@@ -416,7 +422,8 @@ def main() -> None:
             "planner_prefill_tok_s": placement.predicted.prefill_tok_s if placement is not None else None,
             "prefill_4k_tok_s": PREFILL_TOKENS / prefill_s,
             "prefill_pcie_bytes": pcie,
-            "prefill_moved_bytes": moved,  # what the engine read over PCIe per prefill: staged records (prefetched, used or not), reads
+            "prefill_moved_bytes": moved,  # what the engine read over PCIe per prefill: staged records, reads
+            "prefill_streams": streams,  # one more prefill, profiled: busy time per stream, their overlap, host syncs
             "prefill_roofline_fraction": max(PREFILL_TOKENS / report["resident"]["prefill_4k_tok_s"], pcie / h2d) / prefill_s,
             "time_to_ready_s": ready,
             "time_to_ready_ratio": ready / report["file_read_s"],

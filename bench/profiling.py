@@ -54,3 +54,58 @@ def kernel_breakdown(run, repeats: int) -> tuple[dict, list[dict], dict]:
         kernels.append({"kernel": event.key[:120], "calls": event.count / repeats, "us": micros / repeats})
     kernels.sort(key=lambda k: -k["us"])
     return dict(sorted(stages.items(), key=lambda kv: -kv[1])), kernels, dict(sorted(runtime.items(), key=lambda kv: -kv[1]["us"]))
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    """Nanoseconds covered by at least one of `intervals` [(start, end)]."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total
+
+
+def stream_timeline(run) -> dict:
+    """Where one `run()`'s GPU time goes by stream (torch profiler): per CUDA stream the milliseconds it
+    was busy (kernels and copies, overlaps within a stream merged), its kernels and copies; the run's
+    wall time; how long the device was busy at all, and the streams' busy times beyond that (what they
+    overlapped); and the host's time in synchronizing calls."""
+    import time
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+    streams: dict[int, dict] = {}
+    host_sync_ns = 0
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() != DeviceType.CUDA:
+            if "Synchronize" in event.name():
+                host_sync_ns += event.duration_ns()
+            continue
+        stream = streams.setdefault(event.device_resource_id(), {"intervals": [], "kernels": 0, "copies": 0, "copy_ns": 0})
+        stream["intervals"].append((event.start_ns(), event.start_ns() + event.duration_ns()))
+        if "memcpy" in event.name().lower():
+            stream["copies"] += 1
+            stream["copy_ns"] += event.duration_ns()
+        else:
+            stream["kernels"] += 1
+    everything = [interval for stream in streams.values() for interval in stream["intervals"]]
+    busy = {sid: _union_ns(stream["intervals"]) for sid, stream in streams.items()}
+    return {
+        "wall_ms": wall * 1e3,
+        "device_busy_ms": _union_ns(everything) / 1e6,
+        "streams_overlap_ms": (sum(busy.values()) - _union_ns(everything)) / 1e6,
+        "host_sync_ms": host_sync_ns / 1e6,
+        "streams": {
+            str(sid): {"busy_ms": busy[sid] / 1e6, "kernels": s["kernels"], "copies": s["copies"], "copy_ms": s["copy_ns"] / 1e6}
+            for sid, s in sorted(streams.items(), key=lambda kv: -busy[kv[0]])
+        },
+    }
