@@ -59,6 +59,7 @@ import importlib.util
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -379,7 +380,7 @@ def main() -> None:
     step, _ = runner.decode(resident, args.warmup, args.tokens)
     runner.prefill(resident, prefill_offset)  # compiles and tunes the prefill kernels
     prefill = runner.prefill(resident, prefill_offset)
-    resident_streams = stream_timeline(lambda: runner.prefill(resident, prefill_offset, repeats=1))
+    resident_streams = stream_timeline(partial(runner.prefill, resident, prefill_offset, repeats=1))
     report["resident"] = {
         "decode_tok_s": 1 / step, "step_s": step, "prefill_4k_tok_s": PREFILL_TOKENS / prefill, "time_to_ready_s": resident_ready,
         "prefill_streams": resident_streams,
@@ -398,7 +399,7 @@ def main() -> None:
         moved = engine.store.stats.pcie_bytes
         prefill_s = runner.prefill(engine, prefill_offset, repeats=2)
         moved = (engine.store.stats.pcie_bytes - moved) // 2
-        streams = stream_timeline(lambda: runner.prefill(engine, prefill_offset, repeats=1))
+        streams = stream_timeline(partial(runner.prefill, engine, prefill_offset, repeats=1))
         inventory = inventory or Inventory.from_artifact(engine.artifact)
         placement = engine.expert_plan.plan
         options = placement.options if placement is not None else PlanOptions(speculative="none", max_context=engine.max_context)
