@@ -56,6 +56,9 @@ def kernel_breakdown(run, repeats: int) -> tuple[dict, list[dict], dict]:
     return dict(sorted(stages.items(), key=lambda kv: -kv[1])), kernels, dict(sorted(runtime.items(), key=lambda kv: -kv[1]["us"]))
 
 
+DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")  # profiler activities that occupy a CUDA stream
+
+
 def _union_ns(intervals: list[tuple[int, int]]) -> int:
     """Nanoseconds covered by at least one of `intervals` [(start, end)]."""
     total, reach = 0, None
@@ -74,7 +77,6 @@ def stream_timeline(run) -> dict:
     overlapped); and the host's time in synchronizing calls."""
     import time
 
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -86,13 +88,14 @@ def stream_timeline(run) -> dict:
     streams: dict[int, dict] = {}
     host_sync_ns = 0
     for event in prof.profiler.kineto_results.events():
-        if event.device_type() != DeviceType.CUDA:
+        kind = event.activity_type()
+        if kind not in DEVICE_ACTIVITIES:
             if "Synchronize" in event.name():
                 host_sync_ns += event.duration_ns()
             continue
         stream = streams.setdefault(event.device_resource_id(), {"intervals": [], "kernels": 0, "copies": 0, "copy_ns": 0})
         stream["intervals"].append((event.start_ns(), event.start_ns() + event.duration_ns()))
-        if "memcpy" in event.name().lower():
+        if kind == "gpu_memcpy":
             stream["copies"] += 1
             stream["copy_ns"] += event.duration_ns()
         else:
