@@ -19,7 +19,8 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
   roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D); the
-  bytes it moved; one more prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
+  bytes it moved; the same prefill without the next layer's prefetch (staging only after routing); one
+  more prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
   how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
   files from disk (cold page cache too);
@@ -73,6 +74,7 @@ from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
 from ninfer_offload.runtime.engine import PREFILL_CHUNK, Engine
+from ninfer_offload.runtime.expert_store import PREFETCH_MIN_USES
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from profiling import stream_timeline
 from provenance import gpu_report_header
@@ -400,6 +402,10 @@ def main() -> None:
         prefill_s = runner.prefill(engine, prefill_offset, repeats=2)
         moved = (engine.store.stats.pcie_bytes - moved) // 2
         streams = stream_timeline(partial(runner.prefill, engine, prefill_offset, repeats=1))
+        engine.store.prefetch_min_uses = float("inf")  # the same prefill staging only after routing, for comparison
+        no_prefetch_s = runner.prefill(engine, prefill_offset, repeats=2)
+        no_prefetch_streams = stream_timeline(partial(runner.prefill, engine, prefill_offset, repeats=1))
+        engine.store.prefetch_min_uses = PREFETCH_MIN_USES
         inventory = inventory or Inventory.from_artifact(engine.artifact)
         placement = engine.expert_plan.plan
         options = placement.options if placement is not None else PlanOptions(speculative="none", max_context=engine.max_context)
@@ -426,6 +432,8 @@ def main() -> None:
             "prefill_moved_bytes": moved,  # what the engine read over PCIe per prefill: staged records, reads
             "prefill_streams": streams,  # one more prefill, profiled: busy time per stream, their overlap, host syncs
             "prefill_roofline_fraction": max(PREFILL_TOKENS / report["resident"]["prefill_4k_tok_s"], pcie / h2d) / prefill_s,
+            "prefill_4k_tok_s_without_prefetch": PREFILL_TOKENS / no_prefetch_s,
+            "prefill_streams_without_prefetch": no_prefetch_streams,
             "time_to_ready_s": ready,
             "time_to_ready_ratio": ready / report["file_read_s"],
             "vram_allocated_bytes": torch.cuda.memory_allocated(),

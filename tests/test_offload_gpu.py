@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ninfer_offload import Engine
+from ninfer_offload.runtime import expert_store
 from ninfer_offload.runtime.expert_cache import ExpertCache
 from ninfer_offload.runtime.expert_store import ExpertStore
 from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
@@ -134,19 +135,31 @@ def test_a_staged_prefill_equals_resident(tiny_artifact_official, resident):
     assert host.store.stats.staged > 0
 
 
-def test_a_staged_prefill_waits_for_late_copies(tiny_artifact_official, resident, monkeypatch):
-    """The copy stream first fills every staging slot with 0xFF bytes (NaN scales) and stalls for about 1 ms
-    before copying the records in: kernels that read a slot before its copy landed would give NaN or
-    another layer's expert, and the logits would differ from the resident ones."""
-    copy = ExpertStore._copy_records
+@pytest.mark.parametrize("min_uses", [3.0, float("inf")])
+def test_a_staged_prefill_waits_for_late_copies(tiny_artifact_official, resident, monkeypatch, min_uses):
+    """Both staging copies (the next layer's prefetch, decided on the host, and the copy after routing, decided
+    on the device; with `min_uses` inf nothing is prefetched) first fill the slots they copy into with 0xFF
+    bytes (NaN scales) and stall the copy stream for about 1 ms before copying the records in: kernels that
+    read a slot before its copy landed would give NaN or another layer's expert, and the logits would differ
+    from the resident ones."""
+    copy_records, copy_prefetched = ExpertStore._copy_records, ExpertStore._copy_prefetched
 
-    def late_copy(self, layer, *records):
-        at = self.staging_offset(0)
-        self.arena[at : at + self.staging_slots * self.slot_bytes].fill_(0xFF)
+    def late_copy_records(self, layer, experts, slots, valid):
+        start = self.staging_offset(0)
+        staging = self.arena[start : start + self.staging_slots * self.slot_bytes].view(self.staging_slots, self.slot_bytes)
+        staging.index_fill_(0, (slots - start) // self.slot_bytes, 0xFF)
         torch.cuda._sleep(2_000_000)
-        copy(self, layer, *records)
+        copy_records(self, layer, experts, slots, valid)
 
-    monkeypatch.setattr(ExpertStore, "_copy_records", late_copy)
+    def late_copy_prefetched(self, layer, experts, first):
+        start = self.staging_offset(first)
+        self.arena[start : start + len(experts) * self.slot_bytes].fill_(0xFF)
+        torch.cuda._sleep(2_000_000)
+        copy_prefetched(self, layer, experts, first)
+
+    monkeypatch.setattr(ExpertStore, "_copy_records", late_copy_records)
+    monkeypatch.setattr(ExpertStore, "_copy_prefetched", late_copy_prefetched)
+    monkeypatch.setattr(expert_store, "PREFETCH_MIN_USES", min_uses)
     host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
     for got, want in zip(_decode(host, 4, prompt=LONG_PROMPT), _decode(resident, 4, prompt=LONG_PROMPT)):
         assert torch.equal(got, want)

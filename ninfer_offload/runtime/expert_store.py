@@ -15,19 +15,23 @@ cache reads the counts and moves records (`forward`).
 
 A prefill chunk (`forward(prefill=True)`, never captured) with more (token, expert) pairs than the
 MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per block of its tokens,
-in short runs. Instead the store copies each expert the chunk uses that is not in VRAM into a
-staging slot, once, the most used first, all decided on the device (per-expert counts, a top-k, a
-copy of the layer's table pointing the staged experts at their slots) and copied by one gather
-kernel (`kernels.staging`); the host waits only for whether some used expert is left in host
-memory, and only when more experts are outside VRAM than there are slots. The MoE kernels run on
-that table in two passes (`Backend.routed_experts_split`): on CUDA the gather runs on the store's
-copy stream while the
+in short runs. Instead the store copies the host experts a layer needs into VRAM staging slots, once
+per chunk, in two steps. Consecutive layers alternate between two buffers of slots: while a layer
+computes, the copy engines already move into the other buffer the next layer's host experts that
+the chunk is expected to use at least `PREFETCH_MIN_USES` times (the plan's pick rates; decided on
+the host, one copy per run of consecutive ids). When the layer's routing is known, the experts it
+uses that are still not in VRAM go into the buffer's remaining slots, the most used first, all
+decided on the device (per-expert counts, a top-k, a copy of the layer's table pointing the staged
+experts at their slots) and copied by one gather kernel (`kernels.staging`); the host waits only for
+whether some used expert is left in host memory, and only when more experts are outside VRAM than a
+buffer has slots. The MoE kernels run on that table in two passes
+(`Backend.routed_experts_split`): on CUDA the copies run on the store's copy stream while the
 compute stream computes the pairs of the other experts (those in VRAM, and those left over in host
-memory, read over PCIe as before); then the compute stream waits for the copy and computes the
-staged experts' pairs with the VRAM tiles. The copy stream first waits for the work queued on the
-compute stream, so a layer's copy never overwrites slots the previous layer's second pass reads.
-Decode steps never stage. Staged records count as PCIe bytes (`StoreStats.staged`), their uses not;
-both are counted on the device.
+memory, read over PCIe as before); then the compute stream waits for the layer's copies and computes
+the staged experts' pairs with the VRAM tiles. The copy stream first waits for the work queued on
+the compute stream, so a copy never overwrites slots the layer before reads. Decode steps never
+stage. Staged records (prefetched ones whether used or not) count as PCIe bytes
+(`StoreStats.staged`), their uses not; both are counted on the device.
 
 With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), a forward of at most
 `miss_handoff.HANDOFF_TOKENS` tokens that is not staged hands the assignments of experts not in
@@ -55,6 +59,11 @@ from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
 MODES = ("auto", "resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
 ALIGN = RECORD_ALIGN  # record offsets are multiples of this (the MoE kernels' 16-byte vector loads rely on it)
+# A prefill chunk prefetches the host experts it is expected to use at least this often (from the plan's pick
+# rates). On the benchmark trace (2048-token chunks, 160 experts per layer in VRAM) 3 prefetches 7 % more
+# records than the chunks use and leaves 4 % of the used ones to the copy after routing; 1 (63 % sure to be
+# used) wastes 12 %, 8 leaves 18 %.
+PREFETCH_MIN_USES = 3.0
 
 
 @dataclass(frozen=True)
@@ -195,11 +204,13 @@ class ExpertStore:
             self.set_anchors(self.pinned, range(layers))
         slot_offsets = [self.staging_offset(slot) for slot in range(self.staging_slots)]
         self._staging_offsets = torch.tensor(slot_offsets, dtype=torch.int64, device=device)
+        self._ahead: dict[int, torch.Tensor] = {}  # per layer, the experts prefetched into its staging buffer
+        self.prefetch_min_uses = PREFETCH_MIN_USES  # inf: no prefetch (benchmarks compare)
         self._copy_stream = None  # the prefill staging copies' (CUDA)
         if device.type == "cuda" and self.staging_slots:
             # high priority: the gather's few programs take SMs as the compute kernels free them
             self._copy_stream = torch.cuda.Stream(device, priority=-1)
-            self._staged = torch.cuda.Event()  # after the last layer's staging copies
+            self._staged = torch.cuda.Event()  # after the copies into the buffer of the layer computing
             self.arena.record_stream(self._copy_stream)  # freed arena memory is reused only after the copies queued by then
 
     @property
@@ -320,43 +331,103 @@ class ExpertStore:
 
     def prefill_bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
         """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device).
-        The experts its tokens use that are not in VRAM (their table offsets fall outside the arena) start
-        copying into the staging slots, the most used first, as many as fit, and a copy of the layer's
-        table points at them: they can be read once `wait_for_staging` was called. It is decided on the
-        device, staged uses and records counted there. The bank keeps `host` only if some used expert is
-        left in host memory (the first pass then takes the PCIe tiles): when more experts are outside VRAM
-        than there are slots, the host waits for that answer while the copy runs; otherwise none can be."""
-        offsets = self.table[layer]
+        The layer's staging buffer holds the experts prefetched while the previous layer computed
+        (`_prefetch`); the experts its tokens use that are still outside VRAM (their table offsets fall
+        outside the arena) start copying into the buffer's other slots, the most used first, as many as
+        fit. A copy of the layer's table points at both: they can be read once `wait_for_staging` was
+        called. It is decided on the device, staged uses and records counted there. Then the next layer's
+        prefetch is queued. The bank keeps `host` only if some used expert is left in host memory (the
+        first pass then takes the PCIe tiles): when more experts are outside VRAM than the buffer has
+        slots, the host waits for that answer while the copies run; otherwise none can be."""
+        buffer = self._buffer(layer)
+        ahead = self._ahead.pop(layer, None)
+        table = self.table[layer].clone()
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-        missing = (counts > 0) & ((offsets < 0) | (offsets >= self.arena.numel()))
-        used, experts = torch.topk(torch.where(missing, counts, 0), min(self.staging_slots, self.num_experts))
-        valid = used > 0
-        slots = self._staging_offsets[: experts.numel()]
-        table = offsets.clone()
-        table.scatter_(0, experts, torch.where(valid, slots, offsets[experts]))
-        later = torch.zeros(self.num_experts, dtype=torch.bool, device=self.device).scatter_(0, experts, valid)
-        self.staged_uses[layer].index_add_(0, experts, torch.where(valid, used, 0).to(torch.int32))
-        self.staged_records[layer].index_add_(0, experts, valid.to(torch.int32))
-        self._stage(layer, experts, slots, valid)
+        later = torch.zeros(self.num_experts, dtype=torch.bool, device=self.device)
+        prefetched = 0 if ahead is None else ahead.numel()
+        if prefetched:
+            table[ahead] = buffer[:prefetched]
+            later[ahead] = True
+            self.staged_uses[layer].index_add_(0, ahead, counts[ahead].to(torch.int32))
+            self.staged_records[layer].index_add_(0, ahead, torch.ones_like(ahead, dtype=torch.int32))
+        missing = (counts > 0) & ((table < 0) | (table >= self.arena.numel()))
+        staged = missing.new_zeros(())
+        if prefetched < buffer.numel():
+            used, experts = torch.topk(torch.where(missing, counts, 0), min(buffer.numel() - prefetched, self.num_experts))
+            valid = used > 0
+            slots = buffer[prefetched : prefetched + experts.numel()]
+            table.scatter_(0, experts, torch.where(valid, slots, table[experts]))
+            later |= torch.zeros_like(later).scatter_(0, experts, valid)
+            self.staged_uses[layer].index_add_(0, experts, torch.where(valid, used, 0).to(torch.int32))
+            self.staged_records[layer].index_add_(0, experts, valid.to(torch.int32))
+            self._stage(layer, experts, slots, valid)
+            staged = valid.sum()
+        if self._copy_stream is not None:
+            self._staged.record(self._copy_stream)
+        self._prefetch(layer + 1, topk_ids.shape[0])
         # Whether some used expert stays in host memory: impossible when every expert outside VRAM has a slot
-        # (the host's view of the table tells, no sync); otherwise one host sync, with the copy under way.
+        # (the host's view of the table tells, no sync); otherwise one host sync, with the copies under way.
         outside = int((~self.cache.in_vram[layer]).sum())
-        left = outside > self.staging_slots and bool(missing.sum() > valid.sum())
+        left = outside > buffer.numel() and bool(missing.sum() > staged)
         return ExpertBank(self.layouts[layer], self.arena, table, self.host[layer] if left else None), later
+
+    def _buffer(self, layer: int) -> torch.Tensor:
+        """Byte offsets of the staging slots of `layer`'s buffer: consecutive layers alternate between the
+        two halves, so one layer's prefetch never overwrites what the layer before it still reads."""
+        half = self.staging_slots // 2
+        return self._staging_offsets[(layer % 2) * half : (layer % 2 + 1) * half]
+
+    def _prefetch(self, layer: int, tokens: int) -> None:
+        """Start copying into `layer`'s buffer the experts outside VRAM that a chunk of `tokens` tokens is
+        expected to use at least `prefetch_min_uses` times (the plan's per-token pick rates; the likeliest
+        when more than the buffer holds), before its routing is known: the copy overlaps the layers
+        computed meanwhile."""
+        if layer >= len(self.layouts):
+            return
+        rates = self.placement.scores[layer]
+        wanted = np.flatnonzero(~self.cache.in_vram[layer] & (rates * tokens >= self.prefetch_min_uses))
+        wanted = np.sort(wanted[np.argsort(-rates[wanted], kind="stable")][: self.staging_slots // 2])
+        if not wanted.size:
+            return
+        (experts,) = self.upload(torch.from_numpy(wanted))
+        first = (layer % 2) * (self.staging_slots // 2)
+        if self._copy_stream is None:
+            self._copy_prefetched(layer, wanted, first)
+        else:  # after the work queued so far (the reads of the buffer's previous layer)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_prefetched(layer, wanted, first)
+        self._ahead[layer] = experts
+
+    def _copy_prefetched(self, layer: int, experts: np.ndarray, first: int) -> None:
+        """Copy the host records of `experts` (ascending ids) into the staging slots from `first` on, in
+        order: the host chose them, so on CUDA the copy engines move them (a gather kernel's SMs would
+        compete with the layers computing meanwhile), one copy per run of consecutive ids (their host
+        records and their slots are both contiguous)."""
+        nbytes, host = self.layouts[layer].nbytes, self.host[layer]
+        slots = self.arena[self.staging_offset(0) : self.staging_offset(0) + self.staging_slots * self.slot_bytes]
+        slots = slots.view(self.staging_slots, self.slot_bytes)
+        breaks = np.flatnonzero(np.diff(experts) != 1) + 1
+        for start, end in zip(np.r_[0, breaks].tolist(), np.r_[breaks, experts.size].tolist()):
+            e0 = int(experts[start])
+            dst, src = slots[first + start : first + end], host[e0 : e0 + end - start]
+            if self.slot_bytes == nbytes:
+                dst.copy_(src, non_blocking=True)
+            else:  # a record shorter than a slot: one contiguous copy each
+                for row, record in zip(dst, src):
+                    row[:nbytes].copy_(record, non_blocking=True)
 
     def _stage(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """Copy the host records of `experts` (where `valid`) into the staging slots at byte offsets `slots`.
         On CUDA the copy runs on the store's copy stream, after the work queued on the compute stream (the
-        previous chunk's and layer's kernels that read the slots, and the choice of experts), and an event
-        marks its end (`wait_for_staging`)."""
+        previous chunk's and layers' kernels that read the slots, and the choice of experts)."""
         if self._copy_stream is None:
             self._copy_records(layer, experts, slots, valid)
             return
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             self._copy_records(layer, experts, slots, valid)
-            self._staged.record()
-        for tensor in (experts, valid):
+        for tensor in (experts, slots, valid):
             tensor.record_stream(self._copy_stream)
 
     def _copy_records(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
@@ -395,6 +466,7 @@ class ExpertStore:
             yield
         finally:
             self.prefilling = False
+            self._ahead.clear()  # a prefetch for a layer this forward did not reach
         if self.cpu_path is not None:
             self.cpu_path.step_finished(mark)
         if self.cache is not None:
