@@ -74,7 +74,7 @@ from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
 from ninfer_offload.runtime.engine import PREFILL_CHUNK, Engine
-from ninfer_offload.runtime.expert_store import PREFETCH_MIN_USES
+from ninfer_offload.runtime.prefill_staging import PREFETCH_MIN_USES
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from profiling import stream_timeline
 from provenance import gpu_report_header
@@ -402,10 +402,10 @@ def main() -> None:
         prefill_s = runner.prefill(engine, prefill_offset, repeats=2)
         moved = (engine.store.stats.pcie_bytes - moved) // 2
         streams = stream_timeline(partial(runner.prefill, engine, prefill_offset, repeats=1))
-        engine.store.prefetch_min_uses = float("inf")  # the same prefill staging only after routing, for comparison
+        engine.store.staging.prefetch_min_uses = float("inf")  # the same prefill staging only after routing, for comparison
         no_prefetch_s = runner.prefill(engine, prefill_offset, repeats=2)
         no_prefetch_streams = stream_timeline(partial(runner.prefill, engine, prefill_offset, repeats=1))
-        engine.store.prefetch_min_uses = PREFETCH_MIN_USES
+        engine.store.staging.prefetch_min_uses = PREFETCH_MIN_USES
         inventory = inventory or Inventory.from_artifact(engine.artifact)
         placement = engine.expert_plan.plan
         options = placement.options if placement is not None else PlanOptions(speculative="none", max_context=engine.max_context)

@@ -4,7 +4,7 @@
 mapped for the device: a read over PCIe) and writes it into its slot; a fixed number of programs
 walk the (record, block) pairs, so the copy takes a few SMs beside the kernels that compute
 meanwhile. Which experts and slots are device tensors: nothing is decided on the host. The
-reference op is `runtime.expert_store.gather_records_reference`.
+reference op is `runtime.prefill_staging.gather_records_reference`.
 """
 
 from __future__ import annotations

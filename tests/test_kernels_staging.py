@@ -8,7 +8,7 @@ import torch
 
 from kernels_support import DEVICE  # noqa: F401  (sets the interpreter up first)
 from ninfer_offload.kernels.staging import gather_records
-from ninfer_offload.runtime.expert_store import gather_records_reference
+from ninfer_offload.runtime.prefill_staging import gather_records_reference
 
 EXPERTS, SLOT = 12, 2048
 

@@ -13,7 +13,7 @@ import torch
 from kernels_support import DEVICE, needs_triton_device
 from ninfer_offload import Engine, NinferError
 from ninfer_offload.planner import memory
-from ninfer_offload.runtime import expert_store
+from ninfer_offload.runtime import prefill_staging
 from ninfer_offload.runtime.memory_check import check_host_memory
 
 PROMPT = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -137,7 +137,7 @@ def test_a_prefill_needing_more_experts_than_staging_slots_stages_the_most_used(
     three most used missing experts, the others are read over PCIe per use, and the logits still equal the
     resident ones."""
     monkeypatch.setattr(memory, "PREFILL_STAGING_SLOTS", 3)
-    monkeypatch.setattr(expert_store, "PREFETCH_MIN_USES", np.inf)
+    monkeypatch.setattr(prefill_staging, "PREFETCH_MIN_USES", np.inf)
     engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none")
     store = engine.store
     assert store.staging_slots == 6 and engine.expert_plan.arena_bytes == store.arena.numel()
@@ -208,7 +208,7 @@ def test_the_moe_kernels_read_the_staging_slots(tiny_artifact_official, monkeypa
         want = resident.store.routed(resident.backend, layer, x, ids, weights)
         with host.store.forward(prefill=True):
             got = host.store.routed(host.backend, layer, x, ids, weights)
-            bank, later = host.store.prefill_bank(layer, ids)
+            bank, later = host.store.staging.bank(layer, ids)
         missing = int((used & ~host.store.cache.in_vram[layer]).sum())
         assert missing > 0 and (bank.host is None) == (missing <= slots) and int(later.sum()) == min(missing, slots)
         if bank.host is None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ninfer_offload import Engine
-from ninfer_offload.runtime import expert_store
+from ninfer_offload.runtime import prefill_staging
 from ninfer_offload.runtime.expert_cache import ExpertCache
-from ninfer_offload.runtime.expert_store import ExpertStore
+from ninfer_offload.runtime.prefill_staging import PrefillStaging
 from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -142,24 +142,24 @@ def test_a_staged_prefill_waits_for_late_copies(tiny_artifact_official, resident
     bytes (NaN scales) and stall the copy stream for about 1 ms before copying the records in: kernels that
     read a slot before its copy landed would give NaN or another layer's expert, and the logits would differ
     from the resident ones."""
-    copy_records, copy_prefetched = ExpertStore._copy_records, ExpertStore._copy_prefetched
+    copy_records, copy_prefetched = PrefillStaging._copy_records, PrefillStaging._copy_prefetched
 
     def late_copy_records(self, layer, experts, slots, valid):
-        start = self.staging_offset(0)
-        staging = self.arena[start : start + self.staging_slots * self.slot_bytes].view(self.staging_slots, self.slot_bytes)
-        staging.index_fill_(0, (slots - start) // self.slot_bytes, 0xFF)
+        start, store = self.store.staging_offset(0), self.store
+        staging = store.arena[start : start + self.slots * store.slot_bytes].view(self.slots, store.slot_bytes)
+        staging.index_fill_(0, (slots - start) // store.slot_bytes, 0xFF)
         torch.cuda._sleep(2_000_000)
         copy_records(self, layer, experts, slots, valid)
 
     def late_copy_prefetched(self, layer, experts, first):
-        start = self.staging_offset(first)
-        self.arena[start : start + len(experts) * self.slot_bytes].fill_(0xFF)
+        start = self.store.staging_offset(first)
+        self.store.arena[start : start + len(experts) * self.store.slot_bytes].fill_(0xFF)
         torch.cuda._sleep(2_000_000)
         copy_prefetched(self, layer, experts, first)
 
-    monkeypatch.setattr(ExpertStore, "_copy_records", late_copy_records)
-    monkeypatch.setattr(ExpertStore, "_copy_prefetched", late_copy_prefetched)
-    monkeypatch.setattr(expert_store, "PREFETCH_MIN_USES", min_uses)
+    monkeypatch.setattr(PrefillStaging, "_copy_records", late_copy_records)
+    monkeypatch.setattr(PrefillStaging, "_copy_prefetched", late_copy_prefetched)
+    monkeypatch.setattr(prefill_staging, "PREFETCH_MIN_USES", min_uses)
     host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
     for got, want in zip(_decode(host, 4, prompt=LONG_PROMPT), _decode(resident, 4, prompt=LONG_PROMPT)):
         assert torch.equal(got, want)

@@ -13,25 +13,8 @@ are the two ends of the same mechanism.
 Inside a step the store only counts uses per (layer, expert) on the device; between steps the
 cache reads the counts and moves records (`forward`).
 
-A prefill chunk (`forward(prefill=True)`, never captured) with more (token, expert) pairs than the
-MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per block of its tokens,
-in short runs. Instead the store copies the host experts a layer needs into VRAM staging slots, once
-per chunk, in two steps. Consecutive layers alternate between two buffers of slots: while a layer
-computes, the copy engines already move into the other buffer the next layer's host experts that
-the chunk is expected to use at least `PREFETCH_MIN_USES` times (the plan's pick rates; decided on
-the host, one copy per run of consecutive ids). When the layer's routing is known, the experts it
-uses that are still not in VRAM go into the buffer's remaining slots, the most used first, all
-decided on the device (per-expert counts, a top-k, a copy of the layer's table pointing the staged
-experts at their slots) and copied by one gather kernel (`kernels.staging`); the host waits only for
-whether some used expert is left in host memory, and only when more experts are outside VRAM than a
-buffer has slots. The MoE kernels run on that table in two passes
-(`Backend.routed_experts_split`): on CUDA the copies run on the store's copy stream while the
-compute stream computes the pairs of the other experts (those in VRAM, and those left over in host
-memory, read over PCIe as before); then the compute stream waits for the layer's copies and computes
-the staged experts' pairs with the VRAM tiles. The copy stream first waits for the work queued on
-the compute stream, so a copy never overwrites slots the layer before reads. Decode steps never
-stage. Staged records (prefetched ones whether used or not) count as PCIe bytes
-(`StoreStats.staged`), their uses not; both are counted on the device.
+A prefill chunk (`forward(prefill=True)`, never captured) copies the host experts its layers need
+into the staging slots first (`runtime.prefill_staging`). Decode steps never stage.
 
 With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), a forward of at most
 `miss_handoff.HANDOFF_TOKENS` tokens that is not staged hands the assignments of experts not in
@@ -55,15 +38,11 @@ from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.model.experts import RECORD_ALIGN, ExpertBank
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
+from ninfer_offload.runtime.prefill_staging import PrefillStaging
 
 MODES = ("auto", "resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
 ALIGN = RECORD_ALIGN  # record offsets are multiples of this (the MoE kernels' 16-byte vector loads rely on it)
-# A prefill chunk prefetches the host experts it is expected to use at least this often (from the plan's pick
-# rates). On the benchmark trace (2048-token chunks, 160 experts per layer in VRAM) 3 prefetches 7 % more
-# records than the chunks use and leaves 4 % of the used ones to the copy after routing; 1 (63 % sure to be
-# used) wastes 12 %, 8 leaves 18 %.
-PREFETCH_MIN_USES = 3.0
 
 
 @dataclass(frozen=True)
@@ -126,14 +105,6 @@ def _host_records(num_experts: int, nbytes: int, device: torch.device) -> torch.
             f"({str(err).splitlines()[0]}); give a larger --vram-budget (fewer experts on the host) or raise the "
             "locked-memory limit (ulimit -l)"
         ) from None
-
-
-def gather_records_reference(
-    arena: torch.Tensor, host: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, nbytes: int
-) -> None:
-    """What `kernels.staging.gather_records` does, from the layer's host records [E, nbytes] (syncs on CUDA)."""
-    for expert, slot in zip(experts[valid].tolist(), slots[valid].tolist()):
-        arena[slot : slot + nbytes].copy_(host[expert])
 
 
 def _align(n: int) -> int:
@@ -202,16 +173,7 @@ class ExpertStore:
         self.cache = ExpertCache(self, cache_policy) if placement.offloaded else None
         if self.cpu_path is not None:
             self.set_anchors(self.pinned, range(layers))
-        slot_offsets = [self.staging_offset(slot) for slot in range(self.staging_slots)]
-        self._staging_offsets = torch.tensor(slot_offsets, dtype=torch.int64, device=device)
-        self._ahead: dict[int, torch.Tensor] = {}  # per layer, the experts prefetched into its staging buffer
-        self.prefetch_min_uses = PREFETCH_MIN_USES  # inf: no prefetch (benchmarks compare)
-        self._copy_stream = None  # the prefill staging copies' (CUDA)
-        if device.type == "cuda" and self.staging_slots:
-            # high priority: the gather's few programs take SMs as the compute kernels free them
-            self._copy_stream = torch.cuda.Stream(device, priority=-1)
-            self._staged = torch.cuda.Event()  # after the copies into the buffer of the layer computing
-            self.arena.record_stream(self._copy_stream)  # freed arena memory is reused only after the copies queued by then
+        self.staging = PrefillStaging(self) if self.staging_slots else None
 
     @property
     def capturable(self) -> bool:
@@ -312,137 +274,13 @@ class ExpertStore:
         if self.cache is not None:
             flat = topk_ids.reshape(-1)
             self.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        if self._stages(topk_ids):
-            bank, later = self.prefill_bank(layer, topk_ids)
-            return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.wait_for_staging)
+        if self.prefilling and self.staging is not None and self.staging.takes(topk_ids):
+            bank, later = self.staging.bank(layer, topk_ids)
+            return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
         if self.cpu_path is not None and self.cpu_path.active and topk_ids.shape[0] <= self.cpu_path.tokens:
             bank = self.bank(layer)
             return self.cpu_path.routed(backend, bank, layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])
         return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer))
-
-    def _stages(self, topk_ids: torch.Tensor) -> bool:
-        """Whether this call stages its host experts: a prefill chunk of an offloaded store, with as many
-        (token, expert) pairs as take the MoE kernels' prefill tiles. Decode steps never do (no sync)."""
-        if not (self.prefilling and self.staging_slots):
-            return False
-        from ninfer_offload.kernels.moe import PREFILL_MIN_PAIRS  # here: kernels.moe needs triton, CPU-only installs may lack it
-
-        return topk_ids.numel() > PREFILL_MIN_PAIRS
-
-    def prefill_bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
-        """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device).
-        The layer's staging buffer holds the experts prefetched while the previous layer computed
-        (`_prefetch`); the experts its tokens use that are still outside VRAM (their table offsets fall
-        outside the arena) start copying into the buffer's other slots, the most used first, as many as
-        fit. A copy of the layer's table points at both: they can be read once `wait_for_staging` was
-        called. It is decided on the device, staged uses and records counted there. Then the next layer's
-        prefetch is queued. The bank keeps `host` only if some used expert is left in host memory (the
-        first pass then takes the PCIe tiles): when more experts are outside VRAM than the buffer has
-        slots, the host waits for that answer while the copies run; otherwise none can be."""
-        buffer = self._buffer(layer)
-        ahead = self._ahead.pop(layer, None)
-        table = self.table[layer].clone()
-        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-        later = torch.zeros(self.num_experts, dtype=torch.bool, device=self.device)
-        prefetched = 0 if ahead is None else ahead.numel()
-        if prefetched:
-            table[ahead] = buffer[:prefetched]
-            later[ahead] = True
-            self.staged_uses[layer].index_add_(0, ahead, counts[ahead].to(torch.int32))
-            self.staged_records[layer].index_add_(0, ahead, torch.ones_like(ahead, dtype=torch.int32))
-        missing = (counts > 0) & ((table < 0) | (table >= self.arena.numel()))
-        staged = missing.new_zeros(())
-        if prefetched < buffer.numel():
-            used, experts = torch.topk(torch.where(missing, counts, 0), min(buffer.numel() - prefetched, self.num_experts))
-            valid = used > 0
-            slots = buffer[prefetched : prefetched + experts.numel()]
-            table.scatter_(0, experts, torch.where(valid, slots, table[experts]))
-            later |= torch.zeros_like(later).scatter_(0, experts, valid)
-            self.staged_uses[layer].index_add_(0, experts, torch.where(valid, used, 0).to(torch.int32))
-            self.staged_records[layer].index_add_(0, experts, valid.to(torch.int32))
-            self._stage(layer, experts, slots, valid)
-            staged = valid.sum()
-        if self._copy_stream is not None:
-            self._staged.record(self._copy_stream)
-        self._prefetch(layer + 1, topk_ids.shape[0])
-        # Whether some used expert stays in host memory: impossible when every expert outside VRAM has a slot
-        # (the host's view of the table tells, no sync); otherwise one host sync, with the copies under way.
-        outside = int((~self.cache.in_vram[layer]).sum())
-        left = outside > buffer.numel() and bool(missing.sum() > staged)
-        return ExpertBank(self.layouts[layer], self.arena, table, self.host[layer] if left else None), later
-
-    def _buffer(self, layer: int) -> torch.Tensor:
-        """Byte offsets of the staging slots of `layer`'s buffer: consecutive layers alternate between the
-        two halves, so one layer's prefetch never overwrites what the layer before it still reads."""
-        half = self.staging_slots // 2
-        return self._staging_offsets[(layer % 2) * half : (layer % 2 + 1) * half]
-
-    def _prefetch(self, layer: int, tokens: int) -> None:
-        """Start copying into `layer`'s buffer the experts outside VRAM that a chunk of `tokens` tokens is
-        expected to use at least `prefetch_min_uses` times (the plan's per-token pick rates; the likeliest
-        when more than the buffer holds), before its routing is known: the copy overlaps the layers
-        computed meanwhile."""
-        if layer >= len(self.layouts):
-            return
-        rates = self.placement.scores[layer]
-        wanted = np.flatnonzero(~self.cache.in_vram[layer] & (rates * tokens >= self.prefetch_min_uses))
-        wanted = np.sort(wanted[np.argsort(-rates[wanted], kind="stable")][: self.staging_slots // 2])
-        if not wanted.size:
-            return
-        (experts,) = self.upload(torch.from_numpy(wanted))
-        first = (layer % 2) * (self.staging_slots // 2)
-        if self._copy_stream is None:
-            self._copy_prefetched(layer, wanted, first)
-        else:  # after the work queued so far (the reads of the buffer's previous layer)
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copy_stream):
-                self._copy_prefetched(layer, wanted, first)
-        self._ahead[layer] = experts
-
-    def _copy_prefetched(self, layer: int, experts: np.ndarray, first: int) -> None:
-        """Copy the host records of `experts` (ascending ids) into the staging slots from `first` on, in
-        order: the host chose them, so on CUDA the copy engines move them (a gather kernel's SMs would
-        compete with the layers computing meanwhile), one copy per run of consecutive ids (their host
-        records and their slots are both contiguous)."""
-        nbytes, host = self.layouts[layer].nbytes, self.host[layer]
-        slots = self.arena[self.staging_offset(0) : self.staging_offset(0) + self.staging_slots * self.slot_bytes]
-        slots = slots.view(self.staging_slots, self.slot_bytes)
-        breaks = np.flatnonzero(np.diff(experts) != 1) + 1
-        for start, end in zip(np.r_[0, breaks].tolist(), np.r_[breaks, experts.size].tolist()):
-            e0 = int(experts[start])
-            dst, src = slots[first + start : first + end], host[e0 : e0 + end - start]
-            if self.slot_bytes == nbytes:
-                dst.copy_(src, non_blocking=True)
-            else:  # a record shorter than a slot: one contiguous copy each
-                for row, record in zip(dst, src):
-                    row[:nbytes].copy_(record, non_blocking=True)
-
-    def _stage(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
-        """Copy the host records of `experts` (where `valid`) into the staging slots at byte offsets `slots`.
-        On CUDA the copy runs on the store's copy stream, after the work queued on the compute stream (the
-        previous chunk's and layers' kernels that read the slots, and the choice of experts)."""
-        if self._copy_stream is None:
-            self._copy_records(layer, experts, slots, valid)
-            return
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._copy_stream):
-            self._copy_records(layer, experts, slots, valid)
-        for tensor in (experts, slots, valid):
-            tensor.record_stream(self._copy_stream)
-
-    def _copy_records(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
-        nbytes = self.layouts[layer].nbytes
-        if self.device.type == "cuda":
-            from ninfer_offload.kernels.staging import gather_records
-
-            gather_records(self.arena, self.table[layer], experts, slots, valid, nbytes)
-        else:
-            gather_records_reference(self.arena, self.host[layer], experts, slots, valid, nbytes)
-
-    def wait_for_staging(self) -> None:
-        """Make the compute stream wait for the last staging copies (nothing to wait for on the CPU)."""
-        if self._copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._staged)
 
     def replay_routing(self, ids: torch.Tensor) -> None:
         """Benchmarks and tests: route the next forwards' tokens to `ids` [layers, tokens, top_k] (int64)
@@ -466,7 +304,8 @@ class ExpertStore:
             yield
         finally:
             self.prefilling = False
-            self._ahead.clear()  # a prefetch for a layer this forward did not reach
+            if self.staging is not None:
+                self.staging.forget()
         if self.cpu_path is not None:
             self.cpu_path.step_finished(mark)
         if self.cache is not None:
