@@ -402,10 +402,12 @@ def main() -> None:
         prefill_s = runner.prefill(engine, prefill_offset, repeats=2)
         moved = (engine.store.stats.pcie_bytes - moved) // 2
         streams = stream_timeline(partial(runner.prefill, engine, prefill_offset, repeats=1))
-        engine.store.staging.prefetch_min_uses = float("inf")  # the same prefill staging only after routing, for comparison
-        no_prefetch_s = runner.prefill(engine, prefill_offset, repeats=2)
-        no_prefetch_streams = stream_timeline(partial(runner.prefill, engine, prefill_offset, repeats=1))
-        engine.store.staging.prefetch_min_uses = PREFETCH_MIN_USES
+        no_prefetch_tok_s, no_prefetch_streams = None, None
+        if engine.store.staging is not None:  # the same prefill staging only after routing, for comparison
+            engine.store.staging.prefetch_min_uses = float("inf")
+            no_prefetch_tok_s = PREFILL_TOKENS / runner.prefill(engine, prefill_offset, repeats=2)
+            no_prefetch_streams = stream_timeline(partial(runner.prefill, engine, prefill_offset, repeats=1))
+            engine.store.staging.prefetch_min_uses = PREFETCH_MIN_USES
         inventory = inventory or Inventory.from_artifact(engine.artifact)
         placement = engine.expert_plan.plan
         options = placement.options if placement is not None else PlanOptions(speculative="none", max_context=engine.max_context)
@@ -432,7 +434,7 @@ def main() -> None:
             "prefill_moved_bytes": moved,  # what the engine read over PCIe per prefill: staged records, reads
             "prefill_streams": streams,  # one more prefill, profiled: busy time per stream, their overlap, host syncs
             "prefill_roofline_fraction": max(PREFILL_TOKENS / report["resident"]["prefill_4k_tok_s"], pcie / h2d) / prefill_s,
-            "prefill_4k_tok_s_without_prefetch": PREFILL_TOKENS / no_prefetch_s,
+            "prefill_4k_tok_s_without_prefetch": no_prefetch_tok_s,
             "prefill_streams_without_prefetch": no_prefetch_streams,
             "time_to_ready_s": ready,
             "time_to_ready_ratio": ready / report["file_read_s"],
