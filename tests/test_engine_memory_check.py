@@ -17,7 +17,7 @@ from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.planner import PlanOptions, plan
 from ninfer_offload.planner.memory import LoadOptions, load_footprint, prefill_staging_slots
 from ninfer_offload.profiles import load_profile
-from ninfer_offload.runtime.memory_check import check_fits
+from ninfer_offload.runtime.memory_check import check_fits, host_tensor
 
 CAPACITY = 96
 
@@ -127,3 +127,14 @@ def test_a_load_that_cannot_fit_is_one_line_naming_the_remedy():
     assert "\n" not in message
     assert message.startswith("needs 21.00 GiB of VRAM (experts 17.00 GiB")
     assert "16.00 GiB free" in message and "--vram-budget" in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine that refuses to pin host memory")
+def test_refused_pinning_is_one_line_naming_the_remedy():
+    """Without a pinned-memory allocator (no CUDA here) pinning is refused: one line that names what the
+    memory was for and the option that avoids it."""
+    with pytest.raises(NinferError) as err:
+        host_tensor((64, 1024), torch.uint8, True, "expert records", "give a larger --vram-budget")
+    message = str(err.value)
+    assert "\n" not in message and "expert records" in message and "--vram-budget" in message and "ulimit -l" in message
+    assert host_tensor((64, 1024), torch.uint8, False, "expert records", "give a larger --vram-budget").shape == (64, 1024)

@@ -38,6 +38,7 @@ from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.model.experts import RECORD_ALIGN, ExpertBank
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
+from ninfer_offload.runtime.memory_check import host_tensor
 from ninfer_offload.runtime.prefill_staging import PrefillStaging
 
 MODES = ("auto", "resident", "host")
@@ -97,14 +98,8 @@ class StoreStats:
 
 def _host_records(num_experts: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """Host memory for one layer's records [E, nbytes]; pinned (page-locked, mapped) for CUDA."""
-    try:
-        return torch.empty(num_experts, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    except RuntimeError as err:
-        raise NinferError(
-            f"pinning {num_experts * nbytes / 2**20:.0f} MiB of host memory for expert records failed "
-            f"({str(err).splitlines()[0]}); give a larger --vram-budget (fewer experts on the host) or raise the "
-            "locked-memory limit (ulimit -l)"
-        ) from None
+    remedy = "give a larger --vram-budget (fewer experts on the host)"
+    return host_tensor((num_experts, nbytes), torch.uint8, device.type == "cuda", "expert records", remedy)
 
 
 def _align(n: int) -> int:

@@ -1,4 +1,4 @@
-"""Device-memory check before a load: refuse what cannot fit before any weight moves.
+"""Memory checks before a load (refuse what cannot fit before any weight moves) and pinned host buffers.
 
 The footprint comes from the planner's accounting (`planner.memory.load_footprint`): the weights
 as loaded, the expert arena (pinned experts, cache slots, prefill staging slots), the state pool's KV cache and GDN
@@ -39,3 +39,17 @@ def check_host_memory(pinned_bytes: int) -> None:
             f"the experts kept in host memory need {pinned_bytes / _GIB:.1f} GiB of pinned RAM, {available / _GIB:.1f} GiB "
             "is available; give a larger --vram-budget (more experts in VRAM) or free host memory"
         )
+
+
+def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, what: str, remedy: str) -> torch.Tensor:
+    """An uninitialized host tensor, page-locked (mapped for the device) when `pinned`; pinning refused is a
+    NinferError naming `what` it was for and the `remedy` (the option that avoids it), or raising the
+    locked-memory limit."""
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+    except RuntimeError as err:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        raise NinferError(
+            f"pinning {nbytes / 2**20:.0f} MiB of host memory for {what} failed ({str(err).splitlines()[0]}); "
+            f"{remedy} or raise the locked-memory limit (ulimit -l)"
+        ) from None

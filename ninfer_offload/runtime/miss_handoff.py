@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ninfer_offload.errors import NinferError
+from ninfer_offload.runtime.memory_check import host_tensor
 
 HANDOFF_TOKENS = 64  # most tokens of a forward whose misses go to the host
 HEADER_WORDS = 16  # int64 per layer header: READY and DONE in separate 64-byte lines
@@ -68,14 +69,9 @@ class Mailbox:
     def __init__(self, layers: int, top_k: int, hidden: int, device: torch.device, tokens: int = HANDOFF_TOKENS):
         pinned = device.type == "cuda"
         self.regions = MailboxRegions(tokens, top_k, hidden)
-        try:
-            self.headers = torch.zeros(layers, HEADER_WORDS, dtype=torch.int64, pin_memory=pinned)
-            self.data = torch.zeros(layers, self.regions.nbytes, dtype=torch.uint8, pin_memory=pinned)
-        except RuntimeError as err:
-            raise NinferError(
-                f"pinning {layers * self.regions.nbytes / 2**20:.0f} MiB of host memory for the CPU miss path failed "
-                f"({str(err).splitlines()[0]}); use --miss-path pcie or raise the locked-memory limit (ulimit -l)"
-            ) from None
+        what, remedy = "the CPU miss path", "use --miss-path pcie"
+        self.headers = host_tensor((layers, HEADER_WORDS), torch.int64, pinned, what, remedy).zero_()
+        self.data = host_tensor((layers, self.regions.nbytes), torch.uint8, pinned, what, remedy).zero_()
         self.state = torch.zeros(layers, 2, dtype=torch.int64, device=device)
         self.flags = self.headers.numpy().reshape(-1)  # what the host polls (numba)
         self._data = self.data.numpy()
