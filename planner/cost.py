@@ -96,30 +96,22 @@ def predict(
     bookkeeping = timings["offload_step_s"] if offloaded else 0.0
     cpu_rate = profile.dram_bandwidth_gbs * 1e9 * CPU_EXPERT_SHARE_OF_DRAM
 
-    def path_step(tokens: int, path: str) -> tuple[float, float, float]:
-        """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions, misses served by `path`."""
+    def step(tokens: int) -> tuple[float, float, float]:
+        """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions, misses served by the
+        miss path ("auto": the faster of the two, as it chooses by measured step time)."""
         expert_vram, expert_host, host_layers = _expert_traffic(stats, resident, expert_bytes, tokens)
         embedding = weights.embedding_row_bytes * tokens
         vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + shape.attention_layers * kv_layer
         vram += gdn_state_bytes(shape) * (1 + tokens)  # read the state, write one per position
-        pcie = expert_host if path == "pcie" else 0.0
+        pcie = 0.0 if weights.embedding_on_device else embedding
         if weights.embedding_on_device:
             vram += embedding
-        else:
-            pcie += embedding
         seconds = timings["decode_fixed_s"] + max(timings["decode_weight_floor_s"], vram / vram_rate) + bookkeeping
         seconds += 0.0 if weights.embedding_on_device else embedding / zero_copy
-        if path == "pcie":
-            seconds += expert_host / zero_copy
-        else:  # each layer with host work hands it to the host and waits for the answer
-            seconds += expert_host / cpu_rate + host_layers * timings["cpu_request_s"]
-        return seconds, vram, pcie
-
-    def step(tokens: int) -> tuple[float, float, float]:
-        """`path_step` by the miss path; "auto" keeps the faster of the two (it chooses by measured step time)."""
-        if options.miss_path != "auto":
-            return path_step(tokens, options.miss_path)
-        return min(path_step(tokens, "pcie"), path_step(tokens, "cpu"))
+        # each layer with host work hands it to the host and waits for the answer
+        misses = {"pcie": expert_host / zero_copy, "cpu": expert_host / cpu_rate + host_layers * timings["cpu_request_s"]}
+        path = min(misses, key=misses.get) if options.miss_path == "auto" else options.miss_path
+        return seconds + misses[path], vram, pcie + (expert_host if path == "pcie" else 0.0)
 
     seconds, vram_bytes, pcie_bytes = step(1)
     decode_mtp = None
