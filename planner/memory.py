@@ -123,7 +123,7 @@ def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
     return options.prefill_chunk * per_token + logits
 
 
-# Slots of the prefill staging buffers of an offloaded load (`runtime.expert_store`): a prefill chunk copies
+# Slots of the prefill staging buffers of an offloaded load (`runtime.prefill_staging`): a prefill chunk copies
 # each host expert it uses into one, once, instead of reading it over PCIe per block of tokens. A 2048-token
 # chunk uses nearly all 256 experts of a layer; the measured 15 GiB H200 load held 6,383 of 10,240 experts in
 # VRAM (160 per layer on average), so ~96 per layer are on the host, more in the layers the plan favours least.
