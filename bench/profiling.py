@@ -56,12 +56,12 @@ def kernel_breakdown(run, repeats: int) -> tuple[dict, list[dict], dict]:
     return dict(sorted(stages.items(), key=lambda kv: -kv[1])), kernels, dict(sorted(runtime.items(), key=lambda kv: -kv[1]["us"]))
 
 
-DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")  # profiler activities that occupy a CUDA stream
+DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories that occupy a CUDA stream
 
 
-def _union_ns(intervals: list[tuple[int, int]]) -> int:
-    """Nanoseconds covered by at least one of `intervals` [(start, end)]."""
-    total, reach = 0, None
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Length covered by at least one of `intervals` [(start, end)]."""
+    total, reach = 0.0, None
     for start, end in sorted(intervals):
         if reach is None or start > reach:
             total, reach = total + end - start, end
@@ -70,11 +70,42 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
+def timeline_from_trace(events: list[dict]) -> dict:
+    """Per-stream busy time, kernels and copies, device busy time, the streams' overlap and the host's
+    synchronizing calls, from Chrome-trace events (microsecond `ts`/`dur`, the stream in `args`)."""
+    streams: dict[int, dict] = {}
+    host_sync_us = 0.0
+    for event in events:
+        kind, duration = event.get("cat"), float(event.get("dur", 0.0))
+        if kind not in DEVICE_ACTIVITIES:
+            if kind == "cuda_runtime" and "Synchronize" in event.get("name", ""):
+                host_sync_us += duration
+            continue
+        stream = streams.setdefault(int(event["args"]["stream"]), {"intervals": [], "kernels": 0, "copies": 0, "copy_us": 0.0})
+        stream["intervals"].append((float(event["ts"]), float(event["ts"]) + duration))
+        if kind == "gpu_memcpy":
+            stream["copies"] += 1
+            stream["copy_us"] += duration
+        else:
+            stream["kernels"] += 1
+    everything = _union([interval for stream in streams.values() for interval in stream["intervals"]])
+    busy = {sid: _union(stream["intervals"]) for sid, stream in streams.items()}
+    return {
+        "device_busy_ms": everything / 1e3,
+        "streams_overlap_ms": (sum(busy.values()) - everything) / 1e3,
+        "host_sync_ms": host_sync_us / 1e3,
+        "streams": {
+            str(sid): {"busy_ms": busy[sid] / 1e3, "kernels": s["kernels"], "copies": s["copies"], "copy_ms": s["copy_us"] / 1e3}
+            for sid, s in sorted(streams.items(), key=lambda kv: -busy[kv[0]])
+        },
+    }
+
+
 def stream_timeline(run) -> dict:
-    """Where one `run()`'s GPU time goes by stream (torch profiler): per CUDA stream the milliseconds it
-    was busy (kernels and copies, overlaps within a stream merged), its kernels and copies; the run's
-    wall time; how long the device was busy at all, and the streams' busy times beyond that (what they
-    overlapped); and the host's time in synchronizing calls."""
+    """Where one `run()`'s GPU time goes by stream (torch profiler, read back from its Chrome trace):
+    the run's wall time and `timeline_from_trace` of its events."""
+    import json
+    import tempfile
     import time
 
     from torch.profiler import ProfilerActivity, profile
@@ -85,30 +116,7 @@ def stream_timeline(run) -> dict:
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - began
-    streams: dict[int, dict] = {}
-    host_sync_ns = 0
-    for event in prof.profiler.kineto_results.events():
-        kind = event.activity_type()
-        if kind not in DEVICE_ACTIVITIES:
-            if "Synchronize" in event.name():
-                host_sync_ns += event.duration_ns()
-            continue
-        stream = streams.setdefault(event.device_resource_id(), {"intervals": [], "kernels": 0, "copies": 0, "copy_ns": 0})
-        stream["intervals"].append((event.start_ns(), event.start_ns() + event.duration_ns()))
-        if kind == "gpu_memcpy":
-            stream["copies"] += 1
-            stream["copy_ns"] += event.duration_ns()
-        else:
-            stream["kernels"] += 1
-    everything = [interval for stream in streams.values() for interval in stream["intervals"]]
-    busy = {sid: _union_ns(stream["intervals"]) for sid, stream in streams.items()}
-    return {
-        "wall_ms": wall * 1e3,
-        "device_busy_ms": _union_ns(everything) / 1e6,
-        "streams_overlap_ms": (sum(busy.values()) - _union_ns(everything)) / 1e6,
-        "host_sync_ms": host_sync_ns / 1e6,
-        "streams": {
-            str(sid): {"busy_ms": busy[sid] / 1e6, "kernels": s["kernels"], "copies": s["copies"], "copy_ms": s["copy_ns"] / 1e6}
-            for sid, s in sorted(streams.items(), key=lambda kv: -busy[kv[0]])
-        },
-    }
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name)).get("traceEvents", [])
+    return {"wall_ms": wall * 1e3, **timeline_from_trace(events)}

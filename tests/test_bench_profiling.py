@@ -1,0 +1,30 @@
+"""The stream timeline the benchmarks report, read from a Chrome trace as the torch profiler writes it."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from profiling import timeline_from_trace  # noqa: E402
+
+
+def test_streams_busy_time_merges_overlaps_and_counts_overlap_between_streams():
+    events = [
+        {"cat": "kernel", "name": "a", "ts": 0.0, "dur": 10.0, "args": {"stream": 7}},
+        {"cat": "kernel", "name": "b", "ts": 5.0, "dur": 10.0, "args": {"stream": 7}},  # overlaps a: 15 us busy
+        {"cat": "gpu_memcpy", "name": "h2d", "ts": 10.0, "dur": 20.0, "args": {"stream": 20}},
+        {"cat": "gpu_memset", "name": "z", "ts": 40.0, "dur": 2.0, "args": {"stream": 20}},
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 0.0, "dur": 3.0},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.0, "dur": 100.0},
+        {"cat": "cpu_op", "name": "aten::add", "ts": 0.0, "dur": 50.0},
+        {"ph": "M", "name": "process_name"},
+    ]
+    timeline = timeline_from_trace(events)
+    assert timeline["device_busy_ms"] == pytest.approx(32e-3)  # [0, 30] and [40, 42]
+    assert timeline["streams_overlap_ms"] == pytest.approx(5e-3)  # stream 7's [10, 15] under the copy
+    assert timeline["host_sync_ms"] == pytest.approx(3e-3)
+    assert list(timeline["streams"]) == ["20", "7"]  # busiest first
+    assert timeline["streams"]["7"] == {"busy_ms": pytest.approx(15e-3), "kernels": 2, "copies": 0, "copy_ms": 0.0}
+    assert timeline["streams"]["20"] == {"busy_ms": pytest.approx(22e-3), "kernels": 1, "copies": 1, "copy_ms": pytest.approx(20e-3)}
