@@ -19,7 +19,8 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
   roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D); the
-  bytes it moved; the same prefill without the next layer's prefetch (staging only after routing); one
+  bytes it moved; the same prefill with each of PREFILL_VARIANTS' staging settings (without the
+  next layer's prefetch, other gather widths, prefetch by the copy engines); per setting one
   more prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
   how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
@@ -74,7 +75,6 @@ from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
 from ninfer_offload.runtime.engine import PREFILL_CHUNK, Engine
-from ninfer_offload.runtime.prefill_staging import PREFETCH_MIN_USES
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from profiling import stream_timeline
 from provenance import gpu_report_header
@@ -180,6 +180,33 @@ class TraceRun:
     def prefill_profiled(self, engine: Engine, offset: int) -> tuple[float, dict]:
         """`prefill` (the faster of two), and one more prefill under the profiler (`profiling.stream_timeline`)."""
         return self.prefill(engine, offset), stream_timeline(partial(self.prefill, engine, offset, repeats=1))
+
+
+# The staging settings the benchmark compares with the engine's (`PrefillStaging` attributes).
+PREFILL_VARIANTS = {
+    "without prefetch (staging after routing only)": {"prefetch_min_uses": float("inf")},
+    "without prefetch, gather on 64 programs": {"prefetch_min_uses": float("inf"), "gather_programs": 64},
+    "prefetch, gather on 64 programs": {"gather_programs": 64},
+    "prefetch, gather on 8 programs": {"gather_programs": 8},
+    "prefetch, gather on 32 programs": {"gather_programs": 32},
+    "prefetch by copy engines (one copy per run of ids)": {"prefetch_by_copy_engines": True},
+}
+
+
+def prefill_variants(runner: TraceRun, engine: Engine, offset: int) -> list[dict]:
+    """The 4K prefill (`TraceRun.prefill_profiled`) with each of PREFILL_VARIANTS' staging settings."""
+    staging, results = engine.store.staging, []
+    for name, settings in PREFILL_VARIANTS.items():
+        defaults = {key: getattr(staging, key) for key in settings}
+        for key, value in settings.items():
+            setattr(staging, key, value)
+        seconds, streams = runner.prefill_profiled(engine, offset)
+        for key, value in defaults.items():
+            setattr(staging, key, value)
+        settings_text = {key: str(value) for key, value in settings.items()}
+        results.append({"variant": name, "settings": settings_text, "prefill_4k_tok_s": PREFILL_TOKENS / seconds, "streams": streams})
+        print(f"prefill, {name}: {PREFILL_TOKENS / seconds:,.0f} tok/s", flush=True)
+    return results
 
 
 def _difference(after: dict | None, before: dict | None) -> dict:
@@ -404,12 +431,7 @@ def main() -> None:
         moved = engine.store.stats.pcie_bytes
         prefill_s, streams = runner.prefill_profiled(engine, prefill_offset)
         moved = (engine.store.stats.pcie_bytes - moved) // 3  # three prefills
-        no_prefetch_tok_s, no_prefetch_streams = None, None
-        if engine.store.staging is not None:  # the same prefill staging only after routing, for comparison
-            engine.store.staging.prefetch_min_uses = float("inf")
-            no_prefetch_s, no_prefetch_streams = runner.prefill_profiled(engine, prefill_offset)
-            no_prefetch_tok_s = PREFILL_TOKENS / no_prefetch_s
-            engine.store.staging.prefetch_min_uses = PREFETCH_MIN_USES
+        variants = prefill_variants(runner, engine, prefill_offset) if engine.store.staging is not None else []
         inventory = inventory or Inventory.from_artifact(engine.artifact)
         placement = engine.expert_plan.plan
         options = placement.options if placement is not None else PlanOptions(speculative="none", max_context=engine.max_context)
@@ -436,8 +458,7 @@ def main() -> None:
             "prefill_moved_bytes": moved,  # what the engine read over PCIe per prefill: staged records, reads
             "prefill_streams": streams,  # one more prefill, profiled: busy time per stream, their overlap, host syncs
             "prefill_roofline_fraction": max(PREFILL_TOKENS / report["resident"]["prefill_4k_tok_s"], pcie / h2d) / prefill_s,
-            "prefill_4k_tok_s_without_prefetch": no_prefetch_tok_s,
-            "prefill_streams_without_prefetch": no_prefetch_streams,
+            "prefill_variants": variants,  # the same prefill with other staging settings, for comparison
             "time_to_ready_s": ready,
             "time_to_ready_ratio": ready / report["file_read_s"],
             "vram_allocated_bytes": torch.cuda.memory_allocated(),

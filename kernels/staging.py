@@ -1,10 +1,10 @@
 """Copying the host records a prefill chunk stages into the arena's staging slots, in one launch.
 
 `gather_records` reads each chosen expert's record where the layer's table points (host memory
-mapped for the device: a read over PCIe) and writes it into its slot; a fixed number of programs
-walk the (record, block) pairs, so the copy takes a few SMs beside the kernels that compute
-meanwhile. Which experts and slots are device tensors: nothing is decided on the host. The
-reference op is `runtime.prefill_staging.gather_records_reference`.
+mapped for the device: a read over PCIe) and writes it into its slot; the few programs the caller
+asks for walk the (record, block) pairs, so the copy takes a few SMs beside the kernels that compute
+meanwhile. Which experts and slots are device tensors: nothing is decided on the host. The reference
+op is `runtime.prefill_staging.gather_records_reference`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-PROGRAMS = 64  # enough loads in flight for the PCIe link, few SMs
-BLOCK = 1024  # words per load
+BLOCK = 2048  # words per load (16 KiB in flight per program)
 
 
 @triton.jit
@@ -34,10 +33,17 @@ def _gather_records_kernel(arena, table, experts, slots, valid, n, words, WORD: 
 
 
 def gather_records(
-    arena: torch.Tensor, table: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, nbytes: int
+    arena: torch.Tensor,
+    table: torch.Tensor,
+    experts: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    nbytes: int,
+    programs: int,
 ) -> None:
-    """For each i with valid[i]: arena[slots[i] : slots[i] + nbytes] = the record table[experts[i]] points at."""
+    """For each i with valid[i]: arena[slots[i] : slots[i] + nbytes] = the record table[experts[i]] points at,
+    by at most `programs` programs (SMs taken from the kernels running meanwhile)."""
     word = 8 if nbytes % 8 == 0 else 1
     n = experts.numel()
-    programs = max(1, min(PROGRAMS, n * triton.cdiv(nbytes // word, BLOCK)))
-    _gather_records_kernel[(programs,)](arena, table, experts, slots, valid, n, nbytes // word, WORD=word, BLOCK=BLOCK, num_warps=4)
+    grid = max(1, min(programs, n * triton.cdiv(nbytes // word, BLOCK)))
+    _gather_records_kernel[(grid,)](arena, table, experts, slots, valid, n, nbytes // word, WORD=word, BLOCK=BLOCK, num_warps=8)

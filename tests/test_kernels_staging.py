@@ -13,8 +13,9 @@ from ninfer_offload.runtime.prefill_staging import gather_records_reference
 EXPERTS, SLOT = 12, 2048
 
 
+@pytest.mark.parametrize("programs", [1, 5])  # one walks every (record, block) pair; several share them
 @pytest.mark.parametrize("nbytes", [1536, 1283])  # whole 8-byte words, and not
-def test_gather_matches_reference(nbytes):
+def test_gather_matches_reference(nbytes, programs):
     g = torch.Generator().manual_seed(nbytes)
     host = torch.randint(0, 256, (EXPERTS, nbytes), dtype=torch.uint8, generator=g)
     if DEVICE.type == "cuda":
@@ -25,7 +26,7 @@ def test_gather_matches_reference(nbytes):
     experts = torch.tensor([7, 2, 11, 0], device=DEVICE)
     slots = torch.tensor([0, 1, 3, 4], device=DEVICE) * SLOT
     valid = torch.tensor([True, True, False, True], device=DEVICE)
-    gather_records(arenas[0], table, experts, slots, valid, nbytes)
+    gather_records(arenas[0], table, experts, slots, valid, nbytes, programs)
     gather_records_reference(arenas[1], host.to(DEVICE) if DEVICE.type == "cuda" else host, experts, slots, valid, nbytes)
     assert torch.equal(arenas[0], arenas[1])
     assert torch.equal(arenas[0][SLOT : SLOT + nbytes].cpu(), host[2])

@@ -235,11 +235,11 @@ class ExpertStore:
         if ids.size:
             first, stride = int(self.pinned_offset[layer, ids[0]]), _align(nbytes)
             span = self.arena[first : first + ids.size * stride].view(ids.size, stride)[:, :nbytes]
-            rows = records
-            if ids.size < self.num_experts:
-                rows = torch.empty(ids.size, nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-                torch.index_select(records, 0, torch.from_numpy(ids), out=rows)
-            span.copy_(rows, non_blocking=True)  # the caching host allocator keeps pinned rows until the copy is done
+            breaks = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
+            for start, end in zip([0, *breaks], [*breaks, ids.size]):  # one copy per run of consecutive ids
+                e0 = int(ids[start])
+                # the caching host allocator keeps the pinned records until the copy is done
+                span[start:end].copy_(records[e0 : e0 + end - start], non_blocking=True)
         for e in range(self.num_experts):
             offsets[e] = self.pinned_offset[layer, e] if self.pinned[layer, e] else self.host_offset(layer, e)
         self.table[layer].copy_(offsets)

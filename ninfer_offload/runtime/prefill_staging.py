@@ -34,6 +34,7 @@ from ninfer_offload.model.experts import ExpertBank
 # records than the chunks use and leaves 4 % of the used ones to the copy after routing; 1 (63 % sure to be
 # used) wastes 12 %, 8 leaves 18 %.
 PREFETCH_MIN_USES = 3.0
+GATHER_PROGRAMS = 16  # programs of each staging gather: enough loads in flight for PCIe, few SMs taken from the layers computing
 
 
 def gather_records_reference(
@@ -56,6 +57,8 @@ class PrefillStaging:
         self._rows = store.arena[start : start + self.slots * store.slot_bytes].view(self.slots, store.slot_bytes)  # a slot each
         self._ahead: dict[int, torch.Tensor] = {}  # per layer, the experts prefetched into its buffer
         self.prefetch_min_uses = PREFETCH_MIN_USES  # inf: no prefetch (benchmarks compare)
+        self.gather_programs = GATHER_PROGRAMS  # programs of the gather kernel (benchmarks compare)
+        self.prefetch_by_copy_engines = False  # prefetch by one copy per run of ids instead (benchmarks compare)
         self._copy_stream = None  # the staging copies' (CUDA)
         if store.device.type == "cuda":
             # high priority: the gather's few programs take SMs as the compute kernels free them
@@ -135,13 +138,15 @@ class PrefillStaging:
         if not wanted.size:
             return
         (experts,) = self.store.upload(torch.from_numpy(wanted))
-        first = (layer % 2) * (self.slots // 2)
-        if self._copy_stream is None:
-            self._copy_prefetched(layer, wanted, first)
+        if not self.prefetch_by_copy_engines:  # one gather launch, like the copy after routing
+            slots = self._buffer(layer)[: wanted.size]
+            self._stage(layer, experts, slots, torch.ones(wanted.size, dtype=torch.bool, device=self.store.device))
+        elif self._copy_stream is None:
+            self._copy_prefetched(layer, wanted, (layer % 2) * (self.slots // 2))
         else:  # after the work queued so far (the reads of the buffer's previous layer)
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.store.device))
             with torch.cuda.stream(self._copy_stream):
-                self._copy_prefetched(layer, wanted, first)
+                self._copy_prefetched(layer, wanted, (layer % 2) * (self.slots // 2))
         self._ahead[layer] = experts
 
     def _copy_prefetched(self, layer: int, experts: np.ndarray, first: int) -> None:
@@ -178,7 +183,7 @@ class PrefillStaging:
         if self.store.device.type == "cuda":
             from ninfer_offload.kernels.staging import gather_records
 
-            gather_records(self.store.arena, self.store.table[layer], experts, slots, valid, nbytes)
+            gather_records(self.store.arena, self.store.table[layer], experts, slots, valid, nbytes, self.gather_programs)
         else:
             gather_records_reference(self.store.arena, self.store.host[layer], experts, slots, valid, nbytes)
 
