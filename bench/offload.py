@@ -19,9 +19,8 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
   roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D); the
-  bytes it moved; the same prefill with each of PREFILL_VARIANTS' staging settings (without the
-  next layer's prefetch, other gather widths, prefetch by the copy engines); per setting one
-  more prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
+  bytes it moved; the same prefill with each of PREFILL_VARIANTS' staging settings (another gather
+  width); per setting one more prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
   how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
   files from disk (cold page cache too);
@@ -184,12 +183,7 @@ class TraceRun:
 
 # The staging settings the benchmark compares with the engine's (`PrefillStaging` attributes).
 PREFILL_VARIANTS = {
-    "without prefetch (staging after routing only)": {"prefetch_min_uses": float("inf")},
-    "without prefetch, gather on 64 programs": {"prefetch_min_uses": float("inf"), "gather_programs": 64},
-    "prefetch, gather on 64 programs": {"gather_programs": 64},
-    "prefetch, gather on 8 programs": {"gather_programs": 8},
-    "prefetch, gather on 32 programs": {"gather_programs": 32},
-    "prefetch by copy engines (one copy per run of ids)": {"prefetch_by_copy_engines": True},
+    "gather on 16 programs": {"gather_programs": 16},
 }
 
 

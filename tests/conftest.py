@@ -103,7 +103,7 @@ def small_card(tmp_path_factory):
 @pytest.fixture(scope="session")
 def half_expert_budget(tiny_artifact_official, small_card) -> int:
     """A VRAM budget on `small_card` that holds everything of the official tiny artifact but half of the
-    routed experts (and the embedding), plus the prefill staging buffers an offloaded load sets aside."""
+    routed experts (and the embedding), plus the prefill staging buffer an offloaded load sets aside."""
     from ninfer_offload import Engine
     from ninfer_offload.planner.memory import prefill_staging_slots
 

@@ -13,7 +13,6 @@ import torch
 from kernels_support import DEVICE, needs_triton_device
 from ninfer_offload import Engine, NinferError
 from ninfer_offload.planner import memory
-from ninfer_offload.runtime import prefill_staging
 from ninfer_offload.runtime.memory_check import check_host_memory
 
 PROMPT = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -66,7 +65,7 @@ def test_plan_decides_where_each_expert_lives(tiny_artifact_official, resident, 
                 assert offset == host[expert].data_ptr() - store.arena.data_ptr()
                 continue
             assert torch.equal(store.arena[offset : offset + nbytes], host[expert])  # the VRAM copy is the host record
-    assert store.staging_slots == 2 * engine.config.num_experts  # two buffers of PREFILL_STAGING_SLOTS, at most a layer's experts each
+    assert store.staging_slots == engine.config.num_experts  # PREFILL_STAGING_SLOTS, at most a layer's experts
     slots = store.cache_slots + store.staging_slots
     assert store.cache_start + slots * store.slot_bytes == store.arena.numel() == engine.expert_plan.arena_bytes
     for got, want in zip(_run(engine), _run(resident)):
@@ -133,14 +132,13 @@ def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident
 
 
 def test_a_prefill_needing_more_experts_than_staging_slots_stages_the_most_used(tiny_artifact_official, resident_long, monkeypatch):
-    """Three staging slots per layer for up to eight host experts, nothing prefetched: each layer stages its
+    """Three staging slots for up to eight host experts per layer: each layer stages its
     three most used missing experts, the others are read over PCIe per use, and the logits still equal the
     resident ones."""
     monkeypatch.setattr(memory, "PREFILL_STAGING_SLOTS", 3)
-    monkeypatch.setattr(prefill_staging, "PREFETCH_MIN_USES", np.inf)
     engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none")
     store = engine.store
-    assert store.staging_slots == 6 and engine.expert_plan.arena_bytes == store.arena.numel()
+    assert store.staging_slots == 3 and engine.expert_plan.arena_bytes == store.arena.numel()
     session = engine.session()
     prefill = session.prefill(LONG_PROMPT)
     uses, staged_uses = store.uses.numpy(), store.staged_uses.numpy()
@@ -156,31 +154,6 @@ def test_a_prefill_needing_more_experts_than_staging_slots_stages_the_most_used(
     unstaged = np.where(in_vram, 0, uses - staged_uses).sum(axis=1)  # read over PCIe per use
     assert unstaged.sum() > 0 and stats.staged == staged.sum()
     assert stats.pcie_bytes == ((staged + unstaged) * _record_bytes(engine)).sum()
-    steps = [session.step(token) for token in STEPS]
-    session.close()
-    for got, want in zip([prefill, *steps], resident_long):
-        assert torch.equal(got, want)
-
-
-def test_a_prefill_prefetches_the_next_layers_likely_experts(tiny_artifact_official, resident_long, monkeypatch):
-    """Three slots per buffer: while a layer computes, the next layer's three host experts with the highest
-    plan pick rates are copied before its routing is known (each counted as one staged record, used or not),
-    the buffer has no slot left for the copy after routing, the other host experts are read over PCIe per
-    use, and the logits equal the resident ones."""
-    monkeypatch.setattr(memory, "PREFILL_STAGING_SLOTS", 3)
-    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none")
-    store, layers = engine.store, engine.config.num_layers
-    rates = store.placement.scores[:layers]
-    session = engine.session()
-    prefill = session.prefill(LONG_PROMPT)
-    records, uses, staged_uses = store.staged_records.numpy(), store.uses.numpy(), store.staged_uses.numpy()
-    in_vram = store.cache.in_vram[:layers]
-    for layer in range(1, layers):  # layer 0 has no layer before it: it stages after routing
-        outside = np.flatnonzero(~in_vram[layer])
-        expected = outside[np.argsort(-rates[layer, outside], kind="stable")][:3]
-        assert set(np.flatnonzero(records[layer])) == set(expected.tolist()) and records[layer].sum() == 3
-        assert np.array_equal(staged_uses[layer][expected], uses[layer][expected])
-    assert store.stats.staged == records.sum()
     steps = [session.step(token) for token in STEPS]
     session.close()
     for got, want in zip([prefill, *steps], resident_long):
