@@ -70,6 +70,34 @@ def test_any_host_share_matches_resident(tiny_artifact_official, resident, slots
     assert (stats.cpu_assignments > 0) == (share > 0)
 
 
+def test_anchors_follow_the_cache_only_while_the_host_takes_a_share(tiny_artifact_official, resident):
+    """With no host share the cache's moves leave the per-layer anchors (an expert in VRAM the hand-off
+    points the host's pairs at) as they were, no host work per step; the first step that gives the host a
+    share again re-points every layer's anchor at an expert in VRAM, and the logits stay the resident ones."""
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=4, miss_path="cpu")
+    store = engine.store
+    store.cpu_path.set_share(0.0)
+    session, reference = engine.session(), resident.session()
+    assert_logits_close(session.prefill(PROMPT), reference.prefill(PROMPT))
+    layers = range(engine.config.num_layers)
+
+    def anchors_in_vram() -> bool:  # (a layer without experts in VRAM keeps expert 0)
+        in_vram = store.cache.in_vram
+        return all(in_vram[layer, int(store.anchor[layer, 0])] for layer in layers if in_vram[layer].any())
+
+    tokens = iter([3, 9, 27, 81, 5, 2, 4, 8, 16, 32, 64, 128, 11, 13, 17, 19])
+    for token in tokens:
+        assert_logits_close(session.step(token), reference.step(token))
+        if not anchors_in_vram():
+            break
+    assert not anchors_in_vram() and store.stats.promotions > 0  # the cache moved an anchor away
+    store.cpu_path.set_share(1.0)
+    for token in tokens:
+        assert_logits_close(session.step(token), reference.step(token))
+        assert anchors_in_vram()
+    assert store.stats.cpu_assignments > 0
+
+
 def test_q8_records_through_the_cpu_path(tiny_artifact_q8):
     want = Engine.load(tiny_artifact_q8).logits(PROMPT)
     assert_logits_close(Engine.load(tiny_artifact_q8, experts="host", miss_path="cpu").logits(PROMPT), want)

@@ -158,6 +158,7 @@ class ExpertStore:
         self.counts = torch.zeros(4, layers, num_experts, dtype=torch.int32, device=device)
         self.uses, self.staged_uses, self.cpu_uses, self.staged_records = self.counts
         self.anchor = torch.zeros(layers, 1, dtype=torch.int64, device=device)  # per layer an expert in VRAM (`set_anchors`)
+        self._stale_anchors = False  # cache moves not yet reflected in `anchor` (`tables_changed`)
         self.prefilling = False  # inside `forward(prefill=True)`
         self.replayed: torch.Tensor | None = None  # benchmark hook: routing ids replayed instead of the router's
         self.cpu_path = None
@@ -191,6 +192,14 @@ class ExpertStore:
             torch.tensor([[int(np.argmax(in_vram[layer]))] for layer in layers], dtype=torch.int64),
         )
         self.anchor.index_copy_(0, index, values)
+
+    def tables_changed(self, layers: list[int]) -> None:
+        """The cache moved experts of `layers`: re-point their anchors now if the CPU path takes a share,
+        else all of them before the next step that takes one (no host work per step while it takes none)."""
+        if self.cpu_path.active:
+            self.set_anchors(self.cache.in_vram, layers)
+        else:
+            self._stale_anchors = True
 
     def upload(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Small host tensors on the store's device, in stream order (through pinned memory, without a
@@ -293,7 +302,12 @@ class ExpertStore:
         experts may be staged; `tokens`: the forward's token rows (the CPU miss path times decode steps per token)."""
         if self.cache is not None:
             self.cache.before_step()
-        mark = self.cpu_path.step_started(None if prefill else tokens) if self.cpu_path is not None else None
+        mark = None
+        if self.cpu_path is not None:
+            mark = self.cpu_path.step_started(None if prefill else tokens)
+            if self._stale_anchors and self.cpu_path.active:
+                self.set_anchors(self.cache.in_vram, range(len(self.layouts)))
+                self._stale_anchors = False
         self.prefilling = prefill
         try:
             yield
