@@ -74,7 +74,8 @@ class PrefillStaging:
         are slots, the host waits for that answer while the copy runs; otherwise none can be."""
         store = self.store
         table = store.table[layer].clone()
-        counts = torch.bincount(topk_ids.reshape(-1), minlength=store.num_experts)
+        flat = topk_ids.reshape(-1)  # (not bincount: on CUDA it syncs twice, for the ids' min and max)
+        counts = torch.zeros(store.num_experts, dtype=torch.int64, device=store.device).index_add_(0, flat, torch.ones_like(flat))
         missing = (counts > 0) & ((table < 0) | (table >= store.arena.numel()))
         used, experts = torch.topk(torch.where(missing, counts, 0), min(self.slots, store.num_experts))
         valid = used > 0
