@@ -19,8 +19,9 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
   roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D); the
-  bytes it moved; the same prefill with each of PREFILL_VARIANTS' staging settings (another gather
-  width); per setting one more prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
+  bytes it moved; the same prefill with each of PREFILL_VARIANTS' settings (another gather width,
+  4096-token chunks, each against the resident prefill at its chunk size); per setting one more
+  prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
   how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
   files from disk (cold page cache too);
@@ -60,6 +61,7 @@ import importlib.util
 import json
 import os
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -73,7 +75,7 @@ from ninfer_offload.planner.routing import shipped_routing_stats
 from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
-from ninfer_offload.runtime.engine import PREFILL_CHUNK, Engine
+from ninfer_offload.runtime.engine import Engine
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from profiling import stream_timeline
 from provenance import gpu_report_header
@@ -168,9 +170,10 @@ class TraceRun:
             session = engine.session()
             torch.cuda.synchronize()
             began = time.perf_counter()
-            for c0 in range(0, PREFILL_TOKENS, PREFILL_CHUNK):
-                self.rows(engine, offset + c0, PREFILL_CHUNK)
-                session.prefill(ids[c0 : c0 + PREFILL_CHUNK])
+            chunk = engine.prefill_chunk
+            for c0 in range(0, PREFILL_TOKENS, chunk):
+                self.rows(engine, offset + c0, chunk)
+                session.prefill(ids[c0 : c0 + chunk])
             torch.cuda.synchronize()
             best = min(best, time.perf_counter() - began)
             session.close()
@@ -181,24 +184,54 @@ class TraceRun:
         return self.prefill(engine, offset), stream_timeline(partial(self.prefill, engine, offset, repeats=1))
 
 
-# The staging settings the benchmark compares with the engine's (`PrefillStaging` attributes).
+# The prefill settings the benchmark compares with the engine's: attributes of the store's `PrefillStaging`
+# ("staging") or of the engine ("engine"). A larger `prefill_chunk` is set on the loaded engine: its plan set
+# aside the default chunk's activations (a plan for 4096 holds ~160 fewer experts at 15 GiB).
 PREFILL_VARIANTS = {
-    "gather on 16 programs": {"gather_programs": 16},
+    "gather on 16 programs": ("staging", {"gather_programs": 16}),
+    "chunks of 4096 tokens": ("engine", {"prefill_chunk": 4096}),
 }
+VARIANT_CHUNKS = sorted({s["prefill_chunk"] for target, s in PREFILL_VARIANTS.values() if "prefill_chunk" in s})
 
 
-def prefill_variants(runner: TraceRun, engine: Engine, offset: int) -> list[dict]:
-    """The 4K prefill (`TraceRun.prefill_profiled`) with each of PREFILL_VARIANTS' staging settings."""
-    staging, results = engine.store.staging, []
-    for name, settings in PREFILL_VARIANTS.items():
-        defaults = {key: getattr(staging, key) for key in settings}
-        for key, value in settings.items():
-            setattr(staging, key, value)
-        seconds, streams = runner.prefill_profiled(engine, offset)
+@contextmanager
+def applied(owner, settings: dict):
+    """`owner`'s attributes set to `settings` inside the block, restored after it."""
+    defaults = {key: getattr(owner, key) for key in settings}
+    for key, value in settings.items():
+        setattr(owner, key, value)
+    try:
+        yield
+    finally:
         for key, value in defaults.items():
-            setattr(staging, key, value)
-        settings_text = {key: str(value) for key, value in settings.items()}
-        results.append({"variant": name, "settings": settings_text, "prefill_4k_tok_s": PREFILL_TOKENS / seconds, "streams": streams})
+            setattr(owner, key, value)
+
+
+def resident_prefill_by_chunk(runner: TraceRun, resident: Engine, offset: int, default_s: float) -> dict[int, float]:
+    """Resident 4K prefill tok/s at the engine's chunk size (`default_s` seconds) and at each of VARIANT_CHUNKS."""
+    by_chunk = {resident.prefill_chunk: PREFILL_TOKENS / default_s}
+    for chunk in VARIANT_CHUNKS:
+        with applied(resident, {"prefill_chunk": chunk}):
+            by_chunk[chunk] = PREFILL_TOKENS / runner.prefill(resident, offset)
+    return by_chunk
+
+
+def prefill_variants(
+    runner: TraceRun, engine: Engine, trace: np.ndarray, offset: int, resident_by_chunk: dict, h2d: float
+) -> list[dict]:
+    """The 4K prefill (`TraceRun.prefill_profiled`) with each of PREFILL_VARIANTS' settings, its distinct host
+    bytes per chunk and its fraction of the roofline (the resident prefill at the same chunk size)."""
+    results = []
+    for name, (target, settings) in PREFILL_VARIANTS.items():
+        with applied(engine.store.staging if target == "staging" else engine, settings):
+            seconds, streams = runner.prefill_profiled(engine, offset)
+            pcie = prefill_pcie_bytes(engine, trace, offset)
+            resident_s = PREFILL_TOKENS / resident_by_chunk[engine.prefill_chunk]
+        results.append({
+            "variant": name, "settings": {key: str(value) for key, value in settings.items()},
+            "prefill_4k_tok_s": PREFILL_TOKENS / seconds, "prefill_pcie_bytes": pcie,
+            "prefill_roofline_fraction": max(resident_s, pcie / h2d) / seconds, "streams": streams,
+        })
         print(f"prefill, {name}: {PREFILL_TOKENS / seconds:,.0f} tok/s", flush=True)
     return results
 
@@ -221,8 +254,8 @@ def prefill_pcie_bytes(engine: Engine, trace: np.ndarray, offset: int) -> int:
     """Bytes of the distinct experts not in VRAM that each prefill chunk needs, summed over chunks."""
     in_vram = engine.store.pinned | engine.store.cache.cached if engine.store.offloaded else engine.store.pinned
     total = 0
-    for c0 in range(0, PREFILL_TOKENS, PREFILL_CHUNK):
-        chunk = trace[offset + c0 : offset + c0 + PREFILL_CHUNK]
+    for c0 in range(0, PREFILL_TOKENS, engine.prefill_chunk):
+        chunk = trace[offset + c0 : offset + c0 + engine.prefill_chunk]
         for layer in range(trace.shape[1]):
             needed = np.unique(chunk[:, layer])
             total += int((~in_vram[layer, needed]).sum()) * engine.store.layouts[layer].nbytes
@@ -407,9 +440,10 @@ def main() -> None:
     step, _ = runner.decode(resident, args.warmup, args.tokens)
     runner.prefill(resident, prefill_offset)  # compiles and tunes the prefill kernels
     prefill, resident_streams = runner.prefill_profiled(resident, prefill_offset)
+    resident_by_chunk = resident_prefill_by_chunk(runner, resident, prefill_offset, prefill)
     report["resident"] = {
         "decode_tok_s": 1 / step, "step_s": step, "prefill_4k_tok_s": PREFILL_TOKENS / prefill, "time_to_ready_s": resident_ready,
-        "prefill_streams": resident_streams,
+        "prefill_streams": resident_streams, "prefill_4k_tok_s_by_chunk": {str(c): v for c, v in resident_by_chunk.items()},
     }
     save()
     release(resident)
@@ -425,7 +459,8 @@ def main() -> None:
         moved = engine.store.stats.pcie_bytes
         prefill_s, streams = runner.prefill_profiled(engine, prefill_offset)
         moved = (engine.store.stats.pcie_bytes - moved) // 3  # three prefills
-        variants = prefill_variants(runner, engine, prefill_offset) if engine.store.staging is not None else []
+        staged = engine.store.staging is not None
+        variants = prefill_variants(runner, engine, trace, prefill_offset, resident_by_chunk, h2d) if staged else []
         inventory = inventory or Inventory.from_artifact(engine.artifact)
         placement = engine.expert_plan.plan
         options = placement.options if placement is not None else PlanOptions(speculative="none", max_context=engine.max_context)

@@ -73,6 +73,7 @@ def no_load(monkeypatch):
         (["--prompt-ids", ",".join(["5"] * 40), "--max-context", "16"], "more than the context limit of 16; raise --max-context"),
         (["--prompt-ids", ",".join(["5"] * 4097)], "more than the context limit of 4096; that is the model's maximum context"),
         (["--prompt", "a", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--prompt", "a", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
     ],
 )
 def test_generate_refuses_before_loading(args, fragment, tiny_artifact, no_load):

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from ninfer_offload import Engine, NinferError
-from ninfer_offload.runtime import engine as engine_module
 from ninfer_offload.model.config import ModelConfig
 
 PROMPT = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -68,12 +67,13 @@ def test_step_batch_equals_single_steps(engine):
     assert [b.length for b in batched] == [n + 3 for n in lengths]
 
 
-def test_long_prefill_runs_in_chunks(engine, monkeypatch):
+def test_long_prefill_runs_in_chunks(engine, tiny_artifact):
     expected = engine.logits(PROMPT)
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 16)
-    chunked = engine.logits(PROMPT)
+    chunked_engine = Engine.load(tiny_artifact, prefill_chunk=16)
+    chunked = chunked_engine.logits(PROMPT)
     assert torch.allclose(chunked, expected, atol=1e-5 * max(1.0, expected.abs().max().item()))
-    assert torch.allclose(engine.session().prefill(PROMPT), expected[-1], atol=1e-5 * max(1.0, expected.abs().max().item()))
+    assert torch.allclose(chunked_engine.session().prefill(PROMPT), expected[-1], atol=1e-5 * max(1.0, expected.abs().max().item()))
+    chunked_engine.close()
 
 
 def test_mtp_one_shot_equals_step_by_step(engine):
@@ -156,6 +156,8 @@ def test_bad_requests_are_one_line_errors(engine, tiny_artifact):
         Engine.load(tiny_artifact, miss_path="cpu")
     with pytest.raises(NinferError, match="max context"):
         Engine.load(tiny_artifact, max_context=10**9)
+    with pytest.raises(NinferError, match="prefill_chunk must be >= 1"):
+        Engine.load(tiny_artifact, prefill_chunk=0)
     with pytest.raises(NinferError, match="no such artifact"):
         Engine.load(tiny_artifact.parent / "missing.ninfer")
 

@@ -48,6 +48,15 @@ def test_json_greedy_output_equals_the_engine(tiny_artifact, frontend, reprefill
     assert out["warm_up_seconds"] >= 0  # the warm-up before timing is reported apart
 
 
+def test_a_prompt_prefilled_in_small_chunks_gives_the_same_output(tiny_artifact, reprefill_greedy):
+    """`--prefill-chunk 3`: the prompt runs through the model three tokens per forward, the output is the same."""
+    assert len(PROMPT) > 3
+    args = ["--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 16, "--spec", "none", "--prefill-chunk", 3, "--json"]
+    run = ninfer(tiny_artifact, *args)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["ids"] == reprefill_greedy
+
+
 @pytest.mark.parametrize("drafts", [["--spec", "auto"], ["--spec", "mtp", "--draft-tokens", 2]])
 def test_json_greedy_with_mtp_drafts_is_the_same_output(tiny_artifact, reprefill_greedy, drafts):
     """`auto` (the artifact has MTP weights) with 3 drafts, or as asked."""

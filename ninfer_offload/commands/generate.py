@@ -131,6 +131,11 @@ def generate(
     draft_tokens: int = DRAFT_TOKENS_OPTION,
     proposal_head: bool = PROPOSAL_HEAD_OPTION,
     max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
+    prefill_chunk: int | None = typer.Option(
+        None, "--prefill-chunk",
+        help="Most prompt tokens per forward (default 2048): larger prefills faster, most with experts in host memory, "
+        "and sets more VRAM aside.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text from a prompt, a conversation or token ids.
@@ -143,11 +148,13 @@ def generate(
         raise NinferError("--raw applies to --prompt only")
     if max_tokens < 1:
         raise NinferError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise NinferError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
 
     from ninfer_offload.artifact.errors import ArtifactError
     from ninfer_offload.artifact.reader import open_artifact
     from ninfer_offload.frontend import Frontend
-    from ninfer_offload.runtime.engine import DEFAULT_MAX_CONTEXT, PREFILL_CHUNK, Engine
+    from ninfer_offload.runtime.engine import DEFAULT_MAX_CONTEXT, Engine
     from ninfer_offload.runtime.generate import Generation
 
     if greedy and temperature is not None:
@@ -183,10 +190,11 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
     )
-    engine = Engine.load(artifact, device=device, max_context=max_context, progress=not json_out, **placement)
+    chunking = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+    engine = Engine.load(artifact, device=device, max_context=max_context, progress=not json_out, **placement, **chunking)
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
-    warm_up_seconds = engine.warm_up(min(len(ids), PREFILL_CHUNK))
+    warm_up_seconds = engine.warm_up(min(len(ids), engine.prefill_chunk))
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
 
     if json_out:

@@ -37,7 +37,7 @@ from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
 
 DEFAULT_MAX_CONTEXT = 32768
-PREFILL_CHUNK = 2048  # tokens per forward of a long prefill (the planner's default chunk; bounds the prefill workspace)
+PREFILL_CHUNK = 2048  # default tokens per forward of a long prefill (the planner's default chunk; bounds the prefill workspace)
 # Prompt lengths reaching each kernel path (matrix-vector: token blocks 1, 2, 4, 8; small tiles; prefill tiles)
 # with each of Triton's integer specializations of the token count T and of the T * top-k (token, expert) pairs
 # (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles (or
@@ -103,6 +103,7 @@ class Engine:
     def __init__(
         self, artifact, loaded, backend, device: torch.device, dtype: torch.dtype, state: StatePool, cuda_graphs: bool = True,
         expert_plan: LoadPlan | None = None, speculation: Speculation = Speculation("none", 0, False),
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         self.artifact = artifact
         self.config = loaded.config
@@ -115,6 +116,7 @@ class Engine:
         self.dtype = dtype
         self.state = state
         self.max_context = state.capacity
+        self.prefill_chunk = prefill_chunk  # most tokens per prefill forward
         self.expert_plan = expert_plan  # where the routed experts went, and the plan behind it
         self.speculation = speculation  # what the load resolved `spec`/`draft_tokens`/`proposal_head` to
         self.spec_tokens = speculation.spec_tokens  # MTP drafts per speculative step of `generate` (0: plain decode)
@@ -145,6 +147,7 @@ class Engine:
         backend: str = "auto",
         cuda_graphs: bool = True,
         progress: bool = False,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> "Engine":
         """Open `path` and load it onto `device` (bf16 on CUDA, fp32 on CPU unless `dtype` says).
 
@@ -164,7 +167,9 @@ class Engine:
         the output head. kv_dtype: "fp8" for an e4m3 KV cache (default: the compute dtype). mtp:
         also load the MTP draft module (implied by speculation). backend: "auto" (Triton on CUDA,
         reference on CPU), "reference", "triton". cuda_graphs: replay decode steps as CUDA graphs where
-        the backend and the expert store allow it (False: every step runs eagerly).
+        the backend and the expert store allow it (False: every step runs eagerly). prefill_chunk: most
+        prompt tokens per forward (larger: fewer launches and, with offloaded experts, fewer copies of
+        each host expert per prompt; the plan sets its activations aside).
         """
         resolved = _resolve_device(device)
         resolved_dtype = _resolve_dtype(dtype, resolved)
@@ -173,6 +178,8 @@ class Engine:
             raise NinferError(f"experts must be one of {', '.join(MODES)} (--experts), got {experts!r}")
         if max_sequences < 1:
             raise NinferError(f"max_sequences must be >= 1 (--max-concurrency), got {max_sequences}")
+        if prefill_chunk < 1:
+            raise NinferError(f"prefill_chunk must be >= 1 (--prefill-chunk), got {prefill_chunk}")
         ops = _backend_for(resolved, backend)
         artifact = open_artifact(path)
         try:
@@ -194,7 +201,7 @@ class Engine:
             free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
             request = ExpertRequest(
                 experts, profile, vram_budget, num_slots, max_sequences, capacity, draft_tokens, mtp,
-                "fp8" if kv_dtype == "fp8" else "bf16", PREFILL_CHUNK, proposal_head,
+                "fp8" if kv_dtype == "fp8" else "bf16", prefill_chunk, proposal_head,
             )
             expert_plan = expert_load_plan(inventory, resolved, request, None if free is None else free - sum(state_and_weights.values()))
             if resolved.type == "cuda":
@@ -209,7 +216,7 @@ class Engine:
         except BaseException:
             artifact.close()
             raise
-        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs, expert_plan, speculation)
+        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs, expert_plan, speculation, prefill_chunk)
 
     def placement_report(self) -> str:
         """One line: where the routed experts went (and the plan behind it), and the VRAM in use against the plan."""
@@ -246,13 +253,13 @@ class Engine:
             session.close()
 
     def prefill(self, session: Session, token_ids: Iterable[int]) -> torch.Tensor:
-        """Append `token_ids` to `session` in chunks of at most PREFILL_CHUNK; hidden states [T, H]."""
+        """Append `token_ids` to `session` in chunks of at most `prefill_chunk`; hidden states [T, H]."""
         ids = self._token_list(token_ids)
         slot = session.live_slot()
         self._check_room(session.length, len(ids))
         hidden = []
-        for c0 in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[c0 : c0 + PREFILL_CHUNK]
+        for c0 in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[c0 : c0 + self.prefill_chunk]
             tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
             with torch.no_grad(), self.store.forward(prefill=True):
                 hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
@@ -375,16 +382,17 @@ class Engine:
 
         return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids)
 
-    def warm_up(self, longest_prefill: int = PREFILL_CHUNK) -> float:
+    def warm_up(self, longest_prefill: int | None = None) -> float:
         """Compile the kernels and capture the decode steps requests will use, before the first request:
-        prefills of each length in WARM_UP_PREFILLS and of `longest_prefill` tokens on a scratch sequence
-        (and, where the context allows, a second chunk after a full one: attention over cached rows), then
-        the step graph of every batch bucket (with speculation also the verify steps and the MTP steps).
-        Returns the seconds it took."""
+        prefills of each length in WARM_UP_PREFILLS and of `longest_prefill` tokens (default: a whole
+        chunk) on a scratch sequence (and, where the context allows, a second chunk after a full one:
+        attention over cached rows), then the step graph of every batch bucket (with speculation also the
+        verify steps and the MTP steps). Returns the seconds it took."""
         began = time.perf_counter()
         if self.device.type == "cuda":
+            longest_prefill = self.prefill_chunk if longest_prefill is None else longest_prefill
             lengths = {*WARM_UP_PREFILLS, longest_prefill}
-            if longest_prefill >= PREFILL_CHUNK and longest_prefill + WARM_UP_PREFILLS[-1] < self.max_context:
+            if longest_prefill >= self.prefill_chunk and longest_prefill + WARM_UP_PREFILLS[-1] < self.max_context:
                 lengths.add(longest_prefill + WARM_UP_PREFILLS[-1])
             for length in sorted(lengths):
                 session = self.session()
