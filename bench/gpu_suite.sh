@@ -45,7 +45,7 @@ for bench in $BENCHES; do
       python3 bench/offload.py /tmp/q36_nvfp4.ninfer --out "$OUT/offload_nvfp4.json" --budgets 15 --tokens 128 --warmup 128 \
         --skip-accelerate --commit "$COMMIT" 2>&1 | tail -3 ;;
     offload_cpu) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_cpu.json" --budgets 15 --tokens 128 --warmup 128 \
-      --miss-paths cpu auto --skip-accelerate --commit "$COMMIT" 2>&1 | tail -6 ;;
+      --miss-paths cpu auto --skip-accelerate --trace-dir "$OUT/traces" --commit "$COMMIT" 2>&1 | tail -6 ;;
     *) echo "unknown benchmark $bench" ;;
   esac
 done

@@ -179,9 +179,10 @@ class TraceRun:
             session.close()
         return best
 
-    def prefill_profiled(self, engine: Engine, offset: int) -> tuple[float, dict]:
-        """`prefill` (the faster of two), and one more prefill under the profiler (`profiling.stream_timeline`)."""
-        return self.prefill(engine, offset), stream_timeline(partial(self.prefill, engine, offset, repeats=1))
+    def prefill_profiled(self, engine: Engine, offset: int, trace: Path | None = None) -> tuple[float, dict]:
+        """`prefill` (the faster of two), and one more prefill under the profiler (`profiling.stream_timeline`;
+        its Chrome trace kept at `trace`, if given)."""
+        return self.prefill(engine, offset), stream_timeline(partial(self.prefill, engine, offset, repeats=1), trace)
 
 
 # The prefill settings the benchmark compares with the engine's: attributes of the store's `PrefillStaging`
@@ -217,14 +218,16 @@ def resident_prefill_by_chunk(runner: TraceRun, resident: Engine, offset: int, d
 
 
 def prefill_variants(
-    runner: TraceRun, engine: Engine, trace: np.ndarray, offset: int, resident_by_chunk: dict, h2d: float
+    runner: TraceRun, engine: Engine, trace: np.ndarray, offset: int, resident_by_chunk: dict, h2d: float, traces: Path | None
 ) -> list[dict]:
     """The 4K prefill (`TraceRun.prefill_profiled`) with each of PREFILL_VARIANTS' settings, its distinct host
-    bytes per chunk and its fraction of the roofline (the resident prefill at the same chunk size)."""
+    bytes per chunk and its fraction of the roofline (the resident prefill at the same chunk size); the
+    profiled prefills' Chrome traces under `traces`, if given."""
     results = []
     for name, (target, settings) in PREFILL_VARIANTS.items():
         with applied(engine.store.staging if target == "staging" else engine, settings):
-            seconds, streams = runner.prefill_profiled(engine, offset)
+            keep = traces / f"{'_'.join(name.split())}.json.gz" if traces is not None else None
+            seconds, streams = runner.prefill_profiled(engine, offset, keep)
             pcie = prefill_pcie_bytes(engine, trace, offset)
             resident_s = PREFILL_TOKENS / resident_by_chunk[engine.prefill_chunk]
         results.append({
@@ -402,6 +405,7 @@ def main() -> None:
     )
     parser.add_argument("--floor-tokens", type=int, default=4, help="timed decode steps of the floor")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
+    parser.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled prefills' Chrome traces here (gzipped)")
     args = parser.parse_args()
     if args.floor_layers and args.floor_layers[0] == args.floor_layers[1]:
         parser.error("--floor-layers takes two different depths")
@@ -439,7 +443,8 @@ def main() -> None:
     config = resident.artifact.components["text"].config
     step, _ = runner.decode(resident, args.warmup, args.tokens)
     runner.prefill(resident, prefill_offset)  # compiles and tunes the prefill kernels
-    prefill, resident_streams = runner.prefill_profiled(resident, prefill_offset)
+    traces = args.trace_dir
+    prefill, resident_streams = runner.prefill_profiled(resident, prefill_offset, traces and traces / "resident.json.gz")
     resident_by_chunk = resident_prefill_by_chunk(runner, resident, prefill_offset, prefill)
     report["resident"] = {
         "decode_tok_s": 1 / step, "step_s": step, "prefill_4k_tok_s": PREFILL_TOKENS / prefill, "time_to_ready_s": resident_ready,
@@ -457,10 +462,11 @@ def main() -> None:
         capacity = sum(map(len, engine.expert_plan.placement.pinned[: trace.shape[1]])) + engine.store.cache_slots
         pcie = prefill_pcie_bytes(engine, trace, prefill_offset)
         moved = engine.store.stats.pcie_bytes
-        prefill_s, streams = runner.prefill_profiled(engine, prefill_offset)
+        budget_traces = traces and traces / f"{budget_gib:g}gib"
+        prefill_s, streams = runner.prefill_profiled(engine, prefill_offset, budget_traces and budget_traces / "default.json.gz")
         moved = (engine.store.stats.pcie_bytes - moved) // 3  # three prefills
         staged = engine.store.staging is not None
-        variants = prefill_variants(runner, engine, trace, prefill_offset, resident_by_chunk, h2d) if staged else []
+        variants = prefill_variants(runner, engine, trace, prefill_offset, resident_by_chunk, h2d, budget_traces) if staged else []
         inventory = inventory or Inventory.from_artifact(engine.artifact)
         placement = engine.expert_plan.plan
         options = placement.options if placement is not None else PlanOptions(speculative="none", max_context=engine.max_context)

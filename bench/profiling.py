@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 STAGES = (  # kernel-name fragment -> stage of the per-step breakdown (first match wins)
@@ -57,6 +59,7 @@ def kernel_breakdown(run, repeats: int) -> tuple[dict, list[dict], dict]:
 
 
 DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories that occupy a CUDA stream
+RUNTIME_CALLS = 8  # the costliest CUDA runtime calls a timeline names
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -71,15 +74,21 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def timeline_from_trace(events: list[dict]) -> dict:
-    """Per-stream busy time, kernels and copies, device busy time, the streams' overlap and the host's
-    synchronizing calls, from Chrome-trace events (microsecond `ts`/`dur`, the stream in `args`)."""
+    """Per-stream busy time, kernels and copies, device busy time, the streams' overlap, the time between
+    the first and last device activity when no stream was busy (the device waiting for the host), the
+    host's synchronizing calls and its CUDA runtime calls by name (the costliest RUNTIME_CALLS), from
+    Chrome-trace events (microsecond `ts`/`dur`, the stream in `args`)."""
     streams: dict[int, dict] = {}
     host_sync_us = 0.0
+    runtime: dict[str, list[float]] = {}
     for event in events:
         kind, duration = event.get("cat"), float(event.get("dur", 0.0))
         if kind not in DEVICE_ACTIVITIES:
-            if kind == "cuda_runtime" and "Synchronize" in event.get("name", ""):
-                host_sync_us += duration
+            if kind in ("cuda_runtime", "cuda_driver"):
+                calls = runtime.setdefault(event.get("name", "?"), [0, 0.0])
+                calls[0], calls[1] = calls[0] + 1, calls[1] + duration
+                if "Synchronize" in event.get("name", ""):
+                    host_sync_us += duration
             continue
         stream = streams.setdefault(int(event["args"]["stream"]), {"intervals": [], "kernels": 0, "copies": 0, "copy_us": 0.0})
         stream["intervals"].append((float(event["ts"]), float(event["ts"]) + duration))
@@ -88,12 +97,17 @@ def timeline_from_trace(events: list[dict]) -> dict:
             stream["copy_us"] += duration
         else:
             stream["kernels"] += 1
-    everything = _union([interval for stream in streams.values() for interval in stream["intervals"]])
+    intervals = [interval for stream in streams.values() for interval in stream["intervals"]]
+    everything = _union(intervals)
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals) if intervals else 0.0
     busy = {sid: _union(stream["intervals"]) for sid, stream in streams.items()}
+    costliest = sorted(runtime.items(), key=lambda kv: -kv[1][1])[:RUNTIME_CALLS]
     return {
         "device_busy_ms": everything / 1e3,
+        "device_idle_ms": (span - everything) / 1e3,
         "streams_overlap_ms": (sum(busy.values()) - everything) / 1e3,
         "host_sync_ms": host_sync_us / 1e3,
+        "runtime_calls": {name: {"calls": calls, "ms": us / 1e3} for name, (calls, us) in costliest},
         "streams": {
             str(sid): {"busy_ms": busy[sid] / 1e3, "kernels": s["kernels"], "copies": s["copies"], "copy_ms": s["copy_us"] / 1e3}
             for sid, s in sorted(streams.items(), key=lambda kv: -busy[kv[0]])
@@ -101,10 +115,13 @@ def timeline_from_trace(events: list[dict]) -> dict:
     }
 
 
-def stream_timeline(run) -> dict:
+def stream_timeline(run, keep: Path | None = None) -> dict:
     """Where one `run()`'s GPU time goes by stream (torch profiler, read back from its Chrome trace):
-    the run's wall time and `timeline_from_trace` of its events."""
+    the run's wall time and `timeline_from_trace` of its events; `keep`: also write the trace there
+    (gzipped JSON, for chrome://tracing or Perfetto)."""
+    import gzip
     import json
+    import shutil
     import tempfile
     import time
 
@@ -119,4 +136,8 @@ def stream_timeline(run) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         events = json.load(open(trace.name)).get("traceEvents", [])
+        if keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            with open(trace.name, "rb") as source, gzip.open(keep, "wb") as target:
+                shutil.copyfileobj(source, target)
     return {"wall_ms": wall * 1e3, **timeline_from_trace(events)}

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from profiling import timeline_from_trace  # noqa: E402
 
 
-def test_streams_busy_time_merges_overlaps_and_counts_overlap_between_streams():
+def test_streams_busy_time_merges_overlaps_and_counts_overlap_between_streams_and_idle_time():
     events = [
         {"cat": "kernel", "name": "a", "ts": 0.0, "dur": 10.0, "args": {"stream": 7}},
         {"cat": "kernel", "name": "b", "ts": 5.0, "dur": 10.0, "args": {"stream": 7}},  # overlaps a: 15 us busy
@@ -23,8 +23,13 @@ def test_streams_busy_time_merges_overlaps_and_counts_overlap_between_streams():
     ]
     timeline = timeline_from_trace(events)
     assert timeline["device_busy_ms"] == pytest.approx(32e-3)  # [0, 30] and [40, 42]
+    assert timeline["device_idle_ms"] == pytest.approx(10e-3)  # (30, 40): no stream busy
     assert timeline["streams_overlap_ms"] == pytest.approx(5e-3)  # stream 7's [10, 15] under the copy
     assert timeline["host_sync_ms"] == pytest.approx(3e-3)
+    assert timeline["runtime_calls"] == {  # costliest first; CPU ops are not runtime calls
+        "cudaLaunchKernel": {"calls": 1, "ms": pytest.approx(0.1)},
+        "cudaStreamSynchronize": {"calls": 1, "ms": pytest.approx(3e-3)},
+    }
     assert list(timeline["streams"]) == ["20", "7"]  # busiest first
     assert timeline["streams"]["7"] == {"busy_ms": pytest.approx(15e-3), "kernels": 2, "copies": 0, "copy_ms": 0.0}
     assert timeline["streams"]["20"] == {"busy_ms": pytest.approx(22e-3), "kernels": 1, "copies": 1, "copy_ms": pytest.approx(20e-3)}
