@@ -131,6 +131,25 @@ def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident
         assert torch.equal(got, want)
 
 
+def test_each_prefill_chunk_stages_its_own_host_experts(tiny_artifact_official):
+    """`prefill_chunk=160` and a 320-token prompt: two forwards, each past the staging threshold, each
+    copying the host experts it uses (an expert both use is staged twice), and the logits equal those of
+    a resident engine prefilling in the same chunks."""
+    prompt = LONG_PROMPT + LONG_PROMPT[::-1]
+    resident = Engine.load(tiny_artifact_official, spec="none", prefill_chunk=160)
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none", prefill_chunk=160)
+    in_vram = engine.store.cache.in_vram[: engine.config.num_layers]
+    got, want = _run(engine, prompt), _run(resident, prompt)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    records = engine.store.staged_records[: engine.config.num_layers].numpy()
+    assert engine.store.stats.staged == records.sum() > 0
+    assert records.max() == 2  # once per chunk at most, and some expert staged by both chunks
+    assert not records[in_vram].any()  # never an expert already in VRAM (a static cache: it did not change)
+    resident.close()
+    engine.close()
+
+
 def test_a_prefill_needing_more_experts_than_staging_slots_stages_the_most_used(tiny_artifact_official, resident_long, monkeypatch):
     """Three staging slots for up to eight host experts per layer: each layer stages its
     three most used missing experts, the others are read over PCIe per use, and the logits still equal the
