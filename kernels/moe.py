@@ -78,6 +78,7 @@ PREFILL_TILES = Tiles(64, 64, 64, 4, 64, 3)  # H200 sweep, 2048 tokens: 0.86 ms 
 # Its block_m is PREFILL_TILES' (`routed_experts_split`'s two passes share one plan).
 HOST_PREFILL_TILES = Tiles(64, 32, 64, 4, 256, 3)
 PREFILL_MIN_PAIRS = 256
+EVERY_BLOCK, FIRST_PASS, SECOND_PASS = 0, 1, 2  # which blocks a tiled launch runs (`_runs`)
 # Up to this many (token, slot) pairs each pair is its own block: no sort, no scatter (decode).
 PAIR_PLAN_MAX = 64
 
@@ -350,12 +351,24 @@ def _down_gemv_kernel(
 
 
 @triton.jit
+def _runs(e, deferred, PASS: tl.constexpr):
+    """Whether a tiled kernel's block of expert `e` (-1: an empty block) runs in pass PASS: 0 every block,
+    1 those of experts not `deferred` ([E] bool), 2 those of deferred experts."""
+    run = e >= 0
+    if PASS != 0:
+        later = tl.load(deferred + tl.maximum(e, 0)).to(tl.int32)
+        run = run & ((later != 0) == (PASS == 2))
+    return run
+
+
+@triton.jit
 def _gate_up_swiglu_kernel(
     x,
     arena,
     table,
     block_expert,
     block_pairs,
+    deferred,
     act,
     stride_x,
     H,
@@ -372,10 +385,11 @@ def _gate_up_swiglu_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    PASS: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
-    if e >= 0:
+    if _runs(e, deferred, PASS):
         record = arena + tl.multiple_of(tl.load(table + e), 256)
         pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_mask = pairs >= 0
@@ -411,6 +425,7 @@ def _down_kernel(
     table,
     block_expert,
     block_pairs,
+    deferred,
     weights,
     out,
     H,
@@ -427,10 +442,11 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    PASS: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
-    if e >= 0:
+    if _runs(e, deferred, PASS):
         down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
         pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_mask = pairs >= 0
@@ -487,7 +503,7 @@ def routed_experts(
     else:
         plan = plan_work(topk_ids, table.numel(), tiles.block_m)
     act, weighted = _buffers(x, pairs, layout)
-    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, plan.block_expert, tiles, act, weighted)
+    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, tiles, act, weighted)
     return sum_middle(weighted.view(t, -1, hidden), x.dtype)
 
 
@@ -514,13 +530,11 @@ def routed_experts_split(
         raise ValueError(f"two-pass routed experts are for prefill chunks of more than {PREFILL_MIN_PAIRS} pairs, got {pairs}")
     x = x.contiguous()
     plan = plan_work(topk_ids, table.numel(), PREFILL_TILES.block_m)
-    deferred = later[plan.block_expert.clamp_min(0)] & (plan.block_expert >= 0)
-    first, second = plan.block_expert.masked_fill(deferred, -1), plan.block_expert.masked_fill(~deferred, -1)
     act, weighted = _buffers(x, pairs, layout)
     first_tiles = HOST_PREFILL_TILES if host_records else PREFILL_TILES
-    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, first, first_tiles, act, weighted)
+    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, first_tiles, act, weighted, later, FIRST_PASS)
     wait()
-    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, second, PREFILL_TILES, act, weighted)
+    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, PREFILL_TILES, act, weighted, later, SECOND_PASS)
     return sum_middle(weighted.view(t, -1, hidden), x.dtype)
 
 
@@ -538,28 +552,31 @@ def _tiled(
     table: torch.Tensor,
     layout: ExpertRecordLayout,
     plan: WorkPlan,
-    block_expert: torch.Tensor,
     tiles: Tiles,
     act: torch.Tensor,
     weighted: torch.Tensor,
+    deferred: torch.Tensor | None = None,
+    which: int = EVERY_BLOCK,
 ) -> None:
-    """The two tiled kernels over the blocks of `plan` whose `block_expert` (the plan's, or a copy with
-    blocks masked to -1) is not -1: their pairs' rows of `act`, then of `weighted`."""
+    """The two tiled kernels over the blocks of `plan` (all, or with `deferred` [E] bool those of the
+    experts not deferred (FIRST_PASS) or deferred (SECOND_PASS)): their pairs' rows of `act`, then of
+    `weighted`."""
     hidden, inter, top_k = x.shape[1], layout.down.k, topk_ids.shape[1]
     gu, dn = TileGeometry.of(layout.gate_up), TileGeometry.of(layout.down)
-    blocks = block_expert.numel()
+    blocks = plan.block_expert.numel()
     ieee = x.dtype == torch.float32
+    deferred = plan.block_expert if deferred is None else deferred  # (not read by EVERY_BLOCK)
     _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
-        x, arena, table, block_expert, plan.block_pairs, act, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
-        gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_M=plan.block_m,
-        BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, num_warps=tiles.warps, num_stages=tiles.stages,
+        x, arena, table, plan.block_expert, plan.block_pairs, deferred, act, x.stride(0), hidden, inter, gu.high_offset,
+        gu.scale_offset, gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
+        BLOCK_M=plan.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, PASS=which,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
-        act, arena, table, block_expert, plan.block_pairs, topk_weights.reshape(-1).contiguous(), weighted, hidden, inter,
-        layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset,
+        act, arena, table, plan.block_expert, plan.block_pairs, deferred, topk_weights.reshape(-1).contiguous(), weighted, hidden,
+        inter, layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset,
         NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=plan.block_m, BLOCK_N=tiles.down_n,
-        BLOCK_K=block_k_for(dn.k_pad, tiles.block_k), IEEE=ieee, num_warps=tiles.warps, num_stages=tiles.stages,
+        BLOCK_K=block_k_for(dn.k_pad, tiles.block_k), IEEE=ieee, PASS=which, num_warps=tiles.warps, num_stages=tiles.stages,
     )
 
 
