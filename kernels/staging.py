@@ -1,9 +1,13 @@
-"""Copying the host records a prefill chunk stages into the arena's staging slots, in one launch.
+"""Staging a prefill chunk's host experts: which ones get the slots, and copying their records, one launch each.
 
-`gather_records` reads each chosen expert's record where the layer's table points (host memory
+`choose_staged` (one program) counts the chunk's uses per expert, ranks the used experts whose table
+offsets fall outside the arena by uses (a sort of packed keys, ties to the lower id), gives the first
+ones the slots and writes the table copy pointing at them, the staged mask, the per-slot lists and the
+staged counters; its reference op is `runtime.prefill_staging.choose_staged_reference` (the same
+choice in a dozen torch ops). `gather_records` reads each chosen expert's record where the layer's table points (host memory
 mapped for the device: a read over PCIe) and writes it into its slot; the few programs the caller
 asks for walk the (record, block) pairs, so the copy takes a few SMs beside the kernels that compute
-meanwhile. Which experts and slots are device tensors: nothing is decided on the host. The reference
+meanwhile. Which experts and slots are device tensors: nothing is decided on the host. Its reference
 op is `runtime.prefill_staging.gather_records_reference`.
 """
 
@@ -14,6 +18,62 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048  # words per load (16 KiB in flight per program)
+IDS_BLOCK = 1024  # routing ids counted per step of `choose_staged`
+
+
+@triton.jit
+def _choose_staged_kernel(
+    ids, n, table, arena_bytes, offsets, slots_count, table_out, staged, experts_out, slots_out, valid_out, staged_uses,
+    staged_records, left, E, BLOCK_E: tl.constexpr, IDS_BLOCK: tl.constexpr,
+):
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, n, IDS_BLOCK):
+        at = start + tl.arange(0, IDS_BLOCK)
+        inside = at < n
+        counts += tl.histogram(tl.load(ids + at, mask=inside, other=0).to(tl.int32), BLOCK_E)
+        counts -= tl.where(e == 0, tl.sum((~inside).to(tl.int32)), 0)  # the padding counted as expert 0
+    real = e < E
+    offset = tl.load(table + e, mask=real, other=0)
+    missing = real & (counts > 0) & ((offset < 0) | (offset >= arena_bytes))
+    key = tl.where(real, tl.where(missing, counts, 0) * BLOCK_E + (BLOCK_E - 1 - e), -1)  # distinct keys
+    ranked = tl.sort(key, descending=True)
+    expert = BLOCK_E - 1 - ranked % BLOCK_E
+    used = ranked // BLOCK_E
+    rank = e
+    taken = rank < slots_count  # (slots_count <= E: only real experts)
+    valid = taken & (used > 0)
+    slot = tl.load(offsets + rank, mask=taken, other=0)
+    tl.store(experts_out + rank, expert.to(tl.int64), mask=taken)
+    tl.store(slots_out + rank, slot, mask=taken)
+    tl.store(valid_out + rank, valid.to(tl.int1), mask=taken)
+    tl.store(table_out + e, offset, mask=real)
+    tl.store(staged + e, tl.zeros([BLOCK_E], dtype=tl.int1), mask=real)
+    tl.debug_barrier()  # the copies above land before the staged experts' entries overwrite them
+    tl.store(table_out + expert, slot, mask=valid)
+    tl.store(staged + expert, valid.to(tl.int1), mask=valid)
+    tl.store(staged_uses + expert, tl.load(staged_uses + expert, mask=valid, other=0) + used.to(tl.int32), mask=valid)
+    tl.store(staged_records + expert, tl.load(staged_records + expert, mask=valid, other=0) + 1, mask=valid)
+    tl.store(left, tl.sum(missing.to(tl.int32)) > tl.sum(valid.to(tl.int32)))
+
+
+def choose_staged(
+    topk_ids: torch.Tensor, table: torch.Tensor, arena_bytes: int, offsets: torch.Tensor, staged_uses: torch.Tensor,
+    staged_records: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """`runtime.prefill_staging.choose_staged_reference` in one launch (int32 counters): the fields of its
+    `StagingChoice`, in order."""
+    experts, device = table.numel(), table.device
+    count = min(offsets.numel(), experts)
+    chosen, staged = torch.empty_like(table), torch.empty(experts, dtype=torch.bool, device=device)
+    slot_experts, slots = torch.empty(count, dtype=torch.int64, device=device), torch.empty(count, dtype=torch.int64, device=device)
+    valid, left = torch.empty(count, dtype=torch.bool, device=device), torch.empty((), dtype=torch.bool, device=device)
+    ids = topk_ids.reshape(-1).contiguous()
+    _choose_staged_kernel[(1,)](
+        ids, ids.numel(), table, arena_bytes, offsets, count, chosen, staged, slot_experts, slots, valid, staged_uses, staged_records,
+        left, experts, BLOCK_E=triton.next_power_of_2(experts), IDS_BLOCK=IDS_BLOCK, num_warps=4,
+    )
+    return chosen, staged, slot_experts, slots, valid, left
 
 
 @triton.jit

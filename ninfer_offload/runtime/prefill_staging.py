@@ -5,8 +5,8 @@ A prefill chunk (`ExpertStore.forward(prefill=True)`, never captured) with more 
 MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per block of its tokens,
 in short runs. Instead, when a layer's routing is known, `PrefillStaging` copies the experts it uses that
 are not in VRAM into the staging slots, the most used first, as many as fit, once per chunk: decided on
-the device (per-expert counts, a top-k, a copy of the layer's table pointing the staged experts at their
-slots) and copied by one gather kernel (`kernels.staging`); the host waits only for whether some used
+the device by one kernel (`kernels.staging.choose_staged`: per-expert counts, a ranking, a copy of the
+layer's table pointing the staged experts at their slots) and copied by one gather kernel; the host waits only for whether some used
 expert is left in host memory, and only when more experts are outside VRAM than there are slots. The MoE
 kernels run on that table in two passes (`Backend.routed_experts_split`): on CUDA the copy runs on its
 copy stream while the compute stream computes the pairs of the other experts (those in VRAM, and those
@@ -24,6 +24,8 @@ without letting the copy run ahead.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ninfer_offload.model.experts import ExpertBank
@@ -32,6 +34,43 @@ from ninfer_offload.model.experts import ExpertBank
 # prefill): 64 programs 10.2K tok/s, 16 programs 10.0K (the compute stream 28 % faster beside it, the
 # copy no shorter).
 GATHER_PROGRAMS = 64
+
+
+class StagingChoice(NamedTuple):
+    """Which used experts outside VRAM a layer stages (all on the device): the layer's table with them
+    pointing at their slots, an [E] bool of the staged ones, per slot the expert, its byte offset and
+    whether it is used, and whether some used expert outside VRAM got no slot (a 0-dim bool)."""
+
+    table: torch.Tensor
+    staged: torch.Tensor
+    experts: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor
+    left: torch.Tensor
+
+
+def choose_staged_reference(
+    topk_ids: torch.Tensor, table: torch.Tensor, arena_bytes: int, offsets: torch.Tensor, staged_uses: torch.Tensor,
+    staged_records: torch.Tensor,
+) -> StagingChoice:
+    """What `kernels.staging.choose_staged` does: the experts `topk_ids` uses whose `table` offsets fall outside
+    the arena get the slots at byte `offsets`, the most used first (ties: the lower id), as many as there
+    are slots; their uses and records are added to `staged_uses` / `staged_records` [E]."""
+    experts_count = table.numel()
+    flat = topk_ids.reshape(-1)  # (not bincount: on CUDA it syncs twice, for the ids' min and max)
+    counts = torch.zeros(experts_count, dtype=torch.int64, device=table.device).index_add_(0, flat, torch.ones_like(flat))
+    missing = (counts > 0) & ((table < 0) | (table >= arena_bytes))
+    ids = torch.arange(experts_count, device=table.device)
+    key = torch.where(missing, counts, 0) * experts_count + (experts_count - 1 - ids)  # distinct: no ties for topk
+    top, _ = torch.topk(key, min(offsets.numel(), experts_count))
+    experts, used = experts_count - 1 - top % experts_count, top // experts_count
+    valid = used > 0
+    slots = offsets[: experts.numel()]
+    chosen = table.clone().scatter_(0, experts, torch.where(valid, slots, table[experts]))
+    staged = torch.zeros(experts_count, dtype=torch.bool, device=table.device).scatter_(0, experts, valid)
+    staged_uses.index_add_(0, experts, torch.where(valid, used, 0).to(staged_uses.dtype))
+    staged_records.index_add_(0, experts, valid.to(staged_records.dtype))
+    return StagingChoice(chosen, staged, experts, slots, valid, missing.sum() > valid.sum())
 
 
 def gather_records_reference(
@@ -73,23 +112,19 @@ class PrefillStaging:
         memory (the first pass then takes the PCIe tiles): when more experts are outside VRAM than there
         are slots, the host waits for that answer while the copy runs; otherwise none can be."""
         store = self.store
-        table = store.table[layer].clone()
-        flat = topk_ids.reshape(-1)  # (not bincount: on CUDA it syncs twice, for the ids' min and max)
-        counts = torch.zeros(store.num_experts, dtype=torch.int64, device=store.device).index_add_(0, flat, torch.ones_like(flat))
-        missing = (counts > 0) & ((table < 0) | (table >= store.arena.numel()))
-        used, experts = torch.topk(torch.where(missing, counts, 0), min(self.slots, store.num_experts))
-        valid = used > 0
-        slots = self._offsets[: experts.numel()]
-        table.scatter_(0, experts, torch.where(valid, slots, table[experts]))
-        staged = torch.zeros(store.num_experts, dtype=torch.bool, device=store.device).scatter_(0, experts, valid)
-        store.staged_uses[layer].index_add_(0, experts, torch.where(valid, used, 0).to(torch.int32))
-        store.staged_records[layer].index_add_(0, experts, valid.to(torch.int32))
-        self._stage(layer, experts, slots, valid)
+        args = (topk_ids, store.table[layer], store.arena.numel(), self._offsets, store.staged_uses[layer], store.staged_records[layer])
+        if store.device.type == "cuda":
+            from ninfer_offload.kernels.staging import choose_staged
+
+            choice = StagingChoice(*choose_staged(*args))
+        else:
+            choice = choose_staged_reference(*args)
+        self._stage(layer, choice.experts, choice.slots, choice.valid)
         # Whether some used expert stays in host memory: impossible when every expert outside VRAM has a slot
         # (the host's view of the table tells, no sync); otherwise one host sync, with the copy under way.
         outside = int((~store.cache.in_vram[layer]).sum())
-        left = outside > self.slots and bool(missing.sum() > valid.sum())
-        return ExpertBank(store.layouts[layer], store.arena, table, store.host[layer] if left else None), staged
+        left = outside > self.slots and bool(choice.left)
+        return ExpertBank(store.layouts[layer], store.arena, choice.table, store.host[layer] if left else None), choice.staged
 
     def _stage(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """Copy the host records of `experts` (where `valid`) into the staging slots at byte offsets `slots`.
