@@ -6,15 +6,15 @@ MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per 
 in short runs. Instead, when a layer's routing is known, `PrefillStaging` copies the experts it uses that
 are not in VRAM into the staging slots, the most used first, as many as fit, once per chunk: decided on
 the device by one kernel (`kernels.staging.choose_staged`: per-expert counts, a ranking, a copy of the
-layer's table pointing the staged experts at their slots) and copied by one gather kernel; the host waits only for whether some used
-expert is left in host memory, and only when more experts are outside VRAM than there are slots. The MoE
-kernels run on that table in two passes (`Backend.routed_experts_split`): on CUDA the copy runs on its
-copy stream while the compute stream computes the pairs of the other experts (those in VRAM, and those
-left over in host memory, read over PCIe as before); then the compute stream waits for the layer's copy
-and computes the staged experts' pairs with the VRAM tiles. The copy stream first waits for the work
-queued on the compute stream, so a copy never overwrites slots the layer before reads. Decode steps never
-stage. Staged records count as PCIe bytes (`StoreStats.staged`), their uses not; both are counted on the
-device.
+layer's table pointing the staged experts at their slots) and copied by one gather kernel; the host
+waits only for whether some used expert is left in host memory, and only when more experts are outside
+VRAM than there are slots. The MoE kernels run on that table in two passes
+(`Backend.routed_experts_split`): on CUDA the copy runs on its copy stream while the compute stream
+computes the pairs of the other experts (those in VRAM, and those left over in host memory, read over
+PCIe as before); then the compute stream waits for the layer's copy and computes the staged experts'
+pairs with the VRAM tiles. The copy stream first waits for the work queued on the compute stream, so a
+copy never overwrites slots the layer before reads. Decode steps never stage. Staged records count as
+PCIe bytes (`StoreStats.staged`), their uses not; both are counted on the device.
 
 Copying the next layer's likely experts ahead of its routing (into a second buffer, while a layer
 computes) was measured slower in every form (`bench/results/offload_h200_15gib_prefill_variants_54cfc68.json`):
