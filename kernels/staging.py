@@ -3,12 +3,12 @@
 `choose_staged` (one program) counts the chunk's uses per expert, ranks the used experts whose table
 offsets fall outside the arena by uses (a sort of packed keys, ties to the lower id), gives the first
 ones the slots and writes the table copy pointing at them, the staged mask, the per-slot lists and the
-staged counters; its reference op is `runtime.prefill_staging.choose_staged_reference` (the same
-choice in a dozen torch ops). `gather_records` reads each chosen expert's record where the layer's table points (host memory
-mapped for the device: a read over PCIe) and writes it into its slot; the few programs the caller
-asks for walk the (record, block) pairs, so the copy takes a few SMs beside the kernels that compute
-meanwhile. Which experts and slots are device tensors: nothing is decided on the host. Its reference
-op is `runtime.prefill_staging.gather_records_reference`.
+use counters; its reference op is `runtime.prefill_staging.choose_staged_reference` (the same choice
+in a dozen torch ops). `gather_records` reads each chosen expert's record where the layer's table
+points (host memory mapped for the device: a read over PCIe) and writes it into its slot; the few
+programs the caller asks for walk the (record, block) pairs, so the copy takes a few SMs beside the
+kernels that compute meanwhile. Which experts and slots are device tensors: nothing is decided on the
+host. Its reference op is `runtime.prefill_staging.gather_records_reference`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ IDS_BLOCK = 1024  # routing ids counted per step of `choose_staged`
 
 @triton.jit
 def _choose_staged_kernel(
-    ids, n, table, arena_bytes, offsets, slots_count, table_out, staged, experts_out, slots_out, valid_out, staged_uses,
+    ids, n, table, arena_bytes, offsets, slots_count, table_out, staged, experts_out, slots_out, valid_out, uses, staged_uses,
     staged_records, left, E, BLOCK_E: tl.constexpr, IDS_BLOCK: tl.constexpr,
 ):
     e = tl.arange(0, BLOCK_E)
@@ -34,6 +34,7 @@ def _choose_staged_kernel(
         counts += tl.histogram(tl.load(ids + at, mask=inside, other=0).to(tl.int32), BLOCK_E)
         counts -= tl.where(e == 0, tl.sum((~inside).to(tl.int32)), 0)  # the padding counted as expert 0
     real = e < E
+    tl.store(uses + e, tl.load(uses + e, mask=real, other=0) + counts, mask=real)
     offset = tl.load(table + e, mask=real, other=0)
     missing = real & (counts > 0) & ((offset < 0) | (offset >= arena_bytes))
     key = tl.where(real, tl.where(missing, counts, 0) * BLOCK_E + (BLOCK_E - 1 - e), -1)  # distinct keys
@@ -58,8 +59,8 @@ def _choose_staged_kernel(
 
 
 def choose_staged(
-    topk_ids: torch.Tensor, table: torch.Tensor, arena_bytes: int, offsets: torch.Tensor, staged_uses: torch.Tensor,
-    staged_records: torch.Tensor,
+    topk_ids: torch.Tensor, table: torch.Tensor, arena_bytes: int, offsets: torch.Tensor, uses: torch.Tensor,
+    staged_uses: torch.Tensor, staged_records: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     """`runtime.prefill_staging.choose_staged_reference` in one launch (int32 counters): the fields of its
     `StagingChoice`, in order."""
@@ -70,8 +71,8 @@ def choose_staged(
     valid, left = torch.empty(count, dtype=torch.bool, device=device), torch.empty((), dtype=torch.bool, device=device)
     ids = topk_ids.reshape(-1).contiguous()
     _choose_staged_kernel[(1,)](
-        ids, ids.numel(), table, arena_bytes, offsets, count, chosen, staged, slot_experts, slots, valid, staged_uses, staged_records,
-        left, experts, BLOCK_E=triton.next_power_of_2(experts), IDS_BLOCK=IDS_BLOCK, num_warps=4,
+        ids, ids.numel(), table, arena_bytes, offsets, count, chosen, staged, slot_experts, slots, valid, uses, staged_uses,
+        staged_records, left, experts, BLOCK_E=triton.next_power_of_2(experts), IDS_BLOCK=IDS_BLOCK, num_warps=4,
     )
     return chosen, staged, slot_experts, slots, valid, left
 

@@ -50,11 +50,13 @@ def test_choose_staged_matches_reference(experts, tokens, slots):
     table = torch.where(inside, torch.randint(0, arena_bytes // 256, (experts,), generator=g) * 256, -(torch.arange(experts) + 1) * 4096)
     table = table.to(DEVICE)
     offsets = (arena_bytes + torch.arange(slots) * 512).to(DEVICE)  # the slots, past the arena for this test
-    counters = [torch.randint(0, 3, (experts,), generator=g, dtype=torch.int32).to(DEVICE) for _ in range(2)]  # uses, records
-    counters += [c.clone() for c in counters]
-    got = StagingChoice(*choose_staged(ids, table, arena_bytes, offsets, counters[0], counters[1]))
-    want = choose_staged_reference(ids, table, arena_bytes, offsets, counters[2], counters[3])
+    # uses, staged uses, staged records
+    mine = [torch.randint(0, 3, (experts,), generator=g, dtype=torch.int32).to(DEVICE) for _ in range(3)]
+    theirs = [c.clone() for c in mine]
+    got = StagingChoice(*choose_staged(ids, table, arena_bytes, offsets, *mine))
+    want = choose_staged_reference(ids, table, arena_bytes, offsets, *theirs)
     for name, a, b in zip(StagingChoice._fields, got, want):
         assert torch.equal(a.cpu(), b.cpu()), name
-    assert torch.equal(counters[0], counters[2]) and torch.equal(counters[1], counters[3])
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a, b)
     assert int(want.valid.sum()) == min(slots, int((~inside & (torch.bincount(ids.cpu().reshape(-1), minlength=experts) > 0)).sum()))

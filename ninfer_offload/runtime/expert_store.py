@@ -275,12 +275,12 @@ class ExpertStore:
         """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for layer `layer` -> [T, H]."""
         if self.replayed is not None:
             topk_ids = self.replayed[layer, : topk_ids.shape[0]]
+        if self.prefilling and self.staging is not None and self.staging.takes(topk_ids):
+            bank, later = self.staging.bank(layer, topk_ids)  # (it counts the uses too)
+            return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
         if self.cache is not None:
             flat = topk_ids.reshape(-1)
             self.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        if self.prefilling and self.staging is not None and self.staging.takes(topk_ids):
-            bank, later = self.staging.bank(layer, topk_ids)
-            return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
         if self.cpu_path is not None and self.cpu_path.active and topk_ids.shape[0] <= self.cpu_path.tokens:
             bank = self.bank(layer)
             return self.cpu_path.routed(backend, bank, layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])

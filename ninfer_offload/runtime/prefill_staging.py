@@ -50,15 +50,17 @@ class StagingChoice(NamedTuple):
 
 
 def choose_staged_reference(
-    topk_ids: torch.Tensor, table: torch.Tensor, arena_bytes: int, offsets: torch.Tensor, staged_uses: torch.Tensor,
-    staged_records: torch.Tensor,
+    topk_ids: torch.Tensor, table: torch.Tensor, arena_bytes: int, offsets: torch.Tensor, uses: torch.Tensor,
+    staged_uses: torch.Tensor, staged_records: torch.Tensor,
 ) -> StagingChoice:
     """What `kernels.staging.choose_staged` does: the experts `topk_ids` uses whose `table` offsets fall outside
     the arena get the slots at byte `offsets`, the most used first (ties: the lower id), as many as there
-    are slots; their uses and records are added to `staged_uses` / `staged_records` [E]."""
+    are slots; every expert's uses are added to `uses`, the staged ones' uses and records to
+    `staged_uses` / `staged_records` (each [E])."""
     experts_count = table.numel()
     flat = topk_ids.reshape(-1)  # (not bincount: on CUDA it syncs twice, for the ids' min and max)
     counts = torch.zeros(experts_count, dtype=torch.int64, device=table.device).index_add_(0, flat, torch.ones_like(flat))
+    uses += counts.to(uses.dtype)
     missing = (counts > 0) & ((table < 0) | (table >= arena_bytes))
     ids = torch.arange(experts_count, device=table.device)
     key = torch.where(missing, counts, 0) * experts_count + (experts_count - 1 - ids)  # distinct: no ties for topk
@@ -104,7 +106,8 @@ class PrefillStaging:
         return topk_ids.numel() > PREFILL_MIN_PAIRS
 
     def bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
-        """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device).
+        """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device);
+        the chunk's uses of the layer's experts are counted here.
         The experts its tokens use that are outside VRAM (their table offsets fall outside the arena)
         start copying into the staging slots, the most used first, as many as fit; a copy of the layer's
         table points at them: they can be read once `wait` was called. It is decided on the device, staged
@@ -112,7 +115,8 @@ class PrefillStaging:
         memory (the first pass then takes the PCIe tiles): when more experts are outside VRAM than there
         are slots, the host waits for that answer while the copy runs; otherwise none can be."""
         store = self.store
-        args = (topk_ids, store.table[layer], store.arena.numel(), self._offsets, store.staged_uses[layer], store.staged_records[layer])
+        counters = store.uses[layer], store.staged_uses[layer], store.staged_records[layer]
+        args = (topk_ids, store.table[layer], store.arena.numel(), self._offsets, *counters)
         if store.device.type == "cuda":
             from ninfer_offload.kernels.staging import choose_staged
 
