@@ -1,4 +1,5 @@
-"""Where a GPU run's time goes: kernel time by stage and by kernel, and CUDA runtime calls (torch profiler)."""
+"""Where a GPU run's time goes: kernel time by stage and by kernel, CUDA runtime calls, and a run's timeline by stream
+(torch profiler). `python bench/profiling.py TRACE.json.gz` prints the timeline of a kept trace."""
 
 from __future__ import annotations
 
@@ -60,24 +61,70 @@ def kernel_breakdown(run, repeats: int) -> tuple[dict, list[dict], dict]:
 
 DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories that occupy a CUDA stream
 RUNTIME_CALLS = 8  # the costliest CUDA runtime calls a timeline names
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "python_function")  # what the host does, in a trace
+BETWEEN_CALLS = "(between calls: Python)"
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """`intervals` [(start, end)] merged where they overlap, in order."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
     """Length covered by at least one of `intervals` [(start, end)]."""
-    total, reach = 0.0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            total, reach = total + end - start, end
-        elif end > reach:
-            total, reach = total + end - reach, end
-    return total
+    return sum(end - start for start, end in _merged(intervals))
+
+
+def _outermost(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start, end, name) of the host events not inside another on their thread, in order of start."""
+    threads: dict = {}
+    for event in events:
+        if event.get("cat") in HOST_CATEGORIES and "dur" in event:
+            threads.setdefault(event.get("tid"), []).append(event)
+    outermost = []
+    for thread in threads.values():
+        reach = float("-inf")
+        for event in sorted(thread, key=lambda e: (float(e["ts"]), -float(e["dur"]))):
+            start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
+            if start >= reach:
+                outermost.append((start, end, event.get("name", "?")))
+                reach = end
+    return sorted(outermost)
+
+
+def idle_by_host_call(events: list[dict], busy: list[tuple[float, float]], top: int = 10) -> dict[str, float]:
+    """Milliseconds of the device's idle gaps (between the merged `busy` intervals) spent in each outermost
+    host call (torch op, CUDA runtime or driver call), the rest as BETWEEN_CALLS (Python between
+    calls): the `top` largest. What the host was doing while the device waited for it."""
+    calls, spent = _outermost(events), {}
+    first = 0
+    for (_, gap_start), (gap_end, _) in zip(busy, busy[1:]):
+        while first < len(calls) and calls[first][1] <= gap_start:
+            first += 1
+        covered = 0.0
+        for start, end, name in calls[first:]:
+            if start >= gap_end:
+                break
+            overlap = min(end, gap_end) - max(start, gap_start)
+            if overlap > 0:
+                spent[name] = spent.get(name, 0.0) + overlap
+                covered += overlap
+        spent[BETWEEN_CALLS] = spent.get(BETWEEN_CALLS, 0.0) + max(0.0, gap_end - gap_start - covered)
+    return {name: us / 1e3 for name, us in sorted(spent.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def timeline_from_trace(events: list[dict]) -> dict:
     """Per-stream busy time, kernels and copies, device busy time, the streams' overlap, the time between
-    the first and last device activity when no stream was busy (the device waiting for the host), the
-    host's synchronizing calls and its CUDA runtime calls by name (the costliest RUNTIME_CALLS), from
-    Chrome-trace events (microsecond `ts`/`dur`, the stream in `args`)."""
+    the first and last device activity when no stream was busy (the device waiting for the host) and what
+    the host did meanwhile (`idle_by_host_call`), the host's synchronizing calls and its CUDA runtime calls
+    by name (the costliest RUNTIME_CALLS), from Chrome-trace events (microsecond `ts`/`dur`, the stream
+    in `args`)."""
     streams: dict[int, dict] = {}
     host_sync_us = 0.0
     runtime: dict[str, list[float]] = {}
@@ -98,13 +145,15 @@ def timeline_from_trace(events: list[dict]) -> dict:
         else:
             stream["kernels"] += 1
     intervals = [interval for stream in streams.values() for interval in stream["intervals"]]
-    everything = _union(intervals)
+    busy_spans = _merged(intervals)
+    everything = sum(end - start for start, end in busy_spans)
     span = max(end for _, end in intervals) - min(start for start, _ in intervals) if intervals else 0.0
     busy = {sid: _union(stream["intervals"]) for sid, stream in streams.items()}
     costliest = sorted(runtime.items(), key=lambda kv: -kv[1][1])[:RUNTIME_CALLS]
     return {
         "device_busy_ms": everything / 1e3,
         "device_idle_ms": (span - everything) / 1e3,
+        "idle_by_host_call_ms": idle_by_host_call(events, busy_spans),
         "streams_overlap_ms": (sum(busy.values()) - everything) / 1e3,
         "host_sync_ms": host_sync_us / 1e3,
         "runtime_calls": {name: {"calls": calls, "ms": us / 1e3} for name, (calls, us) in costliest},
@@ -141,3 +190,21 @@ def stream_timeline(run, keep: Path | None = None) -> dict:
             with open(trace.name, "rb") as source, gzip.open(keep, "wb") as target:
                 shutil.copyfileobj(source, target)
     return {"wall_ms": wall * 1e3, **timeline_from_trace(events)}
+
+
+def main() -> None:
+    """`python bench/profiling.py TRACE.json[.gz]`: the timeline of a kept Chrome trace (`stream_timeline(keep=...)`)."""
+    import argparse
+    import gzip
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("trace", type=Path)
+    path = parser.parse_args().trace
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as source:
+        events = json.load(source).get("traceEvents", [])
+    print(json.dumps(timeline_from_trace(events), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -33,3 +33,22 @@ def test_streams_busy_time_merges_overlaps_and_counts_overlap_between_streams_an
     assert list(timeline["streams"]) == ["20", "7"]  # busiest first
     assert timeline["streams"]["7"] == {"busy_ms": pytest.approx(15e-3), "kernels": 2, "copies": 0, "copy_ms": 0.0}
     assert timeline["streams"]["20"] == {"busy_ms": pytest.approx(22e-3), "kernels": 1, "copies": 1, "copy_ms": pytest.approx(20e-3)}
+
+
+def test_idle_device_time_is_attributed_to_what_the_host_was_doing():
+    """Two gaps between kernels: the first spent in a torch op (its nested launch not counted apart) and in
+    Python after it, the second in a synchronizing call."""
+    events = [
+        {"cat": "kernel", "name": "k1", "ts": 0.0, "dur": 10.0, "args": {"stream": 7}},
+        {"cat": "kernel", "name": "k2", "ts": 30.0, "dur": 10.0, "args": {"stream": 7}},
+        {"cat": "kernel", "name": "k3", "ts": 60.0, "dur": 5.0, "args": {"stream": 7}},
+        {"cat": "cpu_op", "name": "aten::index_add_", "ts": 8.0, "dur": 14.0, "tid": 1},  # 12 us of the gap (10, 30)
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 12.0, "dur": 5.0, "tid": 1},  # inside the op
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 41.0, "dur": 30.0, "tid": 1},  # 19 us of (40, 60)
+    ]
+    idle = timeline_from_trace(events)["idle_by_host_call_ms"]
+    assert idle == {
+        "cudaStreamSynchronize": pytest.approx(19e-3),
+        "aten::index_add_": pytest.approx(12e-3),
+        "(between calls: Python)": pytest.approx(9e-3),  # 8 of the first gap, 1 of the second
+    }
