@@ -209,6 +209,11 @@ def applied(owner, settings: dict):
             setattr(owner, key, value)
 
 
+def roofline_fraction(seconds: float, resident_tok_s: float, pcie_bytes: int, h2d: float) -> float:
+    """A 4K prefill of `seconds` against its roofline: the larger of the resident prefill's time and the PCIe time."""
+    return max(PREFILL_TOKENS / resident_tok_s, pcie_bytes / h2d) / seconds
+
+
 def resident_prefill_by_chunk(runner: TraceRun, resident: Engine, offset: int, default_s: float) -> dict[int, float]:
     """Resident 4K prefill tok/s at the engine's chunk size (`default_s` seconds) and at each of VARIANT_CHUNKS."""
     by_chunk = {resident.prefill_chunk: PREFILL_TOKENS / default_s}
@@ -230,11 +235,11 @@ def prefill_variants(
             keep = traces / f"{'_'.join(name.split())}.json.gz" if traces is not None else None
             seconds, streams = runner.prefill_profiled(engine, offset, keep)
             pcie = prefill_pcie_bytes(engine, trace, offset)
-            resident_s = PREFILL_TOKENS / resident_by_chunk[engine.prefill_chunk]
+            fraction = roofline_fraction(seconds, resident_by_chunk[engine.prefill_chunk], pcie, h2d)
         results.append({
             "variant": name, "settings": {key: str(value) for key, value in settings.items()},
-            "prefill_4k_tok_s": PREFILL_TOKENS / seconds, "prefill_pcie_bytes": pcie,
-            "prefill_roofline_fraction": max(resident_s, pcie / h2d) / seconds, "streams": streams,
+            "prefill_4k_tok_s": PREFILL_TOKENS / seconds, "prefill_pcie_bytes": pcie, "prefill_roofline_fraction": fraction,
+            "streams": streams,
         })
         print(f"prefill, {name}: {PREFILL_TOKENS / seconds:,.0f} tok/s", flush=True)
     return results
@@ -256,7 +261,7 @@ def _difference(after: dict | None, before: dict | None) -> dict:
 
 def prefill_pcie_bytes(engine: Engine, trace: np.ndarray, offset: int) -> int:
     """Bytes of the distinct experts not in VRAM that each prefill chunk needs, summed over chunks."""
-    in_vram = engine.store.pinned | engine.store.cache.cached if engine.store.offloaded else engine.store.pinned
+    in_vram = engine.store.cache.in_vram if engine.store.offloaded else engine.store.pinned
     total = 0
     for c0 in range(0, PREFILL_TOKENS, engine.prefill_chunk):
         chunk = trace[offset + c0 : offset + c0 + engine.prefill_chunk]
@@ -493,7 +498,7 @@ def main() -> None:
             "prefill_pcie_bytes": pcie,
             "prefill_moved_bytes": moved,  # what the engine read over PCIe per prefill: staged records, reads
             "prefill_streams": streams,  # one more prefill, profiled: busy time per stream, their overlap, host syncs
-            "prefill_roofline_fraction": max(PREFILL_TOKENS / report["resident"]["prefill_4k_tok_s"], pcie / h2d) / prefill_s,
+            "prefill_roofline_fraction": roofline_fraction(prefill_s, report["resident"]["prefill_4k_tok_s"], pcie, h2d),
             "prefill_variants": variants,  # the same prefill with other staging settings, for comparison
             "time_to_ready_s": ready,
             "time_to_ready_ratio": ready / report["file_read_s"],

@@ -147,7 +147,7 @@ def timeline_from_trace(events: list[dict]) -> dict:
     intervals = [interval for stream in streams.values() for interval in stream["intervals"]]
     busy_spans = _merged(intervals)
     everything = sum(end - start for start, end in busy_spans)
-    span = max(end for _, end in intervals) - min(start for start, _ in intervals) if intervals else 0.0
+    span = busy_spans[-1][1] - busy_spans[0][0] if busy_spans else 0.0
     busy = {sid: _union(stream["intervals"]) for sid, stream in streams.items()}
     costliest = sorted(runtime.items(), key=lambda kv: -kv[1][1])[:RUNTIME_CALLS]
     return {

@@ -23,7 +23,7 @@ IDS_BLOCK = 1024  # routing ids counted per step of `choose_staged`
 
 @triton.jit
 def _choose_staged_kernel(
-    ids, n, table, arena_bytes, offsets, slots_count, table_out, staged, experts_out, slots_out, valid_out, uses, staged_uses,
+    ids, n, table, arena_bytes, offsets, slots_count, table_out, staged, experts_out, valid_out, uses, staged_uses,
     staged_records, left, E, BLOCK_E: tl.constexpr, IDS_BLOCK: tl.constexpr,
 ):
     e = tl.arange(0, BLOCK_E)
@@ -46,7 +46,6 @@ def _choose_staged_kernel(
     valid = taken & (used > 0)
     slot = tl.load(offsets + rank, mask=taken, other=0)
     tl.store(experts_out + rank, expert.to(tl.int64), mask=taken)
-    tl.store(slots_out + rank, slot, mask=taken)
     tl.store(valid_out + rank, valid.to(tl.int1), mask=taken)
     tl.store(table_out + e, offset, mask=real)
     tl.store(staged + e, tl.zeros([BLOCK_E], dtype=tl.int1), mask=real)
@@ -63,18 +62,18 @@ def choose_staged(
     staged_uses: torch.Tensor, staged_records: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     """`runtime.prefill_staging.choose_staged_reference` in one launch (int32 counters): the fields of its
-    `StagingChoice`, in order."""
+    `StagingChoice`, in order (the i-th chosen expert gets the slot at `offsets[i]`)."""
     experts, device = table.numel(), table.device
     count = min(offsets.numel(), experts)
     chosen, staged = torch.empty_like(table), torch.empty(experts, dtype=torch.bool, device=device)
-    slot_experts, slots = torch.empty(count, dtype=torch.int64, device=device), torch.empty(count, dtype=torch.int64, device=device)
-    valid, left = torch.empty(count, dtype=torch.bool, device=device), torch.empty((), dtype=torch.bool, device=device)
+    slot_experts, valid = torch.empty(count, dtype=torch.int64, device=device), torch.empty(count, dtype=torch.bool, device=device)
+    left = torch.empty((), dtype=torch.bool, device=device)
     ids = topk_ids.reshape(-1).contiguous()
     _choose_staged_kernel[(1,)](
-        ids, ids.numel(), table, arena_bytes, offsets, count, chosen, staged, slot_experts, slots, valid, uses, staged_uses,
+        ids, ids.numel(), table, arena_bytes, offsets, count, chosen, staged, slot_experts, valid, uses, staged_uses,
         staged_records, left, experts, BLOCK_E=triton.next_power_of_2(experts), IDS_BLOCK=IDS_BLOCK, num_warps=4,
     )
-    return chosen, staged, slot_experts, slots, valid, left
+    return chosen, staged, slot_experts, offsets[:count], valid, left
 
 
 @triton.jit

@@ -168,8 +168,7 @@ class ExpertCache:
             torch.tensor([offset for _, _, offset in entries], dtype=torch.int64),
         )
         self.store.table.view(-1).index_copy_(0, index, values)
-        if self.store.cpu_path is not None:
-            self.store.tables_changed(sorted({layer for layer, _, _ in entries}))
+        self.store.tables_changed(sorted({layer for layer, _, _ in entries}))
 
     def close(self) -> None:
         if self._cuda and self._inflight is not None:

@@ -194,8 +194,10 @@ class ExpertStore:
         self.anchor.index_copy_(0, index, values)
 
     def tables_changed(self, layers: list[int]) -> None:
-        """The cache moved experts of `layers`: re-point their anchors now if the CPU path takes a share,
-        else all of them before the next step that takes one (no host work per step while it takes none)."""
+        """The cache moved experts of `layers`: with a CPU path, re-point their anchors now if it takes a
+        share, else all of them before the next step that takes one (no host work per step while it takes none)."""
+        if self.cpu_path is None:
+            return
         if self.cpu_path.active:
             self.set_anchors(self.cache.in_vram, layers)
         else:
