@@ -14,7 +14,8 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
 * decode tokens/s over `--tokens` greedy steps (each step reads its logits, like a real loop),
   after `--warmup` steps that capture the graphs and warm the cache;
 * the step time against `resident step + miss bytes / H2D`, where the resident step is measured in
-  the same run with every expert in VRAM (same trace) and H2D is a measured 1 GiB pinned copy;
+  the same run with every expert in VRAM (same trace) and H2D is a measured 1 GiB pinned copy; the
+  same decode with each of DECODE_VARIANTS' cache settings (fewer or no promotions);
 * hit rate, PCIe bytes and promotions per token (the store's stats), and Belady's optimal hit
   rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
@@ -24,7 +25,7 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
   how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
-  files from disk (cold page cache too);
+  files from disk (cold page cache too), and the load's phases (`Engine.load_seconds`);
 * the planner's prediction for the same options, and its projections to the RTX 5060 Ti and
   RTX 5090 (the cost model of `planner.cost`);
 * whether the offloaded logits equal the all-resident ones on a prompt (bitwise);
@@ -187,12 +188,15 @@ class TraceRun:
 
 
 # The prefill settings the benchmark compares with the engine's: attributes of the store's `PrefillStaging`
-# ("staging") or of the engine ("engine"). A larger `prefill_chunk` is set on the loaded engine: its plan set
-# aside the default chunk's activations (a plan for 4096 holds ~160 fewer experts at 15 GiB).
+# ("staging") or of the engine ("engine"). A smaller `prefill_chunk` is set on the loaded engine (its plan set
+# aside the default chunk's activations, which holds them).
 PREFILL_VARIANTS = {
-    "gather on 16 programs": ("staging", {"gather_programs": 16}),
-    "chunks of 4096 tokens": ("engine", {"prefill_chunk": 4096}),
+    "gather on 64 programs": ("staging", {"gather_programs": 64}),
+    "chunks of 2048 tokens": ("engine", {"prefill_chunk": 2048}),
 }
+# The decode settings compared with the cache's: most promotions per step boundary (`ExpertCache.limit`). Each
+# runs right after the default decode, from the cache it left: at 0 the step pays for no promotion copies.
+DECODE_VARIANTS = {"promotions at most 8 per step": {"limit": 8}, "no promotions": {"limit": 0}}
 VARIANT_CHUNKS = sorted({s["prefill_chunk"] for target, s in PREFILL_VARIANTS.values() if "prefill_chunk" in s})
 
 
@@ -242,6 +246,22 @@ def prefill_variants(
             "streams": streams,
         })
         print(f"prefill, {name}: {PREFILL_TOKENS / seconds:,.0f} tok/s", flush=True)
+    return results
+
+
+def decode_variants(runner: TraceRun, engine: Engine, warmup: int, steps: int, resident_step: float, h2d: float) -> list[dict]:
+    """Decode (`TraceRun.decode`) with each of DECODE_VARIANTS' cache settings: tok/s, the step time ratio, hit rate, PCIe
+    bytes and promotions per token."""
+    results = []
+    for name, settings in DECODE_VARIANTS.items():
+        with applied(engine.store.cache, settings):
+            seconds, stats = runner.decode(engine, warmup, steps)
+        results.append({
+            "variant": name, "settings": settings, "decode_tok_s": 1 / seconds,
+            "step_time_ratio": seconds / (resident_step + stats["pcie_bytes_per_token"] / h2d), "hit_rate": stats["hit_rate"],
+            "pcie_bytes_per_token": stats["pcie_bytes_per_token"], "promotions_per_token": stats["promotions_per_token"],
+        })
+        print(f"decode, {name}: {1 / seconds:.1f} tok/s, hit rate {stats['hit_rate']:.3f}", flush=True)
     return results
 
 
@@ -454,6 +474,7 @@ def main() -> None:
     resident_by_chunk = resident_prefill_by_chunk(runner, resident, prefill_offset, prefill)
     report["resident"] = {
         "decode_tok_s": 1 / step, "step_s": step, "prefill_4k_tok_s": PREFILL_TOKENS / prefill, "time_to_ready_s": resident_ready,
+        "load_seconds": resident.load_seconds,
         "prefill_streams": resident_streams, "prefill_4k_tok_s_by_chunk": {str(c): v for c, v in resident_by_chunk.items()},
     }
     save()
@@ -465,6 +486,7 @@ def main() -> None:
         engine, ready = load(args.artifact, profile=args.profile, vram_budget=budget, cache_policy=args.policy)
         equal = logits_equal(engine, reference, check_ids)
         seconds, stats = runner.decode(engine, args.warmup, args.tokens)
+        decodes = decode_variants(runner, engine, args.warmup, args.tokens, report["resident"]["step_s"], h2d)
         capacity = sum(map(len, engine.expert_plan.placement.pinned[: trace.shape[1]])) + engine.store.cache_slots
         pcie = prefill_pcie_bytes(engine, trace, prefill_offset)
         moved = engine.store.stats.pcie_bytes
@@ -492,6 +514,7 @@ def main() -> None:
             "belady_hit_rate": belady_hit_rate(trace[:decode_end], capacity, engine.config.num_experts, PROMPT_TOKENS + args.warmup),
             "pcie_bytes_per_token": stats["pcie_bytes_per_token"],
             "promotions_per_token": stats["promotions_per_token"],
+            "decode_variants": decodes,  # the same decode with other cache settings, for comparison
             "planner_decode_tok_s": placement.predicted.decode_tok_s if placement is not None else None,
             "planner_prefill_tok_s": placement.predicted.prefill_tok_s if placement is not None else None,
             "prefill_4k_tok_s": PREFILL_TOKENS / prefill_s,
@@ -502,6 +525,7 @@ def main() -> None:
             "prefill_variants": variants,  # the same prefill with other staging settings, for comparison
             "time_to_ready_s": ready,
             "time_to_ready_ratio": ready / report["file_read_s"],
+            "load_seconds": engine.load_seconds,  # the load's phases (`LoadedModel.load_seconds`)
             "vram_allocated_bytes": torch.cuda.memory_allocated(),
             "planned_vram_bytes": placement.vram_used_bytes if placement is not None else None,
             "projected_decode_tok_s": projections,

@@ -19,7 +19,7 @@ import typer
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner import PlanOptions, parse_size, plan as make_plan
-from ninfer_offload.planner.options import model_defaults
+from ninfer_offload.planner.options import PREFILL_CHUNK, model_defaults
 from ninfer_offload.planner.routing import load_routing_stats
 from ninfer_offload.profiles import DeviceProfile, load_profile, shipped_names
 
@@ -73,7 +73,7 @@ def plan(
         None, "--proposal-head/--no-proposal-head", help="Draft with the 131k-row proposal head (default: if the artifact has it)."
     ),
     vision: bool = typer.Option(False, "--vision/--no-vision", help="Keep the vision tower resident."),
-    prefill_chunk: int = typer.Option(2048, "--prefill-chunk", help="Tokens per prefill chunk."),
+    prefill_chunk: int = typer.Option(PREFILL_CHUNK, "--prefill-chunk", help="Tokens per prefill chunk."),
     vram_reserve: Optional[str] = typer.Option(None, "--vram-reserve", help="VRAM kept for driver and context (default: the profile's)."),
     vram_budget: Optional[str] = typer.Option(None, "--vram-budget", help="Use at most this much VRAM, e.g. 12GiB."),
     host_budget: Optional[str] = typer.Option(None, "--host-budget", help="Pinned host memory allowed (default: 75% of RAM)."),

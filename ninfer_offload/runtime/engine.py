@@ -25,6 +25,7 @@ from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.planner.memory import LoadOptions, load_footprint
+from ninfer_offload.planner.options import PREFILL_CHUNK
 from ninfer_offload.profiles import DeviceProfile
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
 from ninfer_offload.runtime.expert_plan import ExpertRequest, LoadPlan, expert_load_plan
@@ -37,7 +38,6 @@ from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
 
 DEFAULT_MAX_CONTEXT = 32768
-PREFILL_CHUNK = 2048  # default tokens per forward of a long prefill (the planner's default chunk; bounds the prefill workspace)
 # Prompt lengths reaching each kernel path (matrix-vector: token blocks 1, 2, 4, 8; small tiles; prefill tiles)
 # with each of Triton's integer specializations of the token count T and of the T * top-k (token, expert) pairs
 # (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles (or
@@ -111,6 +111,7 @@ class Engine:
         self.mtp = loaded.mtp
         self.proposal = loaded.proposal  # the proposal head drafts when loaded, else the output head
         self.store = loaded.store
+        self.load_seconds = loaded.load_seconds  # wall seconds of the load's phases (`LoadedModel.load_seconds`)
         self.backend = backend
         self.device = device
         self.dtype = dtype

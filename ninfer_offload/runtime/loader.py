@@ -8,9 +8,10 @@ into its VRAM arena.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -38,6 +39,10 @@ class LoadedModel:
     mtp: MtpModule | None
     store: ExpertStore
     proposal: ProposalHead | None = None
+    # Wall seconds of the load's phases: "store" (the VRAM arena), "experts" (reading, packing and placing the
+    # routed experts), "pinning" (of that, the page-locking of host buffers, summed over the packing threads),
+    # "weights" (everything else)
+    load_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLayout, str, str]:
@@ -102,7 +107,10 @@ def load_model(
     prefixes = [f"text/layers/{i}" for i in range(config.num_layers)] + ([MTP_PREFIX] if with_mtp else [])
     banks = [_record_layout(artifact, prefix, config) for prefix in prefixes]
     layouts = [layout for layout, _, _ in banks]
+    began = time.perf_counter()
     store = ExpertStore(layouts, config.hidden_size, config.num_experts, config.top_k, placement, device, miss_path, cache_policy)
+    seconds, pinning = {"store": time.perf_counter() - began}, []
+    began = time.perf_counter()
     if artifact.payload_bytes + (store.nbytes if store.offloaded else 0) < psutil.virtual_memory().available:
         artifact.prefetch()  # read ahead of the packing threads, when the page cache can hold the file next to the host pool
     steps = range(len(prefixes))
@@ -116,7 +124,9 @@ def load_model(
     payloads = [(artifact.payload(gate_up_id), artifact.payload(down_id)) for _, gate_up_id, down_id in banks]
 
     def pack(i: int) -> torch.Tensor:
+        allocating = time.perf_counter()
         records = store.host_buffer(i)
+        pinning.append(time.perf_counter() - allocating)
         banks[i][0].pack_all(*payloads[i], config.num_experts, records.numpy())
         return records
 
@@ -130,6 +140,8 @@ def load_model(
             del records
     if store.cache is not None:
         store.cache.fill_initial()
+    seconds["experts"], seconds["pinning"] = time.perf_counter() - began, sum(pinning)
+    began = time.perf_counter()
     reader = WeightReader(artifact, device, dtype)
     rotary = Rotary(config.rotary_dim, config.rope_theta, device)
     h, v = config.hidden_size, config.vocab_size
@@ -146,4 +158,5 @@ def load_model(
     )
     mtp = MtpModule.load(reader, config.num_layers, config, rotary, store) if with_mtp else None
     proposal = ProposalHead.load(reader, artifact.components["text"].proposal, h, v) if with_proposal else None
-    return LoadedModel(config, text, mtp, store, proposal)
+    seconds["weights"] = time.perf_counter() - began
+    return LoadedModel(config, text, mtp, store, proposal, seconds)

@@ -30,10 +30,10 @@ import torch
 
 from ninfer_offload.model.experts import ExpertBank
 
-# Programs of each staging gather: enough loads in flight for the PCIe link. Measured at 54cfc68 (15 GiB, 4K
-# prefill): 64 programs 10.2K tok/s, 16 programs 10.0K (the compute stream 28 % faster beside it, the
-# copy no shorter).
-GATHER_PROGRAMS = 64
+# Programs of each staging gather: enough loads in flight for the PCIe link, few SMs taken from the MoE kernels
+# computing beside it. Measured at ec7539d (15 GiB, 4K prefill in 2048-token chunks): 16 programs 12.8K tok/s,
+# 64 programs 11.8K (the copies equally long, ~51 GB/s; the compute stream busy 125 ms against 164 beside them).
+GATHER_PROGRAMS = 16
 
 
 class StagingChoice(NamedTuple):
