@@ -123,18 +123,20 @@ def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
     return options.prefill_chunk * per_token + logits
 
 
-# Slots of the prefill staging buffer of an offloaded load (`runtime.prefill_staging`): a prefill chunk copies
-# each host expert a layer uses into a slot, once, instead of reading it over PCIe per block of tokens. A 2048-token
-# chunk uses nearly all 256 experts of a layer; the measured 15 GiB H200 load held 6,383 of 10,240 experts in
-# VRAM (160 per layer on average), so ~96 per layer are on the host, more in the layers the plan favours least.
-# 128 slots (~230 MiB of 1.7-1.8 MiB records, 1.5% of that budget) hold them; where more are needed the most
-# used are staged and the rest read over PCIe.
+# Slots of each of the two prefill staging buffers of an offloaded load (`runtime.prefill_staging`): a prefill
+# chunk copies each host expert a layer is expected to use into a slot of one buffer, once, while the layer
+# before computes on the other, instead of reading it over PCIe per block of tokens. A 4096-token chunk uses
+# nearly all 256 experts of a layer; the measured 15 GiB H200 load held 6,226 of 10,240 experts in VRAM (156 per
+# layer on average), so ~100 per layer are on the host, more in the layers the plan favours least. 128 slots
+# per buffer (~460 MiB for both of 1.7-1.8 MiB records, 3% of that budget) hold them; where more are outside
+# VRAM the likeliest are staged and the rest read over PCIe.
 PREFILL_STAGING_SLOTS = 128
 
 
 def prefill_staging_slots(num_experts: int) -> int:
-    """Slots of an offloaded load's prefill staging buffer: `PREFILL_STAGING_SLOTS`, at most one layer's experts."""
-    return min(num_experts, PREFILL_STAGING_SLOTS)
+    """Slots of an offloaded load's prefill staging: two buffers of `PREFILL_STAGING_SLOTS`, each at most one
+    layer's experts."""
+    return 2 * min(num_experts, PREFILL_STAGING_SLOTS)
 
 
 def staging_slots(num_experts: int, top_k: int, tokens_per_step: int, requested: int | None = None) -> int:

@@ -315,6 +315,8 @@ class ExpertStore:
             yield
         finally:
             self.prefilling = False
+            if self.staging is not None:
+                self.staging.forget()
         if self.cpu_path is not None:
             self.cpu_path.step_finished(mark)
         if self.cache is not None:

@@ -3,29 +3,32 @@ for a prompt chunk's layers.
 
 A prefill chunk (`ExpertStore.forward(prefill=True)`, never captured) with more (token, expert) pairs than the
 MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per block of its tokens,
-in short runs. Instead, when a layer's routing is known, `PrefillStaging` copies the experts it uses that
-are not in VRAM into the staging slots, the most used first, as many as fit, once per chunk: decided on
-the device by one kernel (`kernels.staging.choose_staged`: per-expert counts, a ranking, a copy of the
-layer's table pointing the staged experts at their slots) and copied by one gather kernel; the host
-waits only for whether some used expert is left in host memory, and only when more experts are outside
-VRAM than there are slots. The MoE kernels run on that table in two passes
-(`Backend.routed_experts_split`): on CUDA the copy runs on its copy stream while the compute stream
-computes the pairs of the other experts (those in VRAM, and those left over in host memory, read over
-PCIe as before); then the compute stream waits for the layer's copy and computes the staged experts'
-pairs with the VRAM tiles. The copy stream first waits for the work queued on the compute stream, so a
-copy never overwrites slots the layer before reads. Decode steps never stage. Staged records count as
-PCIe bytes (`StoreStats.staged`), their uses not; both are counted on the device.
+in short runs. Instead `PrefillStaging` copies a layer's host experts into VRAM staging slots once per
+chunk, by one gather kernel (`kernels.staging.gather_records`) on its copy stream, and the MoE kernels
+run on a copy of the layer's table that points the staged experts at their slots, in two passes
+(`Backend.routed_experts_split`): the compute stream computes the pairs of the other experts (those in
+VRAM, and those left in host memory, read over PCIe as before) while the copy runs, then waits for the
+layer's copy and computes the staged experts' pairs. Staged records count as PCIe bytes
+(`StoreStats.staged`), their uses not; both are counted on the device. Decode steps never stage.
 
-Copying the next layer's likely experts ahead of its routing (into a second buffer, while a layer
-computes) was measured slower in every form (`bench/results/offload_h200_15gib_prefill_variants_54cfc68.json`):
-the prefill is bound by the host's launches as much as by the link, and the prefetch added launches
-without letting the copy run ahead.
+Which experts, in one of two ways (`PrefillStaging.ahead`):
+* ahead (the default): while layer L computes, the copy stream already moves layer L+1's host experts
+  that the chunk is expected to use at least `AHEAD_MIN_USES` times (the plan's pick rates, decided on
+  the host: no routing needed) into the other of two buffers of slots; a large chunk uses nearly all of
+  them (a 4096-token chunk ~90 % of the host experts on the benchmark trace), so the link moves a few
+  more bytes but runs beside the layers instead of after each layer's routing. A copy into a buffer
+  waits for the work queued on the compute stream, which includes every read of it by the layer before.
+* after routing: when the layer's routing is known, the experts it uses that are not in VRAM go into the
+  slots (one buffer), the most used first, as many as fit, decided on the device by one kernel
+  (`kernels.staging.choose_staged`); the host waits only for whether some used expert is left in host
+  memory, and only when more experts are outside VRAM than there are slots.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ninfer_offload.model.experts import ExpertBank
@@ -34,6 +37,8 @@ from ninfer_offload.model.experts import ExpertBank
 # computing beside it. Measured at ec7539d (15 GiB, 4K prefill in 2048-token chunks): 16 programs 12.8K tok/s,
 # 64 programs 11.8K (the copies equally long, ~51 GB/s; the compute stream busy 125 ms against 164 beside them).
 GATHER_PROGRAMS = 16
+# Ahead of its routing a chunk's layer stages the host experts it is expected to use at least this often.
+AHEAD_MIN_USES = 1.0
 
 
 class StagingChoice(NamedTuple):
@@ -84,18 +89,21 @@ def gather_records_reference(
 
 
 class PrefillStaging:
-    """The staging slots of one store (after its cache slots) and the copy stream that fills them."""
+    """The staging slots of one store (after its cache slots), the copy stream that fills them, and the
+    layers staged ahead."""
 
     def __init__(self, store):
         self.store = store
         self.slots = store.staging_slots
         self._offsets = torch.tensor([store.staging_offset(slot) for slot in range(self.slots)], dtype=torch.int64, device=store.device)
         self.gather_programs = GATHER_PROGRAMS  # (benchmarks compare)
+        self.ahead = True  # stage each next layer while a layer computes; False: after each layer's routing (benchmarks compare)
+        self._ahead: dict[int, tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]] = {}  # per layer staged ahead
         self._copy_stream = None  # the staging copies' (CUDA)
+        self._staged = None  # the event after the copy of the layer computing (CUDA)
         if store.device.type == "cuda":
             # high priority: the gather's few programs take SMs as the compute kernels free them
             self._copy_stream = torch.cuda.Stream(store.device, priority=-1)
-            self._staged = torch.cuda.Event()  # after the copy of the layer computing
             store.arena.record_stream(self._copy_stream)  # freed arena memory is reused only after the copies queued by then
 
     def takes(self, topk_ids: torch.Tensor) -> bool:
@@ -107,13 +115,53 @@ class PrefillStaging:
 
     def bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
         """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device);
-        the chunk's uses of the layer's experts are counted here.
-        The experts its tokens use that are outside VRAM (their table offsets fall outside the arena)
+        the chunk's uses of the layer's experts are counted here. The staged experts can be read once
+        `wait` was called."""
+        if not self.ahead:
+            return self._after_routing(layer, topk_ids)
+        tokens, store = topk_ids.shape[0], self.store
+        bank, staged, self._staged = self._ahead.pop(layer, None) or self._stage_ahead(layer, tokens)
+        if layer + 1 < len(store.layouts):  # the next layer's copy queues behind this one's, beside this layer's compute
+            self._ahead[layer + 1] = self._stage_ahead(layer + 1, tokens)
+        flat = topk_ids.reshape(-1)
+        counts = torch.zeros(store.num_experts, dtype=torch.int32, device=store.device).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        store.uses[layer] += counts
+        store.staged_uses[layer] += torch.where(staged, counts, 0)
+        return bank, staged
+
+    def forget(self) -> None:
+        """After a forward: drop what was staged for layers it did not reach."""
+        self._ahead.clear()
+
+    def _stage_ahead(self, layer: int, tokens: int) -> tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]:
+        """Start copying into `layer`'s buffer (consecutive layers alternate between the two halves of the
+        slots) the experts outside VRAM that a chunk of `tokens` tokens is expected to use at least
+        `AHEAD_MIN_USES` times, the likeliest first, as many as fit; (the layer's bank on a copy of its table
+        pointing them at their slots, the [E] bool of the staged ones, the event after their copy). The
+        bank keeps `host` when some expert outside VRAM is not staged (the first pass reads it over PCIe
+        if used)."""
+        store = self.store
+        outside = np.flatnonzero(~store.cache.in_vram[layer])
+        rates = store.placement.scores[layer, outside]
+        likeliest = outside[np.argsort(-rates, kind="stable")][: self.slots // 2]
+        chosen = np.sort(likeliest[store.placement.scores[layer, likeliest] * tokens >= AHEAD_MIN_USES])
+        (experts,) = store.upload(torch.from_numpy(chosen))
+        half = self.slots // 2
+        slots = self._offsets[(layer % 2) * half : (layer % 2) * half + chosen.size]
+        table = store.table[layer].clone().index_copy_(0, experts, slots)
+        staged = torch.zeros(store.num_experts, dtype=torch.bool, device=store.device).index_fill_(0, experts, True)
+        store.staged_records[layer] += staged.to(torch.int32)
+        event = self._stage(layer, experts, slots, torch.ones_like(experts, dtype=torch.bool)) if chosen.size else None
+        host = store.host[layer] if chosen.size < outside.size else None
+        return ExpertBank(store.layouts[layer], store.arena, table, host), staged, event
+
+    def _after_routing(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
+        """The experts `layer`'s tokens use that are outside VRAM (their table offsets fall outside the arena)
         start copying into the staging slots, the most used first, as many as fit; a copy of the layer's
-        table points at them: they can be read once `wait` was called. It is decided on the device, staged
-        uses and records counted there. The bank keeps `host` only if some used expert is left in host
-        memory (the first pass then takes the PCIe tiles): when more experts are outside VRAM than there
-        are slots, the host waits for that answer while the copy runs; otherwise none can be."""
+        table points at them. Decided on the device, staged uses and records counted there. The bank keeps
+        `host` only if some used expert is left in host memory (the first pass then takes the PCIe tiles):
+        when more experts are outside VRAM than there are slots, the host waits for that answer while the
+        copy runs; otherwise none can be."""
         store = self.store
         counters = store.uses[layer], store.staged_uses[layer], store.staged_records[layer]
         args = (topk_ids, store.table[layer], store.arena.numel(), self._offsets, *counters)
@@ -123,26 +171,29 @@ class PrefillStaging:
             choice = StagingChoice(*choose_staged(*args))
         else:
             choice = choose_staged_reference(*args)
-        self._stage(layer, choice.experts, choice.slots, choice.valid)
+        self._staged = self._stage(layer, choice.experts, choice.slots, choice.valid)
         # Whether some used expert stays in host memory: impossible when every expert outside VRAM has a slot
         # (the host's view of the table tells, no sync); otherwise one host sync, with the copy under way.
         outside = int((~store.cache.in_vram[layer]).sum())
         left = outside > self.slots and bool(choice.left)
         return ExpertBank(store.layouts[layer], store.arena, choice.table, store.host[layer] if left else None), choice.staged
 
-    def _stage(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
-        """Copy the host records of `experts` (where `valid`) into the staging slots at byte offsets `slots`.
-        On CUDA the copy runs on the copy stream, after the work queued on the compute stream (the
-        previous chunk's and layers' kernels that read the slots, and the choice of experts)."""
+    def _stage(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy the host records of `experts` (where `valid`) into the staging slots at byte offsets `slots`;
+        the event after the copy. On CUDA the copy runs on the copy stream, after the work queued on the
+        compute stream (the previous chunk's and layers' kernels that read the slots, and the choice of
+        experts)."""
         if self._copy_stream is None:
             self._copy_records(layer, experts, slots, valid)
-            return
+            return None
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.store.device))
         with torch.cuda.stream(self._copy_stream):
             self._copy_records(layer, experts, slots, valid)
-        self._staged.record(self._copy_stream)
         for tensor in (experts, slots, valid):
             tensor.record_stream(self._copy_stream)
+        event = torch.cuda.Event()
+        event.record(self._copy_stream)
+        return event
 
     def _copy_records(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
         nbytes = self.store.layouts[layer].nbytes
@@ -154,6 +205,6 @@ class PrefillStaging:
             gather_records_reference(self.store.arena, self.store.host[layer], experts, slots, valid, nbytes)
 
     def wait(self) -> None:
-        """Make the compute stream wait for the last staging copy (nothing to wait for on the CPU)."""
-        if self._copy_stream is not None:
+        """Make the compute stream wait for the copy of the layer computing (nothing to wait for on the CPU)."""
+        if self._staged is not None:
             torch.cuda.current_stream(self.store.device).wait_event(self._staged)
