@@ -98,6 +98,7 @@ class PrefillStaging:
         self._offsets = torch.tensor([store.staging_offset(slot) for slot in range(self.slots)], dtype=torch.int64, device=store.device)
         self.gather_programs = GATHER_PROGRAMS  # (benchmarks compare)
         self.ahead = True  # stage each next layer while a layer computes; False: after each layer's routing (benchmarks compare)
+        self.ahead_min_uses = AHEAD_MIN_USES  # (benchmarks compare)
         self._ahead: dict[int, tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]] = {}  # per layer staged ahead
         self._copy_stream = None  # the staging copies' (CUDA)
         self._staged = None  # the event after the copy of the layer computing (CUDA)
@@ -136,7 +137,7 @@ class PrefillStaging:
     def _stage_ahead(self, layer: int, tokens: int) -> tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]:
         """Start copying into `layer`'s buffer (consecutive layers alternate between the two halves of the
         slots) the experts outside VRAM that a chunk of `tokens` tokens is expected to use at least
-        `AHEAD_MIN_USES` times, the likeliest first, as many as fit; (the layer's bank on a copy of its table
+        `ahead_min_uses` times, the likeliest first, as many as fit; (the layer's bank on a copy of its table
         pointing them at their slots, the [E] bool of the staged ones, the event after their copy). The
         bank keeps `host` when some expert outside VRAM is not staged (the first pass reads it over PCIe
         if used)."""
@@ -144,7 +145,7 @@ class PrefillStaging:
         outside = np.flatnonzero(~store.cache.in_vram[layer])
         rates = store.placement.scores[layer, outside]
         likeliest = outside[np.argsort(-rates, kind="stable")][: self.slots // 2]
-        chosen = np.sort(likeliest[store.placement.scores[layer, likeliest] * tokens >= AHEAD_MIN_USES])
+        chosen = np.sort(likeliest[store.placement.scores[layer, likeliest] * tokens >= self.ahead_min_uses])
         (experts,) = store.upload(torch.from_numpy(chosen))
         half = self.slots // 2
         slots = self._offsets[(layer % 2) * half : (layer % 2) * half + chosen.size]
