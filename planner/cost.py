@@ -128,7 +128,7 @@ def predict(
     expert_params = 3 * shape.hidden * shape.expert_width * shape.top_k * (shape.attention_layers + shape.linear_layers)
     attention_flops = shape.attention_layers * 4 * context * shape.query_heads * shape.head_dim
     flops = chunk * (2 * (weights.dense_text_params + expert_params) + attention_flops)
-    compute_seconds = flops / (profile.tensor_tflops * 1e12 * timings["prefill_efficiency"])
+    compute_seconds = max(timings["prefill_chunk_floor_s"], flops / (profile.tensor_tflops * 1e12 * timings["prefill_efficiency"]))
     expert_vram, expert_pcie, _ = _expert_traffic(stats, resident, expert_bytes, chunk)
     weight_seconds = (weights.dense_text_bytes + weights.head_bytes + expert_vram) / vram_rate
     gpu_seconds, transfer_seconds = max(compute_seconds, weight_seconds), expert_pcie / zero_copy
@@ -163,7 +163,8 @@ def device_assumptions(profile: DeviceProfile, miss_path: str, timings: dict[str
         misses,
         f"prefill reads host-resident experts at {pcie}, {timings['prefill_transfer_overlap']:.0%} of the shorter of "
         "transfer and compute overlapped",
-        f"quantized prefill reaches {timings['prefill_efficiency']:.0%} of the {profile.tensor_tflops:g} TFLOPS tensor throughput",
+        f"quantized prefill reaches {timings['prefill_efficiency']:.0%} of the {profile.tensor_tflops:g} TFLOPS tensor throughput, "
+        f"a chunk taking at least {timings['prefill_chunk_floor_s'] * 1e3:.0f} ms (the host launching its kernels)",
     )
 
 

@@ -44,6 +44,7 @@ ENGINE_KEYS = {
     "zero_copy_efficiency": float,  # share of H2D bandwidth the MoE kernels reach reading host records
     "cpu_request_s": float,  # CPU miss path: what one layer's hand-off to the host adds, besides the bytes computed
     "prefill_efficiency": float,  # share of tensor throughput a prefill chunk reaches
+    "prefill_chunk_floor_s": float,  # per prefill chunk: the least it takes (the host launching its kernels)
     "prefill_transfer_overlap": float,  # share of the shorter of prefill compute and expert transfers hidden
     "mtp_draft_step_s": float,  # one MTP draft step when latency-bound
     "verify_token_s": float,  # per verified draft: what a (K + 1)-token step costs beyond a one-token step's bytes
