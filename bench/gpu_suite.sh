@@ -4,7 +4,7 @@
 # Installs the project (and the wheels in $WHEELS, if set, for a machine without a package index),
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
-# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, kernels, serve, spec, offload, offload_sweep, offload_cpu, nvfp4), their JSON and logs under $OUT.
+# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, kernels, serve, spec, offload, offload_sweep, offload_cpu, offload_prefill, nvfp4), their JSON and logs under $OUT.
 set -o pipefail
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONUNBUFFERED=1
@@ -46,6 +46,7 @@ for bench in $BENCHES; do
         --skip-accelerate --commit "$COMMIT" 2>&1 | tail -3 ;;
     offload_cpu) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_cpu.json" --budgets 15 --tokens 128 --warmup 128 \
       --miss-paths cpu auto --skip-accelerate --trace-dir "$OUT/traces" --commit "$COMMIT" 2>&1 | tail -6 ;;
+    offload_prefill) artifact && python3 bench/offload_prefill.py /tmp/q36.ninfer --out "$OUT/offload_prefill.json" --commit "$COMMIT" 2>&1 | tail -6 ;;
     *) echo "unknown benchmark $bench" ;;
   esac
 done

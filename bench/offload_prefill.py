@@ -4,6 +4,10 @@
     python bench/make_synthetic.py /tmp/q36.ninfer
     python bench/offload_prefill.py /tmp/q36.ninfer --budget 15 --out bench/results/offload_prefill_h200.json
 
+It needs the same packages as the engine on the GPU (flash-linear-attention above all: without it the GDN
+layers take a slow path and the prefill is compute-bound, which hides what staging does); `bench/gpu_suite.sh`
+installs them (`BENCHES=offload_prefill`).
+
 Per setting (SETTINGS: attributes of the store's `PrefillStaging`): 4K prefill tok/s (the faster of two,
 after one warm-up prefill), the bytes it moved over PCIe, and its fraction of the PCIe part of the
 roofline (the distinct host experts' bytes per chunk over a measured H2D copy). At 15 GiB that part binds:
