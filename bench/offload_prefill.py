@@ -61,13 +61,14 @@ def main() -> None:
             moved = engine.store.stats.pcie_bytes
             seconds = runner.prefill(engine, PREFILL_TOKENS)
             moved = (engine.store.stats.pcie_bytes - moved) // 2
+        fraction = pcie / h2d / seconds
         report["settings"].append({
             "setting": name, "values": settings, "prefill_4k_tok_s": PREFILL_TOKENS / seconds, "prefill_moved_bytes": moved,
-            "pcie_roofline_fraction": pcie / h2d / seconds,
+            "pcie_roofline_fraction": fraction,
         })
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"{name}: {PREFILL_TOKENS / seconds:,.0f} tok/s, moved {moved / 1e9:.2f} GB, {pcie / h2d / seconds:.3f} of PCIe time", flush=True)
+        print(f"{name}: {PREFILL_TOKENS / seconds:,.0f} tok/s, moved {moved / 1e9:.2f} GB, {fraction:.3f} of PCIe time", flush=True)
     engine.close()
 
 

@@ -125,7 +125,8 @@ class PrefillStaging:
         if layer + 1 < len(store.layouts):  # the next layer's copy queues behind this one's, beside this layer's compute
             self._ahead[layer + 1] = self._stage_ahead(layer + 1, tokens)
         flat = topk_ids.reshape(-1)
-        counts = torch.zeros(store.num_experts, dtype=torch.int32, device=store.device).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ones = torch.ones_like(flat, dtype=torch.int32)
+        counts = torch.zeros(store.num_experts, dtype=torch.int32, device=store.device).index_add_(0, flat, ones)
         store.uses[layer] += counts
         store.staged_uses[layer] += torch.where(staged, counts, 0)
         return bank, staged
