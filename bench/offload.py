@@ -15,13 +15,14 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   after `--warmup` steps that capture the graphs and warm the cache;
 * the step time against `resident step + miss bytes / H2D`, where the resident step is measured in
   the same run with every expert in VRAM (same trace) and H2D is a measured 1 GiB pinned copy; the
-  same decode with each of DECODE_VARIANTS' cache settings (fewer or no promotions);
+  same decode with each of DECODE_VARIANTS' cache settings (fewer promotions);
 * hit rate, PCIe bytes and promotions per token (the store's stats), and Belady's optimal hit
   rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
   roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D); the
   bytes it moved; the same prefill with each of PREFILL_VARIANTS' settings (another gather width,
-  4096-token chunks, each against the resident prefill at its chunk size); per setting one more
+  2048-token chunks, staging after each layer's routing; each against the resident prefill at its
+  chunk size); per setting one more
   prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
   how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
@@ -215,6 +216,11 @@ def applied(owner, settings: dict):
             setattr(owner, key, value)
 
 
+def step_time_ratio(seconds: float, resident_step: float, pcie_bytes_per_token: float, h2d: float) -> float:
+    """An offloaded decode step of `seconds` against the resident step plus its miss bytes over H2D."""
+    return seconds / (resident_step + pcie_bytes_per_token / h2d)
+
+
 def roofline_fraction(seconds: float, resident_tok_s: float, pcie_bytes: int, h2d: float) -> float:
     """A 4K prefill of `seconds` against its roofline: the larger of the resident prefill's time and the PCIe time."""
     return max(PREFILL_TOKENS / resident_tok_s, pcie_bytes / h2d) / seconds
@@ -260,7 +266,7 @@ def decode_variants(runner: TraceRun, engine: Engine, warmup: int, steps: int, r
             seconds, stats = runner.decode(engine, warmup, steps)
         results.append({
             "variant": name, "settings": settings, "decode_tok_s": 1 / seconds,
-            "step_time_ratio": seconds / (resident_step + stats["pcie_bytes_per_token"] / h2d), "hit_rate": stats["hit_rate"],
+            "step_time_ratio": step_time_ratio(seconds, resident_step, stats["pcie_bytes_per_token"], h2d), "hit_rate": stats["hit_rate"],
             "pcie_bytes_per_token": stats["pcie_bytes_per_token"], "promotions_per_token": stats["promotions_per_token"],
         })
         print(f"decode, {name}: {1 / seconds:.1f} tok/s, hit rate {stats['hit_rate']:.3f}", flush=True)
@@ -503,7 +509,6 @@ def main() -> None:
         projections = {
             name: plan(inventory, load_profile(name), options).predicted.decode_tok_s for name in ("rtx5060ti", "rtx5090")
         }
-        miss_s = stats["pcie_bytes_per_token"] / h2d
         run = {
             "vram_budget_bytes": budget,
             "routing": "trace",
@@ -511,7 +516,7 @@ def main() -> None:
             "cache_slots": engine.store.cache_slots,
             "decode_tok_s": 1 / seconds,
             "step_s": seconds,
-            "step_time_ratio": seconds / (report["resident"]["step_s"] + miss_s),
+            "step_time_ratio": step_time_ratio(seconds, report["resident"]["step_s"], stats["pcie_bytes_per_token"], h2d),
             "hit_rate": stats["hit_rate"],
             "belady_hit_rate": belady_hit_rate(trace[:decode_end], capacity, engine.config.num_experts, PROMPT_TOKENS + args.warmup),
             "pcie_bytes_per_token": stats["pcie_bytes_per_token"],

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ninfer_offload.planner.routing import shipped_routing_stats
 from ninfer_offload.planner.trace import routing_trace
@@ -45,8 +46,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
-    import torch
-
     trace = routing_trace(np.array(shipped_routing_stats().hits), 8, 2 * PREFILL_TOKENS, args.seed)
     h2d = measure_bandwidths()["h2d_bandwidth_gbs"] * 1e9
     engine, _ = load(args.artifact, cold=False, profile="h200", vram_budget=int(args.budget * GiB))

@@ -17,6 +17,7 @@ from pathlib import Path
 import typer
 
 from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.options import PREFILL_CHUNK
 from ninfer_offload.commands.load_options import (
     CACHE_POLICY_OPTION, DRAFT_TOKENS_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, PROPOSAL_HEAD_OPTION, SPEC_OPTION,
     VRAM_BUDGET_OPTION, engine_placement, engine_speculation,
@@ -131,10 +132,9 @@ def generate(
     draft_tokens: int = DRAFT_TOKENS_OPTION,
     proposal_head: bool = PROPOSAL_HEAD_OPTION,
     max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
-    prefill_chunk: int | None = typer.Option(
-        None, "--prefill-chunk",
-        help="Most prompt tokens per forward (default 2048): larger prefills faster, most with experts in host memory, "
-        "and sets more VRAM aside.",
+    prefill_chunk: int = typer.Option(
+        PREFILL_CHUNK, "--prefill-chunk",
+        help="Most prompt tokens per forward: larger prefills faster, most with experts in host memory, and sets more VRAM aside.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -148,7 +148,7 @@ def generate(
         raise NinferError("--raw applies to --prompt only")
     if max_tokens < 1:
         raise NinferError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if prefill_chunk is not None and prefill_chunk < 1:
+    if prefill_chunk < 1:
         raise NinferError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
 
     from ninfer_offload.artifact.errors import ArtifactError
@@ -190,8 +190,9 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
     )
-    chunking = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
-    engine = Engine.load(artifact, device=device, max_context=max_context, progress=not json_out, **placement, **chunking)
+    engine = Engine.load(
+        artifact, device=device, max_context=max_context, progress=not json_out, prefill_chunk=prefill_chunk, **placement
+    )
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
     warm_up_seconds = engine.warm_up(min(len(ids), engine.prefill_chunk))

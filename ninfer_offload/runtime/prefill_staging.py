@@ -125,10 +125,8 @@ class PrefillStaging:
         if layer + 1 < len(store.layouts):  # the next layer's copy queues behind this one's, beside this layer's compute
             self._ahead[layer + 1] = self._stage_ahead(layer + 1, tokens)
         flat = topk_ids.reshape(-1)
-        ones = torch.ones_like(flat, dtype=torch.int32)
-        counts = torch.zeros(store.num_experts, dtype=torch.int32, device=store.device).index_add_(0, flat, ones)
-        store.uses[layer] += counts
-        store.staged_uses[layer] += torch.where(staged, counts, 0)
+        store.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        store.staged_uses[layer].index_add_(0, flat, staged[flat].to(torch.int32))
         return bank, staged
 
     def forget(self) -> None:
@@ -142,13 +140,12 @@ class PrefillStaging:
         pointing them at their slots, the [E] bool of the staged ones, the event after their copy). The
         bank keeps `host` when some expert outside VRAM is not staged (the first pass reads it over PCIe
         if used)."""
-        store = self.store
+        store, half = self.store, self.slots // 2
         outside = np.flatnonzero(~store.cache.in_vram[layer])
-        rates = store.placement.scores[layer, outside]
-        likeliest = outside[np.argsort(-rates, kind="stable")][: self.slots // 2]
-        chosen = np.sort(likeliest[store.placement.scores[layer, likeliest] * tokens >= self.ahead_min_uses])
+        expected = store.placement.scores[layer, outside] * tokens
+        likeliest = np.argsort(-expected, kind="stable")[:half]
+        chosen = np.sort(outside[likeliest[expected[likeliest] >= self.ahead_min_uses]])
         (experts,) = store.upload(torch.from_numpy(chosen))
-        half = self.slots // 2
         slots = self._offsets[(layer % 2) * half : (layer % 2) * half + chosen.size]
         table = store.table[layer].clone().index_copy_(0, experts, slots)
         staged = torch.zeros(store.num_experts, dtype=torch.bool, device=store.device).index_fill_(0, experts, True)
