@@ -38,14 +38,14 @@ for bench in $BENCHES; do
     offload) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload.json" --budgets 15 --tokens 128 --warmup 128 \
       --commit "$COMMIT" 2>&1 | tail -12 ;;
     offload_sweep) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_sweep.json" --budgets 15 12 18 20 24 \
-      --tokens 128 --warmup 128 --miss-paths cpu auto --skip-accelerate --commit "$COMMIT" 2>&1 | tail -16 ;;
+      --tokens 128 --warmup 128 --miss-paths pcie cpu auto --skip-accelerate --commit "$COMMIT" 2>&1 | tail -16 ;;
     nvfp4) { [ -f /tmp/q36_nvfp4.ninfer ] || python3 bench/make_synthetic.py /tmp/q36_nvfp4.ninfer --recipe nvfp4 > "$OUT/synthetic_nvfp4.log" 2>&1; } &&
       python3 bench/resident.py /tmp/q36_nvfp4.ninfer --out "$OUT/resident_nvfp4.json" --contexts 1024 --prefills 4096 --batches 1 \
         --skip-transformers --commit "$COMMIT" 2>&1 | tail -5 &&
       python3 bench/offload.py /tmp/q36_nvfp4.ninfer --out "$OUT/offload_nvfp4.json" --budgets 15 --tokens 128 --warmup 128 \
         --skip-accelerate --commit "$COMMIT" 2>&1 | tail -3 ;;
     offload_cpu) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_cpu.json" --budgets 15 --tokens 128 --warmup 128 \
-      --miss-paths cpu auto --skip-accelerate --trace-dir "$OUT/traces" --commit "$COMMIT" 2>&1 | tail -6 ;;
+      --miss-paths pcie cpu auto --skip-accelerate --trace-dir "$OUT/traces" --commit "$COMMIT" 2>&1 | tail -6 ;;
     offload_prefill) artifact && python3 bench/offload_prefill.py /tmp/q36.ninfer --out "$OUT/offload_prefill.json" --commit "$COMMIT" 2>&1 | tail -6 ;;
     *) echo "unknown benchmark $bench" ;;
   esac
