@@ -21,8 +21,7 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
   roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D); the
   bytes it moved; the same prefill with each of PREFILL_VARIANTS' settings (another gather width,
-  2048-token chunks, staging after each layer's routing; each against the resident prefill at its
-  chunk size); per setting one more
+  2048-token chunks; each against the resident prefill at its chunk size); per setting one more
   prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
   how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
@@ -32,6 +31,8 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
 * whether the offloaded logits equal the all-resident ones on a prompt (bitwise);
 * with `--miss-paths`, decode at the first budget with each miss path (pcie, cpu, auto), each engine
   loaded and timed the same way (the faster of two decodes), and `auto` against the better pure path;
+  per path 32 more steps profiled (`TraceRun.decode_profiled`: wall time against the device's busy time,
+  and which host calls the device waited on);
 * last, the floor (`accelerate_floor`; needs `accelerate`, `--skip-accelerate` leaves it out):
   transformers' `Qwen3_5MoeForCausalLM` with random bf16 weights, dispatched by accelerate at the
   first budget's (or `--floor-budget`'s) GPU cap as `from_pretrained(device_map="auto",
@@ -80,6 +81,7 @@ from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
 from ninfer_offload.runtime.engine import Engine
+from ninfer_offload.runtime.session import Session
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from profiling import stream_timeline
 from provenance import gpu_report_header
@@ -143,26 +145,39 @@ class TraceRun:
 
     def decode(self, engine: Engine, warmup: int, steps: int) -> tuple[float, dict]:
         """(seconds per step, store stats) of `steps` greedy steps after `warmup` ones."""
-        self.rows(engine, 0, PREFILL_TOKENS)  # sizes the replay buffer for the 4K prefill
-        session = engine.session()
-        self.rows(engine, 0, PROMPT_TOKENS)
-        token = int(session.prefill(list(range(1, PROMPT_TOKENS + 1)))[-1].argmax())
-        position = PROMPT_TOKENS
-        for _ in range(warmup):
-            self.rows(engine, position, 1)
-            token = int(session.step(token).argmax())
-            position += 1
+        session, token = self._prompted(engine)
+        token = self._steps(engine, session, token, warmup)
         before = engine.store.stats.to_json() if engine.store.offloaded else None
         torch.cuda.synchronize()
         began = time.perf_counter()
-        for _ in range(steps):
-            self.rows(engine, position, 1)
-            token = int(session.step(token).argmax())
-            position += 1
+        self._steps(engine, session, token, steps)
         elapsed = time.perf_counter() - began
         session.close()
         stats = engine.store.stats.to_json() if engine.store.offloaded else None
         return elapsed / steps, _difference(stats, before)
+
+    def decode_profiled(self, engine: Engine, warmup: int, steps: int, trace: Path | None = None) -> dict:
+        """`profiling.stream_timeline` of `steps` greedy steps after `warmup` ones (its Chrome trace kept at
+        `trace`, if given): where a step's wall time goes besides the device's work."""
+        session, token = self._prompted(engine)
+        token = self._steps(engine, session, token, warmup)
+        timeline = stream_timeline(partial(self._steps, engine, session, token, steps), trace)
+        session.close()
+        return {"steps": steps, **timeline}
+
+    def _prompted(self, engine: Engine) -> tuple[Session, int]:
+        """A session after its PROMPT_TOKENS-token prompt, and its greedy next token."""
+        self.rows(engine, 0, PREFILL_TOKENS)  # sizes the replay buffer for the 4K prefill
+        session = engine.session()
+        self.rows(engine, 0, PROMPT_TOKENS)
+        return session, int(session.prefill(list(range(1, PROMPT_TOKENS + 1)))[-1].argmax())
+
+    def _steps(self, engine: Engine, session: Session, token: int, count: int) -> int:
+        """`count` greedy steps from `token` (trace tokens after the session's length); the last token."""
+        for _ in range(count):
+            self.rows(engine, session.length, 1)
+            token = int(session.step(token).argmax())
+        return token
 
     def prefill(self, engine: Engine, offset: int, repeats: int = 2) -> float:
         """Seconds of a fresh PREFILL_TOKENS-token prefill, chunk by chunk (trace tokens from `offset`): the
@@ -196,7 +211,6 @@ class TraceRun:
 PREFILL_VARIANTS = {
     "gather on 64 programs": ("staging", {"gather_programs": 64}),
     "chunks of 2048 tokens": ("engine", {"prefill_chunk": 2048}),
-    "staging after routing": ("staging", {"ahead": False}),
 }
 # The decode settings compared with the cache's: most promotions per step boundary (`ExpertCache.limit`). Each
 # runs right after the default decode, from the cache it left. (Not 0: the variant replays the same trace
@@ -556,12 +570,14 @@ def main() -> None:
             miss_path=None if miss_path == "pcie" else miss_path,
         )
         seconds, stats = min((runner.decode(engine, args.warmup, args.tokens) for _ in range(2)), key=lambda timed: timed[0])
+        keep = args.trace_dir / "miss_paths" / f"{miss_path}_decode.json.gz" if args.trace_dir is not None else None
+        streams = runner.decode_profiled(engine, 8, 32, keep)
         report["miss_paths"].append({
             "vram_budget_bytes": int(args.budgets[0] * GiB), "miss_path": miss_path, "decode_tok_s": 1 / seconds,
             "pcie_decode_tok_s": pcie, "hit_rate": stats["hit_rate"], "pcie_bytes_per_token": stats["pcie_bytes_per_token"],
             "cpu_assignments_per_token": stats["cpu_assignments"] / max(stats["tokens"], 1), "graphs": engine.graphs is not None,
             "planner_decode_tok_s": planned_decode(engine, inventory or Inventory.from_artifact(engine.artifact), args.profile, miss_path),
-            "cpu": engine.store.stats.miss_path,
+            "cpu": engine.store.stats.miss_path, "decode_streams": streams,
         })
         save()
         print(json.dumps(report["miss_paths"][-1]), flush=True)

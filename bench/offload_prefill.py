@@ -30,11 +30,10 @@ from offload import GiB, PREFILL_TOKENS, TraceRun, applied, load, prefill_pcie_b
 from provenance import gpu_report_header
 
 SETTINGS = {
-    "ahead, expected uses >= 1": {"ahead": True, "ahead_min_uses": 1.0},
-    "ahead, expected uses >= 2": {"ahead": True, "ahead_min_uses": 2.0},
-    "ahead, expected uses >= 3": {"ahead": True, "ahead_min_uses": 3.0},
-    "ahead, expected uses >= 6": {"ahead": True, "ahead_min_uses": 6.0},
-    "after routing": {"ahead": False},
+    "expected uses >= 1, gather on 16 programs (the defaults)": {},
+    "expected uses >= 2": {"ahead_min_uses": 2.0},
+    "gather on 8 programs": {"gather_programs": 8},
+    "gather on 32 programs": {"gather_programs": 32},
 }
 
 

@@ -28,10 +28,12 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
   The per-token sum over the k slots is a fixed-order reduction.
 
-`routed_experts_split` runs the tiled kernels of a prefill chunk in two passes over one plan (the
-blocks of one set of experts masked to -1 in each) with a caller's `wait` between them, so that the
-first pass runs while the records of the second are still being copied into VRAM
-(`runtime.expert_store`); one sum follows.
+`routed_experts_split` runs the tiled kernels of a prefill chunk in passes over one plan (each pass runs
+the blocks of one set of experts) with a caller's `wait` before the last, so that the first passes run
+while the records of the last are still being copied into VRAM (`runtime.prefill_staging`); one sum
+follows. Over many pairs, the experts in host memory get a pass of their own on tiles that read rows
+in long runs over PCIe (`HOST_PREFILL_TILES`), the others keep the VRAM tiles (`PREFILL_TILES`: at
+23eb0a6 the PCIe tiles took 1.5 + 0.9 ms per 4096-token layer over VRAM records against 0.57 + 0.45).
 """
 
 from __future__ import annotations
@@ -497,14 +499,25 @@ def routed_experts(
     pairs = t * topk_ids.shape[1]
     if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS:
         return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn)
-    tiles = (HOST_PREFILL_TILES if host_records else PREFILL_TILES) if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
+    tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
     if pairs <= PAIR_PLAN_MAX:
         plan = plan_pairs(topk_ids, tiles.block_m)
     else:
         plan = plan_work(topk_ids, table.numel(), tiles.block_m)
     act, weighted = _buffers(x, pairs, layout)
-    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, tiles, act, weighted)
+    args = (x, topk_ids, topk_weights, arena, table, layout, plan)
+    if host_records and tiles is PREFILL_TILES:  # the experts in VRAM on the VRAM tiles, those in host memory on the PCIe ones
+        host = in_host_memory(table, arena)
+        _tiled(*args, PREFILL_TILES, act, weighted, host, FIRST_PASS)
+        _tiled(*args, HOST_PREFILL_TILES, act, weighted, host, SECOND_PASS)
+    else:
+        _tiled(*args, tiles, act, weighted)
     return sum_middle(weighted.view(t, -1, hidden), x.dtype)
+
+
+def in_host_memory(table: torch.Tensor, arena: torch.Tensor) -> torch.Tensor:
+    """[E] bool: the experts whose records `table` places outside `arena` (host records, read over PCIe)."""
+    return (table < 0) | (table >= arena.numel())
 
 
 def routed_experts_split(
@@ -522,7 +535,7 @@ def routed_experts_split(
     plan: the blocks of the experts not in `later` ([E] bool, on x's device), then `wait()` (e.g. the
     stream waits for the copies that bring `later`'s records into VRAM), then the blocks of `later`,
     which are in VRAM (the VRAM tiles), and one per-token sum. `host_records`: some experts not in
-    `later` are in host memory (the first pass reads rows in long runs)."""
+    `later` are in host memory (before the wait, a pass of their own reads their rows in long runs)."""
     t, hidden = x.shape
     _geometries(layout, hidden)
     pairs = topk_ids.numel()
@@ -531,10 +544,15 @@ def routed_experts_split(
     x = x.contiguous()
     plan = plan_work(topk_ids, table.numel(), PREFILL_TILES.block_m)
     act, weighted = _buffers(x, pairs, layout)
-    first_tiles = HOST_PREFILL_TILES if host_records else PREFILL_TILES
-    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, first_tiles, act, weighted, later, FIRST_PASS)
+    args = (x, topk_ids, topk_weights, arena, table, layout, plan)
+    if host_records:
+        host = in_host_memory(table, arena)
+        _tiled(*args, PREFILL_TILES, act, weighted, later | host, FIRST_PASS)
+        _tiled(*args, HOST_PREFILL_TILES, act, weighted, host, SECOND_PASS)
+    else:
+        _tiled(*args, PREFILL_TILES, act, weighted, later, FIRST_PASS)
     wait()
-    _tiled(x, topk_ids, topk_weights, arena, table, layout, plan, PREFILL_TILES, act, weighted, later, SECOND_PASS)
+    _tiled(*args, PREFILL_TILES, act, weighted, later, SECOND_PASS)
     return sum_middle(weighted.view(t, -1, hidden), x.dtype)
 
 

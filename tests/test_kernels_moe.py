@@ -92,50 +92,76 @@ def test_a_token_repeating_an_expert(tokens):
     _assert_matches_reference(records, x, ids, w)
 
 
+def _outside_the_arena(data: torch.Tensor, nbytes: int, outside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The records `data` [EXPERTS * nbytes] rearranged so that the experts of `outside` ([E] bool) come last
+    and an arena view that ends before them (records past an arena's end are host records to the kernels,
+    here still in device memory, so a test can rewrite them in stream order): (the whole buffer [E, nbytes],
+    the arena view, the table)."""
+    from ninfer_offload.kernels.moe import record_table
+
+    order = torch.cat([torch.nonzero(~outside).flatten(), torch.nonzero(outside).flatten()])
+    rows = data.view(EXPERTS, nbytes)[order.to(data.device)].contiguous()
+    position = torch.empty(EXPERTS, dtype=torch.int64)
+    position[order] = torch.arange(EXPERTS)
+    arena = rows.view(-1)[: int((~outside).sum()) * nbytes]
+    return rows, arena, record_table(position.to(DEVICE), nbytes)
+
+
 def test_prefill_over_host_records_matches_reference():
-    """Records that may live in host memory take wider k tiles in prefill: the same products."""
-    records = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
+    """A prefill chunk whose experts are partly in host memory (past the arena): those take the PCIe tiles
+    (wider k tiles) in a pass of their own, the others the VRAM tiles, and the output is the products'."""
+    from ninfer_offload.kernels.moe import in_host_memory, routed_experts
+
+    layout, data, weights = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(90, HIDDEN, generator=gen)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(90)])
     w = torch.softmax(torch.randn(90, 3, generator=gen), dim=-1)
-    _assert_matches_reference(records, x, ids, w, host_records=True)
+    outside = torch.tensor([False, True, False, False, True, False])
+    _, arena, table = _outside_the_arena(data, layout.nbytes, outside)
+    assert torch.equal(in_host_memory(table, arena).cpu(), outside)
+    out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), arena, table, layout, host_records=True)
+    ref = _reference(x, ids, w, weights)
+    assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
 
 
 @pytest.mark.parametrize("host_records", [False, True])
-def test_two_passes_equal_one(host_records):
-    """A prefill chunk in two passes, a random half of the experts deferred: their records hold 0xFF bytes
-    (NaN scales) until `wait()` writes them and turns the other experts' records to 0xFF, so an expert
-    computed only in the wrong pass shows. Without host records (the same tiles in both passes) the output
-    is the one-pass op's exactly; with them (256-wide k tiles in the first pass) it matches to rounding."""
+def test_the_passes_equal_one(host_records):
+    """A prefill chunk in passes, a random half of the experts deferred: their records hold 0xFF bytes (NaN
+    scales) until `wait()` writes them and turns every other record to 0xFF, so an expert computed only in
+    the wrong pass shows. Without host records (the same tiles in both passes) the output is the one-pass
+    op's exactly; with two of the others in host memory (past the arena: a pass of their own before the
+    wait, on the PCIe tiles) it matches the products to rounding."""
     from ninfer_offload.kernels.moe import record_table, routed_experts, routed_experts_split
 
-    records = _records("q4_g64_fp16", "q5_g64_fp16", seed=11)
-    layout, data, weights = records
+    layout, data, weights = _records("q4_g64_fp16", "q5_g64_fp16", seed=11)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(90, HIDDEN, generator=gen)  # 270 pairs: the prefill tiles
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(90)])
     w = torch.softmax(torch.randn(90, 3, generator=gen), dim=-1)
-    later = torch.randperm(EXPERTS, generator=gen)[: EXPERTS // 2]
-    mask = torch.zeros(EXPERTS, dtype=torch.bool)
-    mask[later] = True
-    rows = data.view(EXPERTS, layout.nbytes)
-    arena = torch.where(mask.to(DEVICE)[:, None], 0xFF, rows).to(torch.uint8)
+    later = torch.zeros(EXPERTS, dtype=torch.bool)
+    later[torch.randperm(EXPERTS, generator=gen)[: EXPERTS // 2]] = True
+    outside = torch.zeros(EXPERTS, dtype=torch.bool)
+    if host_records:
+        outside[torch.nonzero(~later).flatten()[:2]] = True
+    rows, arena, table = _outside_the_arena(data, layout.nbytes, outside)
+    deferred = later[torch.argsort(table.cpu())].to(DEVICE)[:, None]  # per buffer row: whether its expert is deferred
+    real = rows.clone()
+    rows.copy_(torch.where(deferred, 0xFF, real))
     waits = []
 
     def wait():
-        arena.copy_(torch.where(mask.to(DEVICE)[:, None], rows, 0xFF))
+        rows.copy_(torch.where(deferred, real, 0xFF))
         waits.append(True)
 
-    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
     args = (x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE))
-    got = routed_experts_split(*args, arena.view(-1), table, layout, mask.to(DEVICE), wait, host_records=host_records)
+    got = routed_experts_split(*args, arena, table, layout, later.to(DEVICE), wait, host_records=host_records)
     assert waits == [True]
     if host_records:
         ref = _reference(x, ids, w, weights)
         assert float((got.double().cpu() - ref).norm() / ref.norm()) < 1e-5
     else:
-        assert torch.equal(got, routed_experts(*args, data, table, layout))
+        assert torch.equal(got, routed_experts(*args, data, record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes), layout))
 
 
 def test_plan_groups_pairs_by_expert():

@@ -108,15 +108,13 @@ def _record_bytes(engine: Engine) -> np.ndarray:
     return np.array([layout.nbytes for layout in engine.store.layouts])
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident_long, ahead):
+def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident_long):
     """A long prompt's chunks copy every expert they use that is not in VRAM into a staging slot once and
-    read it there (ahead of each layer's routing, or after it): the only PCIe bytes of the prefill are the
+    read it there (ahead of each layer's routing): the only PCIe bytes of the prefill are the
     staged records, no use of a host expert is left to the host, and the logits (prefill, then decode
     steps that do not stage) equal the resident ones."""
     engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, spec="none")
     store = engine.store
-    store.staging.ahead = ahead
     session = engine.session()
     prefill = session.prefill(LONG_PROMPT)
     stats = dataclasses.replace(store.stats)  # a copy: the store keeps counting into its own
@@ -124,8 +122,6 @@ def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident
     assert stats.staged > 0 and staged_uses == stats.uses - stats.hits > 0  # every miss was served from staging
     records = store.staged_records.numpy().copy()
     assert records.max() == 1  # one chunk: each staged record once
-    if not ahead:  # staged after routing: exactly the used ones
-        assert np.array_equal(records > 0, store.staged_uses.numpy() > 0)
     assert stats.staged == records.sum() and stats.pcie_bytes == (records.sum(axis=1) * _record_bytes(engine)).sum()
     assert stats.to_json()["staged"] == stats.staged
     steps = [session.step(token) for token in STEPS]
@@ -137,15 +133,13 @@ def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_each_prefill_chunk_stages_its_own_host_experts(tiny_artifact_official, ahead):
+def test_each_prefill_chunk_stages_its_own_host_experts(tiny_artifact_official):
     """`prefill_chunk=160` and a 320-token prompt: two forwards, each past the staging threshold, each
     copying the host experts it uses (an expert both use is staged twice), and the logits equal those of
     a resident engine prefilling in the same chunks."""
     prompt = LONG_PROMPT + LONG_PROMPT[::-1]
     resident = Engine.load(tiny_artifact_official, spec="none", prefill_chunk=160)
     engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none", prefill_chunk=160)
-    engine.store.staging.ahead = ahead
     in_vram = engine.store.cache.in_vram[: engine.config.num_layers]
     got, want = _run(engine, prompt), _run(resident, prompt)
     for a, b in zip(got, want):
@@ -158,36 +152,6 @@ def test_each_prefill_chunk_stages_its_own_host_experts(tiny_artifact_official, 
     engine.close()
 
 
-def test_a_prefill_needing_more_experts_than_staging_slots_stages_the_most_used(tiny_artifact_official, resident_long, monkeypatch):
-    """Staging after routing into six slots (two buffers of three, used as one) for up to eight host
-    experts per layer: each layer stages its six most used missing experts, the others are read over
-    PCIe per use, and the logits still equal the resident ones."""
-    monkeypatch.setattr(memory, "PREFILL_STAGING_SLOTS", 3)
-    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none")
-    store = engine.store
-    store.staging.ahead = False
-    assert store.staging_slots == 6 and engine.expert_plan.arena_bytes == store.arena.numel()
-    session = engine.session()
-    prefill = session.prefill(LONG_PROMPT)
-    uses, staged_uses = store.uses.numpy(), store.staged_uses.numpy()
-    in_vram = store.cache.in_vram[: engine.config.num_layers]  # a static cache: what was in VRAM during the prefill
-    for layer, vram in enumerate(in_vram):
-        missing, staged = (uses[layer] > 0) & ~vram, staged_uses[layer] > 0
-        assert not (staged & ~missing).any() and staged.sum() == min(6, missing.sum())
-        assert np.array_equal(staged_uses[layer][staged], uses[layer][staged])  # a staged expert serves all its uses
-        if (missing & ~staged).any():
-            assert uses[layer][staged].min() >= uses[layer][missing & ~staged].max()
-    stats = store.stats
-    staged = (staged_uses > 0).sum(axis=1)
-    unstaged = np.where(in_vram, 0, uses - staged_uses).sum(axis=1)  # read over PCIe per use
-    assert unstaged.sum() > 0 and stats.staged == staged.sum()
-    assert stats.pcie_bytes == ((staged + unstaged) * _record_bytes(engine)).sum()
-    steps = [session.step(token) for token in STEPS]
-    session.close()
-    for got, want in zip([prefill, *steps], resident_long):
-        assert torch.equal(got, want)
-
-
 def test_a_prefill_staged_ahead_takes_the_likeliest_host_experts(tiny_artifact_official, resident_long, monkeypatch):
     """Staging ahead of routing into two buffers of three slots: each layer stages, before its routing is
     known, the three host experts the plan's pick rates rank first (the cache is static, so the host
@@ -196,7 +160,7 @@ def test_a_prefill_staged_ahead_takes_the_likeliest_host_experts(tiny_artifact_o
     monkeypatch.setattr(memory, "PREFILL_STAGING_SLOTS", 3)
     engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none")
     store = engine.store
-    assert store.staging.ahead and store.staging_slots == 6
+    assert store.staging_slots == 6
     session = engine.session()
     prefill = session.prefill(LONG_PROMPT)
     uses, staged_uses, records = store.uses.numpy(), store.staged_uses.numpy(), store.staged_records.numpy()
@@ -217,19 +181,17 @@ def test_a_prefill_staged_ahead_takes_the_likeliest_host_experts(tiny_artifact_o
 
 
 @needs_triton_device
-@pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("slots", [8, 3])
-def test_the_moe_kernels_read_the_staging_slots(tiny_artifact_official, monkeypatch, slots, ahead):
-    """The Triton MoE kernels on a prefill chunk's bank, every layer, in two passes (the staged experts after
+def test_the_moe_kernels_read_the_staging_slots(tiny_artifact_official, monkeypatch, slots):
+    """The Triton MoE kernels on a prefill chunk's bank, every layer, in passes (the staged experts after
     their copies; on CUDA those run on the store's copy stream): with all its host experts staged the bank
-    drops the host records (so both passes take the VRAM tiles) and the output equals the resident engine's;
-    with three slots per buffer it keeps them (the first pass takes the PCIe-friendly tiles) and the output
-    matches to rounding."""
+    drops the host records (so every pass takes the VRAM tiles) and the output equals the resident engine's;
+    with three slots per buffer it keeps them (the experts left in host memory take the PCIe-friendly tiles)
+    and the output matches to rounding."""
     monkeypatch.setattr(memory, "PREFILL_STAGING_SLOTS", slots)
     load = dict(device=DEVICE, dtype="float32", backend="triton", spec="none")
     resident = Engine.load(tiny_artifact_official, **load)
     host = Engine.load(tiny_artifact_official, experts="host", num_slots=3, cache_policy="static", **load)
-    host.store.staging.ahead = ahead
     generator = torch.Generator().manual_seed(5)
     tokens, experts, top_k = len(LONG_PROMPT), host.config.num_experts, host.config.top_k
     x = torch.randn(tokens, host.config.hidden_size, generator=generator).to(DEVICE)
@@ -243,10 +205,8 @@ def test_the_moe_kernels_read_the_staging_slots(tiny_artifact_official, monkeypa
             bank, later = host.store.staging.bank(layer, ids)
         outside = ~host.store.cache.in_vram[layer]
         missing, staged = int((used & outside).sum()), later.cpu().numpy()
-        if ahead:  # staged before the routing: host experts only, the bank keeps the host records unless all are staged
-            assert not (staged & ~outside).any() and (bank.host is None) == (staged.sum() == outside.sum())
-        else:  # after it: the used ones, as many as fit
-            assert (bank.host is None) == (missing <= 2 * slots) and staged.sum() == min(missing, 2 * slots)
+        # staged before the routing: host experts only; the bank keeps the host records unless all are staged
+        assert not (staged & ~outside).any() and (bank.host is None) == (staged.sum() == outside.sum())
         assert missing > 0
         if bank.host is None:
             assert torch.equal(got, want)

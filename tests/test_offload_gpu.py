@@ -123,36 +123,32 @@ def test_cache_never_serves_an_evicted_or_half_copied_record(tiny_artifact_offic
     assert engine.store.stats.promotions > 10
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_a_staged_prefill_equals_resident(tiny_artifact_official, resident, ahead):
+def test_a_staged_prefill_equals_resident(tiny_artifact_official, resident):
     """A prompt past the MoE kernels' prefill threshold: each layer's host experts are copied from pinned
     memory into staging slots on the store's copy stream while the kernels compute the cached experts'
     pairs, then the kernels read the slots with the VRAM tiles (like the resident engine's), and the
     prefill logits, then the captured decode steps', equal the resident ones."""
     host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
-    host.store.staging.ahead = ahead
     for got, want in zip(_decode(host, 8, prompt=LONG_PROMPT), _decode(resident, 8, prompt=LONG_PROMPT)):
         assert torch.equal(got, want)
     assert host.store.stats.staged > 0
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_a_staged_prefill_waits_for_late_copies(tiny_artifact_official, resident, monkeypatch, ahead):
+def test_a_staged_prefill_waits_for_late_copies(tiny_artifact_official, resident, monkeypatch):
     """The staging copy first fills the slots it copies into with 0xFF bytes (NaN scales) and stalls the copy
     stream for about 1 ms before copying the records in: kernels that read a slot before its copy landed
     would give NaN or another layer's expert, and the logits would differ from the resident ones."""
     copy_records = PrefillStaging._copy_records
 
-    def late_copy_records(self, layer, experts, slots, valid):
+    def late_copy_records(self, layer, experts, slots):
         start, store = self.store.staging_offset(0), self.store
         staging = store.arena[start : start + self.slots * store.slot_bytes].view(self.slots, store.slot_bytes)
         staging.index_fill_(0, (slots - start) // store.slot_bytes, 0xFF)
         torch.cuda._sleep(2_000_000)
-        copy_records(self, layer, experts, slots, valid)
+        copy_records(self, layer, experts, slots)
 
     monkeypatch.setattr(PrefillStaging, "_copy_records", late_copy_records)
     host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
-    host.store.staging.ahead = ahead
     for got, want in zip(_decode(host, 4, prompt=LONG_PROMPT), _decode(resident, 4, prompt=LONG_PROMPT)):
         assert torch.equal(got, want)
     assert host.store.stats.staged > 0

@@ -262,7 +262,7 @@ class Engine:
         for c0 in range(0, len(ids), self.prefill_chunk):
             chunk = ids[c0 : c0 + self.prefill_chunk]
             tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
-            with torch.no_grad(), self.store.forward(prefill=True):
+            with torch.no_grad(), self.store.forward(prefill=True, tokens=len(chunk)):
                 hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
             session.pending = len(chunk)
             session.commit(len(chunk))

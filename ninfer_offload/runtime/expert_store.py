@@ -277,9 +277,11 @@ class ExpertStore:
         """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for layer `layer` -> [T, H]."""
         if self.replayed is not None:
             topk_ids = self.replayed[layer, : topk_ids.shape[0]]
-        if self.prefilling and self.staging is not None and self.staging.takes(topk_ids):
+        if self.prefilling and self.staging is not None and self.staging.takes(topk_ids.shape[0]):
             bank, later = self.staging.bank(layer, topk_ids)  # (it counts the uses too)
-            return backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
+            out = backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
+            self.staging.done(layer, topk_ids.shape[0])
+            return out
         if self.cache is not None:
             flat = topk_ids.reshape(-1)
             self.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
@@ -301,7 +303,8 @@ class ExpertStore:
     def forward(self, prefill: bool = False, tokens: int = 1) -> Iterator[None]:
         """Wraps the launch of one forward: cache bookkeeping due before it, then the part that
         overlaps it (see `expert_cache`). `prefill`: a prompt chunk (never captured), whose host
-        experts may be staged; `tokens`: the forward's token rows (the CPU miss path times decode steps per token)."""
+        experts may be staged; `tokens`: the forward's token rows (the chunk's size for the staging; the CPU
+        miss path times decode steps per token)."""
         if self.cache is not None:
             self.cache.before_step()
         mark = None
@@ -311,6 +314,8 @@ class ExpertStore:
                 self.set_anchors(self.cache.in_vram, range(len(self.layouts)))
                 self._stale_anchors = False
         self.prefilling = prefill
+        if prefill and self.staging is not None:
+            self.staging.begin(tokens)
         try:
             yield
         finally:
