@@ -38,7 +38,7 @@ for bench in $BENCHES; do
     offload) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload.json" --budgets 15 --tokens 128 --warmup 128 \
       --commit "$COMMIT" 2>&1 | tail -12 ;;
     offload_sweep) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_sweep.json" --budgets 15 12 18 20 24 \
-      --tokens 128 --warmup 128 --miss-paths pcie cpu auto --skip-accelerate --commit "$COMMIT" 2>&1 | tail -16 ;;
+      --tokens 128 --warmup 128 --miss-paths pcie cpu auto --commit "$COMMIT" 2>&1 | tail -16 ;;
     nvfp4) { [ -f /tmp/q36_nvfp4.ninfer ] || python3 bench/make_synthetic.py /tmp/q36_nvfp4.ninfer --recipe nvfp4 > "$OUT/synthetic_nvfp4.log" 2>&1; } &&
       python3 bench/resident.py /tmp/q36_nvfp4.ninfer --out "$OUT/resident_nvfp4.json" --contexts 1024 --prefills 4096 --batches 1 \
         --skip-transformers --commit "$COMMIT" 2>&1 | tail -5 &&

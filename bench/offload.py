@@ -15,13 +15,13 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   after `--warmup` steps that capture the graphs and warm the cache;
 * the step time against `resident step + miss bytes / H2D`, where the resident step is measured in
   the same run with every expert in VRAM (same trace) and H2D is a measured 1 GiB pinned copy; the
-  same decode with each of DECODE_VARIANTS' cache settings (fewer promotions);
+  same decode with each of DECODE_VARIANTS' cache settings (fewer promotions; at the first budget);
 * hit rate, PCIe bytes and promotions per token (the store's stats), and Belady's optimal hit
   rate on the same trace for the same number of experts in VRAM (`planner.trace.belady_hit_rate`);
 * a 4K-token prefill (chunks of the engine's prefill size, trace routing) against its PCIe
   roofline: max(resident 4K prefill time, bytes of the distinct host experts per chunk / H2D); the
-  bytes it moved; the same prefill with each of PREFILL_VARIANTS' settings (another gather width,
-  2048-token chunks; each against the resident prefill at its chunk size); per setting one more
+  bytes it moved; at the first budget, the same prefill with each of PREFILL_VARIANTS' settings (another
+  gather width, 2048-token chunks; each against the resident prefill at its chunk size); per setting one more
   prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
   how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
@@ -511,14 +511,19 @@ def main() -> None:
         engine, ready = load(args.artifact, profile=args.profile, vram_budget=budget, cache_policy=args.policy)
         equal = logits_equal(engine, reference, check_ids)
         seconds, stats = runner.decode(engine, args.warmup, args.tokens)
-        decodes = decode_variants(runner, engine, args.warmup, args.tokens, report["resident"]["step_s"], h2d)
+        first = budget_gib == args.budgets[0]  # the variants and profiles: at the first budget only
+        decodes = decode_variants(runner, engine, args.warmup, args.tokens, report["resident"]["step_s"], h2d) if first else []
         capacity = sum(map(len, engine.expert_plan.placement.pinned[: trace.shape[1]])) + engine.store.cache_slots
         pcie = prefill_pcie_bytes(engine, trace, prefill_offset)
         moved = engine.store.stats.pcie_bytes
         budget_traces = traces and traces / f"{budget_gib:g}gib"
-        prefill_s, streams = runner.prefill_profiled(engine, prefill_offset, budget_traces and budget_traces / "default.json.gz")
-        moved = (engine.store.stats.pcie_bytes - moved) // 3  # three prefills
-        staged = engine.store.staging is not None
+        if first:
+            prefill_s, streams = runner.prefill_profiled(engine, prefill_offset, budget_traces and budget_traces / "default.json.gz")
+            moved = (engine.store.stats.pcie_bytes - moved) // 3  # three prefills
+        else:
+            prefill_s, streams = runner.prefill(engine, prefill_offset), None
+            moved = (engine.store.stats.pcie_bytes - moved) // 2
+        staged = first and engine.store.staging is not None
         variants = prefill_variants(runner, engine, trace, prefill_offset, resident_by_chunk, h2d, budget_traces) if staged else []
         inventory = inventory or Inventory.from_artifact(engine.artifact)
         placement = engine.expert_plan.plan
@@ -558,7 +563,12 @@ def main() -> None:
         }
         report["runs"].append(run)
         save()
-        print(json.dumps(run), flush=True)
+        print(
+            f"{budget_gib:g} GiB: decode {run['decode_tok_s']:.1f} tok/s (planner {run['planner_decode_tok_s']:.1f}), step ratio "
+            f"{run['step_time_ratio']:.3f}, hits {run['hit_rate']:.3f} (Belady {run['belady_hit_rate']:.3f}), 4K prefill "
+            f"{run['prefill_4k_tok_s']:,.0f} tok/s ({run['prefill_roofline_fraction']:.3f} of its roofline), ready "
+            f"{run['time_to_ready_ratio']:.2f}x the file read", flush=True,
+        )
         release(engine)
     pcie = next(run["decode_tok_s"] for run in report["runs"]) if report["runs"] else None
     for miss_path in args.miss_paths:  # the same steps as the first budget's run; "auto" runs its trials in the warm-up
@@ -580,7 +590,7 @@ def main() -> None:
             "cpu": engine.store.stats.miss_path, "decode_streams": streams,
         })
         save()
-        print(json.dumps(report["miss_paths"][-1]), flush=True)
+        print(f"miss path {miss_path}: decode {1 / seconds:.1f} tok/s", flush=True)
         release(engine)
     by_path = {entry["miss_path"]: entry["decode_tok_s"] for entry in report["miss_paths"]}
     pcie = by_path.get("pcie", pcie)  # loaded and timed like the others, when measured among them
