@@ -521,8 +521,8 @@ def main() -> None:
             prefill_s, streams = runner.prefill_profiled(engine, prefill_offset, budget_traces and budget_traces / "default.json.gz")
             moved = (engine.store.stats.pcie_bytes - moved) // 3  # three prefills
         else:
-            prefill_s, streams = runner.prefill(engine, prefill_offset), None
-            moved = (engine.store.stats.pcie_bytes - moved) // 2
+            prefill_s, streams = runner.prefill(engine, prefill_offset, repeats=3), None  # (no warm-up prefill before)
+            moved = (engine.store.stats.pcie_bytes - moved) // 3
         staged = first and engine.store.staging is not None
         variants = prefill_variants(runner, engine, trace, prefill_offset, resident_by_chunk, h2d, budget_traces) if staged else []
         inventory = inventory or Inventory.from_artifact(engine.artifact)

@@ -41,7 +41,7 @@ class LoadedModel:
     proposal: ProposalHead | None = None
     # Wall seconds of the load's phases: "store" (the VRAM arena), "experts" (reading, packing and placing the
     # routed experts), "pinning" (of that, the page-locking of host buffers, summed over the packing threads),
-    # "weights" (everything else, in a thread of its own beside the experts), "after_experts" (the wait for it)
+    # "weights" (everything else)
     load_seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -120,8 +120,7 @@ def load_model(
 
         steps = track(steps, description="loading experts", transient=True, console=Console(stderr=True))
     # Payload views are taken here (opening the files is not thread-safe); packing runs in threads
-    # (numpy copies release the GIL), at most PACK_THREADS layers at a time to bound host memory, and the
-    # other weights load in one more thread meanwhile (the only one that opens payloads then).
+    # (numpy copies release the GIL), at most PACK_THREADS layers at a time to bound host memory.
     payloads = [(artifact.payload(gate_up_id), artifact.payload(down_id)) for _, gate_up_id, down_id in banks]
 
     def pack(i: int) -> torch.Tensor:
@@ -131,29 +130,7 @@ def load_model(
         banks[i][0].pack_all(*payloads[i], config.num_experts, records.numpy())
         return records
 
-    def weights() -> tuple[TextModel, MtpModule | None, ProposalHead | None, float]:
-        """Everything but the routed experts, on `device` (while the experts are packed: the two overlap)."""
-        began = time.perf_counter()
-        reader = WeightReader(artifact, device, dtype)
-        rotary = Rotary(config.rotary_dim, config.rope_theta, device)
-        h, v = config.hidden_size, config.vocab_size
-        layers = [
-            DecoderLayer.load(reader, prefixes[i], i, kind, config, rotary, store) for i, kind in enumerate(config.layer_types)
-        ]
-        text = TextModel(
-            config,
-            embedding=reader.matrix("text/token_embedding", (v, h)),
-            layers=layers,
-            final_norm=reader.dense("text/final_norm", (h,)),
-            head=reader.matrix("text/output_head", (v, h)),
-            dtype=dtype,
-        )
-        mtp = MtpModule.load(reader, config.num_layers, config, rotary, store) if with_mtp else None
-        proposal = ProposalHead.load(reader, artifact.components["text"].proposal, h, v) if with_proposal else None
-        return text, mtp, proposal, time.perf_counter() - began
-
-    with ThreadPoolExecutor(PACK_THREADS) as pool, ThreadPoolExecutor(1) as weights_thread:
-        loading = weights_thread.submit(weights)
+    with ThreadPoolExecutor(PACK_THREADS) as pool:
         pending = deque(pool.submit(pack, i) for i in range(min(PACK_THREADS, len(prefixes))))
         for i in steps:
             records = pending.popleft().result()  # popped: a buffer the store does not keep is freed after its copy
@@ -161,9 +138,25 @@ def load_model(
                 pending.append(pool.submit(pack, i + PACK_THREADS))
             store.fill(i, records)
             del records
-        if store.cache is not None:
-            store.cache.fill_initial()
-        seconds["experts"], seconds["pinning"] = time.perf_counter() - began, sum(pinning)
-        text, mtp, proposal, seconds["weights"] = loading.result()
-    seconds["after_experts"] = time.perf_counter() - began - seconds["experts"]
+    if store.cache is not None:
+        store.cache.fill_initial()
+    seconds["experts"], seconds["pinning"] = time.perf_counter() - began, sum(pinning)
+    began = time.perf_counter()
+    reader = WeightReader(artifact, device, dtype)
+    rotary = Rotary(config.rotary_dim, config.rope_theta, device)
+    h, v = config.hidden_size, config.vocab_size
+    layers = [
+        DecoderLayer.load(reader, prefixes[i], i, kind, config, rotary, store) for i, kind in enumerate(config.layer_types)
+    ]
+    text = TextModel(
+        config,
+        embedding=reader.matrix("text/token_embedding", (v, h)),
+        layers=layers,
+        final_norm=reader.dense("text/final_norm", (h,)),
+        head=reader.matrix("text/output_head", (v, h)),
+        dtype=dtype,
+    )
+    mtp = MtpModule.load(reader, config.num_layers, config, rotary, store) if with_mtp else None
+    proposal = ProposalHead.load(reader, artifact.components["text"].proposal, h, v) if with_proposal else None
+    seconds["weights"] = time.perf_counter() - began
     return LoadedModel(config, text, mtp, store, proposal, seconds)
