@@ -80,7 +80,8 @@ PREFILL_TILES = Tiles(64, 64, 64, 4, 64, 3)  # H200 sweep, 2048 tokens: 0.86 ms 
 # Its block_m is PREFILL_TILES' (`routed_experts_split`'s two passes share one plan).
 HOST_PREFILL_TILES = Tiles(64, 32, 64, 4, 256, 3)
 PREFILL_MIN_PAIRS = 256
-EVERY_BLOCK, FIRST_PASS, SECOND_PASS = 0, 1, 2  # which blocks a tiled launch runs (`_runs`)
+EVERY_BLOCK, FIRST_PASS, SECOND_PASS = 0, 1, 2  # which blocks a tiled launch runs (`_runs`): by pass,
+ANYWHERE, VRAM_RECORDS, HOST_RECORDS = 0, 1, 2  # and by where the records are
 # Up to this many (token, slot) pairs each pair is its own block: no sort, no scatter (decode).
 PAIR_PLAN_MAX = 64
 
@@ -353,13 +354,18 @@ def _down_gemv_kernel(
 
 
 @triton.jit
-def _runs(e, deferred, PASS: tl.constexpr):
-    """Whether a tiled kernel's block of expert `e` (-1: an empty block) runs in pass PASS: 0 every block,
-    1 those of experts not `deferred` ([E] bool), 2 those of deferred experts."""
+def _runs(e, deferred, table, arena_bytes, PASS: tl.constexpr, WHERE: tl.constexpr):
+    """Whether a tiled kernel's block of expert `e` (-1: an empty block) runs: PASS 0 every block, 1 those of
+    experts not `deferred` ([E] bool), 2 those of deferred experts; WHERE 0 wherever the record is, 1 only
+    records inside the arena (VRAM), 2 only records outside it (host memory, read over PCIe)."""
     run = e >= 0
     if PASS != 0:
         later = tl.load(deferred + tl.maximum(e, 0)).to(tl.int32)
         run = run & ((later != 0) == (PASS == 2))
+    if WHERE != 0:
+        offset = tl.load(table + tl.maximum(e, 0))
+        inside = (offset >= 0) & (offset < arena_bytes)
+        run = run & (inside == (WHERE == 1))
     return run
 
 
@@ -371,6 +377,7 @@ def _gate_up_swiglu_kernel(
     block_expert,
     block_pairs,
     deferred,
+    arena_bytes,
     act,
     stride_x,
     H,
@@ -388,10 +395,11 @@ def _gate_up_swiglu_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     PASS: tl.constexpr,
+    WHERE: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
-    if _runs(e, deferred, PASS):
+    if _runs(e, deferred, table, arena_bytes, PASS, WHERE):
         record = arena + tl.multiple_of(tl.load(table + e), 256)
         pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_mask = pairs >= 0
@@ -428,6 +436,7 @@ def _down_kernel(
     block_expert,
     block_pairs,
     deferred,
+    arena_bytes,
     weights,
     out,
     H,
@@ -445,10 +454,11 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     PASS: tl.constexpr,
+    WHERE: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert + b)
-    if _runs(e, deferred, PASS):
+    if _runs(e, deferred, table, arena_bytes, PASS, WHERE):
         down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
         pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_mask = pairs >= 0
@@ -507,17 +517,11 @@ def routed_experts(
     act, weighted = _buffers(x, pairs, layout)
     args = (x, topk_ids, topk_weights, arena, table, layout, plan)
     if host_records and tiles is PREFILL_TILES:  # the experts in VRAM on the VRAM tiles, those in host memory on the PCIe ones
-        host = in_host_memory(table, arena)
-        _tiled(*args, PREFILL_TILES, act, weighted, host, FIRST_PASS)
-        _tiled(*args, HOST_PREFILL_TILES, act, weighted, host, SECOND_PASS)
+        _tiled(*args, PREFILL_TILES, act, weighted, where=VRAM_RECORDS)
+        _tiled(*args, HOST_PREFILL_TILES, act, weighted, where=HOST_RECORDS)
     else:
         _tiled(*args, tiles, act, weighted)
     return sum_middle(weighted.view(t, -1, hidden), x.dtype)
-
-
-def in_host_memory(table: torch.Tensor, arena: torch.Tensor) -> torch.Tensor:
-    """[E] bool: the experts whose records `table` places outside `arena` (host records, read over PCIe)."""
-    return (table < 0) | (table >= arena.numel())
 
 
 def routed_experts_split(
@@ -546,9 +550,8 @@ def routed_experts_split(
     act, weighted = _buffers(x, pairs, layout)
     args = (x, topk_ids, topk_weights, arena, table, layout, plan)
     if host_records:
-        host = in_host_memory(table, arena)
-        _tiled(*args, PREFILL_TILES, act, weighted, later | host, FIRST_PASS)
-        _tiled(*args, HOST_PREFILL_TILES, act, weighted, host, SECOND_PASS)
+        _tiled(*args, PREFILL_TILES, act, weighted, later, FIRST_PASS, VRAM_RECORDS)
+        _tiled(*args, HOST_PREFILL_TILES, act, weighted, later, FIRST_PASS, HOST_RECORDS)
     else:
         _tiled(*args, PREFILL_TILES, act, weighted, later, FIRST_PASS)
     wait()
@@ -575,26 +578,28 @@ def _tiled(
     weighted: torch.Tensor,
     deferred: torch.Tensor | None = None,
     which: int = EVERY_BLOCK,
+    where: int = ANYWHERE,
 ) -> None:
     """The two tiled kernels over the blocks of `plan` (all, or with `deferred` [E] bool those of the
-    experts not deferred (FIRST_PASS) or deferred (SECOND_PASS)): their pairs' rows of `act`, then of
-    `weighted`."""
+    experts not deferred (FIRST_PASS) or deferred (SECOND_PASS); of those, with `where`, only the experts
+    whose records are in VRAM or only those in host memory): their pairs' rows of `act`, then of `weighted`."""
     hidden, inter, top_k = x.shape[1], layout.down.k, topk_ids.shape[1]
     gu, dn = TileGeometry.of(layout.gate_up), TileGeometry.of(layout.down)
     blocks = plan.block_expert.numel()
     ieee = x.dtype == torch.float32
     deferred = plan.block_expert if deferred is None else deferred  # (not read by EVERY_BLOCK)
     _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
-        x, arena, table, plan.block_expert, plan.block_pairs, deferred, act, x.stride(0), hidden, inter, gu.high_offset,
+        x, arena, table, plan.block_expert, plan.block_pairs, deferred, arena.numel(), act, x.stride(0), hidden, inter, gu.high_offset,
         gu.scale_offset, gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
-        BLOCK_M=plan.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, PASS=which,
+        BLOCK_M=plan.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, PASS=which, WHERE=where,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
-        act, arena, table, plan.block_expert, plan.block_pairs, deferred, topk_weights.reshape(-1).contiguous(), weighted, hidden,
+        act, arena, table, plan.block_expert, plan.block_pairs, deferred, arena.numel(), topk_weights.reshape(-1).contiguous(), weighted,
+        hidden,
         inter, layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset,
         NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=plan.block_m, BLOCK_N=tiles.down_n,
-        BLOCK_K=block_k_for(dn.k_pad, tiles.block_k), IEEE=ieee, PASS=which, num_warps=tiles.warps, num_stages=tiles.stages,
+        BLOCK_K=block_k_for(dn.k_pad, tiles.block_k), IEEE=ieee, PASS=which, WHERE=where, num_warps=tiles.warps, num_stages=tiles.stages,
     )
 
 

@@ -110,7 +110,7 @@ def _outside_the_arena(data: torch.Tensor, nbytes: int, outside: torch.Tensor) -
 def test_prefill_over_host_records_matches_reference():
     """A prefill chunk whose experts are partly in host memory (past the arena): those take the PCIe tiles
     (wider k tiles) in a pass of their own, the others the VRAM tiles, and the output is the products'."""
-    from ninfer_offload.kernels.moe import in_host_memory, routed_experts
+    from ninfer_offload.kernels.moe import routed_experts
 
     layout, data, weights = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
     gen = torch.Generator().manual_seed(3)
@@ -119,7 +119,6 @@ def test_prefill_over_host_records_matches_reference():
     w = torch.softmax(torch.randn(90, 3, generator=gen), dim=-1)
     outside = torch.tensor([False, True, False, False, True, False])
     _, arena, table = _outside_the_arena(data, layout.nbytes, outside)
-    assert torch.equal(in_host_memory(table, arena).cpu(), outside)
     out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), arena, table, layout, host_records=True)
     ref = _reference(x, ids, w, weights)
     assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5

@@ -129,7 +129,7 @@ class ExpertCache:
             self.owner[slot] = None
             self.cached[layer, expert] = False
             slots.append(slot)
-        self._write_table([(layer, expert, self.store.host_offset(layer, expert)) for layer, expert in evict])
+        self.store.write_table([(layer, expert, self.store.host_offset(layer, expert)) for layer, expert in evict])
         while len(slots) < len(promote):
             slots.append(self.free.pop())
         moves = [(layer, expert, slot) for (layer, expert), slot in zip(promote, slots)]
@@ -156,19 +156,7 @@ class ExpertCache:
         for layer, expert, slot in moves:
             self.owner[slot] = (layer, expert)
             self.cached[layer, expert] = True
-        self._write_table([(layer, expert, self.store.slot_offset(slot)) for layer, expert, slot in moves])
-
-    def _write_table(self, entries: list[tuple[int, int, int]]) -> None:
-        """Point table entries (layer, expert) at new offsets, in stream order after the queued steps."""
-        if not entries:
-            return
-        experts = self.store.num_experts
-        index, values = self.store.upload(
-            torch.tensor([layer * experts + expert for layer, expert, _ in entries], dtype=torch.int64),
-            torch.tensor([offset for _, _, offset in entries], dtype=torch.int64),
-        )
-        self.store.table.view(-1).index_copy_(0, index, values)
-        self.store.tables_changed(sorted({layer for layer, _, _ in entries}))
+        self.store.write_table([(layer, expert, self.store.slot_offset(slot)) for layer, expert, slot in moves])
 
     def close(self) -> None:
         if self._cuda and self._inflight is not None:

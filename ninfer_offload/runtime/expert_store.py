@@ -153,6 +153,7 @@ class ExpertStore:
         self.arena = torch.empty(at + slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.host: list[torch.Tensor] = []  # per layer, every expert's record, when experts are offloaded (filled by `fill`)
         self.table = torch.zeros(layers, num_experts, dtype=torch.int64, device=device)
+        self.table_host = np.zeros((layers, num_experts), dtype=np.int64)  # what `table` holds after the work queued so far
         # Per (layer, expert): assignments routed, those of them served from a staging slot, those computed by the
         # host, and records staged.
         self.counts = torch.zeros(4, layers, num_experts, dtype=torch.int32, device=device)
@@ -254,6 +255,17 @@ class ExpertStore:
         for e in range(self.num_experts):
             offsets[e] = self.pinned_offset[layer, e] if self.pinned[layer, e] else self.host_offset(layer, e)
         self.table[layer].copy_(offsets)
+        self.table_host[layer] = offsets.numpy()
+
+    def write_table(self, entries: list[tuple[int, int, int]]) -> None:
+        """Point table entries (layer, expert) at new offsets, in stream order after the queued steps."""
+        if not entries:
+            return
+        layers, experts, offsets = (np.array(column, dtype=np.int64) for column in zip(*entries))
+        self.table_host[layers, experts] = offsets
+        index, values = self.upload(torch.from_numpy(layers * self.num_experts + experts), torch.from_numpy(offsets))
+        self.table.view(-1).index_copy_(0, index, values)
+        self.tables_changed(sorted(set(layers.tolist())))
 
     def host_offset(self, layer: int, expert: int) -> int:
         """Offset from the arena's start of `expert`'s host record (an address difference)."""

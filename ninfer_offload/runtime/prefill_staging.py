@@ -50,7 +50,9 @@ class PrefillStaging:
     def __init__(self, store):
         self.store = store
         self.slots = store.staging_slots
-        self._offsets = torch.tensor([store.staging_offset(slot) for slot in range(self.slots)], dtype=torch.int64, device=store.device)
+        self._offsets_host = np.array([store.staging_offset(slot) for slot in range(self.slots)], dtype=np.int64)
+        self._offsets = torch.from_numpy(self._offsets_host).to(store.device)
+        self._ones = torch.ones(0, dtype=torch.int32, device=store.device)  # one per (token, expert) pair of a chunk
         self.gather_programs = GATHER_PROGRAMS  # (benchmarks compare)
         self.ahead_min_uses = AHEAD_MIN_USES  # (benchmarks compare)
         self._ahead: dict[int, tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]] = {}  # per layer staged ahead
@@ -75,14 +77,16 @@ class PrefillStaging:
                 self._ahead[layer] = self._stage(layer, tokens)
 
     def bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
-        """The bank of `layer` for one prefill chunk, and which experts were staged ([E] bool on the device);
-        the chunk's uses of the layer's experts are counted here. The staged experts can be read once
-        `wait` was called."""
+        """The bank of `layer` for one prefill chunk, and which experts were staged ([E] int32, 1 for a staged
+        one, on the device); the chunk's uses of the layer's experts are counted here. The staged experts can
+        be read once `wait` was called."""
         tokens, store = topk_ids.shape[0], self.store
         bank, staged, self._staged = self._ahead.pop(layer, None) or self._stage(layer, tokens)
         flat = topk_ids.reshape(-1)
-        store.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        store.staged_uses[layer].index_add_(0, flat, staged[flat].to(torch.int32))
+        if self._ones.numel() < flat.numel():
+            self._ones = torch.ones(flat.numel(), dtype=torch.int32, device=store.device)
+        store.uses[layer].index_add_(0, flat, self._ones[: flat.numel()])
+        store.staged_uses[layer].index_add_(0, flat, staged[flat])
         return bank, staged
 
     def done(self, layer: int, tokens: int) -> None:
@@ -98,19 +102,23 @@ class PrefillStaging:
         """Start copying into `layer`'s buffer (consecutive layers alternate between the two halves of the
         slots) the experts outside VRAM that a chunk of `tokens` tokens is expected to use at least
         `ahead_min_uses` times, the likeliest first, as many as fit; (the layer's bank on a copy of its table
-        pointing them at their slots, the [E] bool of the staged ones, the event after their copy). The
-        bank keeps `host` when some expert outside VRAM is not staged (the kernels read it over PCIe if used)."""
-        store, half = self.store, self.slots // 2
+        pointing them at their slots, the [E] int32 marking the staged ones, the event after their copy). The
+        bank keeps `host` when some expert outside VRAM is not staged (the kernels read it over PCIe if used).
+        Decided on the host, from its view of the table: one upload."""
+        store, half, e = self.store, self.slots // 2, self.store.num_experts
         outside = np.flatnonzero(~store.cache.in_vram[layer])
         expected = store.placement.scores[layer, outside] * tokens
         likeliest = np.argsort(-expected, kind="stable")[:half]
         chosen = np.sort(outside[likeliest[expected[likeliest] >= self.ahead_min_uses]])
-        (experts,) = store.upload(torch.from_numpy(chosen))
-        slots = self._offsets[(layer % 2) * half : (layer % 2) * half + chosen.size]
-        table = store.table[layer].clone().index_copy_(0, experts, slots)
-        staged = torch.zeros(store.num_experts, dtype=torch.bool, device=store.device).index_fill_(0, experts, True)
-        store.staged_records[layer] += staged.to(torch.int32)
-        event = self._copy(layer, experts, slots) if chosen.size else None
+        start = (layer % 2) * half
+        table = store.table_host[layer].copy()
+        table[chosen] = self._offsets_host[start : start + chosen.size]
+        staged = np.zeros(e, dtype=np.int64)
+        staged[chosen] = 1
+        (packed,) = store.upload(torch.from_numpy(np.concatenate([table, staged, chosen])))
+        table, staged, experts = packed[:e], packed[e : 2 * e].to(torch.int32), packed[2 * e :]
+        store.staged_records[layer] += staged
+        event = self._copy(layer, experts, self._offsets[start : start + chosen.size]) if chosen.size else None
         host = store.host[layer] if chosen.size < outside.size else None
         return ExpertBank(store.layouts[layer], store.arena, table, host), staged, event
 
