@@ -4,7 +4,9 @@
 # Installs the project (and the wheels in $WHEELS, if set, for a machine without a package index),
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
-# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, kernels, serve, spec, offload, offload_sweep, offload_cpu, offload_prefill, nvfp4), their JSON and logs under $OUT.
+# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, kernels, serve, spec, offload (15 GiB and
+# the accelerate floor), offload_sweep (five budgets, ~7 min), offload_cpu (15 GiB, the three miss paths), offload_prefill, nvfp4), their
+# JSON and logs under $OUT. One device call runs at most 10 minutes: offload_sweep and the floor (~3 min more) do not fit in one.
 set -o pipefail
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONUNBUFFERED=1
@@ -38,7 +40,7 @@ for bench in $BENCHES; do
     offload) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload.json" --budgets 15 --tokens 128 --warmup 128 \
       --commit "$COMMIT" 2>&1 | tail -12 ;;
     offload_sweep) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_sweep.json" --budgets 15 12 18 20 24 \
-      --tokens 128 --warmup 128 --miss-paths pcie cpu auto --commit "$COMMIT" 2>&1 | tail -16 ;;
+      --tokens 128 --warmup 128 --skip-accelerate --commit "$COMMIT" 2>&1 | tail -16 ;;
     nvfp4) { [ -f /tmp/q36_nvfp4.ninfer ] || python3 bench/make_synthetic.py /tmp/q36_nvfp4.ninfer --recipe nvfp4 > "$OUT/synthetic_nvfp4.log" 2>&1; } &&
       python3 bench/resident.py /tmp/q36_nvfp4.ninfer --out "$OUT/resident_nvfp4.json" --contexts 1024 --prefills 4096 --batches 1 \
         --skip-transformers --commit "$COMMIT" 2>&1 | tail -5 &&
