@@ -133,6 +133,21 @@ def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident
         assert torch.equal(got, want)
 
 
+def test_a_prefill_after_promotions_stages_from_the_moved_table(tiny_artifact_official, resident_long):
+    """Decode steps that promote and evict experts, then a long prompt in a new sequence: staging builds each
+    layer's table copy from the host's view of the table, which follows every move (it equals the device
+    table), and the logits equal the resident ones."""
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="lru", spec="none")
+    _run(engine)
+    store = engine.store
+    assert store.stats.promotions > 0 and store.stats.staged == 0
+    assert np.array_equal(store.table_host, store.table.cpu().numpy())
+    for got, want in zip(_run(engine, LONG_PROMPT), resident_long):
+        assert torch.equal(got, want)
+    assert store.stats.staged > 0 and np.array_equal(store.table_host, store.table.cpu().numpy())
+    engine.close()
+
+
 def test_each_prefill_chunk_stages_its_own_host_experts(tiny_artifact_official):
     """`prefill_chunk=160` and a 320-token prompt: two forwards, each past the staging threshold, each
     copying the host experts it uses (an expert both use is staged twice), and the logits equal those of
