@@ -25,7 +25,8 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   prefill profiled (`profiling.stream_timeline`: busy time per CUDA stream,
   how much the copy and compute streams overlapped, the host's time in synchronizing calls);
 * time to ready (Engine.load from a cold page cache) against the time to read the artifact's
-  files from disk (cold page cache too), and the load's phases (`Engine.load_seconds`);
+  files from disk (cold page cache too), and the load's phases (`Engine.load_seconds`); the imports a
+  process's first load also pays (`imports`: the Triton kernels and flash-linear-attention), timed apart;
 * the planner's prediction for the same options, and its projections to the RTX 5060 Ti and
   RTX 5090 (the cost model of `planner.cost`);
 * whether the offloaded logits equal the all-resident ones on a prompt (bitwise);
@@ -489,6 +490,10 @@ def main() -> None:
 
     runner = TraceRun(trace, device)
     check_ids = list(range(3, 3 + 24))
+    began = time.perf_counter()  # what the first load of a process also imports: the Triton kernels, flash-linear-attention
+    from ninfer_offload.kernels.backend import TritonBackend
+
+    report["imports"] = {"flash_linear_attention": TritonBackend().fla, "seconds": time.perf_counter() - began}
     resident, resident_ready = load(args.artifact, experts="resident")
     reference = resident.logits(check_ids)
     config = resident.artifact.components["text"].config
