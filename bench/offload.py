@@ -479,6 +479,7 @@ def main() -> None:
         "device_copy_gbs": bandwidths["device_copy_gbs"],
         "trace": {"seed": args.seed, "tokens": length, "generator": "planner.trace.routing_trace (shipped counts)"},
         "policy": args.policy,
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),  # e.g. pinned_use_cuda_host_register (pinning speed)
         "file_read_s": file_read_seconds(args.artifact),
         "runs": [],
         "miss_paths": [],
