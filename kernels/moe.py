@@ -356,7 +356,7 @@ def _down_gemv_kernel(
 @triton.jit
 def _runs(e, deferred, table, arena_bytes, PASS: tl.constexpr, WHERE: tl.constexpr):
     """Whether a tiled kernel's block of expert `e` (-1: an empty block) runs: PASS 0 every block, 1 those of
-    experts not `deferred` ([E] bool), 2 those of deferred experts; WHERE 0 wherever the record is, 1 only
+    experts not `deferred` ([E] bool or 0/1 ints), 2 those of deferred experts; WHERE 0 wherever the record is, 1 only
     records inside the arena (VRAM), 2 only records outside it (host memory, read over PCIe)."""
     run = e >= 0
     if PASS != 0:
@@ -535,8 +535,8 @@ def routed_experts_split(
     wait: Callable[[], None],
     host_records: bool = False,
 ) -> torch.Tensor:
-    """`routed_experts` of a prefill chunk (more than PREFILL_MIN_PAIRS pairs) in two passes over one
-    plan: the blocks of the experts not in `later` ([E] bool, on x's device), then `wait()` (e.g. the
+    """`routed_experts` of a prefill chunk (more than PREFILL_MIN_PAIRS pairs) in passes over one
+    plan: the blocks of the experts not in `later` ([E] bool or 0/1 ints, on x's device), then `wait()` (e.g. the
     stream waits for the copies that bring `later`'s records into VRAM), then the blocks of `later`,
     which are in VRAM (the VRAM tiles), and one per-token sum. `host_records`: some experts not in
     `later` are in host memory (before the wait, a pass of their own reads their rows in long runs)."""
@@ -580,7 +580,7 @@ def _tiled(
     which: int = EVERY_BLOCK,
     where: int = ANYWHERE,
 ) -> None:
-    """The two tiled kernels over the blocks of `plan` (all, or with `deferred` [E] bool those of the
+    """The two tiled kernels over the blocks of `plan` (all, or with `deferred` [E] (bool or 0/1 ints) those of the
     experts not deferred (FIRST_PASS) or deferred (SECOND_PASS); of those, with `where`, only the experts
     whose records are in VRAM or only those in host memory): their pairs' rows of `act`, then of `weighted`."""
     hidden, inter, top_k = x.shape[1], layout.down.k, topk_ids.shape[1]

@@ -218,7 +218,7 @@ class ReferenceBackend:
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, later: torch.Tensor,
         wait: Callable[[], None],
     ) -> torch.Tensor:
-        """`routed_experts` for a bank whose `later` experts ([E] bool) can be read only after `wait()`
+        """`routed_experts` for a bank whose `later` experts ([E] bool or 0/1 ints) can be read only after `wait()`
         (their records are being copied into VRAM): a backend may compute the other experts' assignments
         before it waits. Here: `wait()`, then `routed_experts`."""
         wait()
