@@ -47,7 +47,7 @@ for bench in $BENCHES; do
       python3 bench/offload.py /tmp/q36_nvfp4.ninfer --out "$OUT/offload_nvfp4.json" --budgets 15 --tokens 128 --warmup 128 \
         --skip-accelerate --commit "$COMMIT" 2>&1 | tail -3 ;;
     offload_cpu) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_cpu.json" --budgets 15 --tokens 128 --warmup 128 \
-      --miss-paths pcie cpu auto --skip-accelerate --trace-dir "$OUT/traces" --commit "$COMMIT" 2>&1 | tail -6 ;;
+      --miss-paths pcie cpu auto --miss-path-loads 2 --skip-accelerate --trace-dir "$OUT/traces" --commit "$COMMIT" 2>&1 | tail -6 ;;
     offload_prefill) artifact && python3 bench/offload_prefill.py /tmp/q36.ninfer --out "$OUT/offload_prefill.json" --commit "$COMMIT" 2>&1 | tail -6 ;;
     *) echo "unknown benchmark $bench" ;;
   esac
