@@ -119,12 +119,29 @@ def idle_by_host_call(events: list[dict], busy: list[tuple[float, float]], top: 
     return {name: us / 1e3 for name, us in sorted(spent.items(), key=lambda kv: -kv[1])[:top]}
 
 
+def launch_leads(events: list[dict]) -> dict[str, float]:
+    """Per stream, the median milliseconds from the end of a kernel's or copy's launch call on the host to its
+    start on the device (matched by correlation id): near zero when the device waits for the host to launch
+    (the host bounds the run), large when the host runs ahead of the device."""
+    launched = {
+        event["args"]["correlation"]: float(event["ts"]) + float(event.get("dur", 0.0))
+        for event in events
+        if event.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in event.get("args", {})
+    }
+    leads: dict[int, list[float]] = {}
+    for event in events:
+        args = event.get("args", {})
+        if event.get("cat") in DEVICE_ACTIVITIES and args.get("correlation") in launched:
+            leads.setdefault(int(args["stream"]), []).append(float(event["ts"]) - launched[args["correlation"]])
+    return {str(stream): sorted(values)[len(values) // 2] / 1e3 for stream, values in sorted(leads.items())}
+
+
 def timeline_from_trace(events: list[dict]) -> dict:
     """Per-stream busy time, kernels and copies, device busy time, the streams' overlap, the time between
     the first and last device activity when no stream was busy (the device waiting for the host) and what
-    the host did meanwhile (`idle_by_host_call`), the host's synchronizing calls and its CUDA runtime calls
-    by name (the costliest RUNTIME_CALLS), from Chrome-trace events (microsecond `ts`/`dur`, the stream
-    in `args`)."""
+    the host did meanwhile (`idle_by_host_call`), how far ahead of the device the host launched
+    (`launch_leads`), the host's synchronizing calls and its CUDA runtime calls by name (the costliest
+    RUNTIME_CALLS), from Chrome-trace events (microsecond `ts`/`dur`, the stream in `args`)."""
     streams: dict[int, dict] = {}
     host_sync_us = 0.0
     runtime: dict[str, list[float]] = {}
@@ -154,6 +171,7 @@ def timeline_from_trace(events: list[dict]) -> dict:
         "device_busy_ms": everything / 1e3,
         "device_idle_ms": (span - everything) / 1e3,
         "idle_by_host_call_ms": idle_by_host_call(events, busy_spans),
+        "launch_lead_ms": launch_leads(events),
         "streams_overlap_ms": (sum(busy.values()) - everything) / 1e3,
         "host_sync_ms": host_sync_us / 1e3,
         "runtime_calls": {name: {"calls": calls, "ms": us / 1e3} for name, (calls, us) in costliest},

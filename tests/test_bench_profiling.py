@@ -52,3 +52,18 @@ def test_idle_device_time_is_attributed_to_what_the_host_was_doing():
         "aten::index_add_": pytest.approx(12e-3),
         "(between calls: Python)": pytest.approx(9e-3),  # 8 of the first gap, 1 of the second
     }
+
+
+def test_launch_leads_tell_a_host_bound_stream_from_a_device_bound_one():
+    """Stream 7's kernels start 2 us after their launch calls return (the device waits for the host), stream 30's
+    50 us after (the host is ahead); a kernel without a matching launch is not counted."""
+    events = [
+        {"cat": "cuda_runtime", "name": "cuLaunchKernelEx", "ts": 0.0, "dur": 8.0, "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "a", "ts": 10.0, "dur": 5.0, "args": {"stream": 7, "correlation": 1}},
+        {"cat": "cuda_runtime", "name": "cuLaunchKernelEx", "ts": 20.0, "dur": 8.0, "args": {"correlation": 2}},
+        {"cat": "kernel", "name": "b", "ts": 30.0, "dur": 5.0, "args": {"stream": 7, "correlation": 2}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.0, "dur": 10.0, "args": {"correlation": 3}},
+        {"cat": "kernel", "name": "c", "ts": 60.0, "dur": 5.0, "args": {"stream": 30, "correlation": 3}},
+        {"cat": "kernel", "name": "d", "ts": 99.0, "dur": 1.0, "args": {"stream": 30, "correlation": 9}},
+    ]
+    assert timeline_from_trace(events)["launch_lead_ms"] == {"7": pytest.approx(2e-3), "30": pytest.approx(50e-3)}
