@@ -530,10 +530,9 @@ def main() -> None:
         budget_traces = traces and traces / f"{budget_gib:g}gib"
         if first:
             prefill_s, streams = runner.prefill_profiled(engine, prefill_offset, budget_traces and budget_traces / "default.json.gz")
-            moved = (engine.store.stats.pcie_bytes - moved) // 3  # three prefills
         else:
             prefill_s, streams = runner.prefill(engine, prefill_offset, repeats=3), None  # (no warm-up prefill before)
-            moved = (engine.store.stats.pcie_bytes - moved) // 3
+        moved = (engine.store.stats.pcie_bytes - moved) // 3  # three prefills either way
         staged = first and engine.store.staging is not None
         variants = prefill_variants(runner, engine, trace, prefill_offset, resident_by_chunk, h2d, budget_traces) if staged else []
         inventory = inventory or Inventory.from_artifact(engine.artifact)

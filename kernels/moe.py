@@ -516,9 +516,8 @@ def routed_experts(
         plan = plan_work(topk_ids, table.numel(), tiles.block_m)
     act, weighted = _buffers(x, pairs, layout)
     args = (x, topk_ids, topk_weights, arena, table, layout, plan)
-    if host_records and tiles is PREFILL_TILES:  # the experts in VRAM on the VRAM tiles, those in host memory on the PCIe ones
-        _tiled(*args, PREFILL_TILES, act, weighted, where=VRAM_RECORDS)
-        _tiled(*args, HOST_PREFILL_TILES, act, weighted, where=HOST_RECORDS)
+    if tiles is PREFILL_TILES:
+        _prefill_tiled(args, act, weighted, None, EVERY_BLOCK, host_records)
     else:
         _tiled(*args, tiles, act, weighted)
     return sum_middle(weighted.view(t, -1, hidden), x.dtype)
@@ -549,14 +548,20 @@ def routed_experts_split(
     plan = plan_work(topk_ids, table.numel(), PREFILL_TILES.block_m)
     act, weighted = _buffers(x, pairs, layout)
     args = (x, topk_ids, topk_weights, arena, table, layout, plan)
-    if host_records:
-        _tiled(*args, PREFILL_TILES, act, weighted, later, FIRST_PASS, VRAM_RECORDS)
-        _tiled(*args, HOST_PREFILL_TILES, act, weighted, later, FIRST_PASS, HOST_RECORDS)
-    else:
-        _tiled(*args, PREFILL_TILES, act, weighted, later, FIRST_PASS)
+    _prefill_tiled(args, act, weighted, later, FIRST_PASS, host_records)
     wait()
     _tiled(*args, PREFILL_TILES, act, weighted, later, SECOND_PASS)
     return sum_middle(weighted.view(t, -1, hidden), x.dtype)
+
+
+def _prefill_tiled(args: tuple, act: torch.Tensor, weighted: torch.Tensor, deferred, which: int, host_records: bool) -> None:
+    """`_tiled` (`args`: its first seven) on the prefill tiles over the blocks `deferred` / `which` select; with
+    `host_records`, the experts in host memory in launches of their own on the PCIe tiles."""
+    if host_records:
+        _tiled(*args, PREFILL_TILES, act, weighted, deferred, which, VRAM_RECORDS)
+        _tiled(*args, HOST_PREFILL_TILES, act, weighted, deferred, which, HOST_RECORDS)
+    else:
+        _tiled(*args, PREFILL_TILES, act, weighted, deferred, which)
 
 
 def _buffers(x: torch.Tensor, pairs: int, layout: ExpertRecordLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -133,6 +133,18 @@ def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident
         assert torch.equal(got, want)
 
 
+def test_a_prefill_that_stages_nothing_reads_its_host_experts_over_pcie(tiny_artifact_official, resident_long):
+    """No host expert expected to be used often enough: no layer copies anything, each keeps its own table
+    and reads its host experts where they are, and the logits equal the resident ones."""
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none")
+    engine.store.staging.ahead_min_uses = float("inf")
+    for got, want in zip(_run(engine, LONG_PROMPT), resident_long):
+        assert torch.equal(got, want)
+    stats = engine.store.stats
+    assert stats.staged == 0 and int(engine.store.staged_uses.sum()) == 0 and stats.pcie_bytes > 0
+    engine.close()
+
+
 def test_a_prefill_after_promotions_stages_from_the_moved_table(tiny_artifact_official, resident_long):
     """Decode steps that promote and evict experts, then a long prompt in a new sequence: staging builds each
     layer's table copy from the host's view of the table, which follows every move (it equals the device

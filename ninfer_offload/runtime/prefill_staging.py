@@ -53,6 +53,7 @@ class PrefillStaging:
         self._offsets_host = np.array([store.staging_offset(slot) for slot in range(self.slots)], dtype=np.int64)
         self._offsets = torch.from_numpy(self._offsets_host).to(store.device)
         self._ones = torch.ones(0, dtype=torch.int32, device=store.device)  # one per (token, expert) pair of a chunk
+        self._none = torch.zeros(store.num_experts, dtype=torch.int32, device=store.device)  # no expert staged
         self.gather_programs = GATHER_PROGRAMS  # (benchmarks compare)
         self.ahead_min_uses = AHEAD_MIN_USES  # (benchmarks compare)
         self._ahead: dict[int, tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]] = {}  # per layer staged ahead
@@ -86,7 +87,8 @@ class PrefillStaging:
         if self._ones.numel() < flat.numel():
             self._ones = torch.ones(flat.numel(), dtype=torch.int32, device=store.device)
         store.uses[layer].index_add_(0, flat, self._ones[: flat.numel()])
-        store.staged_uses[layer].index_add_(0, flat, staged[flat])
+        if staged is not self._none:
+            store.staged_uses[layer].index_add_(0, flat, staged[flat])
         return bank, staged
 
     def done(self, layer: int, tokens: int) -> None:
@@ -110,6 +112,9 @@ class PrefillStaging:
         expected = store.placement.scores[layer, outside] * tokens
         likeliest = np.argsort(-expected, kind="stable")[:half]
         chosen = np.sort(outside[likeliest[expected[likeliest] >= self.ahead_min_uses]])
+        host = store.host[layer] if chosen.size < outside.size else None
+        if not chosen.size:  # nothing to copy: the layer's own table
+            return ExpertBank(store.layouts[layer], store.arena, store.table[layer], host), self._none, None
         start = (layer % 2) * half
         table = store.table_host[layer].copy()
         table[chosen] = self._offsets_host[start : start + chosen.size]
@@ -118,8 +123,7 @@ class PrefillStaging:
         (packed,) = store.upload(torch.from_numpy(np.concatenate([table, staged, chosen])))
         table, staged, experts = packed[:e], packed[e : 2 * e].to(torch.int32), packed[2 * e :]
         store.staged_records[layer] += staged
-        event = self._copy(layer, experts, self._offsets[start : start + chosen.size]) if chosen.size else None
-        host = store.host[layer] if chosen.size < outside.size else None
+        event = self._copy(layer, experts, self._offsets[start : start + chosen.size])
         return ExpertBank(store.layouts[layer], store.arena, table, host), staged, event
 
     def _copy(self, layer: int, experts: torch.Tensor, slots: torch.Tensor) -> torch.cuda.Event | None:
