@@ -7,6 +7,7 @@ sizes, allocating + writing every layer's buffer in four threads, each way in a 
 * ``host_alloc``: ``torch.empty(pin_memory=True)`` (the caching host allocator, cudaHostAlloc), then write;
 * ``host_register``: the same allocator told to register (``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,
   pinned_num_register_threads:8``: malloc, pages touched by 8 threads, cudaHostRegister), then write;
+* ``host_register_runtime``: the same, switched on after CUDA is initialized (`register_pinned_allocations`, what a load does);
 * ``register_after_write``: pageable memory, written, then ``cudaHostRegister``;
 * ``register_before_write``: pageable memory, ``cudaHostRegister``, then written.
 
@@ -32,7 +33,7 @@ import torch
 
 from provenance import gpu_report_header
 
-MODES = ("host_alloc", "host_register", "register_after_write", "register_before_write")
+MODES = ("host_alloc", "host_register", "host_register_runtime", "register_after_write", "register_before_write")
 REGISTER_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 THREADS = 4
 
@@ -61,12 +62,16 @@ def run_mode(mode: str, sizes: list[int]) -> dict:
     """Allocate and write one buffer per layer the way `mode` says; seconds and what was locked."""
     torch.cuda.init()
     torch.empty(1, device="cuda")
+    if mode == "host_register_runtime":
+        from ninfer_offload.runtime.memory_check import register_pinned_allocations
+
+        register_pinned_allocations()
     source = np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8)
     buffers: list[torch.Tensor] = [None] * len(sizes)
 
     def one(i: int) -> float:
         began = time.perf_counter()
-        if mode in ("host_alloc", "host_register"):
+        if mode.startswith("host_"):
             buffer = torch.empty(sizes[i], dtype=torch.uint8, pin_memory=True)
             np.copyto(buffer.numpy(), source[: sizes[i]])
         else:

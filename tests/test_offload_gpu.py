@@ -49,6 +49,17 @@ def test_offloaded_graph_steps_equal_resident(tiny_artifact_official, dtype):
     assert stats.hits < stats.uses and stats.promotions > 0 and stats.pcie_bytes > 0
 
 
+def test_the_host_check_counts_the_pool_as_the_allocator_locks_it(tiny_artifact_official):
+    before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
+    locked = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
+    pool = host.expert_plan.host_ram_bytes(pinned=True)
+    assert all(records.is_pinned() for records in host.store.host)
+    assert pool > host.expert_plan.host_bytes  # the tiny layers' pools are not powers of two
+    assert pool <= locked < pool + 2**20  # plus the store's small pinned buffers
+    host.close()
+
+
 def test_planned_split_equals_resident(tiny_artifact_official, resident, small_card, half_expert_budget):
     split = Engine.load(tiny_artifact_official, device="cuda", profile=str(small_card), vram_budget=half_expert_budget, spec="none")
     assert 0 < sum(map(len, split.expert_plan.placement.pinned)) < split.config.num_layers * split.config.num_experts

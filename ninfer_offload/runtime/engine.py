@@ -207,7 +207,7 @@ class Engine:
             expert_plan = expert_load_plan(inventory, resolved, request, None if free is None else free - sum(state_and_weights.values()))
             if resolved.type == "cuda":
                 check_fits(state_and_weights | {"experts": expert_plan.arena_bytes}, free, resolved)
-            check_host_memory(expert_plan.host_bytes)
+            check_host_memory(expert_plan.host_ram_bytes(pinned=resolved.type == "cuda"))
             loaded = load_model(
                 artifact, config, resolved, resolved_dtype, expert_plan.placement, miss_path, cache_policy, with_mtp=mtp,
                 progress=progress, with_proposal=proposal_head,

@@ -27,6 +27,7 @@ from ninfer_offload.planner.planner import plan
 from ninfer_offload.planner.routing import default_routing_stats
 from ninfer_offload.profiles import DeviceProfile, load_profile
 from ninfer_offload.runtime.expert_store import ExpertPlacement
+from ninfer_offload.runtime.memory_check import locked_bytes
 
 CACHE_SHARE = 0.25  # of the plan's expert VRAM, given to the adaptive cache rather than pinned
 GiB = 2**30
@@ -68,6 +69,13 @@ class LoadPlan:
     def host_bytes(self) -> int:
         experts = self.placement.scores.shape[1]
         return sum(experts * b for b in self.expert_bytes) if self.placement.offloaded else 0
+
+    def host_ram_bytes(self, pinned: bool) -> int:
+        """RAM the host pool takes: one buffer per layer, rounded as the caching host allocator locks it when `pinned`."""
+        if not self.placement.offloaded:
+            return 0
+        experts = self.placement.scores.shape[1]
+        return locked_bytes([experts * b for b in self.expert_bytes]) if pinned else self.host_bytes
 
     def summary(self) -> str:
         """One line: where the experts go (and the plan behind it)."""

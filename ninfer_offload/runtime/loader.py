@@ -27,6 +27,7 @@ from ninfer_offload.model.text_model import MTP_PREFIX, DecoderLayer, MtpModule,
 from ninfer_offload.model.weights import WeightReader
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
 from ninfer_offload.runtime.expert_store import ExpertPlacement, ExpertStore
+from ninfer_offload.runtime.memory_check import register_pinned_allocations
 
 
 PACK_THREADS = 4  # layers packed at once
@@ -107,6 +108,8 @@ def load_model(
     prefixes = [f"text/layers/{i}" for i in range(config.num_layers)] + ([MTP_PREFIX] if with_mtp else [])
     banks = [_record_layout(artifact, prefix, config) for prefix in prefixes]
     layouts = [layout for layout, _, _ in banks]
+    if device.type == "cuda":
+        register_pinned_allocations()  # before the store's and the packing threads' pinned buffers
     began = time.perf_counter()
     store = ExpertStore(layouts, config.hidden_size, config.num_experts, config.top_k, placement, device, miss_path, cache_policy)
     seconds, pinning = {"store": time.perf_counter() - began}, []
