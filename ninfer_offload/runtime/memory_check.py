@@ -37,6 +37,7 @@ def check_fits(footprint: dict[str, int], free_bytes: int, device: torch.device)
     )
 
 
+PINNED_ALIGN = 256  # where pinned host tensors start (the MoE kernels read expert records at multiples of it)
 PINNED_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 
@@ -50,8 +51,8 @@ def register_pinned_allocations() -> None:
 
 
 def locked_bytes(buffer_bytes: list[int]) -> int:
-    """RAM the caching host allocator locks for pinned buffers of these sizes (each a power of two)."""
-    return sum(1 << (n - 1).bit_length() for n in buffer_bytes if n)
+    """RAM the caching host allocator locks for `host_tensor`s of these sizes (each rounded to a power of two)."""
+    return sum(1 << (n + PINNED_ALIGN - 1).bit_length() for n in buffer_bytes if n)
 
 
 def check_host_memory(pinned_bytes: int) -> None:
@@ -67,14 +68,19 @@ def check_host_memory(pinned_bytes: int) -> None:
 
 
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, what: str, remedy: str) -> torch.Tensor:
-    """An uninitialized host tensor, page-locked (mapped for the device) when `pinned`; pinning refused is a
+    """An uninitialized host tensor, page-locked (mapped for the device) and starting on a PINNED_ALIGN
+    boundary when `pinned` (registered buffers start where malloc put them); pinning refused is a
     NinferError naming `what` it was for and the `remedy` (the option that avoids it), or raising the
     locked-memory limit."""
+    if not pinned:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     try:
-        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        flat = torch.empty(nbytes + PINNED_ALIGN, dtype=torch.uint8, pin_memory=True)
     except RuntimeError as err:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
         raise NinferError(
             f"pinning {nbytes / 2**20:.0f} MiB of host memory for {what} failed ({str(err).splitlines()[0]}); "
             f"{remedy} or raise the locked-memory limit (ulimit -l)"
         ) from None
+    start = -flat.data_ptr() % PINNED_ALIGN
+    return flat[start : start + nbytes].view(dtype).view(shape)
