@@ -43,11 +43,11 @@ def encode_json(root: dict) -> bytes:
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    result: dict = {}
-    for key, value in pairs:
-        if key in result:
-            raise ArtifactError(f"JSON directory: duplicate member {key!r} in one object")
-        result[key] = value
+    result = dict(pairs)
+    if len(result) < len(pairs):
+        seen: set[str] = set()
+        key = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ArtifactError(f"JSON directory: duplicate member {key!r} in one object")
     return result
 
 

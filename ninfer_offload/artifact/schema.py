@@ -112,12 +112,11 @@ def members(value, where: str, required: set[str], optional: set[str] = frozense
     """A JSON object with all `required` members, optionally some of `optional`, and nothing else."""
     if not isinstance(value, dict):
         raise ArtifactError(f"{where}: must be a JSON object, got {_json_type(value)}")
-    missing = sorted(required - value.keys())
-    if missing:
-        raise ArtifactError(f"{where}: missing member {missing[0]!r}")
-    extra = sorted(value.keys() - required - optional)
-    if extra:
-        raise ArtifactError(f"{where}: unknown member {extra[0]!r} (closed member set)")
+    keys = value.keys()
+    if not required <= keys:
+        raise ArtifactError(f"{where}: missing member {min(required - keys)!r}")
+    if not keys <= required | optional:
+        raise ArtifactError(f"{where}: unknown member {min(keys - required - optional)!r} (closed member set)")
     return value
 
 

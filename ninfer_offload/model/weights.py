@@ -22,9 +22,11 @@ Weight = torch.Tensor | QuantizedMatrix | Nvfp4Matrix
 
 
 def _to_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A torch copy of a (possibly read-only, memory-mapped) uint8 array on `device`."""
-    tensor = torch.from_numpy(np.array(array, dtype=np.uint8, copy=True))
-    return tensor.to(device)
+    """A torch copy of a (possibly read-only, memory-mapped) uint8 array on `device`: one host copy, into
+    pinned memory on CUDA (the caching host allocator reuses it once the asynchronous upload is done)."""
+    staging = torch.empty(array.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    staging.numpy()[...] = array
+    return staging.to(device, non_blocking=True)
 
 
 class WeightReader:

@@ -41,8 +41,9 @@ class LoadedModel:
     store: ExpertStore
     proposal: ProposalHead | None = None
     # Wall seconds of the load's phases: "store" (the VRAM arena), "experts" (reading, packing and placing the
-    # routed experts), "pinning" (of that, the page-locking of host buffers, summed over the packing threads),
-    # "weights" (everything else)
+    # routed experts, and meanwhile each decoder layer's other weights), "pinning" (the page-locking of host buffers,
+    # summed over the packing threads), "layer_weights" (the decoder layers' other weights, within "experts"),
+    # "weights" (everything else: embedding, head, MTP module, proposal head)
     load_seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -133,6 +134,9 @@ def load_model(
         banks[i][0].pack_all(*payloads[i], config.num_experts, records.numpy())
         return records
 
+    reader = WeightReader(artifact, device, dtype)
+    rotary = Rotary(config.rotary_dim, config.rope_theta, device)
+    layers, layer_seconds = [], 0.0
     with ThreadPoolExecutor(PACK_THREADS) as pool:
         pending = deque(pool.submit(pack, i) for i in range(min(PACK_THREADS, len(prefixes))))
         for i in steps:
@@ -141,16 +145,15 @@ def load_model(
                 pending.append(pool.submit(pack, i + PACK_THREADS))
             store.fill(i, records)
             del records
+            if i < config.num_layers:  # while the threads pack the next layers' experts (the MTP layer loads with its module)
+                loading = time.perf_counter()
+                layers.append(DecoderLayer.load(reader, prefixes[i], i, config.layer_types[i], config, rotary, store))
+                layer_seconds += time.perf_counter() - loading
     if store.cache is not None:
         store.cache.fill_initial()
-    seconds["experts"], seconds["pinning"] = time.perf_counter() - began, sum(pinning)
+    seconds["experts"], seconds["pinning"], seconds["layer_weights"] = time.perf_counter() - began, sum(pinning), layer_seconds
     began = time.perf_counter()
-    reader = WeightReader(artifact, device, dtype)
-    rotary = Rotary(config.rotary_dim, config.rope_theta, device)
     h, v = config.hidden_size, config.vocab_size
-    layers = [
-        DecoderLayer.load(reader, prefixes[i], i, kind, config, rotary, store) for i, kind in enumerate(config.layer_types)
-    ]
     text = TextModel(
         config,
         embedding=reader.matrix("text/token_embedding", (v, h)),
