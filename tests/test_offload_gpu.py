@@ -55,7 +55,7 @@ def test_the_host_check_counts_the_pool_as_the_allocator_locks_it(tiny_artifact_
     locked = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
     pool = host.expert_plan.host_ram_bytes(pinned=True)
     assert all(records.is_pinned() for records in host.store.host)
-    assert pool > host.expert_plan.host_bytes  # the tiny layers' pools are not powers of two
+    assert host.expert_plan.host_bytes < pool < 1.5 * host.expert_plan.host_bytes  # power-of-two chunks
     assert pool <= locked < pool + 2**20  # plus the store's small pinned buffers
     host.close()
 

@@ -27,7 +27,7 @@ from ninfer_offload.planner.planner import plan
 from ninfer_offload.planner.routing import default_routing_stats
 from ninfer_offload.profiles import DeviceProfile, load_profile
 from ninfer_offload.runtime.expert_store import ExpertPlacement
-from ninfer_offload.runtime.memory_check import locked_bytes
+from ninfer_offload.runtime.host_pool import pool_bytes
 
 CACHE_SHARE = 0.25  # of the plan's expert VRAM, given to the adaptive cache rather than pinned
 GiB = 2**30
@@ -71,11 +71,11 @@ class LoadPlan:
         return sum(experts * b for b in self.expert_bytes) if self.placement.offloaded else 0
 
     def host_ram_bytes(self, pinned: bool) -> int:
-        """RAM the host pool takes: one buffer per layer, rounded as the caching host allocator locks it when `pinned`."""
+        """RAM the host pool takes (`host_pool.pool_bytes`: its page-locked chunks when `pinned`)."""
         if not self.placement.offloaded:
             return 0
         experts = self.placement.scores.shape[1]
-        return locked_bytes([experts * b for b in self.expert_bytes]) if pinned else self.host_bytes
+        return pool_bytes([experts * b for b in self.expert_bytes], pinned)
 
     def summary(self) -> str:
         """One line: where the experts go (and the plan behind it)."""

@@ -38,6 +38,7 @@ from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.model.experts import RECORD_ALIGN, ExpertBank
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
+from ninfer_offload.runtime.host_pool import HostPool
 from ninfer_offload.runtime.memory_check import host_tensor
 from ninfer_offload.runtime.prefill_staging import PrefillStaging
 
@@ -96,10 +97,7 @@ class StoreStats:
         }
 
 
-def _host_records(num_experts: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """Host memory for one layer's records [E, nbytes]; pinned (page-locked, mapped) for CUDA."""
-    remedy = "give a larger --vram-budget (fewer experts on the host)"
-    return host_tensor((num_experts, nbytes), torch.uint8, device.type == "cuda", "expert records", remedy)
+HOST_REMEDY = "give a larger --vram-budget (fewer experts on the host)"
 
 
 def _align(n: int) -> int:
@@ -152,6 +150,9 @@ class ExpertStore:
         slots = self.cache_slots + self.staging_slots
         self.arena = torch.empty(at + slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.host: list[torch.Tensor] = []  # per layer, every expert's record, when experts are offloaded (filled by `fill`)
+        pinned_host = device.type == "cuda"  # page-locked and mapped for the device
+        sizes = [num_experts * layout.nbytes for layout in layouts]
+        self._pool = HostPool(sizes, pinned_host, HOST_REMEDY) if placement.offloaded else None
         self.table = torch.zeros(layers, num_experts, dtype=torch.int64, device=device)
         self.table_host = np.zeros((layers, num_experts), dtype=np.int64)  # what `table` holds after the work queued so far
         # Per (layer, expert): assignments routed, those of them served from a staging slot, those computed by the
@@ -233,8 +234,11 @@ class ExpertStore:
     def host_buffer(self, layer: int) -> torch.Tensor:
         """Host memory for the loader to pack layer `layer`'s records into (pinned on CUDA, so that `fill`
         copies to the device asynchronously): it becomes the layer's host records when experts are
-        offloaded. Allocated by the packing threads, so page-locking overlaps reading the file."""
-        return _host_records(self.num_experts, self.layouts[layer].nbytes, self.device)
+        offloaded (inside the host pool). Allocated by the packing threads, so page-locking overlaps reading the file."""
+        shape = (self.num_experts, self.layouts[layer].nbytes)
+        if self._pool is not None:
+            return self._pool.layer(layer).view(shape)
+        return host_tensor(shape, torch.uint8, self.device.type == "cuda", "expert records", HOST_REMEDY)
 
     def fill(self, layer: int, records: torch.Tensor) -> None:
         """Copy the pinned experts of `layer` (layers in order) from its packed host records into the arena

@@ -2,9 +2,9 @@
 
 The footprint comes from the planner's accounting (`planner.memory.load_footprint`): the weights
 as loaded, the expert arena (pinned experts, cache slots, prefill staging slots), the state pool's KV cache and GDN
-state. The host check covers the pinned pool of offloaded expert records as torch's caching host
-allocator locks it (each buffer rounded up to a power of two). Activations of a forward are not
-counted; `ninfer plan` gives the full budget including workspace and reserve.
+state. The host check covers the pool of offloaded expert records as it is locked (`host_pool`).
+Activations of a forward are not counted; `ninfer plan` gives the full budget including workspace
+and reserve.
 
 Pinned buffers are allocated with malloc, their pages touched by several threads and then
 registered with the driver (`register_pinned_allocations`), not with cudaHostAlloc, which zeroes
@@ -48,11 +48,6 @@ def register_pinned_allocations() -> None:
     configured = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     if "pinned_use_cuda_host_register" not in configured:
         torch._C._accelerator_setAllocatorSettings(",".join(filter(None, [configured, PINNED_REGISTER])))
-
-
-def locked_bytes(buffer_bytes: list[int]) -> int:
-    """RAM the caching host allocator locks for `host_tensor`s of these sizes (each rounded to a power of two)."""
-    return sum(1 << (n + PINNED_ALIGN - 1).bit_length() for n in buffer_bytes if n)
 
 
 def check_host_memory(pinned_bytes: int) -> None:
