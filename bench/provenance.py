@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -16,8 +17,37 @@ def git_commit() -> str:
         return "unknown"
 
 
+def host_speed() -> dict:
+    """How fast this host runs the engine's host side, so runs on different hosts compare: microseconds per
+    torch operator call on a tiny CPU tensor (the dispatch every launch pays) and nanoseconds per Python loop
+    step, each the best of 5. (The H200 host measured imports and the host-bound prefill 2x slower on some days.)"""
+    import torch
+
+    x = torch.zeros(4)
+
+    def best(run, count: int) -> float:
+        timings = []
+        for _ in range(5):
+            began = time.perf_counter()
+            run(count)
+            timings.append((time.perf_counter() - began) / count)
+        return min(timings)
+
+    def dispatch(count: int) -> None:
+        for _ in range(count):
+            x.view(-1)
+
+    def loop(count: int) -> None:
+        total = 0
+        for i in range(count):
+            total += i
+
+    return {"torch_op_us": best(dispatch, 20_000) * 1e6, "python_loop_ns": best(loop, 200_000) * 1e9, "cpus": os.cpu_count()}
+
+
 def gpu_report_header(commit: str | None = None) -> dict:
-    """`command`, `commit` (given, for a copy without git metadata, else HEAD), `gpu`, `date`, `torch` of a GPU benchmark run."""
+    """`command`, `commit` (given, for a copy without git metadata, else HEAD), `gpu`, `date`, `torch`, `host` (`host_speed`)
+    of a GPU benchmark run."""
     import torch
 
     return {
@@ -26,4 +56,5 @@ def gpu_report_header(commit: str | None = None) -> dict:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
+        "host": host_speed(),
     }
