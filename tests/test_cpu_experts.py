@@ -234,18 +234,21 @@ def test_kernels_release_the_gil_and_run_in_parallel():
 def test_split_tuner_tries_each_share_and_keeps_the_fastest():
     tuner = ce.SplitTuner((0.0, 0.25, 1.0), window=2, rounds=2, warmup=1, hold=5)
     cost = {0.0: 3.0, 0.25: 1.0, 1.0: 2.0}
-    seen = []
+    seen, timed = [], []
     for _ in range(tuner.trial_steps):
         share = tuner.share()
         seen.append(share)
-        tuner.observe(share, cost[share])
+        timed.append(tuner.timed())
+        tuner.observe(share, cost[share] if timed[-1] else None)  # the engine times only the steps that count
     assert seen == [1.0] + [0.0, 0.0, 0.25, 0.25, 1.0, 1.0] * 2  # warm-up, then each share in turn (the first of each not counted)
+    assert timed == [False] + [False, True] * 6
     assert tuner.chosen == 0.25 and tuner.stats()["share"] == 0.25
     assert tuner.stats()["ms_per_token"] == [3000.0, 1000.0, 2000.0]  # the trials' evidence
     held = []
     for _ in range(5):
         held.append(tuner.share())
-        tuner.observe(held[-1], 9.0)  # held steps do not count as trials
+        assert not tuner.timed()
+        tuner.observe(held[-1], None if len(held) % 2 else 9.0)  # held steps do not count as trials, timed or not
     assert held == [0.25] * 5
     cost[1.0] = 0.5  # the next trials see the host get faster
     for _ in range(tuner.trial_steps):

@@ -130,11 +130,15 @@ class SplitTuner:
             return self.chosen if self.chosen is not None else self.candidates[-1]
         return self.candidates[(step - self.warmup) // self.window % len(self.candidates)]
 
-    def observe(self, share: float, seconds_per_token: float) -> None:
-        """One finished step run with `share`; after the last trial step, choose. The first step of
-        each window does not count (it may capture the step's graph for its share)."""
+    def timed(self) -> bool:
+        """Whether the next step's time counts (a trial step, not the first of its window, which may capture
+        the step's graph for its share): the others are only counted, so held steps pay for no timing."""
         step = self._step % (self.trial_steps + self.hold)
-        if self.warmup <= step < self.trial_steps and (step - self.warmup) % self.window and share in self.candidates:
+        return self.warmup <= step < self.trial_steps and (step - self.warmup) % self.window != 0
+
+    def observe(self, share: float, seconds_per_token: float | None) -> None:
+        """One finished step run with `share` (None: not timed); after the last trial step, choose."""
+        if seconds_per_token is not None and self.timed() and share in self.candidates:
             self._times[self.candidates.index(share)].append(seconds_per_token)
         self._step += 1
         if self._step % (self.trial_steps + self.hold) == self.trial_steps:
@@ -172,7 +176,7 @@ class CpuMissPath:
         self._error: BaseException | None = None
         self._stop = False
         self._wake = threading.Event()
-        self._steps: list[tuple[float, object, object, int]] = []  # (share, start, end, tokens) of timed steps not yet read
+        self._steps: list[tuple[float, object, object, int]] = []  # (share, start, end, tokens) of steps not yet read (untimed: None)
         self._worker: threading.Thread | None = None
 
     @property
@@ -217,7 +221,7 @@ class CpuMissPath:
             share = self.tuner.share()
             if share != self._share:
                 self.set_share(share)
-            mark = share, self._mark(), tokens
+            mark = share, self._mark() if self.tuner.timed() else None, tokens
         if self.active:
             self._wake.set()
         return mark
@@ -225,7 +229,7 @@ class CpuMissPath:
     def step_finished(self, mark) -> None:
         if mark is not None:
             share, start, tokens = mark
-            self._steps.append((share, start, self._mark(), tokens))
+            self._steps.append((share, start, None if start is None else self._mark(), tokens))
 
     def _mark(self):
         if self.device.type != "cuda":
@@ -238,14 +242,16 @@ class CpuMissPath:
         """Fold the finished timed steps into the tuner (events that are not done yet wait)."""
         while self._steps:
             share, start, end, tokens = self._steps[0]
-            if isinstance(end, float):
+            if end is None:
+                seconds = None
+            elif isinstance(end, float):
                 seconds = end - start
             elif end.query():
                 seconds = start.elapsed_time(end) / 1e3
             else:
                 return
             self._steps.pop(0)
-            self.tuner.observe(share, seconds / tokens)
+            self.tuner.observe(share, None if seconds is None else seconds / tokens)
 
     def set_share(self, share: float) -> None:
         """The host takes the first `share` of each layer's experts in a fixed random order (in stream order)."""
