@@ -108,6 +108,20 @@ def _record_bytes(engine: Engine) -> np.ndarray:
     return np.array([layout.nbytes for layout in engine.store.layouts])
 
 
+def test_a_prefill_never_stages_the_mtp_layer(tiny_artifact_official):
+    """The MTP layer's experts sit after the text layers' in the store; a prompt chunk runs only the text
+    layers, so only they stage (a copy for the MTP layer would cross PCIe for nothing)."""
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, mtp=True, spec="none")
+    store = engine.store
+    assert len(store.layouts) == store.text_layers + 1 == engine.config.num_layers + 1
+    session = engine.session()
+    session.prefill(LONG_PROMPT)
+    session.close()
+    records = store.staged_records.numpy()
+    assert records[: store.text_layers].sum(axis=1).min() > 0 and records[store.text_layers].sum() == 0
+    engine.close()
+
+
 def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident_long):
     """A long prompt's chunks copy every expert they use that is not in VRAM into a staging slot once and
     read it there (ahead of each layer's routing): the only PCIe bytes of the prefill are the

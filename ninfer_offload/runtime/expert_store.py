@@ -122,12 +122,15 @@ class ExpertStore:
         device: torch.device,
         miss_path: str | None = None,
         cache_policy: str = DEFAULT_POLICY,
+        *,
+        text_layers: int,
     ):
         if miss_path not in MISS_PATHS:
             raise NinferError(f"miss path must be pcie, cpu or auto (--miss-path; miss_path=None, 'cpu' or 'auto'), got {miss_path!r}")
         if miss_path is not None and not placement.offloaded:
             raise NinferError(f"--miss-path {miss_path}: a miss path needs host-resident experts; add --experts host or a --vram-budget")
         self.layouts = layouts
+        self.text_layers = text_layers  # the layers a prefill chunk runs (the MTP layer, after them, never does)
         self.num_experts = num_experts
         self.top_k = top_k
         self.placement = placement

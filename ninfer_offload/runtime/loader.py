@@ -112,7 +112,10 @@ def load_model(
     if device.type == "cuda":
         register_pinned_allocations()  # before the store's and the packing threads' pinned buffers
     began = time.perf_counter()
-    store = ExpertStore(layouts, config.hidden_size, config.num_experts, config.top_k, placement, device, miss_path, cache_policy)
+    store = ExpertStore(
+        layouts, config.hidden_size, config.num_experts, config.top_k, placement, device, miss_path, cache_policy,
+        text_layers=config.num_layers,
+    )
     seconds, pinning = {"store": time.perf_counter() - began}, []
     began = time.perf_counter()
     if artifact.payload_bytes + (store.nbytes if store.offloaded else 0) < psutil.virtual_memory().available:

@@ -23,6 +23,8 @@ layers when its forward starts), so the copy stream moves the next layer's recor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -43,6 +45,18 @@ def gather_records_reference(arena: torch.Tensor, host: torch.Tensor, experts: t
         arena[slot : slot + nbytes].copy_(host[expert])
 
 
+@dataclass(frozen=True)
+class StagingPlan:
+    """What every text layer of one prefill chunk stages (device tensors, one upload)."""
+
+    tokens: int  # the chunk's
+    tables: torch.Tensor  # [layers, E] int64: each layer's table with its staged experts pointed at their slots
+    staged: torch.Tensor  # [layers, E] int32: 1 for a staged expert
+    experts: torch.Tensor  # [layers, slots per buffer] int64: each layer's staged ids first (counts[layer] of them)
+    counts: np.ndarray  # [layers]
+    keeps_host: np.ndarray  # [layers] bool: some expert outside VRAM is not staged
+
+
 class PrefillStaging:
     """The staging slots of one store (after its cache slots), the copy stream that fills them, and the
     layers staged ahead."""
@@ -57,6 +71,7 @@ class PrefillStaging:
         self.gather_programs = GATHER_PROGRAMS  # (benchmarks compare)
         self.ahead_min_uses = AHEAD_MIN_USES  # (benchmarks compare)
         self._ahead: dict[int, tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]] = {}  # per layer staged ahead
+        self._plan: StagingPlan | None = None  # the current chunk's
         self._copy_stream = None  # the staging copies' (CUDA)
         self._staged = None  # the event after the copy of the layer computing (CUDA)
         if store.device.type == "cuda":
@@ -72,9 +87,11 @@ class PrefillStaging:
         return tokens * self.store.top_k > PREFILL_MIN_PAIRS
 
     def begin(self, tokens: int) -> None:
-        """A prefill chunk of `tokens` tokens starts: queue the copies of its first two layers."""
+        """A prefill chunk of `tokens` tokens starts: decide what each layer stages and queue the copies of its
+        first two layers."""
         if self.takes(tokens):
-            for layer in range(min(2, len(self.store.layouts))):
+            self._plan = self._choose(tokens)
+            for layer in range(min(2, self.store.text_layers)):
                 self._ahead[layer] = self._stage(layer, tokens)
 
     def bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
@@ -93,38 +110,57 @@ class PrefillStaging:
 
     def done(self, layer: int, tokens: int) -> None:
         """`layer`'s MoE is queued: queue the copy of layer + 2 into the buffer it read, behind it."""
-        if layer + 2 < len(self.store.layouts):
+        if layer + 2 < self.store.text_layers:
             self._ahead[layer + 2] = self._stage(layer + 2, tokens)
 
     def forget(self) -> None:
         """After a forward: drop what was staged for layers it did not reach."""
         self._ahead.clear()
+        self._plan = None
+
+    def _choose(self, tokens: int) -> StagingPlan:
+        """What each text layer of a chunk of `tokens` tokens stages: the experts outside VRAM it is expected to
+        use at least `ahead_min_uses` times, the likeliest first, as many as one buffer holds (consecutive layers
+        alternate between the two halves of the slots). Decided on the host, from its view of the table (no
+        table changes inside a forward), for all layers at once: one upload."""
+        store, half, e, layers = self.store, self.slots // 2, self.store.num_experts, self.store.text_layers
+        outside = ~store.cache.in_vram[:layers]
+        expected = np.where(outside, store.placement.scores[:layers] * tokens, -np.inf)
+        likeliest = np.argsort(-expected, axis=1, kind="stable")[:, :half]
+        rows = np.broadcast_to(np.arange(layers)[:, None], likeliest.shape)
+        taken = np.take_along_axis(expected, likeliest, axis=1) >= self.ahead_min_uses
+        chosen = np.zeros((layers, e), dtype=bool)
+        chosen[rows[taken], likeliest[taken]] = True
+        counts = chosen.sum(axis=1)
+        experts = np.argsort(~chosen, axis=1, kind="stable")[:, :half]  # each layer's chosen ids first, ascending
+        filled = np.arange(half)[None, :] < counts[:, None]
+        starts = (np.arange(layers) % 2) * half
+        tables = store.table_host[:layers].copy()
+        tables[rows[filled], experts[filled]] = self._offsets_host[(starts[:, None] + np.arange(half)[None, :])[filled]]
+        (packed,) = store.upload(torch.from_numpy(np.concatenate([tables.ravel(), chosen.ravel().astype(np.int64), experts.ravel()])))
+        n = layers * e
+        return StagingPlan(
+            tokens, packed[:n].view(layers, e), packed[n : 2 * n].to(torch.int32).view(layers, e),
+            packed[2 * n :].view(layers, half), counts, counts < outside.sum(axis=1),
+        )
 
     def _stage(self, layer: int, tokens: int) -> tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]:
-        """Start copying into `layer`'s buffer (consecutive layers alternate between the two halves of the
-        slots) the experts outside VRAM that a chunk of `tokens` tokens is expected to use at least
-        `ahead_min_uses` times, the likeliest first, as many as fit; (the layer's bank on a copy of its table
-        pointing them at their slots, the [E] int32 marking the staged ones, the event after their copy). The
-        bank keeps `host` when some expert outside VRAM is not staged (the kernels read it over PCIe if used).
-        Decided on the host, from its view of the table: one upload."""
-        store, half, e = self.store, self.slots // 2, self.store.num_experts
-        outside = np.flatnonzero(~store.cache.in_vram[layer])
-        expected = store.placement.scores[layer, outside] * tokens
-        likeliest = np.argsort(-expected, kind="stable")[:half]
-        chosen = np.sort(outside[likeliest[expected[likeliest] >= self.ahead_min_uses]])
-        host = store.host[layer] if chosen.size < outside.size else None
-        if not chosen.size:  # nothing to copy: the layer's own table
+        """Start copying into `layer`'s buffer what the chunk's plan stages for it; (the layer's bank on the plan's
+        copy of its table, pointing the staged experts at their slots, the [E] int32 marking the staged ones, the
+        event after their copy). The bank keeps `host` when some expert outside VRAM is not staged (the kernels
+        read it over PCIe if used)."""
+        if self._plan is None or self._plan.tokens != tokens:
+            self._plan = self._choose(tokens)
+        plan, store = self._plan, self.store
+        n = int(plan.counts[layer])
+        host = store.host[layer] if plan.keeps_host[layer] else None
+        if not n:  # nothing to copy: the layer's own table
             return ExpertBank(store.layouts[layer], store.arena, store.table[layer], host), self._none, None
-        start = (layer % 2) * half
-        table = store.table_host[layer].copy()
-        table[chosen] = self._offsets_host[start : start + chosen.size]
-        staged = np.zeros(e, dtype=np.int64)
-        staged[chosen] = 1
-        (packed,) = store.upload(torch.from_numpy(np.concatenate([table, staged, chosen])))
-        table, staged, experts = packed[:e], packed[e : 2 * e].to(torch.int32), packed[2 * e :]
+        staged = plan.staged[layer]
         store.staged_records[layer] += staged
-        event = self._copy(layer, experts, self._offsets[start : start + chosen.size])
-        return ExpertBank(store.layouts[layer], store.arena, table, host), staged, event
+        start = (layer % 2) * (self.slots // 2)
+        event = self._copy(layer, plan.experts[layer, :n], self._offsets[start : start + n])
+        return ExpertBank(store.layouts[layer], store.arena, plan.tables[layer], host), staged, event
 
     def _copy(self, layer: int, experts: torch.Tensor, slots: torch.Tensor) -> torch.cuda.Event | None:
         """Copy the host records of `experts` into the staging slots at byte offsets `slots`; the event after
