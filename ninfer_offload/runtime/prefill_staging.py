@@ -19,6 +19,9 @@ layers instead of after each layer's routing (at 7014fe6, 15 GiB: 22.9K tok/s ag
 used experts after routing). Two buffers alternate between consecutive layers: when layer L's MoE is
 queued, the copy of layer L + 2 into the buffer L just read is queued behind it (the chunk's first two
 layers when its forward starts), so the copy stream moves the next layer's records while a layer computes.
+What every layer stages is decided once per chunk, for all text layers at once (`StagingPlan`: their
+table copies, staged marks and expert lists in one upload), so a layer's staging costs the host a gather
+launch and a few views; the MTP layer, which prompt chunks do not run, stages nothing.
 """
 
 from __future__ import annotations
