@@ -11,7 +11,8 @@ model class (about 45 % of a token's experts reused by the next token, 80 % with
 router still computes its weights; only the expert ids are replaced.
 
 Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budget):
-* decode tokens/s over `--tokens` greedy steps (each step reads its logits, like a real loop),
+* decode tokens/s over `--tokens` greedy steps, run as `generate` runs them (each step takes the
+  previous one's argmax on the device and the host reads each token one step behind),
   after `--warmup` steps that capture the graphs and warm the cache: the faster of DECODE_WINDOWS
   consecutive windows (the resident baseline too), its stats and Belady's rate on its trace tokens;
 * the step time against `resident step + miss bytes / H2D`, where the resident step is measured in
@@ -190,11 +191,21 @@ class TraceRun:
         return session, int(session.prefill(list(range(1, PROMPT_TOKENS + 1)))[-1].argmax())
 
     def _steps(self, engine: Engine, session: Session, token: int, count: int) -> int:
-        """`count` greedy steps from `token` (trace tokens after the session's length); the last token."""
+        """`count` greedy steps from `token` (trace tokens after the session's length) as `generate` runs them:
+        each step takes the previous step's argmax on the device and is queued before the host reads that
+        token (`Engine.step_on_device`); the last token."""
+        picked = torch.tensor([token], device=engine.device)
+        read = None  # the previous step's token on its way to the host, and the copy's event
         for _ in range(count):
             self.rows(engine, session.length, 1)
-            token = int(session.step(token).argmax())
-        return token
+            picked = engine.step_on_device([session], picked).argmax(dim=-1)
+            if read is not None:
+                read[1].synchronize()
+                token = int(read[0][0])
+            read = (picked.to("cpu", non_blocking=True), torch.cuda.Event())
+            read[1].record()
+        read[1].synchronize()
+        return int(read[0][0])
 
     def prefill(self, engine: Engine, offset: int, repeats: int = 2) -> float:
         """Seconds of a fresh PREFILL_TOKENS-token prefill, chunk by chunk (trace tokens from `offset`): the

@@ -91,3 +91,22 @@ def test_generation_on_cuda(tiny_artifact):
     params = SamplingParams(temperature=1.2, top_p=0.95, min_p=0.01, repetition_penalty=1.1, seed=99)
     first = generate(cuda, PROMPT, max_tokens=12, sampling=params).run().token_ids
     assert generate(cuda, PROMPT, max_tokens=12, sampling=params).run().token_ids == first
+
+
+def test_a_device_step_refuses_tokens_it_cannot_take(tiny_engine):
+    session = tiny_engine.session()
+    session.prefill(PROMPT)
+    for bad in (torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32), torch.tensor(1)):
+        with pytest.raises(NinferError, match="one int64 token per session"):
+            tiny_engine.step_on_device([session], bad)
+    session.close()
+
+
+def test_greedy_with_penalties_keeps_to_the_host_loop(tiny_engine, reprefill_greedy):
+    """A repetition penalty makes the next token depend on the history: the host picks it, and the tokens
+    differ from plain greedy where the penalty bites."""
+    assert len(set(reprefill_greedy[:16])) < 16  # plain greedy repeats a token here
+    penalized = SamplingParams(greedy=True, repetition_penalty=100.0)
+    result = generate(tiny_engine, PROMPT, max_tokens=16, sampling=penalized).run()
+    assert result.decode_steps == 15 and len(set(result.token_ids)) == len(result.token_ids)  # no token twice
+    assert result.token_ids[0] == reprefill_greedy[0]

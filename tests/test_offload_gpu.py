@@ -60,6 +60,20 @@ def test_the_host_check_counts_the_pool_as_the_allocator_locks_it(tiny_artifact_
     host.close()
 
 
+def test_greedy_generation_offloaded_equals_resident_steps(tiny_artifact_official, resident):
+    """`generate` queues each greedy step behind the one that picks its token (the id never goes through the
+    host): with host-resident experts and the cache moving records between steps, the tokens are those of
+    resident steps taken one by one."""
+    from ninfer_offload.runtime.sampling import SamplingParams
+
+    expected = [int(logits.argmax()) for logits in _decode(resident, 11)]
+    host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=4, spec="none")
+    result = host.generate(PROMPT, max_tokens=12, sampling=SamplingParams(greedy=True)).run()
+    assert result.token_ids == expected and result.decode_steps == 11
+    assert host.store.stats.promotions > 0
+    host.close()
+
+
 def test_planned_split_equals_resident(tiny_artifact_official, resident, small_card, half_expert_budget):
     split = Engine.load(tiny_artifact_official, device="cuda", profile=str(small_card), vram_budget=half_expert_budget, spec="none")
     assert 0 < sum(map(len, split.expert_plan.placement.pinned)) < split.config.num_layers * split.config.num_experts

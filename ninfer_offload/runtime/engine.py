@@ -283,25 +283,43 @@ class Engine:
                 f"a step adds the same number of tokens to every sequence, 1..{self.state.step_tokens} "
                 f"(load with draft_tokens >= T - 1 for multi-token steps)"
             )
+        flat = self._token_list([token for row in tokens for token in row])
+        logits, hidden = self._step(sessions, flat, None, t)
+        return (logits, hidden.clone()) if with_hidden else logits
+
+    def step_on_device(self, sessions: list[Session], tokens: torch.Tensor) -> torch.Tensor:
+        """One one-token decode step adding tokens[i] to sessions[i], where `tokens` [B] (int64, on the
+        engine's device) are ids this engine picked (the argmax of a step's logits): the host never
+        reads them, so the step is queued behind the one that picks them without waiting for it.
+        Logits [B, vocab]."""
+        if tokens.shape != (len(sessions),) or tokens.dtype != torch.int64 or tokens.device != self.device or not sessions:
+            raise NinferError(f"a device step takes one int64 token per session on {self.device}, got {tuple(tokens.shape)}")
+        return self._step(sessions, [0] * len(sessions), tokens, 1)[0][:, 0]
+
+    def _step(
+        self, sessions: list[Session], flat: list[int], device_tokens: torch.Tensor | None, t: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, T, vocab], hidden [B * T, H]) of one decode step of `flat` tokens (the ids of
+        `device_tokens` where given)."""
         slots = [s.live_slot() for s in sessions]
         if len(set(slots)) != len(slots):
             raise NinferError("a step got the same session twice")
         for session in sessions:
             self._check_room(session.length, t)
-        flat = self._token_list([token for row in tokens for token in row])
         starts = [s.length for s in sessions]
         with torch.no_grad(), self.store.forward(tokens=len(flat)):
             if self.graphs is not None:
-                logits, hidden = self.graphs.run(flat, slots, starts, t)
+                logits, hidden = self.graphs.run(flat, slots, starts, t, device_tokens)
             else:
                 ids, ctx = step_inputs(flat, slots, starts, t, self.max_context, self.device, keep_states=t > 1)
+                if device_tokens is not None:
+                    ids.copy_(device_tokens)
                 logits, hidden = self.forward(ids, ctx)
         for session in sessions:
             session.pending = t
             if t == 1:
                 session.commit(1)
-        logits = logits.view(len(sessions), t, -1)
-        return (logits, hidden.clone()) if with_hidden else logits
+        return logits.view(len(sessions), t, -1), hidden
 
     def step_batch(self, sessions: list[Session], token_ids: list[int]) -> torch.Tensor:
         """One decode step appending token_ids[i] to sessions[i] (sequences of any lengths): logits [B, vocab]."""

@@ -7,6 +7,8 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 
+import torch
+
 from ninfer_offload.errors import NinferError
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 from ninfer_offload.runtime.speculative import MtpSpeculator
@@ -92,37 +94,34 @@ class Generation:
         output: list[int] = []
         session = self.engine.session()
         speculator = MtpSpeculator(session, self.sampler, self.prompt_ids, self.engine.spec_tokens) if self.engine.spec_tokens else None
+        on_device = speculator is None and self.sampler.params.is_greedy and not self.sampler.params.has_penalties
         try:
             start = time.perf_counter()
             if speculator is not None:
                 token = speculator.prefill()
             else:
-                token = self.sampler.sample(session.prefill(self.prompt_ids), output, self.prompt_ids)
+                logits = session.prefill(self.prompt_ids)
+                token = self.sampler.sample(logits, output, self.prompt_ids)
             prefill_seconds = time.perf_counter() - start
-            decode_seconds, steps, produced = 0.0, 0, 0
-            following: list[int] = []  # tokens a speculative round produced that are not emitted yet
-            while token not in self.stop_ids:
-                output.append(token)
-                yield token
-                if len(output) >= self.max_tokens:
-                    break
-                if not following:
-                    if session.length >= self.engine.max_context:
-                        break
-                    start = time.perf_counter()
-                    if speculator is not None:
-                        following = speculator.round(token, output)
-                    else:
-                        following = [self.sampler.sample(session.step(token), output, self.prompt_ids)]
-                    decode_seconds += time.perf_counter() - start
-                    steps += 1
-                    produced += len(following)
-                token = following.pop(0)
-            stopped = token in self.stop_ids
+            if on_device:
+                loop = self._argmax_steps(session, logits, token, output)
+            else:
+                loop = self._sampled_steps(session, speculator, token, output)
+            began, held = time.perf_counter(), 0.0  # held: while the caller has a token (not the loop's time)
+            try:
+                while True:
+                    token = next(loop)
+                    paused = time.perf_counter()
+                    yield token
+                    held += time.perf_counter() - paused
+            except StopIteration as finished:
+                steps, produced, last = finished.value
+            decode_seconds = time.perf_counter() - began - held
+            stopped = last in self.stop_ids
             self.result = GenerationResult(
                 token_ids=output,
                 finish_reason="stop" if stopped else "length",
-                stop_id=token if stopped else None,
+                stop_id=last if stopped else None,
                 prompt_tokens=len(self.prompt_ids),
                 prefill_seconds=prefill_seconds,
                 decode_steps=steps,
@@ -132,6 +131,67 @@ class Generation:
             )
         finally:
             session.close()
+
+    def _more(self, session, output: list[int]) -> bool:
+        """Whether another decode step may be needed: the budget and the context leave room for its token."""
+        return len(output) < self.max_tokens and session.length < self.engine.max_context
+
+    def _sampled_steps(self, session, speculator: MtpSpeculator | None, token: int, output: list[int]) -> Iterator[int]:
+        """Emit `token` and the tokens of the steps after it (sampled on the host, or speculative rounds) until a
+        stop id, the budget or the context limit; returns (steps, tokens they produced, the token it ended on)."""
+        steps, produced = 0, 0
+        following: list[int] = []  # tokens a speculative round produced that are not emitted yet
+        while token not in self.stop_ids:
+            output.append(token)
+            yield token
+            if len(output) >= self.max_tokens:
+                break
+            if not following:
+                if session.length >= self.engine.max_context:
+                    break
+                if speculator is not None:
+                    following = speculator.round(token, output)
+                else:
+                    following = [self.sampler.sample(session.step(token), output, self.prompt_ids)]
+                steps += 1
+                produced += len(following)
+            token = following.pop(0)
+        return steps, produced, token
+
+    def _argmax_steps(self, session, logits: torch.Tensor, token: int, output: list[int]) -> Iterator[int]:
+        """Greedy decode without penalties, one step ahead of the host: each step takes the previous step's
+        argmax on the device (`Engine.step_on_device`) and is queued before the host reads that token, so the
+        device never waits for the host between steps. The same tokens as `_sampled_steps`; a stop id costs one
+        step that is thrown away. Returns (steps, tokens they produced, the token it ended on)."""
+        if token in self.stop_ids:
+            return 0, 0, token
+        output.append(token)
+        queued = self._queue(session, logits.argmax().view(1)) if self._more(session, output) else None
+        yield token
+        steps = 0
+        while queued is not None:
+            picked, host, copied = queued
+            # the step after it, queued before the host waits for its token (useful unless that token ends the loop)
+            following = self._queue(session, picked) if len(output) + 1 < self.max_tokens and self._more(session, output) else None
+            if copied is not None:
+                copied.synchronize()
+            token, steps = int(host[0]), steps + 1
+            if token in self.stop_ids:
+                break
+            output.append(token)
+            yield token
+            queued = following
+        return steps, steps, token
+
+    def _queue(self, session, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Queue the step that adds `picked` to `session`, its argmax and that id's copy to the host."""
+        following = self.engine.step_on_device([session], picked).argmax(dim=-1)
+        if following.device.type != "cuda":
+            return following, following, None
+        host = following.to("cpu", non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return following, host, copied
 
 
 def generate(

@@ -33,11 +33,14 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]] = {}
 
-    def run(self, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int,
+        device_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B * T, vocab], hidden states [B * T, H]) of one target decode step (T tokens per
-        sequence), by graph replay. The hidden states are a view of the graph's output: valid until the
-        next replay."""
-        logits, hidden = self._replay("target", tokens, slots, starts, tokens_per_sequence, None)
+        sequence; the ids of `device_tokens` [B * T] on the device where given), by graph replay. The
+        hidden states are a view of the graph's output: valid until the next replay."""
+        logits, hidden = self._replay("target", tokens, slots, starts, tokens_per_sequence, None, device_tokens)
         return logits.clone(), hidden
 
     def run_mtp(
@@ -45,10 +48,13 @@ class StepGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft logits [B * T, vocab], MTP hidden states [B * T, H]) of one MTP step over target hidden
         states `hidden` [B * T, H] and the tokens that follow them, by graph replay."""
-        logits, out = self._replay("mtp", tokens, slots, starts, tokens_per_sequence, hidden)
+        logits, out = self._replay("mtp", tokens, slots, starts, tokens_per_sequence, hidden, None)
         return logits.clone(), out.clone()
 
-    def _replay(self, model: str, tokens: list[int], slots: list[int], starts: list[int], t: int, hidden: torch.Tensor | None):
+    def _replay(
+        self, model: str, tokens: list[int], slots: list[int], starts: list[int], t: int, hidden: torch.Tensor | None,
+        device_tokens: torch.Tensor | None,
+    ):
         batch = len(slots)
         bucket = next(b for b in self.buckets if b >= batch)
         graph, packed, hidden_in, (logits, out) = self.capture(model, bucket, t)
@@ -57,7 +63,9 @@ class StepGraphs:
         host = pack_inputs(
             tokens + [0] * (pad * t), slots + [scratch] * pad, starts + [0] * pad, t, self.engine.state.capacity
         )
-        packed.copy_(host, non_blocking=True)
+        packed.copy_(host.pin_memory(), non_blocking=True)  # from pinned memory: queued without waiting for the device
+        if device_tokens is not None:
+            packed[: batch * t].copy_(device_tokens)
         if hidden_in is not None:
             hidden_in[: batch * t].copy_(hidden)
         graph.replay()
