@@ -4,20 +4,23 @@ Inside a step the store counts uses per (layer, expert) on the device. Around ea
 cache never waits for the device's work:
 1. before launching a step it switches in finished promotions (their table entries now point at
    their slots) and marks the end of the steps queued so far;
-2. right after launching it, once those earlier steps are done (every decode loop has read their
-   logits by then), it reads the counts (80 KB for the full model, on a side stream) and updates
-   the stats (hits, PCIe bytes) and the policy (`planner.cache_policy`); when no promotion is in
-   flight it picks up to `limit` hot experts to bring in and the cold ones they replace;
+2. right after launching it, once the steps before the previous one are done (a decode loop that
+   reads each token one step behind has waited for them), it reads the counts (80 KB for the full
+   model, on a side stream) and updates the stats (hits, PCIe bytes) and the policy
+   (`planner.cache_policy`); when no promotion is in flight it picks up to `limit` hot experts to
+   bring in and the cold ones they replace;
 3. it evicts those: their table entries go back to their host records, in stream order after the
    step just launched; then the copy stream, once the compute stream passes that point, copies the
    promoted records into the freed slots while the following step runs.
 All of this host work overlaps the step just launched. A step only ever reaches a slot through the
 table after its copy completed, and a slot is overwritten only after every step that could read
-its old record. Counts up to step N promote experts that serve from step N+3 on. On the CPU all
+its old record. Counts up to step N promote experts that serve from step N+3 or N+4 on. On the CPU all
 of it happens at once, after each forward.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 import torch
@@ -44,7 +47,7 @@ class ExpertCache:
         self._seen = np.zeros((4, layers, experts), dtype=np.int64)  # the store's counts: uses, staged uses, CPU uses, staged records
         self._cuda = store.device.type == "cuda"
         self._inflight: tuple[list[tuple[int, int, int]], object] | None = None  # ((layer, expert, slot)...), done event
-        self._queued = None  # event after the steps queued before the current one
+        self._boundaries: deque = deque(maxlen=2)  # events at the last two step boundaries (after the steps queued by then)
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(store.device)
             self._count_stream = torch.cuda.Stream(store.device)
@@ -77,17 +80,18 @@ class ExpertCache:
         if self._inflight is not None and self._inflight[1].query():
             moves, self._inflight = self._inflight[0], None
             self._switch_in(moves)
-        self._queued = torch.cuda.Event()
-        self._queued.record()
+        self._boundaries.append(torch.cuda.Event())
+        self._boundaries[-1].record()
 
     def after_launch(self) -> None:
-        """With the next step launched, read the counts of the steps before it (once they are done; an
-        80 KB copy on a side stream) and act on them, while the device runs that step."""
+        """With the next step launched, read the counts (an 80 KB copy on a side stream) once the steps before
+        the previous one are done (a loop reading each token one step behind has waited for them) and act on
+        them, while the device runs the steps queued."""
         if not self._cuda:
             self.refresh()
             return
-        if self._queued is None or not self._queued.query():
-            return  # the host is ahead of the device: catch up at a later boundary
+        if not self._boundaries or not self._boundaries[0].query():
+            return  # the host is further ahead of the device: catch up at a later boundary
         with torch.cuda.stream(self._count_stream):
             self._snapshot.copy_(self.store.counts, non_blocking=True)
             done = torch.cuda.Event()
