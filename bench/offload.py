@@ -202,7 +202,8 @@ class TraceRun:
             if read is not None:
                 read[1].synchronize()
                 token = int(read[0][0])
-            read = (picked.to("cpu", non_blocking=True), torch.cuda.Event())
+            read = (torch.empty(1, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            read[0].copy_(picked, non_blocking=True)  # into pinned memory: the copy does not block the host
             read[1].record()
         read[1].synchronize()
         return int(read[0][0])

@@ -188,7 +188,8 @@ class Generation:
         following = self.engine.step_on_device([session], picked).argmax(dim=-1)
         if following.device.type != "cuda":
             return following, following, None
-        host = following.to("cpu", non_blocking=True)
+        host = torch.empty(following.shape, dtype=following.dtype, pin_memory=True)  # pinned: the copy does not block
+        host.copy_(following, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         return following, host, copied
