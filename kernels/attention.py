@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 import triton
 import triton.language as tl
 
@@ -158,14 +157,19 @@ def attention_decode(
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
     """Causal GQA of q [T, Hq, D] (positions start..start+T-1) over cache rows [0, start+T) via torch SDPA.
 
-    The mask is the lower-right causal bias, which SDPA hands to flash attention with the K/V heads shared
-    natively; an explicit mask with `enable_gqa` would take its unfused math backend (K/V repeated, the
-    full score matrix in fp32)."""
+    A first chunk (start 0) is plain causal attention; a later one masks with the lower-right causal bias,
+    which SDPA hands to flash attention with the K/V heads shared natively (an explicit mask with
+    `enable_gqa` would take its unfused math backend: K/V repeated, the full score matrix in fp32). The
+    bias is imported here, when first needed: its module imports torch's compiler stack (1.7 s)."""
     t = q.shape[0]
     keys = k_cache[: start + t].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
     values = v_cache[: start + t].to(q.dtype).transpose(0, 1)
+    causal = {"is_causal": True}
+    if start:
+        from torch.nn.attention.bias import causal_lower_right
+
+        causal = {"attn_mask": causal_lower_right(t, start + t)}
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=causal_lower_right(t, start + t),
-        enable_gqa=True,
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), **causal, enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)

@@ -50,7 +50,12 @@ class TritonBackend(ReferenceBackend):
                     f"backend, which needs {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (bf16 tensor cores); "
                     "use --device cpu or backend='reference'"
                 )
-        self.fla = gdn.fla_available()
+        self._fla = gdn.fla_import()  # imported beside the load that follows
+
+    @property
+    def fla(self) -> bool:
+        """Whether flash-linear-attention's gated delta rule kernels are there (waits for their import)."""
+        return self._fla.result()
 
     def linear(self, x: Input, w: Weight) -> torch.Tensor:
         if _fusable(x) and not isinstance(w, torch.Tensor):  # the product normalises its own input

@@ -12,6 +12,9 @@ with `gdn_gating` and runs the chunked rule (flash-linear-attention) on g and be
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import torch
 import triton
 import triton.language as tl
@@ -215,6 +218,26 @@ def fla_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+_FLA_IMPORT: Future | None = None
+
+
+def fla_import() -> Future:
+    """`fla_available` in a background thread, started once per process: importing flash-linear-attention
+    (every op it has, seconds) overlaps whatever the caller does next, such as loading a model."""
+    global _FLA_IMPORT
+    if _FLA_IMPORT is None:
+        _FLA_IMPORT = future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fla_available())
+            except BaseException as err:  # handed to whoever waits for the result
+                future.set_exception(err)
+
+        threading.Thread(target=run, name="fla-import", daemon=True).start()  # a daemon: an early exit does not wait for it
+    return _FLA_IMPORT
 
 
 def gdn_prefill(
