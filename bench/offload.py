@@ -194,6 +194,8 @@ class TraceRun:
         """`count` greedy steps from `token` (trace tokens after the session's length) as `generate` runs them:
         each step takes the previous step's argmax on the device and is queued before the host reads that
         token (`Engine.step_on_device`); the last token."""
+        if not count:
+            return token
         picked = torch.tensor([token], device=engine.device)
         read = None  # the previous step's token on its way to the host, and the copy's event
         for _ in range(count):
