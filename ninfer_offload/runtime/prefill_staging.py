@@ -75,6 +75,7 @@ class PrefillStaging:
         self.ahead_min_uses = AHEAD_MIN_USES  # (benchmarks compare)
         self._ahead: dict[int, tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]] = {}  # per layer staged ahead
         self._plan: StagingPlan | None = None  # the current chunk's
+        self._uses_before: torch.Tensor | None = None  # the text layers' use counts when the chunk's forward started
         self._copy_stream = None  # the staging copies' (CUDA)
         self._staged = None  # the event after the copy of the layer computing (CUDA)
         if store.device.type == "cuda":
@@ -93,22 +94,20 @@ class PrefillStaging:
         """A prefill chunk of `tokens` tokens starts: decide what each layer stages and queue the copies of its
         first two layers."""
         if self.takes(tokens):
-            self._plan = self._choose(tokens)
+            self._start_plan(tokens)
             for layer in range(min(2, self.store.text_layers)):
                 self._ahead[layer] = self._stage(layer, tokens)
 
     def bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
         """The bank of `layer` for one prefill chunk, and which experts were staged ([E] int32, 1 for a staged
-        one, on the device); the chunk's uses of the layer's experts are counted here. The staged experts can
-        be read once `wait` was called."""
+        one, on the device); the chunk's uses of the layer's experts are counted here (those of staged experts
+        once per forward, by `forget`). The staged experts can be read once `wait` was called."""
         tokens, store = topk_ids.shape[0], self.store
         bank, staged, self._staged = self._ahead.pop(layer, None) or self._stage(layer, tokens)
         flat = topk_ids.reshape(-1)
         if self._ones.numel() < flat.numel():
             self._ones = torch.ones(flat.numel(), dtype=torch.int32, device=store.device)
         store.uses[layer].index_add_(0, flat, self._ones[: flat.numel()])
-        if staged is not self._none:
-            store.staged_uses[layer].index_add_(0, flat, staged[flat])
         return bank, staged
 
     def done(self, layer: int, tokens: int) -> None:
@@ -117,9 +116,18 @@ class PrefillStaging:
             self._ahead[layer + 2] = self._stage(layer + 2, tokens)
 
     def forget(self) -> None:
-        """After a forward: drop what was staged for layers it did not reach."""
+        """After a forward: count the uses of staged experts (the forward's uses of what its plan staged, one
+        multiply for all layers), and drop what was staged for layers it did not reach."""
+        if self._plan is not None:
+            layers = self.store.text_layers
+            self.store.staged_uses[:layers] += (self.store.uses[:layers] - self._uses_before) * self._plan.staged
         self._ahead.clear()
-        self._plan = None
+        self._plan = self._uses_before = None
+
+    def _start_plan(self, tokens: int) -> None:
+        """The plan of a chunk of `tokens` tokens, and the use counts it starts from."""
+        self._plan = self._choose(tokens)
+        self._uses_before = self.store.uses[: self.store.text_layers].clone()
 
     def _choose(self, tokens: int) -> StagingPlan:
         """What each text layer of a chunk of `tokens` tokens stages: the experts outside VRAM it is expected to
@@ -153,7 +161,7 @@ class PrefillStaging:
         event after their copy). The bank keeps `host` when some expert outside VRAM is not staged (the kernels
         read it over PCIe if used)."""
         if self._plan is None or self._plan.tokens != tokens:
-            self._plan = self._choose(tokens)
+            self._start_plan(tokens)
         plan, store = self._plan, self.store
         n = int(plan.counts[layer])
         host = store.host[layer] if plan.keeps_host[layer] else None
