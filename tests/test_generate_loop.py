@@ -96,7 +96,10 @@ def test_generation_on_cuda(tiny_artifact):
 def test_a_device_step_refuses_tokens_it_cannot_take(tiny_engine):
     session = tiny_engine.session()
     session.prefill(PROMPT)
-    for bad in (torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32), torch.tensor(1)):
+    bad_ones = [torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32), torch.tensor(1)]
+    if torch.cuda.is_available():
+        bad_ones.append(torch.tensor([1], device="cuda"))  # the engine runs on the CPU
+    for bad in bad_ones:
         with pytest.raises(NinferError, match="one int64 token per session"):
             tiny_engine.step_on_device([session], bad)
     session.close()

@@ -292,7 +292,7 @@ class Engine:
         engine's device) are ids this engine picked (the argmax of a step's logits): the host never
         reads them, so the step is queued behind the one that picks them without waiting for it.
         Logits [B, vocab]."""
-        if tokens.shape != (len(sessions),) or tokens.dtype != torch.int64 or tokens.device != self.device or not sessions:
+        if tokens.shape != (len(sessions),) or tokens.dtype != torch.int64 or tokens.device.type != self.device.type or not sessions:
             raise NinferError(f"a device step takes one int64 token per session on {self.device}, got {tuple(tokens.shape)}")
         return self._step(sessions, [0] * len(sessions), tokens, 1)[0][:, 0]
 
