@@ -85,6 +85,7 @@ from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
 from ninfer_offload.runtime.engine import Engine
+from ninfer_offload.runtime.generate import queue_greedy_step
 from ninfer_offload.runtime.session import Session
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from profiling import stream_timeline
@@ -193,22 +194,15 @@ class TraceRun:
     def _steps(self, engine: Engine, session: Session, token: int, count: int) -> int:
         """`count` greedy steps from `token` (trace tokens after the session's length) as `generate` runs them:
         each step takes the previous step's argmax on the device and is queued before the host reads that
-        token (`Engine.step_on_device`); the last token."""
-        if not count:
-            return token
-        picked = torch.tensor([token], device=engine.device)
-        read = None  # the previous step's token on its way to the host, and the copy's event
+        token (`queue_greedy_step`); the last token."""
+        picked, queued = torch.tensor([token], device=engine.device), None
         for _ in range(count):
             self.rows(engine, session.length, 1)
-            picked = engine.step_on_device([session], picked).argmax(dim=-1)
-            if read is not None:
-                read[1].synchronize()
-                token = int(read[0][0])
-            read = (torch.empty(1, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-            read[0].copy_(picked, non_blocking=True)  # into pinned memory: the copy does not block the host
-            read[1].record()
-        read[1].synchronize()
-        return int(read[0][0])
+            following = queue_greedy_step(engine, session, picked if queued is None else queued.device)
+            if queued is not None:
+                queued.read()
+            queued = following
+        return token if queued is None else queued.read()
 
     def prefill(self, engine: Engine, offset: int, repeats: int = 2) -> float:
         """Seconds of a fresh PREFILL_TOKENS-token prefill, chunk by chunk (trace tokens from `offset`): the

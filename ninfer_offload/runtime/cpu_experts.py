@@ -243,15 +243,15 @@ class CpuMissPath:
         while self._steps:
             share, start, end, tokens = self._steps[0]
             if end is None:
-                seconds = None
+                per_token = None
             elif isinstance(end, float):
-                seconds = end - start
+                per_token = (end - start) / tokens
             elif end.query():
-                seconds = start.elapsed_time(end) / 1e3
+                per_token = start.elapsed_time(end) / 1e3 / tokens
             else:
                 return
             self._steps.pop(0)
-            self.tuner.observe(share, None if seconds is None else seconds / tokens)
+            self.tuner.observe(share, per_token)
 
     def set_share(self, share: float) -> None:
         """The host takes the first `share` of each layer's experts in a fixed random order (in stream order)."""

@@ -67,8 +67,8 @@ class LoadPlan:
 
     @property
     def host_bytes(self) -> int:
-        experts = self.placement.scores.shape[1]
-        return sum(experts * b for b in self.expert_bytes) if self.placement.offloaded else 0
+        """Bytes of the expert records in host memory."""
+        return self.host_ram_bytes(pinned=False)
 
     def host_ram_bytes(self, pinned: bool) -> int:
         """RAM the host pool takes (`host_pool.pool_bytes`: its page-locked chunks when `pinned`)."""

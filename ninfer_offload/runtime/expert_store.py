@@ -153,9 +153,8 @@ class ExpertStore:
         slots = self.cache_slots + self.staging_slots
         self.arena = torch.empty(at + slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.host: list[torch.Tensor] = []  # per layer, every expert's record, when experts are offloaded (filled by `fill`)
-        pinned_host = device.type == "cuda"  # page-locked and mapped for the device
         sizes = [num_experts * layout.nbytes for layout in layouts]
-        self._pool = HostPool(sizes, pinned_host, HOST_REMEDY) if placement.offloaded else None
+        self._pool = HostPool(sizes, device.type == "cuda", HOST_REMEDY) if placement.offloaded else None  # pinned on CUDA
         self.table = torch.zeros(layers, num_experts, dtype=torch.int64, device=device)
         self.table_host = np.zeros((layers, num_experts), dtype=np.int64)  # what `table` holds after the work queued so far
         # Per (layer, expert): assignments routed, those of them served from a staging slot, those computed by the

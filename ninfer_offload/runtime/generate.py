@@ -132,9 +132,10 @@ class Generation:
         finally:
             session.close()
 
-    def _more(self, session, output: list[int]) -> bool:
-        """Whether another decode step may be needed: the budget and the context leave room for its token."""
-        return len(output) < self.max_tokens and session.length < self.engine.max_context
+    def _more(self, session, emitted: int) -> bool:
+        """Whether another decode step may be needed once `emitted` tokens are out: the budget and the
+        context leave room for its token."""
+        return emitted < self.max_tokens and session.length < self.engine.max_context
 
     def _sampled_steps(self, session, speculator: MtpSpeculator | None, token: int, output: list[int]) -> Iterator[int]:
         """Emit `token` and the tokens of the steps after it (sampled on the host, or speculative rounds) until a
@@ -160,22 +161,19 @@ class Generation:
 
     def _argmax_steps(self, session, logits: torch.Tensor, token: int, output: list[int]) -> Iterator[int]:
         """Greedy decode without penalties, one step ahead of the host: each step takes the previous step's
-        argmax on the device (`Engine.step_on_device`) and is queued before the host reads that token, so the
+        argmax on the device (`queue_greedy_step`) and is queued before the host reads that token, so the
         device never waits for the host between steps. The same tokens as `_sampled_steps`; a stop id costs one
         step that is thrown away. Returns (steps, tokens they produced, the token it ended on)."""
         if token in self.stop_ids:
             return 0, 0, token
         output.append(token)
-        queued = self._queue(session, logits.argmax().view(1)) if self._more(session, output) else None
+        queued = queue_greedy_step(self.engine, session, logits.argmax().view(1)) if self._more(session, 1) else None
         yield token
         steps = 0
         while queued is not None:
-            picked, host, copied = queued
             # the step after it, queued before the host waits for its token (useful unless that token ends the loop)
-            following = self._queue(session, picked) if len(output) + 1 < self.max_tokens and self._more(session, output) else None
-            if copied is not None:
-                copied.synchronize()
-            token, steps = int(host[0]), steps + 1
+            following = queue_greedy_step(self.engine, session, queued.device) if self._more(session, len(output) + 1) else None
+            token, steps = queued.read(), steps + 1
             if token in self.stop_ids:
                 break
             output.append(token)
@@ -183,16 +181,33 @@ class Generation:
             queued = following
         return steps, steps, token
 
-    def _queue(self, session, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
-        """Queue the step that adds `picked` to `session`, its argmax and that id's copy to the host."""
-        following = self.engine.step_on_device([session], picked).argmax(dim=-1)
-        if following.device.type != "cuda":
-            return following, following, None
-        host = torch.empty(following.shape, dtype=following.dtype, pin_memory=True)  # pinned: the copy does not block
-        host.copy_(following, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return following, host, copied
+
+@dataclass(frozen=True)
+class QueuedToken:
+    """The token a queued greedy step picks: on the device (the next step's input) and on its way to the host."""
+
+    device: torch.Tensor  # [1] int64
+    host: torch.Tensor  # [1] int64, pinned on CUDA
+    copied: torch.cuda.Event | None  # after the copy to `host` (None on the CPU)
+
+    def read(self) -> int:
+        """The token id (waits for its step)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return int(self.host[0])
+
+
+def queue_greedy_step(engine, session, picked: torch.Tensor) -> QueuedToken:
+    """Queue the step that adds `picked` ([1] int64 on the engine's device) to `session` (`Engine.step_on_device`),
+    its argmax and that id's copy to the host, without waiting for the device."""
+    following = engine.step_on_device([session], picked).argmax(dim=-1)
+    if following.device.type != "cuda":
+        return QueuedToken(following, following, None)
+    host = torch.empty(following.shape, dtype=following.dtype, pin_memory=True)  # pinned: the copy does not block
+    host.copy_(following, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return QueuedToken(following, host, copied)
 
 
 def generate(

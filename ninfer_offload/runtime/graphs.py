@@ -61,9 +61,9 @@ class StepGraphs:
         pad = bucket - batch
         scratch = self.engine.state.scratch_slot
         host = pack_inputs(
-            tokens + [0] * (pad * t), slots + [scratch] * pad, starts + [0] * pad, t, self.engine.state.capacity
+            tokens + [0] * (pad * t), slots + [scratch] * pad, starts + [0] * pad, t, self.engine.state.capacity, pinned=True
         )
-        packed.copy_(host.pin_memory(), non_blocking=True)  # from pinned memory: queued without waiting for the device
+        packed.copy_(host, non_blocking=True)
         if device_tokens is not None:
             packed[: batch * t].copy_(device_tokens)
         if hidden_in is not None:

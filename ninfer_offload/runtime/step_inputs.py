@@ -14,15 +14,16 @@ from ninfer_offload.model.context import StepContext
 
 
 def pack_inputs(
-    tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int, capacity: int
+    tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int, capacity: int, pinned: bool = False
 ) -> torch.Tensor:
     """Host int64 buffer of one step: `tokens` (T per sequence, sequence-major) added to the
-    sequences in `slots` that hold `starts` tokens."""
+    sequences in `slots` that hold `starts` tokens; in pinned memory when `pinned` (its upload is then
+    queued without waiting for the device)."""
     t = tokens_per_sequence
     positions = [start + i for start in starts for i in range(t)]
     rows = [slot * capacity + start + i for slot, start in zip(slots, starts) for i in range(t)]
     lengths = [start + t for start in starts]
-    return torch.tensor(tokens + positions + rows + list(slots) + lengths, dtype=torch.int64)
+    return torch.tensor(tokens + positions + rows + list(slots) + lengths, dtype=torch.int64, pin_memory=pinned)
 
 
 def unpack_inputs(
@@ -63,5 +64,6 @@ def step_inputs(
     keep_states: bool = False,
 ) -> tuple[torch.Tensor, StepContext]:
     """Token ids and context of an eager step, on `device` with one copy."""
-    packed = pack_inputs(tokens, slots, starts, tokens_per_sequence, capacity).to(device, non_blocking=True)
+    packed = pack_inputs(tokens, slots, starts, tokens_per_sequence, capacity, pinned=device.type == "cuda")
+    packed = packed.to(device, non_blocking=True)
     return unpack_inputs(packed, len(slots), tokens_per_sequence, prefill, keep_states, (tuple(slots), tuple(starts)))
