@@ -189,7 +189,7 @@ class TraceRun:
         self.rows(engine, 0, PREFILL_TOKENS)  # sizes the replay buffer for the 4K prefill
         session = engine.session()
         self.rows(engine, 0, PROMPT_TOKENS)
-        return session, int(session.prefill(list(range(1, PROMPT_TOKENS + 1)))[-1].argmax())
+        return session, int(session.prefill(list(range(1, PROMPT_TOKENS + 1))).argmax())
 
     def _steps(self, engine: Engine, session: Session, token: int, count: int) -> int:
         """`count` greedy steps from `token` (trace tokens after the session's length) as `generate` runs them:

@@ -21,7 +21,7 @@ LONG_PROMPT = torch.randint(0, 512, (160,), generator=torch.Generator().manual_s
 def _decode(engine: Engine, steps: int, routing: list[torch.Tensor] | None = None, prompt: list[int] = PROMPT) -> list[torch.Tensor]:
     session = engine.session()
     out = [session.prefill(prompt)]
-    token = int(out[0][-1].argmax())
+    token = int(out[0].argmax())
     for i in range(steps):
         if routing is not None:
             engine.store.replay_routing(routing[i])
