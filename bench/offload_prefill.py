@@ -10,14 +10,18 @@ installs them (`BENCHES=offload_prefill`).
 
 Per setting (SETTINGS: attributes of the store's `PrefillStaging`): 4K prefill tok/s (the faster of two,
 after one warm-up prefill), the bytes it moved over PCIe, and its fraction of the PCIe part of the
-roofline (the distinct host experts' bytes per chunk over a measured H2D copy). At 15 GiB that part binds:
-the resident 4K prefill measured 41.6K tok/s (98 ms) against 123 ms of PCIe time at 7014fe6.
+roofline (the distinct host experts' bytes per chunk over a measured H2D copy) and of the whole roofline (the
+larger of that and the resident prefill's time, measured first in the same run: `--skip-resident` leaves it
+out). At 15 GiB the PCIe part binds (the resident 4K prefill 104 ms against 123 ms of PCIe time at 2ce62ca); at
+20 GiB the resident time does (104 ms against 30 ms). The default setting's prefill is also profiled once, its GPU
+time by stream in `default_streams`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +30,8 @@ import torch
 from ninfer_offload.planner.routing import shipped_routing_stats
 from ninfer_offload.planner.trace import routing_trace
 from ninfer_offload.profiles.detect import measure_bandwidths
-from offload import GiB, PREFILL_TOKENS, TraceRun, applied, load, prefill_pcie_bytes
+from offload import GiB, PREFILL_TOKENS, TraceRun, applied, load, prefill_pcie_bytes, release, roofline_fraction
+from profiling import stream_timeline
 from provenance import gpu_report_header
 
 SETTINGS = {
@@ -34,6 +39,8 @@ SETTINGS = {
     "expected uses >= 2": {"ahead_min_uses": 2.0},
     "gather on 8 programs": {"gather_programs": 8},
     "gather on 32 programs": {"gather_programs": 32},
+    "every host expert the buffer holds (expected uses >= 0)": {"ahead_min_uses": 0.0},
+    "no staging (the kernels read host experts over PCIe)": {"ahead_min_uses": float("inf")},
 }
 
 
@@ -44,30 +51,46 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--skip-resident", action="store_true", help="no resident prefill (the whole roofline is then not reported)")
     args = parser.parse_args()
     trace = routing_trace(np.array(shipped_routing_stats().hits), 8, 2 * PREFILL_TOKENS, args.seed)
     h2d = measure_bandwidths()["h2d_bandwidth_gbs"] * 1e9
-    engine, _ = load(args.artifact, cold=False, profile="h200", vram_budget=int(args.budget * GiB))
     runner = TraceRun(trace, torch.device("cuda"))
+    resident_tok_s = None if args.skip_resident else PREFILL_TOKENS / resident_prefill_seconds(args.artifact, runner)
+    engine, _ = load(args.artifact, cold=False, profile="h200", vram_budget=int(args.budget * GiB))
     runner.rows(engine, 0, PREFILL_TOKENS)  # sizes the replay buffer
     pcie = prefill_pcie_bytes(engine, trace, PREFILL_TOKENS)
     report = {**gpu_report_header(args.commit), "h2d_bandwidth_gbs": h2d / 1e9, "vram_budget_bytes": int(args.budget * GiB),
-              "prefill_chunk": engine.prefill_chunk, "prefill_pcie_bytes": pcie, "placement": engine.placement_report(), "settings": []}
+              "prefill_chunk": engine.prefill_chunk, "prefill_pcie_bytes": pcie, "placement": engine.placement_report(),
+              "resident_prefill_4k_tok_s": resident_tok_s, "settings": []}
     runner.prefill(engine, PREFILL_TOKENS, repeats=1)  # compiles and tunes the prefill kernels
     for name, settings in SETTINGS.items():
         with applied(engine.store.staging, settings):
             moved = engine.store.stats.pcie_bytes
             seconds = runner.prefill(engine, PREFILL_TOKENS)
             moved = (engine.store.stats.pcie_bytes - moved) // 2
+            if not settings:
+                report["default_streams"] = stream_timeline(partial(runner.prefill, engine, PREFILL_TOKENS, repeats=1))
         fraction = pcie / h2d / seconds
         report["settings"].append({
-            "setting": name, "values": settings, "prefill_4k_tok_s": PREFILL_TOKENS / seconds, "prefill_moved_bytes": moved,
-            "pcie_roofline_fraction": fraction,
+            "setting": name, "values": {k: str(v) for k, v in settings.items()}, "prefill_4k_tok_s": PREFILL_TOKENS / seconds,
+            "prefill_moved_bytes": moved, "pcie_roofline_fraction": fraction,
+            "roofline_fraction": roofline_fraction(seconds, resident_tok_s, pcie, h2d) if resident_tok_s else None,
         })
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"{name}: {PREFILL_TOKENS / seconds:,.0f} tok/s, moved {moved / 1e9:.2f} GB, {fraction:.3f} of PCIe time", flush=True)
     engine.close()
+
+
+def resident_prefill_seconds(artifact: Path, runner: TraceRun) -> float:
+    """The all-resident engine's 4K prefill on the same trace tokens (after a warm-up one)."""
+    resident, _ = load(artifact, cold=False, profile="h200")
+    runner.rows(resident, 0, PREFILL_TOKENS)
+    runner.prefill(resident, PREFILL_TOKENS, repeats=1)
+    seconds = runner.prefill(resident, PREFILL_TOKENS)
+    release(resident)
+    return seconds
 
 
 if __name__ == "__main__":
