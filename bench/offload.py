@@ -198,11 +198,11 @@ class TraceRun:
         picked, queued = torch.tensor([token], device=engine.device), None
         for _ in range(count):
             self.rows(engine, session.length, 1)
-            following = queue_greedy_step(engine, session, picked if queued is None else queued.device)
+            following = queue_greedy_step(engine, [session], picked if queued is None else queued.device)
             if queued is not None:
                 queued.read()
             queued = following
-        return token if queued is None else queued.read()
+        return token if queued is None else queued.read()[0]
 
     def prefill(self, engine: Engine, offset: int, repeats: int = 2) -> float:
         """Seconds of a fresh PREFILL_TOKENS-token prefill, chunk by chunk (trace tokens from `offset`): the

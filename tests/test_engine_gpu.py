@@ -60,3 +60,29 @@ def test_cuda_step_batch_equals_single_steps(tiny_artifact_official):
     out = engine.step_batch(batched, [3, 4])
     expected = torch.stack([single[0].step(3), single[1].step(4)])
     assert _relative(out, expected) < 1e-5
+
+
+def test_cuda_batched_steps_on_device_tokens_equal_host_steps(tiny_artifact_official):
+    """Two sequences of different lengths decoded greedily by graph replays fed the device's argmax (the
+    server's steps ahead of the host) give the tokens and logits of steps fed the host's tokens."""
+    from ninfer_offload.runtime.generate import queue_greedy_step
+
+    engine = Engine.load(tiny_artifact_official, device="cuda", max_sequences=4, spec="none")
+    assert engine.graphs is not None
+    host, ahead = [engine.session() for _ in range(2)], [engine.session() for _ in range(2)]
+    firsts = []
+    for sessions in (host, ahead):
+        firsts = [int(sessions[0].prefill(PROMPT[:9]).argmax()), int(sessions[1].prefill(PROMPT).argmax())]
+    tokens, expected = firsts, []
+    for _ in range(6):
+        logits = engine.step_batch(host, tokens)
+        tokens = logits.argmax(-1).tolist()
+        expected.append(tokens)
+    queued = queue_greedy_step(engine, ahead, torch.tensor(firsts, device="cuda"))
+    got = []
+    for _ in range(5):
+        following = queue_greedy_step(engine, ahead, queued.device)
+        got.append(queued.read())
+        queued = following
+    got.append(queued.read())
+    assert got == expected

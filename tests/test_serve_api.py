@@ -134,6 +134,10 @@ class ScriptedEngine:
         logits = self.engine.step_batch([s.inner for s in sessions], token_ids)
         return torch.stack([s.force(row) for s, row in zip(sessions, logits)])
 
+    def step_on_device(self, sessions, tokens):
+        logits = self.engine.step_on_device([s.inner for s in sessions], tokens)
+        return torch.stack([s.force(row) for s, row in zip(sessions, logits)])
+
 
 @pytest.fixture(scope="module")
 def oracle(tiny_artifact, frontend):

@@ -32,7 +32,7 @@ def engine(tiny_artifact):
 
 
 class FailingEngine:
-    """The real engine, whose batched decode step raises once `fail` is set."""
+    """The real engine, whose decode steps (on host or device tokens) raise once `fail` is set."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -48,6 +48,11 @@ class FailingEngine:
         if self.fail:
             raise RuntimeError("injected decode failure")
         return self.engine.step_batch(sessions, token_ids)
+
+    def step_on_device(self, sessions, tokens):
+        if self.fail:
+            raise RuntimeError("injected decode failure")
+        return self.engine.step_on_device(sessions, tokens)
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,11 @@ class RecordingEngine:
         self.calls.append(("decode", tuple(s.tag for s in sessions)))
         return self.engine.step_batch([s.inner for s in sessions], token_ids)
 
+    def step_on_device(self, sessions, tokens):
+        self.calls.append(("decode", tuple(s.tag for s in sessions)))
+        self.calls.append(("on device", tuple(s.tag for s in sessions)))
+        return self.engine.step_on_device([s.inner for s in sessions], tokens)
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_artifact):
@@ -95,6 +100,47 @@ def test_prefill_chunks_interleave_with_decode_and_outputs_match_solo(engine):
     for before, after in zip(chunks, chunks[1:]):  # the first sequence kept decoding between chunks
         assert any(call[0] == "decode" and 1 in call[1] for call in calls[before:after])
     assert ("decode", (1, 2)) in calls  # then both decoded in one batched forward
+    assert recording.open_sessions == 0
+
+
+def test_greedy_steps_run_ahead_of_the_host_and_mixed_batches_wait_for_it(engine):
+    """Greedy sequences decode one step ahead of the host on the tokens the device picked; one ending on a stop
+    id or its budget loses only the step queued after it. A sampled sequence joining them makes the steps wait
+    for the host's tokens. Every output is the solo one, every session is closed."""
+    recording = RecordingEngine(engine)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    prompts = [[11, 12, 13], [21, 22], [42, 7, 300, 5]]
+    stop = solo(engine, prompts[1], 12)[5]  # the second sequence ends on its sixth token
+
+    async def run():
+        scheduler = Scheduler(recording, Sampler, max_concurrency=3, max_queue=4)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        first = scheduler.submit(GenerationRequest(prompts[0], 16, GREEDY), loop)
+        tokens = first.tokens()
+        head = [await anext(tokens), await anext(tokens)]
+        second = scheduler.submit(GenerationRequest(prompts[1], 12, GREEDY, stop_ids=frozenset({stop})), loop)
+        rest, out_second = await asyncio.gather(collect_rest(tokens), collect(second))
+        greedy_only = list(recording.calls)
+        third = scheduler.submit(GenerationRequest(prompts[2], 8, sampled), loop)
+        fourth = scheduler.submit(GenerationRequest(prompts[0], 8, GREEDY), loop)
+        outputs = await asyncio.gather(collect(third), collect(fourth))
+        scheduler.stop()
+        return head + rest, second, out_second, outputs, greedy_only, recording.calls[len(greedy_only):]
+
+    async def collect_rest(tokens) -> list[int]:
+        return [token async for token in tokens]
+
+    out_first, second, out_second, (out_third, out_fourth), greedy_only, mixed = asyncio.run(run())
+    assert out_first == solo(engine, prompts[0], 16)
+    expected_second = solo(engine, prompts[1], 12)
+    assert out_second == expected_second[: expected_second.index(stop)] and second.finished.reason == "stop"
+    assert out_third == list(generate(engine, prompts[2], 8, sampled)) and out_fourth == solo(engine, prompts[0], 8)
+    assert ("on device", (1, 2)) in greedy_only  # both greedy sequences in one step on device-picked tokens
+    steps = [sum(tag in call[1] for call in greedy_only if call[0] == "decode") for tag in (1, 2)]
+    assert steps == [15, 6]  # the first's 15 steps; the second's 5, and one thrown away after its stop id
+    assert any(call[0] == "decode" and 3 in call[1] for call in mixed)
+    assert not any(call[0] == "on device" and 3 in call[1] for call in mixed)  # the sampled one waits for the host
     assert recording.open_sessions == 0
 
 

@@ -167,13 +167,13 @@ class Generation:
         if token in self.stop_ids:
             return 0, 0, token
         output.append(token)
-        queued = queue_greedy_step(self.engine, session, logits.argmax().view(1)) if self._more(session, 1) else None
+        queued = queue_greedy_step(self.engine, [session], logits.argmax().view(1)) if self._more(session, 1) else None
         yield token
         steps = 0
         while queued is not None:
             # the step after it, queued before the host waits for its token (useful unless that token ends the loop)
-            following = queue_greedy_step(self.engine, session, queued.device) if self._more(session, len(output) + 1) else None
-            token, steps = queued.read(), steps + 1
+            following = queue_greedy_step(self.engine, [session], queued.device) if self._more(session, len(output) + 1) else None
+            token, steps = queued.read()[0], steps + 1
             if token in self.stop_ids:
                 break
             output.append(token)
@@ -183,31 +183,32 @@ class Generation:
 
 
 @dataclass(frozen=True)
-class QueuedToken:
-    """The token a queued greedy step picks: on the device (the next step's input) and on its way to the host."""
+class QueuedTokens:
+    """The tokens a queued greedy step picks, one per sequence: on the device (the next step's input) and
+    on their way to the host."""
 
-    device: torch.Tensor  # [1] int64
-    host: torch.Tensor  # [1] int64, pinned on CUDA
+    device: torch.Tensor  # [B] int64
+    host: torch.Tensor  # [B] int64, pinned on CUDA
     copied: torch.cuda.Event | None  # after the copy to `host` (None on the CPU)
 
-    def read(self) -> int:
-        """The token id (waits for its step)."""
+    def read(self) -> list[int]:
+        """The token ids (waits for their step)."""
         if self.copied is not None:
             self.copied.synchronize()
-        return int(self.host[0])
+        return self.host.tolist()
 
 
-def queue_greedy_step(engine, session, picked: torch.Tensor) -> QueuedToken:
-    """Queue the step that adds `picked` ([1] int64 on the engine's device) to `session` (`Engine.step_on_device`),
-    its argmax and that id's copy to the host, without waiting for the device."""
-    following = engine.step_on_device([session], picked).argmax(dim=-1)
+def queue_greedy_step(engine, sessions: list, picked: torch.Tensor) -> QueuedTokens:
+    """Queue the step that adds picked[i] ([B] int64 on the engine's device) to sessions[i]
+    (`Engine.step_on_device`), its argmax and those ids' copy to the host, without waiting for the device."""
+    following = engine.step_on_device(sessions, picked).argmax(dim=-1)
     if following.device.type != "cuda":
-        return QueuedToken(following, following, None)
+        return QueuedTokens(following, following, None)
     host = torch.empty(following.shape, dtype=following.dtype, pin_memory=True)  # pinned: the copy does not block
     host.copy_(following, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-    return QueuedToken(following, host, copied)
+    return QueuedTokens(following, host, copied)
 
 
 def generate(

@@ -67,3 +67,10 @@ def step_inputs(
     packed = pack_inputs(tokens, slots, starts, tokens_per_sequence, capacity, pinned=device.type == "cuda")
     packed = packed.to(device, non_blocking=True)
     return unpack_inputs(packed, len(slots), tokens_per_sequence, prefill, keep_states, (tuple(slots), tuple(starts)))
+
+
+def device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    """int64 `ids` on `device`; on CUDA uploaded from pinned memory, queued without waiting for the device."""
+    if device.type != "cuda":
+        return torch.tensor(ids, dtype=torch.int64, device=device)
+    return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)

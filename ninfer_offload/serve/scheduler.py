@@ -2,11 +2,17 @@
 
 One thread owns the engine. Each iteration it (1) admits waiting requests up to
 `max_concurrency` active sequences, (2) frees the sessions of cancelled requests, (3) runs one
-prefill chunk of one newcomer, (4) runs one `engine.step_batch` over every sequence that is
-decoding. With an engine loaded for speculation (`spec="mtp"`), sequences without a grammar or
-logprobs decode speculatively instead: one batched verify step over their anchors and MTP drafts,
-each sequence keeping as many tokens as its own acceptance gives. Tokens go back to the request's
-asyncio queue on its event loop.
+prefill chunk of one newcomer, (4) runs one batched decode step over every sequence that is
+decoding. When every plainly decoding sequence is greedy without penalties, grammar or logprobs (its
+next token is the argmax of its logits), the step runs one ahead of the host: it takes the previous
+step's argmax on the device (`Engine.step_on_device`) and is queued before the host reads the previous
+step's tokens, so the device does not wait for the host's work between steps (handing out tokens,
+admitting, the HTTP side holding the interpreter); a sequence that ends on a token read then has one
+step thrown away. Otherwise the step waits for the host's tokens; its greedy rows are picked in one
+argmax. With an engine loaded for speculation (`spec="mtp"`), sequences without a grammar or logprobs
+decode speculatively instead: one batched verify step over their anchors and MTP drafts, each
+sequence keeping as many tokens as its own acceptance gives. Tokens go back to the request's asyncio
+queue on its event loop.
 
 A request counts against `max_concurrency + max_queue` from `submit` until its last event is
 sent, whatever state it is in (waiting, admitted, decoding).
@@ -26,7 +32,9 @@ from typing import Any
 
 import torch
 
+from ninfer_offload.runtime.generate import QueuedTokens, queue_greedy_step
 from ninfer_offload.runtime.speculative import MtpSpeculator, draft_together
+from ninfer_offload.runtime.step_inputs import device_ids
 
 log = logging.getLogger("ninfer.serve")
 
@@ -130,6 +138,21 @@ class _Sequence:
     speculator: Any = None  # a runtime.speculative.MtpSpeculator when this sequence decodes speculatively
     started: bool = False  # the speculator knows the first generated token
 
+    @property
+    def picks_argmax(self) -> bool:
+        """Whether its next token is the argmax of its logits (greedy, no penalties, grammar, logprobs or drafts)."""
+        request, params = self.handle.request, self.sampler.params
+        plain = self.speculator is None and request.constraint is None and request.logprobs is None
+        return plain and params.is_greedy and not params.has_penalties
+
+
+@dataclass(frozen=True)
+class _QueuedStep:
+    """A decode step queued ahead of the host: its sequences, in order, and the tokens it picks for them."""
+
+    sequences: list[_Sequence]
+    tokens: QueuedTokens
+
 
 class Scheduler:
     """Runs every request through one engine; see the module docstring for the loop."""
@@ -155,6 +178,7 @@ class Scheduler:
         self._closed = False
         self._ids = itertools.count(1)
         self._largest_batch = 0
+        self._queued: _QueuedStep | None = None  # the decode step queued ahead of the host, if any
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
 
     # -- HTTP side -------------------------------------------------------------------------
@@ -272,24 +296,73 @@ class Scheduler:
             self._accept(sequence, logits)
 
     def _decode_all(self) -> None:
-        batch = [s for s in self._active if s.next_token is not None]
+        queued, self._queued = self._queued, None
+        decoding = [s for s in self._active if s.next_token is not None]
+        batch = decoding + (queued.sequences if queued is not None else [])
         if not batch:
             return
-        self._largest_batch = max(self._largest_batch, len(batch))
-        speculating = [s for s in batch if s.speculator is not None]
-        plain = [s for s in batch if s.speculator is None]
+        speculating = [s for s in decoding if s.speculator is not None]
+        plain = [s for s in decoding if s.speculator is None]
         try:
             if speculating:
                 self._speculate(speculating)
-            if plain:
-                logits = self.engine.step_batch([s.session for s in plain], [s.next_token for s in plain])
-                for sequence, row in zip(plain, logits):
-                    self._accept(sequence, row)
+            if all(s.picks_argmax for s in plain):
+                self._decode_ahead(plain, queued)
+            else:
+                if queued is not None:
+                    self._hand_out(queued)
+                self._decode_now([s for s in self._active if s.speculator is None and s.next_token is not None])
         except Exception as exc:  # noqa: BLE001
             log.exception("decode step failed for %d sequences", len(batch))
+            self._queued = None
             for sequence in batch:
                 if sequence in self._active:
                     self._finish(sequence, "error", str(exc))
+
+    def _decode_ahead(self, ready: list[_Sequence], queued: _QueuedStep | None) -> None:
+        """Queue the next greedy step (the sequences of `queued` that go on, on the tokens it picks, and `ready`,
+        on their host tokens), then hand out the tokens `queued` picked."""
+        carried = [i for i, s in enumerate(queued.sequences) if self._goes_on(s)] if queued is not None else []
+        sequences = [queued.sequences[i] for i in carried] + ready
+        if sequences:
+            device = self.engine.device
+            parts = [device_ids([s.next_token for s in ready], device)] if ready else []
+            if carried:
+                picked = queued.tokens.device
+                parts.insert(0, picked if len(carried) == picked.numel() else picked[device_ids(carried, device)])
+            self._largest_batch = max(self._largest_batch, len(sequences))
+            self._queued = _QueuedStep(sequences, queue_greedy_step(self.engine, [s.session for s in sequences], torch.cat(parts)))
+            for sequence in ready:
+                sequence.next_token = None
+        if queued is not None:
+            self._hand_out(queued)
+        if self._queued is not None:
+            for sequence in self._queued.sequences:
+                sequence.next_token = None  # already fed to the queued step
+
+    def _goes_on(self, sequence: _Sequence) -> bool:
+        """Whether a sequence of the queued step needs a step after it (unless the token it picked ends it)."""
+        return sequence in self._active and len(sequence.output) + 1 < sequence.handle.request.max_tokens
+
+    def _hand_out(self, queued: _QueuedStep) -> None:
+        """Hand out the tokens a queued step picked (waits for it), to the sequences still running."""
+        for sequence, token in zip(queued.sequences, queued.tokens.read()):
+            if sequence in self._active:
+                self._emit(sequence, token)
+
+    def _decode_now(self, plain: list[_Sequence]) -> None:
+        """One decode step over `plain` on their host tokens; the argmax-picking rows in one argmax, the others sampled."""
+        if not plain:
+            return
+        self._largest_batch = max(self._largest_batch, len(plain))
+        logits = self.engine.step_batch([s.session for s in plain], [s.next_token for s in plain])
+        rows = [i for i, s in enumerate(plain) if s.picks_argmax]
+        picked = dict(zip(rows, logits[rows].argmax(dim=-1).tolist())) if rows else {}
+        for i, (sequence, row) in enumerate(zip(plain, logits)):
+            if i in picked:
+                self._emit(sequence, picked[i])
+            else:
+                self._accept(sequence, row)
 
     def _speculate(self, batch: list[_Sequence]) -> None:
         """One speculative round over `batch`: each sequence drafts with its MTP speculator, one target
