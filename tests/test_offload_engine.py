@@ -12,6 +12,7 @@ import torch
 
 from kernels_support import DEVICE, needs_triton_device
 from ninfer_offload import Engine, NinferError
+from ninfer_offload.kernels.moe import PREFILL_TILES
 from ninfer_offload.planner import memory
 from ninfer_offload.runtime.memory_check import check_host_memory
 
@@ -132,7 +133,7 @@ def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident
     session = engine.session()
     prefill = session.prefill(LONG_PROMPT)
     stats = dataclasses.replace(store.stats)  # a copy: the store keeps counting into its own
-    staged_uses = int(store.staged_uses.sum())
+    staged_uses = int(store.shared_uses.sum())
     assert stats.staged > 0 and staged_uses == stats.uses - stats.hits > 0  # every miss was served from staging
     records = store.staged_records.numpy().copy()
     assert records.max() == 1  # one chunk: each staged record once
@@ -141,7 +142,7 @@ def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident
     steps = [session.step(token) for token in STEPS]
     session.close()
     after = store.stats
-    assert after.staged == stats.staged and int(store.staged_uses.sum()) == staged_uses  # decode steps never stage
+    assert after.staged == stats.staged and int(store.shared_uses.sum()) == staged_uses  # decode steps never stage
     assert after.pcie_bytes > stats.pcie_bytes  # their misses are read over PCIe as before
     for got, want in zip([prefill, *steps], resident_long):
         assert torch.equal(got, want)
@@ -155,7 +156,7 @@ def test_a_prefill_that_stages_nothing_reads_its_host_experts_over_pcie(tiny_art
     for got, want in zip(_run(engine, LONG_PROMPT), resident_long):
         assert torch.equal(got, want)
     stats = engine.store.stats
-    assert stats.staged == 0 and int(engine.store.staged_uses.sum()) == 0 and stats.pcie_bytes > 0
+    assert stats.staged == 0 and stats.pcie_bytes > 0
     engine.close()
 
 
@@ -204,17 +205,21 @@ def test_a_prefill_staged_ahead_takes_the_likeliest_host_experts(tiny_artifact_o
     assert store.staging_slots == 6
     session = engine.session()
     prefill = session.prefill(LONG_PROMPT)
-    uses, staged_uses, records = store.uses.numpy(), store.staged_uses.numpy(), store.staged_records.numpy()
+    uses, shared_uses, records = store.uses.numpy(), store.shared_uses.numpy(), store.staged_records.numpy()
     in_vram = store.cache.in_vram[: engine.config.num_layers]
+    block = PREFILL_TILES.block_m
+    reads = np.zeros_like(uses)  # the unstaged host experts' reads: one per block of their pairs
     for layer, vram in enumerate(in_vram):
         outside = np.flatnonzero(~vram)
         ranked = outside[np.argsort(-store.placement.scores[layer, outside], kind="stable")][:3]
         assert np.array_equal(np.flatnonzero(records[layer]), np.sort(ranked))
-        assert np.array_equal(staged_uses[layer], np.where(records[layer] > 0, uses[layer], 0))
+        unstaged = ~vram & (records[layer] == 0)
+        reads[layer] = np.where(unstaged, -(-uses[layer] // block), 0)
+        followers = uses[layer] - reads[layer]
+        assert np.array_equal(shared_uses[layer], np.where(records[layer] > 0, uses[layer], np.where(unstaged, followers, 0)))
     stats = store.stats
-    unstaged = np.where(in_vram, 0, uses - staged_uses).sum(axis=1)
-    assert unstaged.sum() > 0 and stats.staged == records.sum()
-    assert stats.pcie_bytes == ((records.sum(axis=1) + unstaged) * _record_bytes(engine)).sum()
+    assert reads.sum() > 0 and (uses[reads > 0] > reads[reads > 0]).all() and stats.staged == records.sum()  # blocks share reads
+    assert stats.pcie_bytes == ((records.sum(axis=1) + reads.sum(axis=1)) * _record_bytes(engine)).sum()
     steps = [session.step(token) for token in STEPS]
     session.close()
     for got, want in zip([prefill, *steps], resident_long):

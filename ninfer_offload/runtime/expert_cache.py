@@ -44,7 +44,7 @@ class ExpertCache:
         self.owner: list[tuple[int, int] | None] = [None] * store.cache_slots
         self.free = list(range(store.cache_slots - 1, -1, -1))
         self.nbytes = np.array([layout.nbytes for layout in store.layouts], dtype=np.int64)
-        self._seen = np.zeros((4, layers, experts), dtype=np.int64)  # the store's counts: uses, staged uses, CPU uses, staged records
+        self._seen = np.zeros((4, layers, experts), dtype=np.int64)  # the store's counts: uses, shared uses, CPU uses, staged records
         self._cuda = store.device.type == "cuda"
         self._inflight: tuple[list[tuple[int, int, int]], object] | None = None  # ((layer, expert, slot)...), done event
         self._boundaries: deque = deque(maxlen=2)  # events at the last two step boundaries (after the steps queued by then)
@@ -104,9 +104,9 @@ class ExpertCache:
         self._observe(self.store.counts.cpu().numpy().astype(np.int64))
 
     def _observe(self, total: np.ndarray) -> None:
-        """Fold the store's counts `total` [4, layers, experts] (uses, staged uses, CPU uses, staged records) into the
-        stats and the policy."""
-        (delta, staged, on_host, records), self._seen = total - self._seen, total
+        """Fold the store's counts `total` [4, layers, experts] (uses, uses that read no record of their own, CPU uses,
+        staged records) into the stats and the policy."""
+        (delta, shared, on_host, records), self._seen = total - self._seen, total
         if not delta.any() and not records.any():
             return
         stats, in_vram = self.store.counters, self.in_vram
@@ -114,8 +114,9 @@ class ExpertCache:
         stats.uses += int(delta.sum())
         stats.hits += int(delta[in_vram].sum())
         stats.cpu_assignments += int(on_host.sum())
-        # one read per assignment of an expert neither in VRAM, staged nor computed by the host, one per staged record
-        reads = np.where(in_vram, 0, delta - staged - on_host) + records
+        # one read per assignment of an expert not in VRAM that reads its record (not staged, not computed by the host,
+        # not following another in a prefill block), one per staged record
+        reads = np.where(in_vram, 0, delta - shared - on_host) + records
         stats.pcie_bytes += int((reads.sum(axis=1) * self.nbytes).sum())
         stats.staged += int(records.sum())
         self.policy.observe(delta)

@@ -70,7 +70,7 @@ class StoreStats:
     tokens: int = 0  # tokens routed (each through every MoE layer)
     uses: int = 0  # (token, expert) assignments routed
     hits: int = 0  # of them to an expert in VRAM
-    pcie_bytes: int = 0  # record bytes read from host memory by the device (one read per assignment, one per staged record)
+    pcie_bytes: int = 0  # record bytes read from host memory by the device (per assignment, per prefill block, per staged record)
     promotions: int = 0
     staged: int = 0  # records copied into the prefill staging slots
     cpu_assignments: int = 0  # assignments the host computed (CPU miss path)
@@ -157,10 +157,11 @@ class ExpertStore:
         self._pool = HostPool(sizes, device.type == "cuda", HOST_REMEDY) if placement.offloaded else None  # pinned on CUDA
         self.table = torch.zeros(layers, num_experts, dtype=torch.int64, device=device)
         self.table_host = np.zeros((layers, num_experts), dtype=np.int64)  # what `table` holds after the work queued so far
-        # Per (layer, expert): assignments routed, those of them served from a staging slot, those computed by the
-        # host, and records staged.
+        # Per (layer, expert): assignments routed, those of them that read no record of their own (served from a
+        # staging slot, or after the first of a prefill block's assignments of a host expert: the block reads the
+        # record once), those computed by the host, and records staged.
         self.counts = torch.zeros(4, layers, num_experts, dtype=torch.int32, device=device)
-        self.uses, self.staged_uses, self.cpu_uses, self.staged_records = self.counts
+        self.uses, self.shared_uses, self.cpu_uses, self.staged_records = self.counts
         self.anchor = torch.zeros(layers, 1, dtype=torch.int64, device=device)  # per layer an expert in VRAM (`set_anchors`)
         self._stale_anchors = False  # cache moves not yet reflected in `anchor` (`tables_changed`)
         self.prefilling = False  # inside `forward(prefill=True)`

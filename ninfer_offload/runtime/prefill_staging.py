@@ -9,7 +9,9 @@ run on a copy of the layer's table that points the staged experts at their slots
 (`Backend.routed_experts_split`): the compute stream computes the pairs of the other experts (those in
 VRAM, and those left in host memory, read over PCIe) while the copy runs, then waits for the layer's
 copy and computes the staged experts' pairs. Staged records count as PCIe bytes (`StoreStats.staged`),
-their uses not; both are counted on the device. Decode steps never stage.
+their uses not; a host expert left unstaged counts one read per block of its pairs (the tiled kernels read
+its record once per block of `PREFILL_TILES.block_m` pairs); all of it is counted on the device. Decode steps
+never stage.
 
 Which experts: those outside VRAM that the chunk is expected to use at least `AHEAD_MIN_USES` times (the
 plan's pick rates, decided on the host before the layer's routing is known), the likeliest first, up to
@@ -56,6 +58,7 @@ class StagingPlan:
     tables: torch.Tensor  # [layers, E] int64: each layer's table with its staged experts pointed at their slots
     staged: torch.Tensor  # [layers, E] int32: 1 for a staged expert
     experts: torch.Tensor  # [layers, slots per buffer] int64: each layer's staged ids first (counts[layer] of them)
+    host_only: torch.Tensor  # [layers, E] int32: 1 for an expert outside VRAM that is not staged
     counts: np.ndarray  # [layers]
     keeps_host: np.ndarray  # [layers] bool: some expert outside VRAM is not staged
 
@@ -116,11 +119,16 @@ class PrefillStaging:
             self._ahead[layer + 2] = self._stage(layer + 2, tokens)
 
     def forget(self) -> None:
-        """After a forward: count the uses of staged experts (the forward's uses of what its plan staged, one
-        multiply for all layers), and drop what was staged for layers it did not reach."""
+        """After a forward: count the uses that read no record of their own (the forward's uses of what its plan
+        staged, and of each unstaged host expert all but one per block of pairs; a few elementwise ops for all
+        layers), and drop what was staged for layers it did not reach."""
         if self._plan is not None:
-            layers = self.store.text_layers
-            self.store.staged_uses[:layers] += (self.store.uses[:layers] - self._uses_before) * self._plan.staged
+            from ninfer_offload.kernels.moe import PREFILL_TILES
+
+            layers, block = self.store.text_layers, PREFILL_TILES.block_m
+            uses = self.store.uses[:layers] - self._uses_before
+            followers = uses - (uses + block - 1) // block
+            self.store.shared_uses[:layers] += uses * self._plan.staged + followers * self._plan.host_only
         self._ahead.clear()
         self._plan = self._uses_before = None
 
@@ -148,11 +156,13 @@ class PrefillStaging:
         starts = (np.arange(layers) % 2) * half
         tables = store.table_host[:layers].copy()
         tables[rows[filled], experts[filled]] = self._offsets_host[(starts[:, None] + np.arange(half)[None, :])[filled]]
-        (packed,) = store.upload(torch.from_numpy(np.concatenate([tables.ravel(), chosen.ravel().astype(np.int64), experts.ravel()])))
+        marks = np.concatenate([chosen.ravel(), (outside & ~chosen).ravel()]).astype(np.int64)
+        (packed,) = store.upload(torch.from_numpy(np.concatenate([tables.ravel(), marks, experts.ravel()])))
         n = layers * e
+        staged, host_only = packed[n : 3 * n].to(torch.int32).view(2, layers, e)
         return StagingPlan(
-            tokens, packed[:n].view(layers, e), packed[n : 2 * n].to(torch.int32).view(layers, e),
-            packed[2 * n :].view(layers, half), counts, counts < outside.sum(axis=1),
+            tokens, packed[:n].view(layers, e), staged, packed[3 * n :].view(layers, half), host_only, counts,
+            counts < outside.sum(axis=1),
         )
 
     def _stage(self, layer: int, tokens: int) -> tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]:
