@@ -332,8 +332,6 @@ class Scheduler:
                 parts.insert(0, picked if len(carried) == picked.numel() else picked[device_ids(carried, device)])
             self._largest_batch = max(self._largest_batch, len(sequences))
             self._queued = _QueuedStep(sequences, queue_greedy_step(self.engine, [s.session for s in sequences], torch.cat(parts)))
-            for sequence in ready:
-                sequence.next_token = None
         if queued is not None:
             self._hand_out(queued)
         if self._queued is not None:
