@@ -41,6 +41,7 @@ from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
 from ninfer_offload.runtime.host_pool import HostPool
 from ninfer_offload.runtime.memory_check import host_tensor
 from ninfer_offload.runtime.prefill_staging import PrefillStaging
+from ninfer_offload.runtime.step_inputs import upload
 
 MODES = ("auto", "resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
@@ -211,9 +212,7 @@ class ExpertStore:
     def upload(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Small host tensors on the store's device, in stream order (through pinned memory, without a
         host sync, on CUDA): the table and anchor updates between steps."""
-        if self.device.type != "cuda":
-            return tensors
-        return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
+        return tuple(upload(t, self.device) for t in tensors)
 
     @property
     def stats(self) -> StoreStats:

@@ -94,7 +94,7 @@ class Generation:
         output: list[int] = []
         session = self.engine.session()
         speculator = MtpSpeculator(session, self.sampler, self.prompt_ids, self.engine.spec_tokens) if self.engine.spec_tokens else None
-        on_device = speculator is None and self.sampler.params.is_greedy and not self.sampler.params.has_penalties
+        on_device = speculator is None and self.sampler.params.picks_argmax
         try:
             start = time.perf_counter()
             if speculator is not None:

@@ -95,6 +95,11 @@ class SamplingParams:
         return self.greedy or self.temperature == 0
 
     @property
+    def picks_argmax(self) -> bool:
+        """Whether the next token is the argmax of the logits as they come (greedy, no penalties)."""
+        return self.is_greedy and not self.has_penalties
+
+    @property
     def has_penalties(self) -> bool:
         """Whether the logits depend on the tokens seen so far."""
         return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)

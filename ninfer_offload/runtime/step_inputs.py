@@ -69,8 +69,9 @@ def step_inputs(
     return unpack_inputs(packed, len(slots), tokens_per_sequence, prefill, keep_states, (tuple(slots), tuple(starts)))
 
 
-def device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
-    """int64 `ids` on `device`; on CUDA uploaded from pinned memory, queued without waiting for the device."""
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, in stream order; on CUDA through pinned memory, queued without
+    waiting for the device (the store's table updates, the server's token ids)."""
     if device.type != "cuda":
-        return torch.tensor(ids, dtype=torch.int64, device=device)
-    return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -34,7 +34,7 @@ import torch
 
 from ninfer_offload.runtime.generate import QueuedTokens, queue_greedy_step
 from ninfer_offload.runtime.speculative import MtpSpeculator, draft_together
-from ninfer_offload.runtime.step_inputs import device_ids
+from ninfer_offload.runtime.step_inputs import upload
 
 log = logging.getLogger("ninfer.serve")
 
@@ -141,9 +141,9 @@ class _Sequence:
     @property
     def picks_argmax(self) -> bool:
         """Whether its next token is the argmax of its logits (greedy, no penalties, grammar, logprobs or drafts)."""
-        request, params = self.handle.request, self.sampler.params
+        request = self.handle.request
         plain = self.speculator is None and request.constraint is None and request.logprobs is None
-        return plain and params.is_greedy and not params.has_penalties
+        return plain and self.sampler.params.picks_argmax
 
 
 @dataclass(frozen=True)
@@ -326,10 +326,10 @@ class Scheduler:
         sequences = [queued.sequences[i] for i in carried] + ready
         if sequences:
             device = self.engine.device
-            parts = [device_ids([s.next_token for s in ready], device)] if ready else []
+            parts = [upload(torch.tensor([s.next_token for s in ready]), device)] if ready else []
             if carried:
                 picked = queued.tokens.device
-                parts.insert(0, picked if len(carried) == picked.numel() else picked[device_ids(carried, device)])
+                parts.insert(0, picked if len(carried) == picked.numel() else picked[upload(torch.tensor(carried), device)])
             self._largest_batch = max(self._largest_batch, len(sequences))
             self._queued = _QueuedStep(sequences, queue_greedy_step(self.engine, [s.session for s in sequences], torch.cat(parts)))
         if queued is not None:
