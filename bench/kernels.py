@@ -141,11 +141,14 @@ def record(results: list[dict], measure, save) -> None:
           + (f" {r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else ""), flush=True)
 
 
-def start_run(doc: str) -> tuple[argparse.Namespace, float, dict]:
-    """A kernel benchmark's command line (--out, --commit), seed, device bandwidth and report header."""
+def start_run(doc: str, add_arguments=None) -> tuple[argparse.Namespace, float, dict]:
+    """A kernel benchmark's command line (--out, --commit, and what `add_arguments(parser)` adds), seed,
+    device bandwidth and report header."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit", default=None, help="commit measured (when the tree has no .git)")
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth = device_bandwidth()

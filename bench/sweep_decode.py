@@ -1,8 +1,11 @@
 """Launch-shape sweep of the decode step's products at Qwen3.6-35B-A3B shapes, from CUDA-graph replay.
 
-Usage (on a CUDA machine): python bench/sweep_decode.py --out bench/results/sweeps/decode_<gpu>.json
+Usage (on a CUDA machine): python bench/sweep_decode.py --out bench/results/sweeps/decode_<gpu>.json [--sweeps paths ...]
 
-For 1, 4 and 8 tokens: the quantized matrix-vector products (their launch shape as the engine picks
+`paths`: each product at 1, 2, 4, 8 and 16 tokens through the matrix-vector kernel (up to 8 tokens) and
+through the tiled tensor-core kernel (forced for every token count): what a step of several tokens (a
+verification, a small batch) costs on each path. The other sweeps, for 1, 4 and 8 tokens: the quantized
+matrix-vector products (their launch shape as the engine picks
 it, and the output head under several shapes), the dense products (router + shared-expert score,
 GDN a/b) under several rows per program, the routed experts (8 of 256 experts per token) under
 several launch shapes, and attention decode at a fixed 32K capacity for growing lengths (what the
@@ -62,6 +65,25 @@ def sweep_linear(bandwidth: float, record) -> None:
     quant_linear.WIDE_GEMV_TILES = default
 
 
+PATH_TOKENS = (1, 2, 4, 8, 16)
+PATH_PRODUCTS = LINEAR + [("output_head", "q6_g64_fp16", 248320, 2048), ("gdn_qkvz_nvfp4", "nvfp4", 12288, 2048)]
+
+
+def sweep_paths(bandwidth: float, record) -> None:
+    default = quant_linear.GEMV_MAX_TOKENS
+    for name, fmt, n, k in PATH_PRODUCTS:
+        data, geometry = quantized_object(fmt, n, k)
+        for t in PATH_TOKENS:
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            for path, limit in (("matrix-vector", default), ("tensor-core tiles", 0)):
+                if t > limit and path == "matrix-vector":
+                    continue
+                quant_linear.GEMV_MAX_TOKENS = limit
+                us = replay_us(lambda: quant_linear.quantized_linear(x, data[0], geometry))
+                record(entry(name, us, geometry.encoded_size, bandwidth, format=fmt, tokens=t, path=path))
+    quant_linear.GEMV_MAX_TOKENS = default
+
+
 def sweep_dense(bandwidth: float, record) -> None:
     default = dense_linear.GEMV_BLOCK_N
     for name, n, k in DENSE:
@@ -113,21 +135,25 @@ def sweep_attention(bandwidth: float, record) -> None:
     attention.SPAN = default
 
 
+SWEEPS = {"linear": sweep_linear, "moe": sweep_moe, "attention": sweep_attention, "dense": sweep_dense, "paths": sweep_paths}
+
+
 def main() -> None:
-    args, bandwidth, header = start_run(__doc__)
+    def add_arguments(parser) -> None:
+        parser.add_argument("--sweeps", nargs="+", choices=tuple(SWEEPS), default=["linear", "moe", "attention", "dense"])
+
+    args, bandwidth, header = start_run(__doc__, add_arguments)
     report = {**header, "results": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def record(result: dict) -> None:
         report["results"].append(result)
         args.out.write_text(json.dumps(report, indent=1))
-        shape = {k: result[k] for k in ("tokens", "tile", "rows_per_program", "length", "span") if k in result}
+        shape = {k: result[k] for k in ("tokens", "tile", "rows_per_program", "length", "span", "path") if k in result}
         print(f"{result['op']:18s} {json.dumps(shape):48s} {result['us']:9.1f} us ({100 * result['bandwidth_fraction']:5.1f}%)", flush=True)
 
-    sweep_linear(bandwidth, record)
-    sweep_moe(bandwidth, record)
-    sweep_attention(bandwidth, record)
-    sweep_dense(bandwidth, record)
+    for name in args.sweeps:
+        SWEEPS[name](bandwidth, record)
 
 
 if __name__ == "__main__":
