@@ -1,9 +1,10 @@
 """Kernel launches of one captured decode step, counted on the CPU: Triton kernels and torch ops.
 
-Usage: python bench/decode_launches.py [--dtype bfloat16] [ARTIFACT]
+Usage: python bench/decode_launches.py [--dtype bfloat16] [--tokens T] [ARTIFACT]
 
 Runs the step a captured decode graph records (`Engine.forward` on device-held inputs) on the Triton backend under
-the Triton interpreter, after a short prefill, and counts what it would launch on a GPU: each
+the Triton interpreter, after a short prefill, and counts what it would launch on a GPU (with `--tokens T`, a
+step of T tokens that keeps each token's state, as a verification of T - 1 drafts does): each
 Triton kernel call, and each torch op that computes (views and uninitialised allocations launch
 nothing and are left out). Without ARTIFACT it converts the tiny model of `ninfer tiny` (`ninfer_offload.convert.tiny`) to
 the `official` recipe in a temporary directory. Prints one JSON object, with the launches of each
@@ -33,6 +34,7 @@ from ninfer_offload.runtime.engine import Engine  # noqa: E402
 from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs  # noqa: E402
 
 PROMPT = [5, 17, 300, 42, 7]
+STEP_TOKENS = [11, 250, 3, 99, 42, 8, 77, 123]
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh"}
 
 
@@ -98,12 +100,12 @@ def tiny_artifact(directory: Path) -> Path:
     return convert(checkpoint, directory / "tiny.ninfer", recipe="official", progress=False)
 
 
-def count_step(artifact: Path, dtype: str) -> dict:
-    engine = Engine.load(artifact, device="cpu", dtype=dtype, backend="triton", spec="none")
+def count_step(artifact: Path, dtype: str, tokens: int = 1) -> dict:
+    engine = Engine.load(artifact, device="cpu", dtype=dtype, backend="triton", spec="none", draft_tokens=tokens - 1)
     session = engine.session()
     session.prefill(PROMPT)
-    packed = pack_inputs([11], [session.slot], [session.length], 1, engine.max_context)
-    token, ctx = unpack_inputs(packed, 1, 1, prefill=False, keep_states=False, host=None)
+    packed = pack_inputs(STEP_TOKENS[:tokens], [session.slot], [session.length], tokens, engine.max_context)
+    token, ctx = unpack_inputs(packed, 1, tokens, prefill=False, keep_states=tokens > 1, host=None)
     per_kind: dict[str, list[int]] = {}
     with torch.no_grad(), LaunchCounter() as counter:
         layers, engine.text.layers = engine.text.layers, [MeasuredLayer(layer, counter, per_kind) for layer in engine.text.layers]
@@ -117,6 +119,7 @@ def count_step(artifact: Path, dtype: str) -> dict:
     full_kinds = ["attention" if kind == FULL_ATTENTION else "gdn" for kind in TEXT_CONFIG["layer_types"]]
     return {
         "dtype": dtype,
+        "tokens": tokens,
         "layers": len(layers),
         "launches_per_step": counter.total,
         "launches_per_layer_kind": per_layer,
@@ -133,12 +136,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", nargs="?", type=Path, help="a .ninfer artifact (default: the tiny test model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activation dtype")
+    parser.add_argument("--tokens", type=int, default=1, choices=range(1, len(STEP_TOKENS) + 1), help="tokens of the step")
     args = parser.parse_args()
     if args.artifact is not None:
-        print(json.dumps(count_step(args.artifact, args.dtype), indent=1))
+        print(json.dumps(count_step(args.artifact, args.dtype, args.tokens), indent=1))
         return
     with tempfile.TemporaryDirectory() as directory:
-        print(json.dumps(count_step(tiny_artifact(Path(directory)), args.dtype), indent=1))
+        print(json.dumps(count_step(tiny_artifact(Path(directory)), args.dtype, args.tokens), indent=1))
 
 
 if __name__ == "__main__":

@@ -134,10 +134,10 @@ def gdn_decode(
 
 
 @triton.jit
-def _window(x, state, first_row, w, wmask, cols, cmask, C, PREV: tl.constexpr):
+def _window(x, stride_x, state, first_row, w, wmask, cols, cmask, C, PREV: tl.constexpr):
     """Rows w [R] of a sequence's conv window in fp32: its previous inputs (state rows 0..PREV-1), then its
-    inputs (x from row `first_row`); the result is [R, BLOCK_C]."""
-    starts = tl.where(w < PREV, state + w * C, x + (first_row + w - PREV) * C)
+    inputs (x from row `first_row`, rows `stride_x` apart); the result is [R, BLOCK_C]."""
+    starts = tl.where(w < PREV, state + w * C, x + (first_row + w - PREV).to(tl.int64) * stride_x)
     return tl.load(starts[:, None] + cols[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
 
 
@@ -151,6 +151,7 @@ def _conv_update_kernel(
     out,
     T,
     C,
+    stride_x,
     KEPT_TOKENS,
     TAPS: tl.constexpr,
     PREV_PAD: tl.constexpr,
@@ -172,7 +173,7 @@ def _conv_update_kernel(
     tmask = tokens < T
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for i in tl.static_range(TAPS):
-        win = _window(x, state, seq * T, tokens + i, tmask, cols, cmask, C, TAPS - 1)
+        win = _window(x, stride_x, state, seq * T, tokens + i, tmask, cols, cmask, C, TAPS - 1)
         acc += tl.load(weight + i * C + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] * win
         if KEEP and i > 0:
             dst = kept + ((slot * KEPT_TOKENS + tokens[:, None]) * (TAPS - 1) + i - 1) * C + cols[None, :]
@@ -180,7 +181,7 @@ def _conv_update_kernel(
     dst = out + (seq * T + tokens[:, None]) * C + cols[None, :]
     tl.store(dst, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
     if t0 == 0:  # the window after the last token
-        final = _window(x, state, seq * T, T + rows, rows < TAPS - 1, cols, cmask, C, TAPS - 1)
+        final = _window(x, stride_x, state, seq * T, T + rows, rows < TAPS - 1, cols, cmask, C, TAPS - 1)
         tl.debug_barrier()  # every thread of the program has read the old window before it is overwritten
         rmask = (rows < TAPS - 1)[:, None] & cmask[None, :]
         tl.store(state + rows[:, None] * C + cols[None, :], final.to(states.dtype.element_ty), mask=rmask)
@@ -192,8 +193,11 @@ def conv_update(
 ) -> torch.Tensor:
     """silu(causal depthwise conv) of the B = len(slots) sequences of T tokens in x [N, C] with taps weight [W, C],
     sequence b continuing the window conv_states[slots[b]] of conv_states [slots, W-1, C] (advanced in place). A
-    `kept` [slots, K, W-1, C] receives the window after each token but the last. Returns [N, C]."""
+    `kept` [slots, K, W-1, C] receives the window after each token but the last. x's rows may be strided (a
+    column slice of a wider product): they are read in place. Returns [N, C] (contiguous)."""
     c = x.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
     taps = weight.shape[0]
     if conv_states.shape[1:] != (taps - 1, c) or conv_states.dtype != x.dtype or not conv_states.is_contiguous():
         raise ValueError(f"conv states must be one contiguous {x.dtype} [slots, {taps - 1}, {c}] tensor")
@@ -203,8 +207,8 @@ def conv_update(
     block_c = 256
     block_t = 64 if tokens_per_sequence > 64 else triton.next_power_of_2(tokens_per_sequence)  # several blocks: >= TAPS-1 rows
     _conv_update_kernel[(triton.cdiv(c, block_c), slots.shape[0], triton.cdiv(tokens_per_sequence, block_t))](
-        x.contiguous(), slots, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
-        tokens_per_sequence, c, 0 if kept is None else kept.shape[1],
+        x, slots, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
+        tokens_per_sequence, c, x.stride(0), 0 if kept is None else kept.shape[1],
         TAPS=taps, PREV_PAD=triton.next_power_of_2(taps - 1), BLOCK_T=block_t,
         BLOCK_C=block_c, KEEP=kept is not None,
     )

@@ -242,6 +242,21 @@ def test_conv_update(batch, tokens, keep, dtype, tol):
     assert torch.equal(dev_states.cpu(), ref_states) and torch.equal(dev_kept.cpu(), ref_kept)  # untouched slots included
 
 
+def test_conv_update_reads_a_column_slice_in_place():
+    """The conv input of a multi-token step is a column slice of the stacked GDN product (rows strided):
+    the kernel reads it where it is and gives what it gives for a contiguous copy."""
+    x, weight, states, kept = _conv_case(2 * 3, 300, torch.float32, 17)
+    wide = torch.cat([torch.randn(6, 40, generator=_gen(18)), x, torch.randn(6, 24, generator=_gen(19))], dim=1).to(DEVICE)
+    sliced = wide[:, 40 : 40 + 300]
+    assert not sliced.is_contiguous()
+    ctx = _step(SLOTS[:2], [7, 0], 3, 16, True)
+    outs = []
+    for rows in (sliced, x.to(DEVICE)):
+        dev_states, dev_kept = states.clone().to(DEVICE), kept.clone().to(DEVICE)
+        outs.append((_backend().conv_update(rows, dev_states, weight.to(DEVICE), ctx, dev_kept), dev_states, dev_kept))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("tokens", [2, 300])
 def test_conv_update_prefill_chunk(tokens):
     x, weight, states, _ = _conv_case(tokens, 300, torch.float32, 16)
