@@ -27,7 +27,7 @@ fi
 for bench in $BENCHES; do
   echo "== $bench"
   case $bench in
-    resident) artifact && python3 bench/resident.py /tmp/q36.ninfer --out "$OUT/resident.json" --contexts 1024 --prefills 4096 \
+    resident) artifact && python3 bench/resident.py /tmp/q36.ninfer --out "$OUT/resident.json" --contexts 1024 --prefills 24 4096 \
       --skip-transformers --commit "$COMMIT" 2>&1 | tail -8 ;;
     resident_hf) artifact && python3 bench/resident.py /tmp/q36.ninfer --out "$OUT/resident_hf.json" --contexts 1024 --prefills 4096 \
       --batches 1 --commit "$COMMIT" 2>&1 | tail -8 ;;

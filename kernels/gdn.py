@@ -4,10 +4,11 @@ Reference ops: `ReferenceBackend.gdn_gating`, `gdn_decode` and `conv_update`. Th
 take B sequences of T tokens each (rows grouped per sequence) in one launch and find each
 sequence's state through its slot, a device tensor, so a captured step keeps its launch shape.
 The recurrent kernel keeps one value-column block of a head's fp32 state in registers while it
-walks the sequence's tokens (T = 1 in decode, a few when verifying drafts), so the state is read
-and written once per call; it gates each token from the raw a and b projections itself (the
-gating kernel's arithmetic, inline), so decode launches no separate gating kernel. Prefill gates
-with `gdn_gating` and runs the chunked rule (flash-linear-attention) on g and beta.
+walks the sequence's tokens (T = 1 in decode, a few when verifying drafts, up to
+`model.gdn.RECURRENT_PREFILL_TOKENS` in a short prefill chunk), so the state is read and written once
+per call; it gates each token from the raw a and b projections itself (the gating kernel's
+arithmetic, inline), so decode launches no separate gating kernel. A longer prefill chunk gates with
+`gdn_gating` and runs the chunked rule (flash-linear-attention) on g and beta.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The lossless (`bf16` recipe) artifact against transformers: prefill, 32+ decode steps, chunked
-prefill, prefill across GDN chunk boundaries, greedy generation. CPU, float32."""
+prefill, prefill across GDN chunk boundaries, the recurrent and chunked delta rule on either side of
+their threshold, greedy generation. CPU, float32."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import tiny_hf
 import torch
 
 from ninfer_offload import Engine
+from ninfer_offload.model.gdn import RECURRENT_PREFILL_TOKENS
 from ninfer_offload.runtime.sampling import SamplingParams
 
 PROMPT = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -69,6 +71,26 @@ def test_prefill_across_gdn_chunks_matches_transformers(engine, tiny_hf_model):
     ids = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     ref, _ = tiny_hf.oracle_forward(tiny_hf_model, ids)
     assert_close(engine.logits(ids), ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("length", [RECURRENT_PREFILL_TOKENS, RECURRENT_PREFILL_TOKENS + 1])
+def test_recurrent_and_chunked_prefill_match_transformers(engine, tiny_hf_model, monkeypatch, length):
+    """A prompt of up to RECURRENT_PREFILL_TOKENS tokens runs the delta rule token by token, a longer one
+    chunked: both match transformers, and so do the decode steps from the GDN states each leaves."""
+    chunked_calls = []
+    chunked = engine.backend.gdn_prefill
+    monkeypatch.setattr(engine.backend, "gdn_prefill", lambda *args: chunked_calls.append(1) or chunked(*args))
+    ids = torch.randint(0, 512, (length,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref, cache = tiny_hf.oracle_forward(tiny_hf_model, ids)
+    session = engine.session()
+    assert_close(session.prefill(ids)[None], ref[-1:], rel=1e-5)
+    assert bool(chunked_calls) == (length > RECURRENT_PREFILL_TOKENS)
+    token = int(ref[-1].argmax())
+    for _ in range(3):
+        ref_step, cache = tiny_hf.oracle_forward(tiny_hf_model, [token], cache)
+        assert_close(session.step(token)[None], ref_step)
+        token = int(ref_step[0].argmax())
+    session.close()
 
 
 def test_greedy_generation_equals_transformers_generate(engine, tiny_hf_model):
