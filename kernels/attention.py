@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Cached positions per program in decode. H200 sweep at a 32K capacity (bench/sweep_decode.py):
 # 256 takes 10.6 / 12.8 / 34.6 us at 1K / 8K / 32K cached rows, 128 takes 9.5 / 16.2 / 52.9 (more
@@ -25,6 +26,10 @@ import triton.language as tl
 SPAN = 256
 # Spans the merge combines per step.
 MERGE_BLOCK = 16
+# SDPA backends a prefill may take: not cuDNN's, which torch prefers on Hopper and which builds an
+# execution plan for every new shape (reported at 0.1-0.4 s per first call), so that every new prompt or
+# chunk length would pay it; flash attention needs no plan. The math backend is the fallback elsewhere (CPU).
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 @triton.jit
@@ -155,7 +160,8 @@ def attention_decode(
 
 
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal GQA of q [T, Hq, D] (positions start..start+T-1) over cache rows [0, start+T) via torch SDPA.
+    """Causal GQA of q [T, Hq, D] (positions start..start+T-1) over cache rows [0, start+T) via torch SDPA
+    (flash attention, `PREFILL_BACKENDS`).
 
     A first chunk (start 0) is plain causal attention; a later one masks with the lower-right causal bias,
     which SDPA hands to flash attention with the K/V heads shared natively (an explicit mask with
@@ -169,7 +175,8 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         from torch.nn.attention.bias import causal_lower_right
 
         causal = {"attn_mask": causal_lower_right(t, start + t)}
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), **causal, enable_gqa=True,
-    )
+    with sdpa_kernel(PREFILL_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), **causal, enable_gqa=True,
+        )
     return out.squeeze(0).transpose(0, 1)

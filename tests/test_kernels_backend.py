@@ -326,6 +326,27 @@ def test_attention_prefill_sdpa():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_attention_prefill_takes_flash_attention_at_full_size():
+    """A prefill chunk at the model's attention shape (16 query heads over 2 KV heads of 256, bf16) runs flash
+    attention, first chunk and later chunk alike: no cuDNN kernel (a plan built per new length), no math
+    backend (the whole score matrix), and the reference's result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kc = torch.randn(300, 2, 256, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(300, 2, 256, device="cuda", dtype=torch.bfloat16)
+    for start, t in ((0, 37), (200, 61)):
+        q = torch.randn(t, 16, 256, device="cuda", dtype=torch.bfloat16)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = _backend().attention_prefill(q, kc, vc, start)
+            torch.cuda.synchronize()
+        names = [event.key.lower() for event in prof.key_averages()]
+        assert any("flash" in name for name in names) and not any("cudnn" in name for name in names), names
+        ref = REF.attention_prefill(q.float(), kc.float(), vc.float(), start)
+        assert _close(out.float(), ref, 2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gdn_prefill_through_flash_linear_attention():
     from ninfer_offload.kernels import gdn
 
