@@ -8,6 +8,8 @@ request alone (`first_request_ttft_s`: what a user meets right after startup; th
 and captures at startup, `server_warm_up_s` from its log), then N clients each stream one greedy
 `/v1/completions` request of `--max-tokens` tokens at once (`stream_options.include_usage` gives
 the token count), then one more request alone (`steady_ttft_s`; `first_ttft_ratio` = first /
+steady), then one alone with a longer prompt the server has not seen (`new_prompt_ttft_s`: what a
+kernel or plan built per prompt length costs every new length; `new_prompt_ttft_ratio` = it /
 steady). Per client: time to first token (first content chunk) and decode tok/s (tokens after the
 first over the time after the first chunk). Reported per level: mean per-client tok/s, aggregate
 tok/s (all tokens over the wall time from the first concurrent request to the last end), TTFT p50
@@ -33,6 +35,7 @@ import httpx
 from provenance import gpu_report_header
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+NEW_PROMPT = PROMPT + " The bottle is green, the message is old, and the storm has not ended yet."
 WARM_UP = re.compile(r"warm-up .* took ([0-9.]+)s")
 
 
@@ -84,10 +87,10 @@ class Server:
                 self.process.kill()
 
 
-def stream_once(url: str, max_tokens: int) -> dict:
+def stream_once(url: str, max_tokens: int, prompt: str = PROMPT) -> dict:
     """One streaming greedy completion: {ttft_s, tokens, decode_tok_s, end}."""
     body = {
-        "model": "bench", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True},
     }
     began = time.perf_counter()
@@ -124,6 +127,7 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
     wall = max(r["end"] for r in results) - began
     ttfts = [r["ttft_s"] for r in results]
     steady = stream_once(server.url, max_tokens)  # one more request alone, for the first request's comparison
+    new = stream_once(server.url, max_tokens, NEW_PROMPT)
     warm_up = next((float(m.group(1)) for line in server.log if (m := WARM_UP.search(line))), None)
     return {
         "clients": clients,
@@ -132,6 +136,8 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
         "first_request_tok_s": first["decode_tok_s"],
         "steady_ttft_s": steady["ttft_s"],
         "first_ttft_ratio": first["ttft_s"] / steady["ttft_s"],
+        "new_prompt_ttft_s": new["ttft_s"],
+        "new_prompt_ttft_ratio": new["ttft_s"] / steady["ttft_s"],
         "per_client_tok_s": sum(r["decode_tok_s"] for r in results) / clients,
         "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
         "ttft_p50_s": percentile(ttfts, 0.5),
