@@ -117,6 +117,19 @@ def sweep_moe(bandwidth: float, record) -> None:
             record(entry("routed_experts", us, distinct * per_expert, bandwidth, tokens=t, distinct_experts=distinct,
                          tile=list(dataclasses.astuple(tiles))))
     moe.GEMV_TILES = default
+    default = moe.SHARED_DOWN_MIN_TOKENS
+    for threshold in (default, moe.GEMV_MAX_TOKENS + 1):  # several tokens: experts shared in the down product, or per token
+        moe.SHARED_DOWN_MIN_TOKENS = threshold
+        for t in TOKENS[1:]:
+            x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(t)])
+            ids[1:, : TOP_K // 2] = ids[0, : TOP_K // 2]  # half of each token's experts shared, as consecutive tokens share them
+            w = torch.softmax(torch.randn(t, TOP_K, device="cuda"), -1).to(torch.bfloat16)
+            us = replay_us(lambda: moe.routed_experts(x, ids, w, records, table, layout))
+            distinct = int(torch.unique(ids).numel())
+            record(entry("routed_experts", us, distinct * per_expert, bandwidth, tokens=t, distinct_experts=distinct,
+                         shared_down_min_tokens=threshold))
+    moe.SHARED_DOWN_MIN_TOKENS = default
 
 
 def sweep_attention(bandwidth: float, record) -> None:
@@ -149,7 +162,8 @@ def main() -> None:
     def record(result: dict) -> None:
         report["results"].append(result)
         args.out.write_text(json.dumps(report, indent=1))
-        shape = {k: result[k] for k in ("tokens", "tile", "rows_per_program", "length", "span", "path") if k in result}
+        keys = ("tokens", "tile", "shared_down_min_tokens", "rows_per_program", "length", "span", "path")
+        shape = {k: result[k] for k in keys if k in result}
         print(f"{result['op']:18s} {json.dumps(shape):48s} {result['us']:9.1f} us ({100 * result['bandwidth_fraction']:5.1f}%)", flush=True)
 
     for name in args.sweeps:

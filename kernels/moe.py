@@ -70,6 +70,12 @@ class Tiles:
 # widest column tile in block_k). H200 sweep (bench/kernels.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide.
 GEMV_MAX_PAIRS = 64
 GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
+# From this many tokens the matrix-vector down product reads each expert once for all the tokens routed to
+# it (`_down_shared_gemv_kernel`: weighted rows per pair, then one fixed-order sum launch); below it each
+# token walks its own k experts and sums them in the same order in one pass (`_down_gemv_kernel`: an
+# expert shared by several tokens is read once per token, no partial rows, no sum launch). Both give the
+# same bits. Module-level so benchmarks can compare them.
+SHARED_DOWN_MIN_TOKENS = 2
 GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
@@ -630,7 +636,7 @@ def _routed_experts_gemv(
         BLOCK_N=tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
     )
     weights = topk_weights.contiguous()
-    if t == 1:  # one token: its k experts summed in one pass, no partial rows
+    if t < SHARED_DOWN_MIN_TOKENS:  # each token's k experts summed in one pass, no partial rows
         out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
         _down_gemv_kernel[(triton.cdiv(hidden, tiles.down_n), t)](
             act, arena, table, ids, weights, out, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,

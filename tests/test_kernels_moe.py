@@ -79,6 +79,24 @@ def test_tokens_sharing_every_expert():
     _assert_matches_reference(records, x, ids, w)
 
 
+def test_shared_and_per_token_down_products_give_the_same_bits(monkeypatch):
+    """The down product of a few tokens reads a shared expert once for all of them or once per token
+    (`SHARED_DOWN_MIN_TOKENS`): the same rows, rounding and slot order, so the same output bits."""
+    from ninfer_offload.kernels import moe
+
+    layout, data, _ = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
+    table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, HIDDEN, generator=gen).to(DEVICE)
+    ids = torch.tensor([[2, 4, 5], [4, 2, 0], [5, 5, 1], [2, 4, 5], [3, 0, 1]]).to(DEVICE)
+    w = torch.softmax(torch.randn(5, 3, generator=gen), dim=-1).to(DEVICE)
+    outputs = []
+    for threshold in (2, moe.GEMV_MAX_TOKENS + 1):
+        monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", threshold)
+        outputs.append(moe.routed_experts(x, ids, w, data, table, layout))
+    assert torch.equal(*outputs)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 30])
 def test_a_token_repeating_an_expert(tokens):
     """A token may use one expert in two slots (the host-miss path gives host-computed slots a
