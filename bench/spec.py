@@ -8,7 +8,7 @@ Per mode (everything resident, then each VRAM budget in GiB planned with `--prof
 64-token prompt:
 * `step_s`: one-token decode step (graph replay, logits read back, as a decode loop does), and
   `step_stage_us` / `verify_stage_us`: kernel microseconds by stage of that step and of each
-  verification step (`bench/profiling.py`);
+  verification step (`bench/profiling.py`), `step_kernels` / `verify_kernels` their costliest kernels;
 * per K = 1..5: `verify_step_ratio`, a (K + 1)-token verification step followed by the commit of
   its first token (the GDN state restore a rejected round pays) over `step_s`; `draft_s`, one MTP
   step; `round_s`, a whole speculative round at full acceptance, measured in draft-oracle mode
@@ -44,6 +44,9 @@ from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 from ninfer_offload.runtime.speculative import MtpSpeculator
 from profiling import kernel_breakdown
 from provenance import gpu_report_header
+
+KERNELS_KEPT = 15  # costliest kernels recorded per step
+MAX_DRAFTS = 5  # K = 1..MAX_DRAFTS
 
 PROMPT = list(range(1, 65))
 GREEDY = SamplingParams(greedy=True)
@@ -115,7 +118,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
         int(session.step(7).argmax())
 
     step_s = median_seconds(step, repeats, device)
-    step_stages = kernel_breakdown(step, 3)[0] if device.type == "cuda" else {}
+    step_stages, step_kernels, _ = kernel_breakdown(step, 3) if device.type == "cuda" else ({}, [], {})
     runs = []
     plain = _plain_greedy(engine, routing, tokens)
     for k in range(1, engine.state.step_tokens):
@@ -132,7 +135,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
 
         verify_s = median_seconds(verify, repeats, device)
         draft_s = median_seconds(draft, repeats, device)
-        verify_stages = kernel_breakdown(verify, 3)[0] if device.type == "cuda" else {}
+        verify_stages, verify_kernels, _ = kernel_breakdown(verify, 3) if device.type == "cuda" else ({}, [], {})
         _oracle_rounds(engine, routing, k, plain, tokens)  # the first generation compiles the kernels of this K
         round_s, rounds = _oracle_rounds(engine, routing, k, plain, tokens)
         expected = (1 - acceptance ** (k + 1)) / (1 - acceptance)
@@ -140,9 +143,11 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
             "draft_tokens": k,
             "step_s": step_s,
             "step_stage_us": step_stages,
+            "step_kernels": step_kernels[:KERNELS_KEPT],
             "verify_s": verify_s,
             "verify_step_ratio": verify_s / step_s,
             "verify_stage_us": verify_stages,
+            "verify_kernels": verify_kernels[:KERNELS_KEPT],
             "draft_s": draft_s,
             "round_s": round_s,
             "oracle_tok_s": (k + 1) / round_s,
@@ -201,6 +206,8 @@ def main() -> None:
     parser.add_argument("--routing", choices=("trace", "model"), default="trace", help="route by the calibrated trace or by the weights")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
+    if args.tokens < MAX_DRAFTS + 3:
+        parser.error(f"--tokens must be at least {MAX_DRAFTS + 3}: each K's oracle generation needs a whole round")
     report = {
         **gpu_report_header(args.commit),
         "routing": args.routing,
@@ -210,7 +217,7 @@ def main() -> None:
         (f"{budget:g} GiB", {"profile": args.profile, "vram_budget": int(budget * GiB)}) for budget in args.budgets
     ]
     for mode, options in modes:
-        engine = Engine.load(args.artifact, device=args.device, spec="mtp", draft_tokens=5, max_sequences=2, **options)
+        engine = Engine.load(args.artifact, device=args.device, spec="mtp", draft_tokens=MAX_DRAFTS, max_sequences=2, **options)
         for run in measure(engine, args.repeats, args.acceptance, args.tokens, args.routing == "trace"):
             report["runs"].append({"mode": mode, **run})
         engine.close()
