@@ -38,11 +38,12 @@ from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
 
 DEFAULT_MAX_CONTEXT = 32768
-# Prompt lengths reaching each kernel path (matrix-vector: token blocks 1, 2, 4, 8; small tiles; prefill tiles)
-# with each of Triton's integer specializations of the token count T and of the T * top-k (token, expert) pairs
-# (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles (or
-# loads from Triton's disk cache) its kernels inside the first request that has it.
-WARM_UP_PREFILLS = (1, 2, 3, 5, 17, 24, 32, 33, 100)
+# Prompt lengths reaching each kernel path and block size (the next power of two of the token count T up to 64:
+# the matrix-vector kernels' token block up to 8, the tiled products' row block and the conv's token block above;
+# prefill tiles past 64) with each of Triton's integer specializations of T and of the T * top-k (token, expert)
+# pairs (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles
+# (or loads from Triton's disk cache) its kernels inside the first request that has it.
+WARM_UP_PREFILLS = (1, 2, 3, 5, 12, 17, 24, 32, 33, 100)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
