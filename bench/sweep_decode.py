@@ -75,9 +75,8 @@ def sweep_paths(bandwidth: float, record) -> None:
         data, geometry = quantized_object(fmt, n, k)
         for t in PATH_TOKENS:
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-            for path, limit in (("matrix-vector", default), ("tensor-core tiles", 0)):
-                if t > limit and path == "matrix-vector":
-                    continue
+            paths = ([("matrix-vector", default)] if t <= default else []) + [("tensor-core tiles", 0)]
+            for path, limit in paths:
                 quant_linear.GEMV_MAX_TOKENS = limit
                 us = replay_us(lambda: quant_linear.quantized_linear(x, data[0], geometry))
                 record(entry(name, us, geometry.encoded_size, bandwidth, format=fmt, tokens=t, path=path))
@@ -105,30 +104,28 @@ def sweep_moe(bandwidth: float, record) -> None:
     records[:, down] = quantized_object("q5_g64_fp16", HIDDEN, INTER, EXPERTS)[0]
     table = moe.record_table(torch.arange(EXPERTS, device="cuda"), layout.nbytes)
     per_expert = layout.gate_up.encoded_size + layout.down.encoded_size
+
+    def measure(t: int, shared: int, **fields) -> None:
+        """t tokens routed to 8 random experts each, the first `shared` of them the same for every token."""
+        x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(t)])
+        ids[1:, :shared] = ids[0, :shared]
+        w = torch.softmax(torch.randn(t, TOP_K, device="cuda"), -1).to(torch.bfloat16)
+        us = replay_us(lambda: moe.routed_experts(x, ids, w, records, table, layout))
+        distinct = int(torch.unique(ids).numel())
+        record(entry("routed_experts", us, distinct * per_expert, bandwidth, tokens=t, distinct_experts=distinct, **fields))
+
     default = moe.GEMV_TILES
     for tiles in MOE_TILES:
         moe.GEMV_TILES = tiles
         for t in TOKENS:
-            x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
-            ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(t)])
-            w = torch.softmax(torch.randn(t, TOP_K, device="cuda"), -1).to(torch.bfloat16)
-            us = replay_us(lambda: moe.routed_experts(x, ids, w, records, table, layout))
-            distinct = int(torch.unique(ids).numel())
-            record(entry("routed_experts", us, distinct * per_expert, bandwidth, tokens=t, distinct_experts=distinct,
-                         tile=list(dataclasses.astuple(tiles))))
+            measure(t, 0, tile=list(dataclasses.astuple(tiles)))
     moe.GEMV_TILES = default
     default = moe.SHARED_DOWN_MIN_TOKENS
     for threshold in (default, moe.GEMV_MAX_TOKENS + 1):  # several tokens: experts shared in the down product, or per token
         moe.SHARED_DOWN_MIN_TOKENS = threshold
         for t in TOKENS[1:]:
-            x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
-            ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(t)])
-            ids[1:, : TOP_K // 2] = ids[0, : TOP_K // 2]  # half of each token's experts shared, as consecutive tokens share them
-            w = torch.softmax(torch.randn(t, TOP_K, device="cuda"), -1).to(torch.bfloat16)
-            us = replay_us(lambda: moe.routed_experts(x, ids, w, records, table, layout))
-            distinct = int(torch.unique(ids).numel())
-            record(entry("routed_experts", us, distinct * per_expert, bandwidth, tokens=t, distinct_experts=distinct,
-                         shared_down_min_tokens=threshold))
+            measure(t, TOP_K // 2, shared_down_min_tokens=threshold)  # half shared, as consecutive tokens share them
     moe.SHARED_DOWN_MIN_TOKENS = default
 
 
