@@ -81,7 +81,8 @@ def test_tokens_sharing_every_expert():
 
 def test_shared_and_per_token_down_products_give_the_same_bits(monkeypatch):
     """The down product of a few tokens reads a shared expert once for all of them or once per token
-    (`SHARED_DOWN_MIN_TOKENS`): the same rows, rounding and slot order, so the same output bits."""
+    (`SHARED_DOWN_MIN_TOKENS`): the same rows, rounding, weighting and slot-order sum, so the same output
+    bits; the per-token kernel leaves its arrival counts zeroed, so calling it again gives them again."""
     from ninfer_offload.kernels import moe
 
     layout, data, _ = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
@@ -90,11 +91,13 @@ def test_shared_and_per_token_down_products_give_the_same_bits(monkeypatch):
     x = torch.randn(5, HIDDEN, generator=gen).to(DEVICE)
     ids = torch.tensor([[2, 4, 5], [4, 2, 0], [5, 5, 1], [2, 4, 5], [3, 0, 1]]).to(DEVICE)
     w = torch.softmax(torch.randn(5, 3, generator=gen), dim=-1).to(DEVICE)
-    outputs = []
-    for threshold in (2, moe.GEMV_MAX_TOKENS + 1):
-        monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", threshold)
-        outputs.append(moe.routed_experts(x, ids, w, data, table, layout))
-    assert torch.equal(*outputs)
+    for tokens in (1, 5):
+        outputs = []
+        for threshold in (1, moe.GEMV_MAX_TOKENS + 1, moe.GEMV_MAX_TOKENS + 1):
+            monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", threshold)
+            outputs.append(moe.routed_experts(x[:tokens], ids[:tokens], w[:tokens], data, table, layout))
+        assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[1], outputs[2])
+    assert int(moe._arrivals(x.device).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 30])
