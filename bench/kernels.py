@@ -119,7 +119,7 @@ def bench_gdn(bandwidth: float) -> dict:
     a_log, dt_bias = torch.randn(2, 32, device="cuda")
     state = torch.randn(1, 32, 128, 128, device="cuda")
     slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    ms = median_ms(lambda: gdn.gdn_decode(q, k, v, a, b, a_log, dt_bias, state, slots, 1, None), graph=True)
+    ms = median_ms(lambda: gdn.gdn_decode(q, k, v, a, b, a_log, dt_bias, state, slots, torch.ones_like(slots), 1, None), graph=True)
     moved = 2 * state.numel() * 4
     return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 

@@ -149,7 +149,9 @@ class TritonBackend(ReferenceBackend):
     def conv_update(
         self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None
     ) -> torch.Tensor:
-        return gdn.conv_update(x, conv_states, weight, ctx.slots, ctx.tokens_per_sequence, kept if ctx.keep_states else None)
+        return gdn.conv_update(
+            x, conv_states, weight, ctx.slots, ctx.valid, ctx.tokens_per_sequence, kept if ctx.keep_states else None
+        )
 
     def gdn_gating(
         self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
@@ -161,7 +163,7 @@ class TritonBackend(ReferenceBackend):
         dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
     ) -> torch.Tensor:
         return gdn.gdn_decode(
-            q, k, v, a, b, a_log, dt_bias, states, ctx.slots, ctx.tokens_per_sequence, kept if ctx.keep_states else None
+            q, k, v, a, b, a_log, dt_bias, states, ctx.slots, ctx.valid, ctx.tokens_per_sequence, kept if ctx.keep_states else None
         )
 
     def gdn_prefill(self, q, k, v, g, beta, state) -> torch.Tensor:

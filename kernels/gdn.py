@@ -42,6 +42,7 @@ def _gdn_recurrent_kernel(
     a_log,
     dt_bias,
     slots,
+    valid,
     states,
     kept,
     out,
@@ -74,7 +75,8 @@ def _gdn_recurrent_kernel(
     s = tl.load(sptr, mask=smask, other=0.0)
     neg_rate = -tl.exp(tl.load(a_log + h).to(tl.float32))
     bias = tl.load(dt_bias + h).to(tl.float32)
-    for t in range(T):
+    n = tl.load(valid + seq).to(tl.int32)
+    for t in range(n):
         row = seq * T + t
         qt = tl.load(q + row * stride_q + hk * DK + dk, mask=kmask, other=0.0).to(tl.float32)
         kt = tl.load(k + row * stride_k + hk * DK + dk, mask=kmask, other=0.0).to(tl.float32)
@@ -90,6 +92,8 @@ def _gdn_recurrent_kernel(
         if KEEP:
             if t < T - 1:
                 tl.store(kept + (slot * KEPT_TOKENS + t) * HV * DK * DV + block, s, mask=smask)
+    for t in range(n, T):  # padding rows: zeros, the state stays the one after the last real token
+        tl.store(out + ((seq * T + t) * HV + h) * DV + cols, tl.zeros([BLOCK_V], dtype=out.dtype.element_ty), mask=vmask)
     tl.store(sptr, s, mask=smask)
 
 
@@ -108,11 +112,13 @@ def _check_kept(kept: torch.Tensor, live: torch.Tensor, tokens_per_sequence: int
 
 def gdn_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-    dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, tokens_per_sequence: int, kept: torch.Tensor | None,
+    dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, tokens_per_sequence: int,
+    kept: torch.Tensor | None,
 ) -> torch.Tensor:
     """Delta rule token by token for the B = len(slots) sequences of T tokens in q, k [N, Hk, Dk], v [N, Hv, Dv],
     gated by the raw a, b [N, Hv] (rows may be strided) with a_log, dt_bias [Hv] as `gdn_gating` gates
-    them, sequence b on states[slots[b]] of states [slots, Hv, Dk, Dv] fp32 (in place). A `kept`
+    them, sequence b on states[slots[b]] of states [slots, Hv, Dk, Dv] fp32 (in place) over its first
+    valid[b] tokens (the rest are padding: zero rows, no effect on the state). A `kept`
     [slots, K, Hv, Dk, Dv] receives the state after each token but the last. Returns [N, Hv, Dv]."""
     _, hk, dk = q.shape
     _, hv, dv = v.shape
@@ -126,7 +132,7 @@ def gdn_decode(
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v = min(32, triton.next_power_of_2(dv))
     _gdn_recurrent_kernel[(hv, triton.cdiv(dv, block_v), slots.shape[0])](
-        q, k, v, a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), slots, states,
+        q, k, v, a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), slots, valid, states,
         states if kept is None else kept, out, tokens_per_sequence, 0 if kept is None else kept.shape[1],
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v, KEEP=kept is not None,
@@ -146,6 +152,7 @@ def _window(x, stride_x, state, first_row, w, wmask, cols, cmask, C, PREV: tl.co
 def _conv_update_kernel(
     x,
     slots,
+    valid,
     states,
     weight,
     kept,
@@ -181,19 +188,21 @@ def _conv_update_kernel(
             tl.store(dst, win.to(kept.dtype.element_ty), mask=(tokens < T - 1)[:, None] & cmask[None, :])
     dst = out + (seq * T + tokens[:, None]) * C + cols[None, :]
     tl.store(dst, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
-    if t0 == 0:  # the window after the last token
-        final = _window(x, stride_x, state, seq * T, T + rows, rows < TAPS - 1, cols, cmask, C, TAPS - 1)
+    if t0 == 0:  # the window after the last real token (padding rows after it are computed, not kept)
+        n = tl.load(valid + seq).to(tl.int32)
+        final = _window(x, stride_x, state, seq * T, n + rows, rows < TAPS - 1, cols, cmask, C, TAPS - 1)
         tl.debug_barrier()  # every thread of the program has read the old window before it is overwritten
         rmask = (rows < TAPS - 1)[:, None] & cmask[None, :]
         tl.store(state + rows[:, None] * C + cols[None, :], final.to(states.dtype.element_ty), mask=rmask)
 
 
 def conv_update(
-    x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, tokens_per_sequence: int,
-    kept: torch.Tensor | None,
+    x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
+    tokens_per_sequence: int, kept: torch.Tensor | None,
 ) -> torch.Tensor:
     """silu(causal depthwise conv) of the B = len(slots) sequences of T tokens in x [N, C] with taps weight [W, C],
-    sequence b continuing the window conv_states[slots[b]] of conv_states [slots, W-1, C] (advanced in place). A
+    sequence b continuing the window conv_states[slots[b]] of conv_states [slots, W-1, C], which is advanced in
+    place over its first valid[b] tokens (the rest are padding: computed, not kept). A
     `kept` [slots, K, W-1, C] receives the window after each token but the last. x's rows may be strided (a
     column slice of a wider product): they are read in place. Returns [N, C] (contiguous)."""
     c = x.shape[1]
@@ -208,7 +217,7 @@ def conv_update(
     block_c = 256
     block_t = 64 if tokens_per_sequence > 64 else triton.next_power_of_2(tokens_per_sequence)  # several blocks: >= TAPS-1 rows
     _conv_update_kernel[(triton.cdiv(c, block_c), slots.shape[0], triton.cdiv(tokens_per_sequence, block_t))](
-        x, slots, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
+        x, slots, valid, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
         tokens_per_sequence, c, x.stride(0), 0 if kept is None else kept.shape[1],
         TAPS=taps, PREV_PAD=triton.next_power_of_2(taps - 1), BLOCK_T=block_t,
         BLOCK_C=block_c, KEEP=kept is not None,

@@ -88,16 +88,20 @@ def gdn_state_bytes(shape: ModelShape, element_bytes: int = BF16) -> int:
     return shape.linear_layers * (recurrent + conv)
 
 
+# The scratch slot's KV rows (`model.state_pool.SCRATCH_ROWS`): the longest captured step writes there.
+SCRATCH_KV_ROWS = 32
+
+
 def state_pool_bytes(
     shape: ModelShape, sequences: int, capacity: int, draft_tokens: int, mtp_layer: bool, kv_dtype: str, element_bytes: int = BF16
 ) -> dict[str, int]:
     """KV cache and GDN state of the runtime's state pool (`model.state_pool.StatePool`).
 
     KV: per attention layer (and the MTP layer), `capacity` rows per sequence plus the scratch
-    slot's 1 + draft_tokens rows. GDN: one live state per sequence and for the scratch slot, each
+    slot's rows (SCRATCH_KV_ROWS, or 1 + draft_tokens if more). GDN: one live state per sequence and for the scratch slot, each
     with one kept state per draft token (rollback of a verified step).
     """
-    kv_rows = sequences * capacity + 1 + draft_tokens
+    kv_rows = sequences * capacity + max(SCRATCH_KV_ROWS, 1 + draft_tokens)
     return {
         "kv_cache": (shape.attention_layers + mtp_layer) * kv_rows * kv_layer_bytes_per_token(shape, kv_dtype),
         "gdn_state": (sequences + 1) * (1 + draft_tokens) * gdn_state_bytes(shape, element_bytes),

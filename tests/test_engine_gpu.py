@@ -45,10 +45,34 @@ def test_cuda_pinned_host_experts_equal_resident(tiny_artifact_official, backend
     assert torch.equal(host.logits(PROMPT), resident.logits(PROMPT))
     sessions = [resident.session(), host.session()]
     for session in sessions:
-        session.prefill(PROMPT[:20])
-    for token in PROMPT[20:30]:
+        session.prefill(PROMPT[:34])  # longer than a captured prompt chunk: both prefills run the same kernels
+    for token in PROMPT[34:40]:
         assert torch.equal(*[session.step(token) for session in sessions])
     assert host.store.stats.uses > host.store.stats.hits  # some experts were read from host memory
+
+
+def test_captured_short_prefill_equals_the_eager_one(tiny_artifact_official):
+    """Prompt chunks of up to 32 tokens replay a captured prefill padded to its bucket: the logits and the
+    state it leaves (the decode steps after it, a second chunk after the first) match the eager prefill's."""
+    from ninfer_offload.runtime.graphs import PREFILL_BUCKETS
+
+    engines = [
+        Engine.load(tiny_artifact_official, device="cuda", dtype="float32", spec="none", cuda_graphs=graphs) for graphs in (True, False)
+    ]
+    assert engines[0].graphs is not None and engines[1].graphs is None
+    for chunks in ([5], [8], [24], [3, 29], [32, 1]):
+        assert max(chunks) <= PREFILL_BUCKETS[-1]
+        outputs = []
+        for engine in engines:
+            session, logits, start = engine.session(), [], 0
+            for size in chunks:
+                logits.append(session.prefill(PROMPT[start : start + size]))
+                start += size
+            logits += [session.step(token) for token in PROMPT[start : start + 4]]
+            outputs.append(torch.stack(logits))
+            session.close()
+        assert _relative(*outputs) < 1e-4
+    assert {key[2] for key in engines[0].graphs.graphs if key[0] == "prefill"} == {8, 32}
 
 
 def test_cuda_step_batch_equals_single_steps(tiny_artifact_official):

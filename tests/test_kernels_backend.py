@@ -257,6 +257,40 @@ def test_conv_update_reads_a_column_slice_in_place():
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+def _padded_step(slot: int, start: int, tokens: int, valid: int, capacity: int):
+    """The context of a captured prefill of `valid` real tokens padded to `tokens` rows."""
+    from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
+
+    packed = pack_inputs([0] * tokens, [slot], [start], tokens, capacity, valid=[valid]).to(DEVICE)
+    return unpack_inputs(packed, 1, tokens, prefill=False, keep_states=False, host=None)[1]
+
+
+def test_padding_rows_leave_no_gdn_or_conv_state():
+    """A short prefill run as a captured step of a longer bucket: the conv window and the delta-rule state
+    after the step are those after the real tokens alone, their rows equal the unpadded step's, and the
+    padding rows of the rule's output are zeros (finite inputs for the products after it)."""
+    hk, hv, dk, dv, real, padded = 2, 4, 24, 40, 5, 8
+    gen = _gen(21)
+    q, k = torch.randn(padded, hk, dk, generator=gen), torch.randn(padded, hk, dk, generator=gen)
+    v, ab = torch.randn(padded, hv, dv, generator=gen), torch.randn(padded, 2 * hv, generator=gen)
+    a_log, dt_bias = torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
+    states = torch.randn(SEQUENCES + 1, hv, dk, dv, generator=gen)
+    x, weight, conv_states, _ = _conv_case(padded, 300, torch.float32, 22)
+    exact = _step([2], [7], real, 16)
+    ref_states, ref_conv = states.clone(), conv_states.clone()
+    ref = REF.gdn_decode(q[:real], k[:real], v[:real], ab[:real, :hv], ab[:real, hv:], a_log, dt_bias, ref_states, exact, None)
+    ref_x = REF.conv_update(x[:real], ref_conv, weight, exact, None)
+    ctx = _padded_step(2, 7, padded, real, 16)
+    dev_states, dev_conv, dev_ab = states.to(DEVICE), conv_states.to(DEVICE), ab.to(DEVICE)
+    out = _backend().gdn_decode(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), dev_ab[:, :hv], dev_ab[:, hv:], a_log.to(DEVICE), dt_bias.to(DEVICE),
+        dev_states, ctx, None,
+    )
+    out_x = _backend().conv_update(x.to(DEVICE), dev_conv, weight.to(DEVICE), ctx, None)
+    assert _close(out[:real], ref) and _close(dev_states, ref_states) and not out[real:].any()
+    assert _close(out_x[:real], ref_x) and torch.equal(dev_conv.cpu(), ref_conv)
+
+
 @pytest.mark.parametrize("tokens", [2, 300])
 def test_conv_update_prefill_chunk(tokens):
     x, weight, states, _ = _conv_case(tokens, 300, torch.float32, 16)

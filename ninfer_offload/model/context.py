@@ -19,6 +19,10 @@ class StepContext:
     positions: torch.Tensor  # [N] int64: absolute position of each token row
     slots: torch.Tensor  # [B] int64: state slot of each sequence
     lengths: torch.Tensor  # [B] int64: tokens of each sequence after this step (its valid KV rows)
+    # [B] int64: how many of each sequence's T rows are real tokens: T, but in a padded prefill (a short
+    # prompt run as a captured step of a bucket's length), whose padding rows after the real ones are
+    # computed and leave no GDN state behind (their KV rows lie past the real tokens and get overwritten).
+    valid: torch.Tensor
     kv_rows: torch.Tensor  # [N] int64: row of the flat KV pool each token's keys and values go to
     tokens_per_sequence: int  # T (a prefill chunk: all of its rows)
     prefill: bool  # one sequence whose T tokens take the chunked prefill kernels

@@ -32,7 +32,7 @@ from ninfer_offload.runtime.expert_plan import ExpertRequest, LoadPlan, expert_l
 from ninfer_offload.runtime.expert_store import MODES
 from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
-from ninfer_offload.runtime.graphs import StepGraphs
+from ninfer_offload.runtime.graphs import PREFILL_BUCKETS, StepGraphs, prefill_bucket
 from ninfer_offload.runtime.session import Session
 from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
@@ -255,19 +255,32 @@ class Engine:
             session.close()
 
     def prefill(self, session: Session, token_ids: Iterable[int]) -> torch.Tensor:
-        """Append `token_ids` to `session` in chunks of at most `prefill_chunk`; hidden states [T, H]."""
+        """Append `token_ids` to `session` in chunks of at most `prefill_chunk`; hidden states [T, H]. A
+        chunk of a few tokens on a resident load replays a captured prefill (`StepGraphs.prefill`)."""
         ids = self._token_list(token_ids)
         slot = session.live_slot()
         self._check_room(session.length, len(ids))
         hidden = []
         for c0 in range(0, len(ids), self.prefill_chunk):
             chunk = ids[c0 : c0 + self.prefill_chunk]
-            tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
-            with torch.no_grad(), self.store.forward(prefill=True, tokens=len(chunk)):
-                hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
+            with torch.no_grad():
+                if self._captured_prefill(session.length, len(chunk)):
+                    hidden.append(self.graphs.prefill(chunk, slot, session.length))
+                else:
+                    tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
+                    with self.store.forward(prefill=True, tokens=len(chunk)):
+                        hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
             session.pending = len(chunk)
             session.commit(len(chunk))
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+
+    def _captured_prefill(self, start: int, tokens: int) -> bool:
+        """Whether a prompt chunk of `tokens` tokens after `start` replays a captured prefill: graphs, all
+        experts in VRAM (an offloaded prefill stages host experts), and its padded rows within the context."""
+        return (
+            self.graphs is not None and not self.store.offloaded and tokens <= PREFILL_BUCKETS[-1]
+            and start + prefill_bucket(tokens) <= self.max_context
+        )
 
     def step(
         self, sessions: list[Session], tokens: list[list[int]], with_hidden: bool = False

@@ -1,6 +1,9 @@
 """Decode steps as CUDA graphs: one per (model, batch bucket, tokens per sequence), captured once per
-engine on first use, all sharing one memory pool. The models are the target (`Engine.forward`) and
-the MTP layer drafting (`Engine.mtp_forward_step`).
+engine on first use, all sharing one memory pool. The models are the target (`Engine.forward`), the
+MTP layer drafting (`Engine.mtp_forward_step`) and the target's hidden states alone for short prompt
+chunks (`prefill`: a chunk of up to PREFILL_BUCKETS[-1] tokens is padded to the smallest bucket that
+holds it; padding rows come after the real ones, their KV rows lie past the sequence's length and
+are overwritten by its next tokens, and they leave no GDN state behind: `StepContext.valid`).
 
 A graph reads its inputs (token ids and the step context) from one static packed buffer
 (`step_inputs`), the MTP layer also the target hidden states from a static buffer, and writes its
@@ -16,12 +19,25 @@ import torch
 from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
 
 
+# Token counts a short prompt chunk is padded to. A chunk replayed from a graph costs its kernels' time
+# alone; run eagerly, ~900 launches cost ~50 ms of host time (a 24-token prompt on the H200 host: 49 ms
+# against 10 ms of kernels). Kept short: each row of a captured step holds split-attention partials
+# over the whole capacity (Hq x D fp32 per 256 positions). Captures run on the scratch slot: the last
+# bucket is at most its KV rows (`model.state_pool.SCRATCH_ROWS`).
+PREFILL_BUCKETS = (8, 16, 32)
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """Powers of two below `max_batch`, then `max_batch`."""
     buckets = [1]
     while buckets[-1] * 2 < max_batch:
         buckets.append(buckets[-1] * 2)
     return sorted({*buckets, max_batch})
+
+
+def prefill_bucket(tokens: int) -> int:
+    """The captured prefill a chunk of `tokens` tokens pads to."""
+    return next(bucket for bucket in PREFILL_BUCKETS if bucket >= tokens)
 
 
 class StepGraphs:
@@ -50,6 +66,17 @@ class StepGraphs:
         states `hidden` [B * T, H] and the tokens that follow them, by graph replay."""
         logits, out = self._replay("mtp", tokens, slots, starts, tokens_per_sequence, hidden, None)
         return logits.clone(), out.clone()
+
+    def prefill(self, tokens: list[int], slot: int, start: int) -> torch.Tensor:
+        """Final-normed hidden states [n, H] of a prompt chunk of n <= PREFILL_BUCKETS[-1] tokens appended to
+        the sequence in `slot` that holds `start` tokens, by replaying the padded prefill of its bucket."""
+        n = len(tokens)
+        t = prefill_bucket(n)
+        graph, packed, _, hidden = self.capture("prefill", 1, t)
+        host = pack_inputs(tokens + [0] * (t - n), [slot], [start], t, self.engine.state.capacity, pinned=True, valid=[n])
+        packed.copy_(host, non_blocking=True)
+        graph.replay()
+        return hidden[:n].clone()
 
     def _replay(
         self, model: str, tokens: list[int], slots: list[int], starts: list[int], t: int, hidden: torch.Tensor | None,
@@ -89,6 +116,8 @@ class StepGraphs:
         def forward():
             if model == "mtp":
                 return engine.mtp_forward_step(hidden_in, tokens, ctx)
+            if model == "prefill":
+                return engine.text.hidden(engine.backend, tokens, ctx, engine.state)
             return engine.forward(tokens, ctx)
 
         stream = torch.cuda.Stream()

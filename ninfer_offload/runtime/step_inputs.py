@@ -3,7 +3,7 @@ a step costs one host-to-device copy (eager steps copy into a fresh buffer, capt
 their graph's static one).
 
 Layout of the buffer for B sequences of T tokens: tokens [B*T] | positions [B*T] | KV rows [B*T] |
-slots [B] | lengths [B].
+slots [B] | lengths [B] | valid [B].
 """
 
 from __future__ import annotations
@@ -14,16 +14,19 @@ from ninfer_offload.model.context import StepContext
 
 
 def pack_inputs(
-    tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int, capacity: int, pinned: bool = False
+    tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int, capacity: int, pinned: bool = False,
+    valid: list[int] | None = None,
 ) -> torch.Tensor:
     """Host int64 buffer of one step: `tokens` (T per sequence, sequence-major) added to the
     sequences in `slots` that hold `starts` tokens; in pinned memory when `pinned` (its upload is then
-    queued without waiting for the device)."""
+    queued without waiting for the device). `valid`: how many of each sequence's T tokens are real
+    (default all); the others are padding, computed but leaving no GDN state behind."""
     t = tokens_per_sequence
     positions = [start + i for start in starts for i in range(t)]
     rows = [slot * capacity + start + i for slot, start in zip(slots, starts) for i in range(t)]
     lengths = [start + t for start in starts]
-    return torch.tensor(tokens + positions + rows + list(slots) + lengths, dtype=torch.int64, pin_memory=pinned)
+    valid = [t] * len(slots) if valid is None else valid
+    return torch.tensor(tokens + positions + rows + list(slots) + lengths + valid, dtype=torch.int64, pin_memory=pinned)
 
 
 def unpack_inputs(
@@ -43,6 +46,7 @@ def unpack_inputs(
         positions=positions,
         slots=slots,
         lengths=lengths,
+        valid=packed[3 * n + 2 * batch : 3 * n + 3 * batch],
         kv_rows=rows,
         tokens_per_sequence=tokens_per_sequence,
         prefill=prefill,
