@@ -11,6 +11,7 @@ STAGES = (  # kernel-name fragment -> stage of the per-step breakdown (first mat
     ("gate_up_swiglu", "routed experts"),
     ("down_gemv", "routed experts"),
     ("down_shared_gemv", "routed experts"),
+    ("down_split_gemv", "routed experts"),
     ("_down_kernel", "routed experts"),
     ("quantized_gemv", "quantized linear"),
     ("shared_expert_gemv", "quantized linear"),

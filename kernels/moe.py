@@ -75,8 +75,8 @@ GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
 # it (`_down_shared_gemv_kernel`: weighted rows per pair, then one fixed-order sum launch); below it a
 # program per (row slice, pair) reads its pair's expert and the last of a slice's k programs sums the
 # weighted rows (`_down_split_gemv_kernel`: an expert shared by several tokens is read once per token, no
-# sum launch). Both round, weight and sum the same way, so they give the same bits. Module-level so
-# benchmarks can compare them.
+# sum launch). Both round, weight and sum the same way (on a GPU their fp32 dot products may differ in the
+# last bits: the two kernels reduce a row in different orders). Module-level so benchmarks can compare them.
 SHARED_DOWN_MIN_TOKENS = 2
 # Rows per program and warps of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
 # L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one

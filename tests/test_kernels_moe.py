@@ -79,10 +79,11 @@ def test_tokens_sharing_every_expert():
     _assert_matches_reference(records, x, ids, w)
 
 
-def test_shared_and_per_token_down_products_give_the_same_bits(monkeypatch):
+def test_shared_and_per_token_down_products_agree(monkeypatch):
     """The down product of a few tokens reads a shared expert once for all of them or once per token
-    (`SHARED_DOWN_MIN_TOKENS`): the same rows, rounding, weighting and slot-order sum, so the same output
-    bits; the per-token kernel leaves its arrival counts zeroed, so calling it again gives them again."""
+    (`SHARED_DOWN_MIN_TOKENS`): the same rounding, weighting and slot-order sum, so the outputs agree to
+    the last bits of the fp32 dot products (the two kernels reduce a row in different orders on a GPU).
+    The per-token kernel leaves its arrival counts zeroed, so a second call gives the same bits."""
     from ninfer_offload.kernels import moe
 
     layout, data, _ = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
@@ -96,7 +97,8 @@ def test_shared_and_per_token_down_products_give_the_same_bits(monkeypatch):
         for threshold in (1, moe.GEMV_MAX_TOKENS + 1, moe.GEMV_MAX_TOKENS + 1):
             monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", threshold)
             outputs.append(moe.routed_experts(x[:tokens], ids[:tokens], w[:tokens], data, table, layout))
-        assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[1], outputs[2])
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+        assert torch.equal(outputs[1], outputs[2])
     assert int(moe._arrivals(x.device).abs().sum()) == 0
 
 
