@@ -6,6 +6,10 @@ Weights are random but valid row-split bytes (random planes, finite fp16 scales)
 read exactly the bytes a real artifact would make them read. Each entry reports the median time
 (triton.testing.do_bench), the bytes it must read, the resulting GB/s and the fraction of the
 device bandwidth measured in the same run (a large device-to-device copy, read + write bytes).
+Decode-sized calls are replayed from a CUDA graph that cycles through enough copies of the weights
+(products) or routings (routed experts) to read at least COLD_BYTES per replay, several times the
+L2 cache, so the weights come from HBM as in a decode step, where every layer reads its own
+(`cold_copies` in each entry; replaying one small matrix would read it from L2).
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from ninfer_offload.kernels import attention, gdn, moe, quant_linear
 from provenance import gpu_report_header
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
+COLD_BYTES = 4 << 28  # 1 GiB: 20x the H200's 50 MB L2
+
+
+def cold_copies(nbytes: int, graph: bool) -> int:
+    """Copies of an object of `nbytes` a graph replay cycles through (one for launched, prefill-sized calls)."""
+    return max(1, -(-COLD_BYTES // nbytes)) if graph else 1
 
 
 def random_object(geometry: RowSplitGeometry, count: int = 1) -> torch.Tensor:
@@ -70,13 +80,14 @@ def quantized_object(fmt: str, n: int, k: int, count: int = 1) -> tuple[torch.Te
 
 
 def bench_linear(name: str, fmt: str, n: int, k: int, tokens: int, bandwidth: float) -> dict:
-    data, geometry = quantized_object(fmt, n, k)
-    data = data[0]
+    graph = tokens <= 8
+    copies = cold_copies(runtime_geometry(fmt, n, k).encoded_size, graph)
+    data, geometry = quantized_object(fmt, n, k, copies)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: quant_linear.quantized_linear(x, data, geometry), graph=tokens <= 8)
+    ms = median_ms(lambda: [quant_linear.quantized_linear(x, data[c], geometry) for c in range(copies)], graph) / copies
     moved = geometry.encoded_size + x.numel() * 2 + tokens * n * 2
     flops = 2 * tokens * n * k
-    return {"op": name, "format": fmt, "shape": [n, k], "tokens": tokens, "ms": ms, "bytes": moved,
+    return {"op": name, "format": fmt, "shape": [n, k], "tokens": tokens, "ms": ms, "bytes": moved, "cold_copies": copies,
             "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth, "TFLOPs": flops / ms / 1e9}
 
 
@@ -87,14 +98,16 @@ def bench_moe(tokens: int, down_fmt: str, bandwidth: float, gate_up_fmt: str = "
     records[:, layout.down_offset : layout.down_offset + layout.down.encoded_size] = quantized_object(down_fmt, HIDDEN, INTER, EXPERTS)[0]
     table = moe.record_table(torch.arange(EXPERTS, device="cuda"), layout.nbytes)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
+    graph = tokens <= 8
+    copies = cold_copies(TOP_K * layout.nbytes, graph)  # routings of one bank: 460 MB, each reads its own experts
+    routings = [torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)]) for _ in range(copies)]
     w = torch.softmax(torch.randn(tokens, TOP_K, device="cuda"), -1).to(torch.bfloat16)
-    ms = median_ms(lambda: moe.routed_experts(x, ids, w, records, table, layout), graph=tokens <= 8)
-    distinct = int(torch.unique(ids).numel())
+    ms = median_ms(lambda: [moe.routed_experts(x, ids, w, records, table, layout) for ids in routings], graph) / copies
+    distinct = sum(int(torch.unique(ids).numel()) for ids in routings) / copies
     moved = distinct * (layout.gate_up.encoded_size + layout.down.encoded_size)
-    out = moe.routed_experts(x, ids, w, records, table, layout)
+    out = moe.routed_experts(x, routings[0], w, records, table, layout)
     return {"op": "routed_experts", "gate_up_format": gate_up_fmt, "down_format": down_fmt, "tokens": tokens,
-            "distinct_experts": distinct, "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6,
+            "distinct_experts": distinct, "ms": ms, "bytes": moved, "cold_copies": copies, "GBps": moved / ms / 1e6,
             "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth,
             "TFLOPs": 2 * tokens * TOP_K * 3 * INTER * HIDDEN / ms / 1e9, "finite": bool(torch.isfinite(out).all())}
 
@@ -118,8 +131,8 @@ def bench_gdn(bandwidth: float) -> dict:
     a, b = torch.randn(2, 1, 32, device="cuda", dtype=torch.bfloat16)
     a_log, dt_bias = torch.randn(2, 32, device="cuda")
     state = torch.randn(1, 32, 128, 128, device="cuda")
-    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    ms = median_ms(lambda: gdn.gdn_decode(q, k, v, a, b, a_log, dt_bias, state, slots, torch.ones_like(slots), 1, None), graph=True)
+    slots, valid = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.ones(1, dtype=torch.int64, device="cuda")
+    ms = median_ms(lambda: gdn.gdn_decode(q, k, v, a, b, a_log, dt_bias, state, slots, valid, 1, None), graph=True)
     moved = 2 * state.numel() * 4
     return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 

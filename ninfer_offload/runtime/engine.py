@@ -11,6 +11,7 @@ CUDA with a capturable backend and store replay CUDA graphs (`runtime.graphs`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -36,6 +37,8 @@ from ninfer_offload.runtime.graphs import PREFILL_BUCKETS, StepGraphs, prefill_b
 from ninfer_offload.runtime.session import Session
 from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 32768
 # Prompt lengths reaching each kernel path and block size (the next power of two of the token count T up to 64:
@@ -419,8 +422,9 @@ class Engine:
         """Compile the kernels and capture the decode steps requests will use, before the first request:
         prefills of each length in WARM_UP_PREFILLS and of `longest_prefill` tokens (default: a whole
         chunk) on a scratch sequence (and, where the context allows, a second chunk after a full one:
-        attention over cached rows), then the step graph of every batch bucket (with speculation also the
-        verify steps and the MTP steps). Returns the seconds it took."""
+        attention over cached rows; the short ones capture the padded prefills of every bucket on a
+        resident load), then the step graph of every batch bucket (with speculation also the
+        verify steps and the MTP steps). Returns the seconds it took; logs the two phases' seconds."""
         began = time.perf_counter()
         if self.device.type == "cuda":
             longest_prefill = self.prefill_chunk if longest_prefill is None else longest_prefill
@@ -433,6 +437,7 @@ class Engine:
                     session.prefill([i % self.config.vocab_size for i in range(min(length, self.max_context - 1))])
                 finally:
                     session.close()
+        prefilled = time.perf_counter()
         if self.graphs is not None:
             for bucket in self.graphs.buckets:
                 self.graphs.capture("target", bucket, 1)
@@ -442,7 +447,9 @@ class Engine:
             for t in range(2, self.spec_tokens + 2):  # the MTP layer catching up after a round
                 self.graphs.capture("mtp", 1, t)
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - began
+        done = time.perf_counter()
+        log.info("warm-up: prefills %.1fs, decode step captures %.1fs", prefilled - began, done - prefilled)
+        return done - began
 
     def close(self) -> None:
         self.store.close()
