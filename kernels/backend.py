@@ -69,42 +69,21 @@ class TritonBackend(ReferenceBackend):
         return out.reshape(*lead, w.n)
 
     def linear_pair(self, x: Input, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]:
-        pair = self._paired(x, first, second, None)
-        if pair is None:
-            return super().linear_pair(x, first, second)
-        return pair
-
-    def linear_pair_route(
-        self, x: Input, first: Weight, second: Weight, experts: int, top_k: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not isinstance(first, torch.Tensor):  # the kernel routes by its dense product's rows
-            return super().linear_pair_route(x, first, second, experts, top_k)
-        routed = self._paired(x, first, second, quant_linear.Routing(experts, top_k))
-        if routed is None:
-            return super().linear_pair_route(x, first, second, experts, top_k)
-        return routed
-
-    def _paired(self, x: Input, first: Weight, second: Weight, routing: quant_linear.Routing | None) -> tuple | None:
-        """`linear_pair` (with `routing`, `linear_pair_route`) as one matrix-vector launch: one weight dense,
-        the other quantized, at most GEMV_MAX_TOKENS tokens; None otherwise."""
         dense_second = isinstance(second, torch.Tensor)
         quantized, dense = (first, second) if dense_second else (second, first)
         tokens = x.tokens if isinstance(x, ResidualNorm) else x.reshape(-1, x.shape[-1]).shape[0]
         if isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor) or tokens > quant_linear.GEMV_MAX_TOKENS:
-            return None
+            return super().linear_pair(x, first, second)
         if _fusable(x):  # both products read the normalised input the kernel computes
-            pair = quant_linear.paired_gemv(
-                x.x, quantized.data, quantized.geometry, dense, residual=(x.delta, x.weight, x.eps), routing=routing
+            yq, yd, x.total, x.normed = quant_linear.paired_gemv(
+                x.x, quantized.data, quantized.geometry, dense, residual=(x.delta, x.weight, x.eps)
             )
-            x.total, x.normed = pair.total, pair.normed
-            yq, yd = pair.out, pair.dense
         else:
             x = self.resolve(x)
             flat = x.reshape(-1, x.shape[-1]).contiguous()
-            pair = quant_linear.paired_gemv(flat, quantized.data, quantized.geometry, dense, routing=routing)
-            yq, yd = pair.out.reshape(*x.shape[:-1], quantized.n), pair.dense.reshape(*x.shape[:-1], dense.shape[0])
-        products = (yq, yd) if dense_second else (yd, yq)
-        return products if routing is None else (*products, pair.ids, pair.weights)
+            yq, yd = quant_linear.paired_gemv(flat, quantized.data, quantized.geometry, dense)
+            yq, yd = yq.reshape(*x.shape[:-1], quantized.n), yd.reshape(*x.shape[:-1], dense.shape[0])
+        return (yq, yd) if dense_second else (yd, yq)
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
         if isinstance(w, torch.Tensor):

@@ -48,7 +48,6 @@ import triton
 import triton.language as tl
 
 from ninfer_offload.artifact.records import ExpertRecordLayout
-from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions
@@ -350,8 +349,8 @@ def _down_split_gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """A program per (row slice, slot, token): its expert's down rows, rounded and weighted, into
-    `partial` (float32); the last of a slice's TOP_K programs to arrive (`arrivals`: `kernels/arrivals.py`)
-    sums the slice's TOP_K rows in slot order into `out` and zeroes its count again."""
+    `partial` (float32); the last of a slice's TOP_K programs to arrive (`arrivals`, zero between
+    launches) sums the slice's TOP_K rows in slot order into `out` and zeroes its count again."""
     block, j, tok = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < H
@@ -657,7 +656,7 @@ def _routed_experts_gemv(
         out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
         partial = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
         _down_split_gemv_kernel[(blocks, top_k, t)](
-            act, arena, table, ids, weights, partial, arrival_counts(x.device, "moe_down"), out, hidden, inter, layout.down_offset,
+            act, arena, table, ids, weights, partial, _arrivals(x.device), out, hidden, inter, layout.down_offset,
             dn.high_offset, dn.scale_offset, dn.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
             K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=SPLIT_DOWN_WARPS,
             num_stages=tiles.stages,
@@ -670,6 +669,18 @@ def _routed_experts_gemv(
         K_PAD=dn.k_pad, BLOCK_N=tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
+
+
+# Arrival counts of the split down kernel: int32 zeros, one buffer per device, left zeroed by every
+# launch (so a captured step may replay it); row slices x tokens of one launch, at most.
+ARRIVAL_COUNTS = 4096
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    if device not in _ARRIVALS:
+        _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTS, dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
 
 
 def record_table(slots: torch.Tensor, stride: int) -> torch.Tensor:

@@ -34,12 +34,10 @@ import triton.language as tl
 
 from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels import dense_linear
-from ninfer_offload.kernels.arrivals import arrival_counts
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.norm import add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.router import route_row
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, split_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile
 
@@ -170,15 +168,11 @@ def _quantized_gemv_kernel(
     normed,
     dense_w,
     dense_out,
-    arrivals,
-    route_ids,
-    route_weights,
     T,
     N,
     K,
     DENSE_N,
     QUANTIZED_PROGRAMS,
-    ROUTE_E,
     high_offset,
     scale_offset,
     divisor_offset,
@@ -196,16 +190,10 @@ def _quantized_gemv_kernel(
     DENSE: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     DENSE_BLOCK_K: tl.constexpr,
-    ROUTE: tl.constexpr,
-    TOP_K: tl.constexpr,
-    TOPK_PAD: tl.constexpr,
-    BLOCK_E: tl.constexpr,
 ):
     """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
     W. With DENSE, the programs after them: DENSE_BLOCK_N rows each of the product with `dense_w`
-    (`paired_gemv`); with ROUTE, the last of those to finish (`arrivals`: `kernels/arrivals.py`) routes
-    each token by the first ROUTE_E columns of its dense row (`router.route_row`: ids and weights to
-    `route_ids`, `route_weights`). With ADD_NORM, program 0 also stores each token's x + x2 and its norm
+    (`paired_gemv`). With ADD_NORM, program 0 also stores each token's x + x2 and its norm
     (`add_rmsnorm`'s outputs) in `total` and `normed`, for the ops after this one."""
     pid = tl.program_id(0)
     if DENSE and pid >= QUANTIZED_PROGRAMS:
@@ -213,15 +201,6 @@ def _quantized_gemv_kernel(
             pid - QUANTIZED_PROGRAMS, x, x2, stride_x, stride_x2, norm_w, eps, dense_w, dense_out, T, DENSE_N, K,
             BLOCK_T, DENSE_BLOCK_N, DENSE_BLOCK_K, INPUT == ADD_NORM, ROW_BLOCK,
         )
-        if ROUTE:
-            tl.debug_barrier()  # every thread's rows are stored before the release below
-            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - QUANTIZED_PROGRAMS - 1:
-                for t in tl.static_range(BLOCK_T):
-                    if t < T:
-                        route_row(
-                            dense_out + t * DENSE_N, route_ids + t * TOP_K, route_weights + t * TOP_K, ROUTE_E, TOP_K, TOPK_PAD, BLOCK_E
-                        )
-                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
     else:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         row_mask = rows < N
@@ -387,61 +366,31 @@ def residual_norm_gemv(
     return out, total, normed
 
 
-@dataclass(frozen=True)
-class Routing:
-    """`paired_gemv`'s routing of each token: softmax over the first `experts` columns of its dense
-    row (the router's logits), the top `top_k`, their weights renormalised (`router.softmax_topk`)."""
-
-    experts: int
-    top_k: int
-
-
-@dataclass
-class PairedOutputs:
-    """What `paired_gemv` computed: both products, and with a residual input x + delta and the normed
-    input, with routing the tokens' expert ids and weights."""
-
-    out: torch.Tensor
-    dense: torch.Tensor
-    total: torch.Tensor | None = None
-    normed: torch.Tensor | None = None
-    ids: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-
-
 def paired_gemv(
     x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, dense_w: torch.Tensor,
-    residual: tuple[torch.Tensor, torch.Tensor, float] | None = None, routing: Routing | None = None,
-) -> PairedOutputs:
-    """x @ W^T and x @ dense_w^T for up to GEMV_MAX_TOKENS tokens in one launch: the programs of the
+    residual: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """(x @ W^T, x @ dense_w^T) for up to GEMV_MAX_TOKENS tokens in one launch: the programs of the
     quantized matrix-vector product (its `fused_gemv` launch shape) followed by those of the dense one
     (`dense_linear`'s rows per program), e.g. GDN's q/k/v/z projections with its dense a/b rows, or the
-    shared expert's gate/up with the dense router: one launch instead of two small ones.
-    With `residual` = (delta, norm_w, eps) the input is (1 + norm_w) * rmsnorm(x + delta), computed by
-    the kernel (as in `residual_norm_gemv`), and x + delta and the normed input come with the products.
-    With `routing`, the dense product's last program routes every token (ids int64 [T, k], weights
-    [T, k] in x's dtype) as `router.softmax_topk` would after it, without a launch of its own."""
+    shared expert's gate/up with the dense router: one launch instead of two small ones. With
+    `residual` = (delta, norm_w, eps) the input is (1 + norm_w) * rmsnorm(x + delta), computed by the
+    kernel (as in `residual_norm_gemv`), and x + delta and the normed input follow the two products."""
     delta, norm_w, eps = (None, None, 0.0) if residual is None else residual
     _check_gemv_inputs(x, delta, geometry)
     if dense_w.shape[1] != x.shape[1]:
         raise ValueError(f"a paired matrix-vector product takes two matrices of {x.shape[1]} columns")
-    t = x.shape[0]
-    result = PairedOutputs(
-        torch.empty(t, geometry.n, device=x.device, dtype=x.dtype), torch.empty(t, dense_w.shape[0], device=x.device, dtype=x.dtype)
-    )
-    if residual is not None:
-        result.total, result.normed = torch.empty_like(x), torch.empty_like(x)
-    if routing is not None:
-        if routing.experts > dense_w.shape[0]:
-            raise ValueError(f"routing reads {routing.experts} logits of a {dense_w.shape[0]}-row dense product")
-        result.ids = torch.empty(t, routing.top_k, device=x.device, dtype=torch.int64)
-        result.weights = torch.empty(t, routing.top_k, device=x.device, dtype=x.dtype)
+    out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
+    dense_out = torch.empty(x.shape[0], dense_w.shape[0], device=x.device, dtype=x.dtype)
+    if residual is None:
+        _launch_gemv(x, None, None, 0.0, data, geometry, out, PLAIN, 1, dense_w=dense_w.contiguous(), dense_out=dense_out)
+        return out, dense_out
+    total, normed = torch.empty_like(x), torch.empty_like(x)
     _launch_gemv(
-        x, delta, norm_w, eps, data, geometry, result.out, PLAIN if residual is None else ADD_NORM, 1,
-        total=result.total, normed=result.normed, dense_w=dense_w.contiguous(), dense_out=result.dense,
-        routing=routing, route_ids=result.ids, route_weights=result.weights,
+        x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, total=total, normed=normed,
+        dense_w=dense_w.contiguous(), dense_out=dense_out,
     )
-    return result
+    return out, dense_out, total, normed
 
 
 def _check_gemv_inputs(x: torch.Tensor, x2: torch.Tensor | None, geometry: ObjectGeometry) -> None:
@@ -455,7 +404,6 @@ def _launch_gemv(
     out: torch.Tensor, input_op: tl.constexpr, norm_d: int, routed: torch.Tensor | None = None, score: torch.Tensor | None = None,
     total: torch.Tensor | None = None, normed: torch.Tensor | None = None,
     dense_w: torch.Tensor | None = None, dense_out: torch.Tensor | None = None,
-    routing: Routing | None = None, route_ids: torch.Tensor | None = None, route_weights: torch.Tensor | None = None,
 ) -> None:
     """One launch of the matrix-vector kernel (unused pointer arguments point at `out`)."""
     t, k = x.shape
@@ -471,16 +419,12 @@ def _launch_gemv(
     _quantized_gemv_kernel[(quantized_programs + triton.cdiv(dense_n, dense_linear.GEMV_BLOCK_N),)](
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
         out if total is None else total, out if normed is None else normed, out if dense_w is None else dense_w,
-        out if dense_out is None else dense_out, arrival_counts(x.device, "paired_gemv") if routing else out,
-        out if route_ids is None else route_ids, out if route_weights is None else route_weights,
-        t, n, k, dense_n, quantized_programs, 0 if routing is None else routing.experts, g.high_offset, g.scale_offset, g.divisor_offset,
+        out if dense_out is None else dense_out, t, n, k, dense_n, quantized_programs, g.high_offset, g.scale_offset, g.divisor_offset,
         NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
         BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), INPUT=input_op.value, NORM_D=norm_d,
         EPILOGUE=(ADD_GATED if add_gated else STORE).value, ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         DENSE=dense_w is not None, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
-        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)), ROUTE=routing is not None,
-        TOP_K=1 if routing is None else routing.top_k, TOPK_PAD=1 if routing is None else triton.next_power_of_2(routing.top_k),
-        BLOCK_E=1 if routing is None else triton.next_power_of_2(routing.experts),
+        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
 

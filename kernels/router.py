@@ -1,8 +1,6 @@
 """Router head in one kernel: fp32 softmax over expert logits, top-k, renormalised weights.
 
-Reference op: `ReferenceBackend.route` (the logits product before it is a plain linear). A decode
-step's routing runs in the tail of the product that computes the logits (`route_row` in
-`quant_linear.paired_gemv`); this kernel serves the other cases.
+Reference op: `ReferenceBackend.route` (the logits product before it is a plain linear).
 Top-k is taken by k rounds of one max over int64 keys (a probability's bits over its id's complement:
 ties go to the lowest expert id, like `torch.topk` on distinct values), in one warp; the
 renormalisation divides by the sum of the chosen probabilities.
@@ -16,13 +14,11 @@ import triton.language as tl
 
 
 @triton.jit
-def route_row(logits, ids, weights, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token: its E logits at `logits` -> its TOP_K expert ids (int64) and renormalised weights.
-    The logits are read through L2, so a kernel may route rows that its other programs wrote
-    (`quant_linear.paired_gemv` with `route`)."""
+def _softmax_topk_kernel(logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
-    z = tl.load(logits + cols, mask=mask, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    z = tl.load(logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z))
     p = p / tl.sum(p)
     # One int64 key per expert: the probability's bits (non-negative floats order as their bits) over
@@ -37,14 +33,8 @@ def route_row(logits, ids, weights, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
         key = tl.where(key == best, -1, key)
     keep = slots < TOP_K
     chosen_p = tl.where(keep, (chosen >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    tl.store(ids + slots, BLOCK_E - 1 - (chosen & 0xFFFFFFFF), mask=keep)
-    tl.store(weights + slots, (chosen_p / tl.sum(chosen_p)).to(weights.dtype.element_ty), mask=keep)
-
-
-@triton.jit
-def _softmax_topk_kernel(logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    route_row(logits + row * stride, ids + row * TOP_K, weights + row * TOP_K, E, TOP_K, K_PAD, BLOCK_E)
+    tl.store(ids + row * TOP_K + slots, BLOCK_E - 1 - (chosen & 0xFFFFFFFF), mask=keep)
+    tl.store(weights + row * TOP_K + slots, (chosen_p / tl.sum(chosen_p)).to(weights.dtype.element_ty), mask=keep)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,26 +73,6 @@ def test_products_of_a_residual_norm_input(tokens):
         assert _backend().resolve(inp) is kept
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 12])
-def test_router_in_the_paired_product(tokens):
-    """A MoE block's router, shared-expert score and shared gate/up of one input (`linear_pair_route`):
-    the products and the routing equal the reference's `linear_pair` then `route`, up to 8 tokens in the
-    paired kernel (on a `ResidualNorm` input or a plain one), beyond through the separate ops."""
-    from ninfer_offload.model.backend import ResidualNorm
-
-    rng = np.random.default_rng(13)
-    x, delta = torch.randn(tokens, 256, generator=_gen(30)), torch.randn(tokens, 256, generator=_gen(31))
-    weight = torch.randn(256, generator=_gen(32)) * 0.1
-    gates = torch.randn(21, 256, generator=_gen(33))  # 20 router rows, then the score
-    shared_in = _weight("q8_g32_fp16", rng.standard_normal((48, 256)).astype(np.float32), torch.float32)
-    _, normed = REF.add_rmsnorm(x, delta, weight, 1e-6, offset=True)
-    ref = REF.linear_pair_route(normed, gates, shared_in, 20, 4)
-    for inp in (ResidualNorm(x.to(DEVICE), delta.to(DEVICE), weight.to(DEVICE), 1e-6), normed.to(DEVICE)):
-        got = _backend().linear_pair_route(inp, gates.to(DEVICE), shared_in.to(DEVICE), 20, 4)
-        assert _close(got[0], ref[0]) and _close(got[1], ref[1])
-        assert torch.equal(got[2].cpu(), ref[2]) and _close(got[3], ref[3], 1e-5)
-
-
 def test_linear_quantized_and_dense():
     rng = np.random.default_rng(0)
     x = torch.randn(2, 3, 300, generator=_gen(0))

@@ -76,48 +76,16 @@ def test_paired_product_is_both_products_in_one_launch(fmt):
     dense = torch.randn(7, 256, generator=torch.Generator().manual_seed(6))
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     for t in (1, 3, 8):
-        pair = quant_linear.paired_gemv(x[:t], data, geometry, dense.to(DEVICE))
-        yq, yd = pair.out, pair.dense
-        assert yq.shape == (t, 37) and yd.shape == (t, 7) and pair.ids is None and pair.total is None
+        yq, yd = quant_linear.paired_gemv(x[:t], data, geometry, dense.to(DEVICE))
+        assert yq.shape == (t, 37) and yd.shape == (t, 7)
         assert torch.equal(yq, quant_linear.quantized_linear(x[:t], data, geometry))  # the same programs
         assert _relative_error(yq, x[:t].double().cpu() @ weight.double().T) < 1e-5
         torch.testing.assert_close(yd, dense_linear(x[:t], dense.to(DEVICE)), rtol=1e-5, atol=1e-5)
         for i in range(t):
-            one = quant_linear.paired_gemv(x[i : i + 1], data, geometry, dense.to(DEVICE))
-            assert torch.equal(one.out, yq[i : i + 1]) and torch.equal(one.dense, yd[i : i + 1])
+            one_q, one_d = quant_linear.paired_gemv(x[i : i + 1], data, geometry, dense.to(DEVICE))
+            assert torch.equal(one_q, yq[i : i + 1]) and torch.equal(one_d, yd[i : i + 1])
     with pytest.raises(ValueError, match="up to 8 rows"):
         quant_linear.paired_gemv(torch.randn(9, 256).to(DEVICE), data, geometry, dense.to(DEVICE))
-
-
-@pytest.mark.parametrize("residual", [False, True])
-def test_paired_product_routes_in_its_last_program(residual):
-    """With routing, the dense product's last program routes each token by the first `experts` columns of
-    its row (the router's logits beside the shared-expert score): the ids the router kernel gives for
-    those logits and their weights (to the last bit of the softmax sum, which a program of more warps
-    adds in another order on a GPU), the products unchanged, and the arrival count left at zero (so a
-    second call, as a replayed graph makes it, routes again)."""
-    from ninfer_offload.kernels import quant_linear
-    from ninfer_offload.kernels.arrivals import arrival_counts
-    from ninfer_offload.kernels.router import softmax_topk
-
-    data, _, geometry = _random_object("q8_g32_fp16", 40, 256, seed=11)
-    gen = torch.Generator().manual_seed(12)
-    dense = (torch.randn(21, 256, generator=gen) * 0.5).to(DEVICE)  # 20 router rows and the score row
-    x, delta = (torch.randn(8, 256, generator=gen).to(DEVICE) for _ in range(2))
-    w = torch.randn(256, generator=gen).to(DEVICE)
-    routing = quant_linear.Routing(experts=20, top_k=4)
-    for t in (1, 3, 8):
-        extra = {"residual": (delta[:t], w, 1e-6)} if residual else {}
-        for _ in range(2):
-            plain = quant_linear.paired_gemv(x[:t], data, geometry, dense, **extra)
-            routed = quant_linear.paired_gemv(x[:t], data, geometry, dense, routing=routing, **extra)
-            assert torch.equal(routed.out, plain.out) and torch.equal(routed.dense, plain.dense)
-            ids, weights = softmax_topk(routed.dense[:, :20], 4, x.dtype)
-            assert torch.equal(routed.ids, ids)
-            torch.testing.assert_close(routed.weights, weights, rtol=1e-6, atol=1e-7)
-            assert int(arrival_counts(x.device, "paired_gemv").abs().sum()) == 0
-    with pytest.raises(ValueError, match="routing reads 30 logits"):
-        quant_linear.paired_gemv(x[:1], data, geometry, dense, routing=quant_linear.Routing(30, 4))
 
 
 def test_products_normalise_their_own_residual_input():
@@ -138,9 +106,9 @@ def test_products_normalise_their_own_residual_input():
         assert torch.equal(got_total, total)
         torch.testing.assert_close(got_normed, normed, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(y, quant_linear.quantized_linear(normed, data, geometry), rtol=1e-5, atol=1e-5)
-        pair = quant_linear.paired_gemv(x[:t], data, geometry, dense, residual=(delta[:t], w, 1e-6))
-        assert torch.equal(pair.out, y) and torch.equal(pair.total, total) and torch.equal(pair.normed, got_normed)
-        torch.testing.assert_close(pair.dense, dense_linear(normed, dense), rtol=1e-5, atol=1e-5)
+        yq, yd, pair_total, pair_normed = quant_linear.paired_gemv(x[:t], data, geometry, dense, residual=(delta[:t], w, 1e-6))
+        assert torch.equal(yq, y) and torch.equal(pair_total, total) and torch.equal(pair_normed, got_normed)
+        torch.testing.assert_close(yd, dense_linear(normed, dense), rtol=1e-5, atol=1e-5)
         one = quant_linear.residual_norm_gemv(x[t - 1 : t], delta[t - 1 : t], w, 1e-6, data, geometry)
         assert torch.equal(one[0], y[t - 1 : t])  # a token's row does not depend on the others in the step
 

@@ -56,9 +56,6 @@ class Backend(Protocol):
     def resolve(self, x: Input) -> torch.Tensor: ...
     def linear(self, x: Input, w: Weight) -> torch.Tensor: ...
     def linear_pair(self, x: Input, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def linear_pair_route(
-        self, x: Input, first: Weight, second: Weight, experts: int, top_k: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor: ...
     def gated_norm_linear(self, x: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, w: Weight) -> torch.Tensor: ...
     def embedding(self, ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor: ...
@@ -132,16 +129,6 @@ class ReferenceBackend:
         matrix (different formats: a layer's quantized projections beside its dense control rows)."""
         x = self.resolve(x)
         return self.linear(x, first), self.linear(x, second)
-
-    def linear_pair_route(
-        self, x: Input, first: Weight, second: Weight, experts: int, top_k: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x @ first^T, x @ second^T, ids, weights): `linear_pair`, then `route` of the first `experts`
-        columns of the first product (a MoE block's router logits beside its shared-expert score and
-        gate/up), in the products' dtype."""
-        y1, y2 = self.linear_pair(x, first, second)
-        ids, weights = self.route(y1[..., :experts], top_k, y1.dtype)
-        return y1, y2, ids, weights
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
         """(x * sigmoid(gate)) @ w^T: the attention output gated per element [T, K], then projected."""

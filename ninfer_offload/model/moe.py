@@ -10,7 +10,7 @@ import torch
 
 from ninfer_offload.model.backend import Backend, Input
 from ninfer_offload.model.config import ModelConfig
-from ninfer_offload.model.stacked import StackedLinear, both_routed
+from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.weights import Weight, WeightReader
 
 
@@ -43,7 +43,8 @@ class SparseMoe:
         )
 
     def __call__(self, backend: Backend, x: Input) -> torch.Tensor:
-        (_, score), (gate, up), (topk_ids, topk_weights) = both_routed(backend, self.gates, self.shared_in, x, self.top_k)
+        (logits, score), (gate, up) = both(backend, self.gates, self.shared_in, x)
         x = backend.resolve(x)  # the normalised input: computed by the products above where they could
+        topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
         routed = self.experts.routed(backend, self.layer, x, topk_ids, topk_weights)
         return backend.shared_expert(gate, up, self.shared_down, routed, score)

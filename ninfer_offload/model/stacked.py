@@ -6,8 +6,7 @@ attention q/k/v/gate, the shared expert's gate/up, the router and the shared-exp
 each such set becomes one matrix and one launch. Quantized parts are stacked plane by plane
 (row-split planes are row-major, so the stacked object is exactly the object of the stacked
 matrix); parts of different formats stay separate products. Two stacked products of one input
-(`both`) run as one `linear_pair`, which the Triton backend launches as one kernel; with the router
-among them (`both_routed`) the same launch also routes the tokens.
+(`both`) run as one `linear_pair`, which the Triton backend launches as one kernel.
 """
 
 from __future__ import annotations
@@ -95,17 +94,3 @@ def both(backend: Backend, first: StackedLinear, second: StackedLinear, x: Input
         y1, y2 = backend.linear_pair(x, first.weights[0], second.weights[0])
         return first._split(y1), second._split(y2)
     return first(backend, x), second(backend, x)
-
-
-def both_routed(
-    backend: Backend, gates: StackedLinear, second: StackedLinear, x: Input, top_k: int
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-    """`both` for a MoE block whose first product's first part is its router: also (expert ids, weights),
-    the softmax top-k of the router logits (`Backend.route`), computed by the same launch where it can."""
-    experts = gates.sizes[0]
-    if len(gates.weights) == 1 and len(second.weights) == 1:
-        y1, y2, ids, weights = backend.linear_pair_route(x, gates.weights[0], second.weights[0], experts, top_k)
-        return gates._split(y1), second._split(y2), (ids, weights)
-    first_out, second_out = gates(backend, x), second(backend, x)
-    logits = first_out[0]
-    return first_out, second_out, backend.route(logits[..., :experts], top_k, logits.dtype)
