@@ -88,7 +88,8 @@ def gdn_state_bytes(shape: ModelShape, element_bytes: int = BF16) -> int:
     return shape.linear_layers * (recurrent + conv)
 
 
-# The scratch slot's KV rows (`model.state_pool.SCRATCH_ROWS`): the longest captured step writes there.
+# The scratch slot's KV rows (at least; the engine's state pool gets this): the longest captured step, a
+# padded prompt chunk of `runtime.graphs.PREFILL_BUCKETS[-1]` tokens, writes there.
 SCRATCH_KV_ROWS = 32
 
 

@@ -1,12 +1,12 @@
 """Pooled sequence state: per layer one tensor over every sequence slot, allocated once at load.
 
-Attention layers keep K and V as flat row pools `[slots * capacity + SCRATCH_ROWS, Hkv, D]`: slot s
+Attention layers keep K and V as flat row pools `[slots * capacity + scratch rows, Hkv, D]`: slot s
 owns rows [s * capacity, (s + 1) * capacity). Gated DeltaNet layers keep their conv window
 `[slots + 1, W - 1, C]` and FP32 recurrent state `[slots + 1, Hv, Dk, Dv]`, plus, when the engine
 can roll back multi-token steps, the state after each token but the last
 (`[slots + 1, draft_tokens, ...]`). Slot `slots` is a scratch slot: padded rows of a captured
-batch write there (its KV rows are the last SCRATCH_ROWS rows of the pool: as many as the longest captured
-step, a padded prompt chunk, writes), so padding never touches a live sequence. Buffers never move, so
+batch write there (its KV rows are the last rows of the pool: as many as the longest captured step writes,
+`scratch_rows` or the step tokens if more), so padding never touches a live sequence. Buffers never move, so
 captured steps stay valid.
 """
 
@@ -15,10 +15,6 @@ from __future__ import annotations
 import torch
 
 from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
-
-# KV rows of the scratch slot: at least the rows of the longest captured step (a padded prompt chunk of
-# `runtime.graphs.PREFILL_BUCKETS[-1]` tokens; a verify step adds at most 6).
-SCRATCH_ROWS = 32
 
 
 class StatePool:
@@ -34,6 +30,7 @@ class StatePool:
         device: torch.device,
         dtype: torch.dtype,
         kv_dtype: torch.dtype,
+        scratch_rows: int,
     ):
         self.sequences = sequences
         self.capacity = capacity
@@ -49,7 +46,7 @@ class StatePool:
         recurrent_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
         for key, kind in layer_kinds.items():
             if kind == FULL_ATTENTION:
-                rows = (sequences * capacity + max(SCRATCH_ROWS, self.step_tokens), config.num_kv_heads, config.head_dim)
+                rows = (sequences * capacity + max(scratch_rows, self.step_tokens), config.num_kv_heads, config.head_dim)
                 self.kv[key] = (torch.zeros(rows, device=device, dtype=kv_dtype), torch.zeros(rows, device=device, dtype=kv_dtype))
                 continue
             self.conv[key] = torch.zeros(slots, *conv_shape, device=device, dtype=dtype)

@@ -25,7 +25,7 @@ from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
-from ninfer_offload.planner.memory import LoadOptions, load_footprint
+from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, LoadOptions, load_footprint
 from ninfer_offload.planner.options import PREFILL_CHUNK
 from ninfer_offload.profiles import DeviceProfile
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
@@ -217,7 +217,9 @@ class Engine:
                 progress=progress, with_proposal=proposal_head,
             )
             kinds = dict(enumerate(config.layer_types)) | ({config.num_layers: FULL_ATTENTION} if mtp else {})
-            state = StatePool(config, kinds, max_sequences, capacity, draft_tokens, resolved, resolved_dtype, cache_dtype)
+            state = StatePool(
+                config, kinds, max_sequences, capacity, draft_tokens, resolved, resolved_dtype, cache_dtype, SCRATCH_KV_ROWS
+            )
         except BaseException:
             artifact.close()
             raise

@@ -23,7 +23,7 @@ from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
 # alone; run eagerly, ~900 launches cost ~50 ms of host time (a 24-token prompt on the H200 host: 49 ms
 # against 10 ms of kernels). Kept short: each row of a captured step holds split-attention partials
 # over the whole capacity (Hq x D fp32 per 256 positions). Captures run on the scratch slot: the last
-# bucket is at most its KV rows (`model.state_pool.SCRATCH_ROWS`).
+# bucket is at most its KV rows (`planner.memory.SCRATCH_KV_ROWS`).
 PREFILL_BUCKETS = (8, 16, 32)
 
 
