@@ -58,6 +58,16 @@ def residual_inv_rms(x, delta, D, eps, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def residual_inv_rms_rows(x, delta, rows, live, stride_x, stride_delta, D, eps, BLOCK_D: tl.constexpr):
+    """`residual_inv_rms` of several rows at once ([len(rows)]; rows not `live` read zeros)."""
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = live[:, None] & (cols < D)
+    rows = rows[:, None].to(tl.int64)
+    sf = residual_sum(tl.load(x + rows * stride_x + cols, mask=mask, other=0.0), tl.load(delta + rows * stride_delta + cols, mask=mask, other=0.0))
+    return tl.rsqrt(tl.sum(sf * sf, axis=1) / D + eps)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     add_rmsnorm_row(x + row * D, delta + row * D, total + row * D, out + row * D, w, D, eps, OFFSET, BLOCK_D)

@@ -5,9 +5,11 @@ Reference op: `ReferenceBackend.linear(x, w)` with `w` a `QuantizedMatrix` or `N
 decoder (`kernels/tiles.py`). Three paths by token count:
 * up to `GEMV_MAX_TOKENS` tokens (decode, verification of a few drafts, small decode batches): a
   matrix-vector kernel. Each program owns a few rows and walks the whole row in wide tiles,
-  decoding each tile once (`load_gemv_tile`) and multiplying the codes by every token's x in
-  registers (`dot_code_tile`): no tensor-core padding, no split-K partial sums, one launch, and
-  every token count up to the limit gets the same per-token arithmetic. `fused_gemv` is the same
+  decoding each tile once (`load_gemv_tile`); one token multiplies the codes by its x in registers
+  (`dot_code_tile`), from `MMA_MIN_TOKENS` tokens the scaled codes go through tensor cores with
+  every token at once (`mma_code_tile`, the token block padded to 16 rows), so a verification or a
+  small batch reads the weights once for about the cost of one token: no split-K partial sums, one
+  launch. `fused_gemv` is the same
   kernel with the elementwise step before or after a product folded in: its input computed as it
   is read (SwiGLU of gate/up, x * sigmoid(gate) for the attention output, the GDN output's gated
   RMSNorm per head: `gated_linear`, `gated_norm_linear`, `shared_expert.shared_expert`) and its
@@ -35,10 +37,12 @@ import triton.language as tl
 from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels import dense_linear
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
-from ninfer_offload.kernels.norm import add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum
+from ninfer_offload.kernels.norm import (
+    add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_inv_rms_rows, residual_sum,
+)
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, split_positions
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_positions, split_token_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
@@ -67,10 +71,21 @@ GEMV_TILES = GemvTiles(16, 2048, 8, 3)
 WIDE_GEMV_TILES = GemvTiles(32, 512, 4, 3)
 WIDE_GEMV_MIN_ROWS = 65536
 FEW_ROWS = 8192
+# From this many tokens the matrix-vector kernel multiplies on tensor cores (every token at once, the
+# token block padded to MMA_BLOCK_T rows; rows per program at least 16) instead of per token on CUDA
+# cores, whose work grows with every token.
+MMA_MIN_TOKENS = 2
+MMA_BLOCK_T = 16
+NO_MMA, TOKENS_LEFT_MMA, WEIGHTS_LEFT_MMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the kernel's MMA constexpr: which operand the tokens are
+MMA_FORM = TOKENS_LEFT_MMA
+MMA_GEMV_TILES = GemvTiles(32, 256, 4, 4)
+WIDE_MMA_GEMV_TILES = GemvTiles(64, 256, 4, 3)
 
 
-def gemv_tiles(n: int) -> GemvTiles:
-    """The matrix-vector launch shape for a product with n output rows."""
+def gemv_tiles(n: int, tokens: int = 1) -> GemvTiles:
+    """The matrix-vector launch shape for a product with n output rows and `tokens` tokens."""
+    if tokens >= MMA_MIN_TOKENS:
+        return WIDE_MMA_GEMV_TILES if n >= WIDE_GEMV_MIN_ROWS else MMA_GEMV_TILES
     if n >= WIDE_GEMV_MIN_ROWS:
         return WIDE_GEMV_TILES
     if n < FEW_ROWS:
@@ -152,6 +167,48 @@ def _input_positions(
 
 
 @triton.jit
+def _token_input_positions(
+    x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps,
+    INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
+):
+    """`_input_positions` of every token at once: eight positions [BLOCK_T, BLOCK_K // 8] in x's dtype
+    (tokens `toks` past T read zeros; their rows are never stored)."""
+    W: tl.constexpr = BLOCK_K // 8
+    live = toks < T
+    tok = toks[:, None].to(tl.int64)
+    cols = k0 + tl.arange(0, BLOCK_K)[None, :]
+    mask = live[:, None] & (cols < K)
+    raw = split_token_positions(tl.load(x + tok * stride_x + cols, mask=mask, other=0.0), BLOCK_T, BLOCK_K)
+    raw2 = raw
+    if INPUT != PLAIN:
+        raw2 = split_token_positions(tl.load(x2 + tok * stride_x2 + cols, mask=mask, other=0.0), BLOCK_T, BLOCK_K)
+    weights = raw2
+    inv_rms = tl.full([BLOCK_T, W], 1.0, tl.float32)
+    if INPUT == GATED_NORM:
+        weights = split_positions(tl.load(norm_w + (k0 + tl.arange(0, BLOCK_K)) % NORM_D), BLOCK_K)
+        squares = raw[0].to(tl.float32) * raw[0].to(tl.float32)
+        for i in tl.static_range(1, 8):
+            squares += raw[i].to(tl.float32) * raw[i].to(tl.float32)
+        per_group = tl.sum(tl.reshape(squares, [BLOCK_T, BLOCK_K // NORM_D, NORM_D // 8]), axis=2)
+        groups = tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, :, None], [BLOCK_T, BLOCK_K // NORM_D, NORM_D // 8])
+        inv_rms = tl.reshape(groups, [BLOCK_T, W])
+    if INPUT == ADD_NORM:
+        weights = load_positions(norm_w, k0, K, BLOCK_K)
+        inv_rms = inv_rms * residual_inv_rms_rows(x, x2, toks, live, stride_x, stride_x2, K, eps, ROW_BLOCK)[:, None]
+    dtype = x.dtype.element_ty
+    return (
+        _position_input(raw[0], raw2[0], weights[0], inv_rms, INPUT).to(dtype),
+        _position_input(raw[1], raw2[1], weights[1], inv_rms, INPUT).to(dtype),
+        _position_input(raw[2], raw2[2], weights[2], inv_rms, INPUT).to(dtype),
+        _position_input(raw[3], raw2[3], weights[3], inv_rms, INPUT).to(dtype),
+        _position_input(raw[4], raw2[4], weights[4], inv_rms, INPUT).to(dtype),
+        _position_input(raw[5], raw2[5], weights[5], inv_rms, INPUT).to(dtype),
+        _position_input(raw[6], raw2[6], weights[6], inv_rms, INPUT).to(dtype),
+        _position_input(raw[7], raw2[7], weights[7], inv_rms, INPUT).to(dtype),
+    )
+
+
+@triton.jit
 def _quantized_gemv_kernel(
     x,
     x2,
@@ -188,34 +245,49 @@ def _quantized_gemv_kernel(
     EPILOGUE: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     DENSE: tl.constexpr,
+    LOOP_T: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     DENSE_BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr,  # NO_MMA, TOKENS_LEFT_MMA or WEIGHTS_LEFT_MMA
+    IEEE: tl.constexpr,
 ):
     """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
-    W. With DENSE, the programs after them: DENSE_BLOCK_N rows each of the product with `dense_w`
+    W, per token on CUDA cores or, with MMA (BLOCK_T >= 16), for every token at once on tensor cores;
+    loops over the tokens themselves unroll LOOP_T (T's next power of two) times.
+    With DENSE, the programs after them: DENSE_BLOCK_N rows each of the product with `dense_w`
     (`paired_gemv`). With ADD_NORM, program 0 also stores each token's x + x2 and its norm
     (`add_rmsnorm`'s outputs) in `total` and `normed`, for the ops after this one."""
     pid = tl.program_id(0)
     if DENSE and pid >= QUANTIZED_PROGRAMS:
         dense_gemv_rows(
             pid - QUANTIZED_PROGRAMS, x, x2, stride_x, stride_x2, norm_w, eps, dense_w, dense_out, T, DENSE_N, K,
-            BLOCK_T, DENSE_BLOCK_N, DENSE_BLOCK_K, INPUT == ADD_NORM, ROW_BLOCK,
+            LOOP_T, DENSE_BLOCK_N, DENSE_BLOCK_K, INPUT == ADD_NORM, ROW_BLOCK,
         )
     else:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         row_mask = rows < N
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        if MMA == WEIGHTS_LEFT_MMA:
+            acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
             codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-            for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
-                token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
-                xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
-                part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
-                acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+            if MMA:
+                xs = _token_input_positions(
+                    x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K, ROW_BLOCK
+                )
+                acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE, MMA == WEIGHTS_LEFT_MMA)
+            else:
+                for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
+                    token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
+                    xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
+                    part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
+                    acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+        if MMA == WEIGHTS_LEFT_MMA:
+            acc = tl.trans(acc)
         if INPUT == ADD_NORM:
             if pid == 0:
-                for t in tl.static_range(BLOCK_T):
+                for t in tl.static_range(LOOP_T):
                     if t < T:
                         add_rmsnorm_row(
                             x + t * stride_x, x2 + t * stride_x2, total + t * K, normed + t * K, norm_w, K, eps, True, ROW_BLOCK
@@ -341,7 +413,7 @@ def fused_gemv(
     x and x2 [T, k] have contiguous columns (rows may be strided, e.g. column slices of one buffer);
     GATED_NORM normalises groups of norm_w.numel() columns (ADD_NORM: `residual_norm_gemv`)."""
     _check_gemv_inputs(x, x2, geometry)
-    tiles = gemv_tiles(geometry.n)
+    tiles = gemv_tiles(geometry.n, x.shape[0])
     block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, tiles.block_k)
     norm_d = 1 if norm_w is None else norm_w.numel()
     if block_k % norm_d or x.shape[1] % norm_d or (norm_w is not None and norm_d % 8):
@@ -410,7 +482,8 @@ def _launch_gemv(
     x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
     n = geometry.n
-    tiles = gemv_tiles(n)
+    mma, block_t = t >= MMA_MIN_TOKENS, triton.next_power_of_2(t)
+    tiles = gemv_tiles(n, t)
     add_gated = routed is not None
     routed = routed.contiguous() if add_gated else out
     score = score if add_gated else out
@@ -420,11 +493,11 @@ def _launch_gemv(
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
         out if total is None else total, out if normed is None else normed, out if dense_w is None else dense_w,
         out if dense_out is None else dense_out, t, n, k, dense_n, quantized_programs, g.high_offset, g.scale_offset, g.divisor_offset,
-        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=tiles.block_n,
+        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=max(MMA_BLOCK_T, block_t) if mma else block_t, BLOCK_N=tiles.block_n,
         BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), INPUT=input_op.value, NORM_D=norm_d,
         EPILOGUE=(ADD_GATED if add_gated else STORE).value, ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
-        DENSE=dense_w is not None, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
-        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
+        DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
+        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)), MMA=(MMA_FORM if mma else NO_MMA).value, IEEE=x.dtype == torch.float32,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
 
@@ -444,7 +517,7 @@ def gated_norm_linear(
     matrix-vector kernel's input up to GEMV_MAX_TOKENS tokens, else by `norm.gated_rmsnorm` first."""
     t = x.shape[0]
     flat, gate = x.reshape(t, -1), z.reshape(t, -1)
-    block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, gemv_tiles(geometry.n).block_k)
+    block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, gemv_tiles(geometry.n, t).block_k)
     whole_groups = block_k % norm_w.numel() == 0 and norm_w.numel() % 8 == 0  # per column tile, in whole words
     if t <= GEMV_MAX_TOKENS and flat.stride(1) == 1 and gate.stride(1) == 1 and whole_groups:
         return fused_gemv(flat, data, geometry, gate, GATED_NORM, norm_w=norm_w, eps=eps)

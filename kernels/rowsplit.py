@@ -16,7 +16,8 @@ on whole words keeps the integer work near one instruction per weight:
 * Q8 codes are read as 64-bit words (eight columns), one byte per position at bit 0 or 8.
 
 The matrix-vector kernels multiply the positions by the matching x columns, loaded as positions too
-(`load_positions`, `dot_code_tile`; nvfp4 code tiles come in the same layout); the tiled `tl.dot` kernels interleave them into columns
+(`load_positions`, `dot_code_tile`; nvfp4 code tiles come in the same layout), or for several tokens
+at once dot each scaled position with the tokens' columns on tensor cores (`mma_code_tile`); the tiled `tl.dot` kernels interleave them into columns
 (`interleave_positions`) and scale them (`tiles.load_tile`). Nothing is dequantized in memory.
 `BLOCK_K` is a multiple of 128, so a tile never crosses a row's padded end and padding lanes (code
 0, scale 0) need no mask.
@@ -29,9 +30,9 @@ import triton.language as tl
 
 
 @triton.jit
-def split_positions(xk, BLOCK_K: tl.constexpr):
-    """A tile's columns [BLOCK_K] -> its eight positions [BLOCK_K // 8] (position i = columns 8 j + i), in registers."""
-    even, odd = tl.split(tl.reshape(xk, [BLOCK_K // 8, 2, 2, 2]))
+def _positions_of_words(words):
+    """The eight positions of a tile reshaped to [..., BLOCK_K // 8, 2, 2, 2] (position i: the trailing indices spell i's bits)."""
+    even, odd = tl.split(words)
     p04, p26 = tl.split(even)
     p15, p37 = tl.split(odd)
     x0, x4 = tl.split(p04)
@@ -39,6 +40,18 @@ def split_positions(xk, BLOCK_K: tl.constexpr):
     x1, x5 = tl.split(p15)
     x3, x7 = tl.split(p37)
     return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def split_positions(xk, BLOCK_K: tl.constexpr):
+    """A tile's columns [BLOCK_K] -> its eight positions [BLOCK_K // 8] (position i = columns 8 j + i), in registers."""
+    return _positions_of_words(tl.reshape(xk, [BLOCK_K // 8, 2, 2, 2]))
+
+
+@triton.jit
+def split_token_positions(xk, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Several tokens' tiles [BLOCK_T, BLOCK_K] -> eight positions [BLOCK_T, BLOCK_K // 8], in registers."""
+    return _positions_of_words(tl.reshape(xk, [BLOCK_T, BLOCK_K // 8, 2, 2, 2]))
 
 
 @triton.jit
@@ -155,3 +168,29 @@ def dot_code_tile(codes, scales, xs, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
         products += codes[i] * xs[i].to(tl.float32)[None, :]
     per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), axis=2)
     return tl.sum(per_group * scales, axis=1)
+
+
+@triton.jit
+def mma_code_tile(
+    codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
+):
+    """acc plus the tile's product with several tokens on tensor cores: `xs` are their x columns as
+    positions [BLOCK_T, BLOCK_K // 8] (BLOCK_T >= 16, rows past the tokens zero) in the activation
+    dtype; each position's codes times their group's scale, rounded to that dtype as a dequantized
+    weight, is dotted with the matching x columns (IEEE: float32 without TF32 rounding). acc is
+    [BLOCK_T, BLOCK_N], or with WEIGHTS_LEFT [BLOCK_N, BLOCK_T] (the weights as the left operand)."""
+    per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), [BLOCK_N, BLOCK_K // 8])
+    for i in tl.static_range(8):
+        weights = (codes[i] * per_word).to(xs[i].dtype)
+        if WEIGHTS_LEFT:
+            if IEEE:
+                acc = tl.dot(weights, tl.trans(xs[i]), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(weights, tl.trans(xs[i]), acc)
+        else:
+            if IEEE:
+                acc = tl.dot(xs[i], tl.trans(weights), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xs[i], tl.trans(weights), acc)
+    return acc
