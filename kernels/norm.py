@@ -63,7 +63,8 @@ def residual_inv_rms_rows(x, delta, rows, live, stride_x, stride_delta, D, eps, 
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = live[:, None] & (cols < D)
     rows = rows[:, None].to(tl.int64)
-    sf = residual_sum(tl.load(x + rows * stride_x + cols, mask=mask, other=0.0), tl.load(delta + rows * stride_delta + cols, mask=mask, other=0.0))
+    xv = tl.load(x + rows * stride_x + cols, mask=mask, other=0.0)
+    sf = residual_sum(xv, tl.load(delta + rows * stride_delta + cols, mask=mask, other=0.0))
     return tl.rsqrt(tl.sum(sf * sf, axis=1) / D + eps)
 
 

@@ -76,7 +76,8 @@ FEW_ROWS = 8192
 # cores, whose work grows with every token.
 MMA_MIN_TOKENS = 2
 MMA_BLOCK_T = 16
-NO_MMA, TOKENS_LEFT_MMA, WEIGHTS_LEFT_MMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the kernel's MMA constexpr: which operand the tokens are
+# The kernel's MMA constexpr: CUDA cores, or tensor cores with the tokens or the weights as the left operand.
+NO_MMA, TOKENS_LEFT_MMA, WEIGHTS_LEFT_MMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 MMA_FORM = TOKENS_LEFT_MMA
 MMA_GEMV_TILES = GemvTiles(32, 256, 4, 4)
 WIDE_MMA_GEMV_TILES = GemvTiles(64, 256, 4, 3)
@@ -493,11 +494,13 @@ def _launch_gemv(
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
         out if total is None else total, out if normed is None else normed, out if dense_w is None else dense_w,
         out if dense_out is None else dense_out, t, n, k, dense_n, quantized_programs, g.high_offset, g.scale_offset, g.divisor_offset,
-        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=max(MMA_BLOCK_T, block_t) if mma else block_t, BLOCK_N=tiles.block_n,
+        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=max(MMA_BLOCK_T, block_t) if mma else block_t,
+        BLOCK_N=tiles.block_n,
         BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), INPUT=input_op.value, NORM_D=norm_d,
         EPILOGUE=(ADD_GATED if add_gated else STORE).value, ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
-        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)), MMA=(MMA_FORM if mma else NO_MMA).value, IEEE=x.dtype == torch.float32,
+        DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
+        MMA=(MMA_FORM if mma else NO_MMA).value, IEEE=x.dtype == torch.float32,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
 
