@@ -76,11 +76,12 @@ FEW_ROWS = 8192
 # cores, whose work grows with every token.
 MMA_MIN_TOKENS = 2
 MMA_BLOCK_T = 16
-# The kernel's MMA constexpr: CUDA cores, or tensor cores with the tokens or the weights as the left operand.
-NO_MMA, TOKENS_LEFT_MMA, WEIGHTS_LEFT_MMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-MMA_FORM = TOKENS_LEFT_MMA
+# H200, cold L2, 4 and 8 tokens (bench/results/sweeps/mma_gemv_h200_25fcf36.json): 32 x 256 x 4 warps led on the
+# layers' products (Q8 [12288, 2048] 19.8 us, against 45 on CUDA cores at 8 tokens; the weights as the left
+# operand measured 1.1-1.3x slower), the output head in 64 x 128 tiles (258 us, against 707).
 MMA_GEMV_TILES = GemvTiles(32, 256, 4, 4)
-WIDE_MMA_GEMV_TILES = GemvTiles(64, 256, 4, 3)
+WIDE_MMA_GEMV_TILES = GemvTiles(64, 128, 4, 4)
+NORM_CHUNK = tl.constexpr(256)  # columns per step of the several-token residual norm statistic
 
 
 def gemv_tiles(n: int, tokens: int = 1) -> GemvTiles:
@@ -169,11 +170,12 @@ def _input_positions(
 
 @triton.jit
 def _token_input_positions(
-    x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps,
-    INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, row_inv_rms,
+    INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """`_input_positions` of every token at once: eight positions [BLOCK_T, BLOCK_K // 8] in x's dtype
-    (tokens `toks` past T read zeros; their rows are never stored)."""
+    (tokens `toks` past T read zeros; their rows are never stored). ADD_NORM takes each token's
+    statistic, `row_inv_rms` [BLOCK_T], computed once before the column tiles."""
     W: tl.constexpr = BLOCK_K // 8
     live = toks < T
     tok = toks[:, None].to(tl.int64)
@@ -195,7 +197,7 @@ def _token_input_positions(
         inv_rms = tl.reshape(groups, [BLOCK_T, W])
     if INPUT == ADD_NORM:
         weights = load_positions(norm_w, k0, K, BLOCK_K)
-        inv_rms = inv_rms * residual_inv_rms_rows(x, x2, toks, live, stride_x, stride_x2, K, eps, ROW_BLOCK)[:, None]
+        inv_rms = inv_rms * row_inv_rms[:, None]
     dtype = x.dtype.element_ty
     return (
         _position_input(raw[0], raw2[0], weights[0], inv_rms, INPUT).to(dtype),
@@ -249,7 +251,7 @@ def _quantized_gemv_kernel(
     LOOP_T: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     DENSE_BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr,  # NO_MMA, TOKENS_LEFT_MMA or WEIGHTS_LEFT_MMA
+    MMA: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
@@ -269,23 +271,22 @@ def _quantized_gemv_kernel(
         row_mask = rows < N
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        if MMA == WEIGHTS_LEFT_MMA:
-            acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        row_inv_rms = tl.full([BLOCK_T], 1.0, tl.float32)
+        if MMA and INPUT == ADD_NORM:
+            row_inv_rms = residual_inv_rms_rows(x, x2, toks, toks < T, stride_x, stride_x2, K, eps, NORM_CHUNK)
         for k0 in range(0, K_PAD, BLOCK_K):
             codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
             if MMA:
                 xs = _token_input_positions(
-                    x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K, ROW_BLOCK
+                    x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, row_inv_rms, INPUT, NORM_D, BLOCK_T, BLOCK_K
                 )
-                acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE, MMA == WEIGHTS_LEFT_MMA)
+                acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
             else:
                 for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
                     token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
                     xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
                     part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
                     acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
-        if MMA == WEIGHTS_LEFT_MMA:
-            acc = tl.trans(acc)
         if INPUT == ADD_NORM:
             if pid == 0:
                 for t in tl.static_range(LOOP_T):
@@ -500,7 +501,7 @@ def _launch_gemv(
         EPILOGUE=(ADD_GATED if add_gated else STORE).value, ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        MMA=(MMA_FORM if mma else NO_MMA).value, IEEE=x.dtype == torch.float32,
+        MMA=mma, IEEE=x.dtype == torch.float32,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
 

@@ -171,26 +171,16 @@ def dot_code_tile(codes, scales, xs, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def mma_code_tile(
-    codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    WEIGHTS_LEFT: tl.constexpr,
-):
-    """acc plus the tile's product with several tokens on tensor cores: `xs` are their x columns as
-    positions [BLOCK_T, BLOCK_K // 8] (BLOCK_T >= 16, rows past the tokens zero) in the activation
-    dtype; each position's codes times their group's scale, rounded to that dtype as a dequantized
-    weight, is dotted with the matching x columns (IEEE: float32 without TF32 rounding). acc is
-    [BLOCK_T, BLOCK_N], or with WEIGHTS_LEFT [BLOCK_N, BLOCK_T] (the weights as the left operand)."""
+def mma_code_tile(codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BLOCK_T, BLOCK_N] plus the tile's product with several tokens on tensor cores: `xs` are their
+    x columns as positions [BLOCK_T, BLOCK_K // 8] (BLOCK_T >= 16, rows past the tokens zero) in the
+    activation dtype; each position's codes times their group's scale, rounded to that dtype as a
+    dequantized weight, is dotted with the matching x columns (IEEE: float32 without TF32 rounding)."""
     per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), [BLOCK_N, BLOCK_K // 8])
     for i in tl.static_range(8):
         weights = (codes[i] * per_word).to(xs[i].dtype)
-        if WEIGHTS_LEFT:
-            if IEEE:
-                acc = tl.dot(weights, tl.trans(xs[i]), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(weights, tl.trans(xs[i]), acc)
+        if IEEE:
+            acc = tl.dot(xs[i], tl.trans(weights), acc, input_precision="ieee")
         else:
-            if IEEE:
-                acc = tl.dot(xs[i], tl.trans(weights), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xs[i], tl.trans(weights), acc)
+            acc = tl.dot(xs[i], tl.trans(weights), acc)
     return acc
