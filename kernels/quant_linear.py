@@ -6,10 +6,10 @@ decoder (`kernels/tiles.py`). Three paths by token count:
 * up to `GEMV_MAX_TOKENS` tokens (decode, verification of a few drafts, small decode batches): a
   matrix-vector kernel. Each program owns a few rows and walks the whole row in wide tiles,
   decoding each tile once (`load_gemv_tile`); one token multiplies the codes by its x in registers
-  (`dot_code_tile`), from `MMA_MIN_TOKENS` tokens the scaled codes go through tensor cores with
-  every token at once (`mma_code_tile`, the token block padded to 16 rows), so a verification or a
-  small batch reads the weights once for about the cost of one token: no split-K partial sums, one
-  launch. `fused_gemv` is the same
+  (`dot_code_tile`, every token count with the same per-token arithmetic); from `MMA_MIN_TOKENS`
+  tokens (a decode batch) the scaled codes go through tensor cores with every token at once
+  (`mma_code_tile`, the token block padded to 16 rows): no split-K partial sums, one launch.
+  `fused_gemv` is the same
   kernel with the elementwise step before or after a product folded in: its input computed as it
   is read (SwiGLU of gate/up, x * sigmoid(gate) for the attention output, the GDN output's gated
   RMSNorm per head: `gated_linear`, `gated_norm_linear`, `shared_expert.shared_expert`) and its
@@ -72,9 +72,11 @@ WIDE_GEMV_TILES = GemvTiles(32, 512, 4, 3)
 WIDE_GEMV_MIN_ROWS = 65536
 FEW_ROWS = 8192
 # From this many tokens the matrix-vector kernel multiplies on tensor cores (every token at once, the
-# token block padded to MMA_BLOCK_T rows; rows per program at least 16) instead of per token on CUDA
-# cores, whose work grows with every token.
-MMA_MIN_TOKENS = 2
+# token block padded to MMA_BLOCK_T rows) instead of per token on CUDA cores, whose work grows with every
+# token: batched decode. Up to 6 tokens (a verification of up to 5 drafts) every token's row keeps the
+# one-token arithmetic bit for bit, so greedy output with speculation equals greedy output without it
+# (at 4 tokens the two paths cost about the same on the H200: 19.8 against 21 us for [12288, 2048]).
+MMA_MIN_TOKENS = 7
 MMA_BLOCK_T = 16
 # H200, cold L2, 4 and 8 tokens (bench/results/sweeps/mma_gemv_h200_25fcf36.json): 32 x 256 x 4 warps led on the
 # layers' products (Q8 [12288, 2048] 19.8 us, against 45 on CUDA cores at 8 tokens; the weights as the left
