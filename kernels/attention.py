@@ -24,6 +24,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # 256 takes 10.6 / 12.8 / 34.6 us at 1K / 8K / 32K cached rows, 128 takes 9.5 / 16.2 / 52.9 (more
 # partial softmaxes to merge), 64 takes 14.5 / 26.6 / 91.9.
 SPAN = 256
+# Bytes of partial softmaxes (fp32 max, sum and weighted values per token row, query head and span) a
+# decode launch may hold: where a sequence's capacity in SPAN-row spans would exceed it, the spans grow
+# (powers of two) instead. 32 rows (a captured prompt chunk, 8 sequences verifying 3 drafts) keep one
+# span per SPAN rows up to a 38K capacity; at a 256K capacity their partials took 0.54 GB (2,048-row
+# spans now: 68 MB). The planner counts this much workspace
+# (`planner.memory.DECODE_PARTIAL_BYTES`, the same number).
+DECODE_PARTIAL_BYTES = 80 << 20
 # Spans the merge combines per step.
 MERGE_BLOCK = 16
 # SDPA backends a prefill may take: not cuDNN's, which torch prefers on Hopper and which builds an
@@ -133,28 +140,41 @@ def _decode_merge_kernel(
     tl.store(out + h * D + dims, result.to(out.dtype.element_ty), mask=dmask)
 
 
+def decode_span(capacity: int, bytes_per_span: int) -> int:
+    """Cached rows per decode program: SPAN, or the smallest larger power of two that keeps the partial
+    softmaxes of a capacity's spans (`bytes_per_span` each) within DECODE_PARTIAL_BYTES."""
+    span = SPAN
+    while span < capacity and triton.cdiv(capacity, span) * bytes_per_span > DECODE_PARTIAL_BYTES:
+        span *= 2
+    return span
+
+
 def attention_decode(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-    tokens_per_sequence: int, capacity: int,
+    tokens_per_sequence: int, capacity: int, budget_rows: int = 0,
 ) -> torch.Tensor:
     """The B = len(slots) sequences of T new tokens q [N, Hq, D] over their slots' rows of the flat pools
     k_pool/v_pool [rows, Hkv, D] (slot s owns rows [s * capacity, (s + 1) * capacity)); token t of
-    sequence b sees its first lengths[b] - (T-1-t) rows. Returns [N, Hq, D]."""
+    sequence b sees its first lengths[b] - (T-1-t) rows. The span length keeps the partial softmaxes of
+    max(N, budget_rows) rows within DECODE_PARTIAL_BYTES: an engine passes the most rows any of its
+    steps attends with, so every launch splits alike and a token's result does not depend on its
+    step's other rows. Returns [N, Hq, D]."""
     n, hq, d = q.shape
     hkv = k_pool.shape[1]
-    nsplit = max(1, triton.cdiv(capacity, SPAN))
+    span = decode_span(capacity, max(n, budget_rows) * hq * (d + 2) * 4)
+    nsplit = max(1, triton.cdiv(capacity, span))
     part_out = torch.empty(n, hq, nsplit, d, dtype=torch.float32, device=q.device)
     part_max = torch.empty(n, hq, nsplit, dtype=torch.float32, device=q.device)
     part_sum = torch.empty(n, hq, nsplit, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(hkv, nsplit, n)](
         q.contiguous(), k_pool, v_pool, slots, lengths, part_out, part_max, part_sum, d**-0.5, k_pool.stride(0), capacity,
         tokens_per_sequence, HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d),
-        GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=SPAN, BLOCK_S=64, IEEE=q.dtype == torch.float32,
+        GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=span, BLOCK_S=64, IEEE=q.dtype == torch.float32,
     )
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(n * hq,)](
         part_out, part_max, part_sum, lengths, out, nsplit, tokens_per_sequence,
-        HQ=hq, D=d, D_PAD=triton.next_power_of_2(d), SPAN_SIZE=SPAN, BLOCK_SPLIT=MERGE_BLOCK,
+        HQ=hq, D=d, D_PAD=triton.next_power_of_2(d), SPAN_SIZE=span, BLOCK_SPLIT=MERGE_BLOCK,
     )
     return out
 

@@ -177,6 +177,6 @@ class TritonBackend(ReferenceBackend):
         return attention.attention_prefill(q, k_cache, v_cache, start)
 
     def attention_decode(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: StepContext, capacity: int
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: StepContext, capacity: int, budget_rows: int = 0
     ) -> torch.Tensor:
-        return attention.attention_decode(q, k_pool, v_pool, ctx.slots, ctx.lengths, ctx.tokens_per_sequence, capacity)
+        return attention.attention_decode(q, k_pool, v_pool, ctx.slots, ctx.lengths, ctx.tokens_per_sequence, capacity, budget_rows)

@@ -109,8 +109,14 @@ def state_pool_bytes(
     }
 
 
+# The most bytes of partial softmaxes one decode-attention launch holds (`kernels.attention.DECODE_PARTIAL_BYTES`,
+# the same number: its spans grow with the capacity to stay within it).
+DECODE_PARTIAL_BYTES = 80 << 20
+
+
 def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
-    """Prefill activations of one chunk plus the logits of one decode step (bf16 activations).
+    """Prefill activations of one chunk plus the logits of one decode step (bf16 activations) and the
+    decode attention's partial softmaxes.
 
     Per prefill token: residual, normed input, mixer output and MoE output (4 x hidden), the widest
     mixer projection (GDN q|k|v|z or attention q|gate|k|v), the routed experts' gate/up output and
@@ -125,7 +131,7 @@ def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
     )
     per_token += FP32 * shape.top_k * shape.hidden
     logits = FP32 * shape.vocab * options.concurrency * (1 + options.draft_count)
-    return options.prefill_chunk * per_token + logits
+    return options.prefill_chunk * per_token + logits + DECODE_PARTIAL_BYTES
 
 
 # Slots of each of the two prefill staging buffers of an offloaded load (`runtime.prefill_staging`): a prefill

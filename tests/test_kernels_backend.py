@@ -315,7 +315,7 @@ def _kv_pools(capacity: int, hkv: int, d: int, slots: list[int], lengths: list[i
     return pools
 
 
-def _check_attention_decode(batch, tokens, starts, capacity, q_dtype, kv_dtype, tol):
+def _check_attention_decode(batch, tokens, starts, capacity, q_dtype, kv_dtype, tol, budget_rows=0):
     hq, hkv, d = 8, 2, 48
     gen = _gen(18)
     slots, starts = SLOTS[:batch], starts[:batch]
@@ -325,11 +325,11 @@ def _check_attention_decode(batch, tokens, starts, capacity, q_dtype, kv_dtype, 
     k_dev, v_dev = k_pool.to(DEVICE).to(kv_dtype), v_pool.to(DEVICE).to(kv_dtype)
     ref = REF.attention_decode(q, k_dev.cpu().to(q_dtype), v_dev.cpu().to(q_dtype), ctx, capacity)
     backend = _backend()
-    out = backend.attention_decode(q.to(DEVICE), k_dev, v_dev, ctx, capacity)
+    out = backend.attention_decode(q.to(DEVICE), k_dev, v_dev, ctx, capacity, budget_rows)
     assert out.dtype == q_dtype and _close(out, ref, tol)
     if batch > 1:  # a sequence's result does not depend on the others in its step
         one = backend.attention_decode(
-            q[tokens : 2 * tokens].to(DEVICE), k_dev, v_dev, _step(slots[1:2], starts[1:2], tokens, capacity), capacity
+            q[tokens : 2 * tokens].to(DEVICE), k_dev, v_dev, _step(slots[1:2], starts[1:2], tokens, capacity), capacity, budget_rows
         )
         assert torch.equal(one, out[tokens : 2 * tokens])
 
@@ -341,6 +341,20 @@ def _check_attention_decode(batch, tokens, starts, capacity, q_dtype, kv_dtype, 
 @pytest.mark.parametrize("batch,tokens", STEPS)
 def test_attention_decode(batch, tokens, dtype, tol):
     _check_attention_decode(batch, tokens, [255, 0, 296], 300, dtype, dtype, tol)
+
+
+def test_attention_decode_spans_grow_within_the_partial_budget(monkeypatch):
+    """Where a capacity's spans would hold more partial softmaxes than the budget for the engine's most
+    rows, each span covers more rows: the result is still the reference's, and a sequence gets the same
+    result alone as in its batch (both launches size their spans for the same rows)."""
+    from ninfer_offload.kernels import attention
+    from ninfer_offload.planner import memory
+
+    assert memory.DECODE_PARTIAL_BYTES == attention.DECODE_PARTIAL_BYTES  # the planner counts what the kernel holds
+    rows, per_span = 9, 9 * 8 * (48 + 2) * 4  # 3 sequences x 3 tokens, 8 query heads of 48
+    monkeypatch.setattr(attention, "DECODE_PARTIAL_BYTES", 2 * per_span)
+    assert attention.decode_span(1000, per_span) == 512 and attention.decode_span(300, per_span) == 256
+    _check_attention_decode(3, 3, [700, 0, 296], 1000, torch.float32, torch.float32, 1e-5, budget_rows=rows)
 
 
 @pytest.mark.gpu

@@ -78,5 +78,5 @@ class GatedAttention:
             (slot,), (start,) = ctx.host_view()
             out = backend.attention_prefill(q, *state.kv_of(self.key, slot), start)
         else:
-            out = backend.attention_decode(q, k_pool, v_pool, ctx, state.capacity)
+            out = backend.attention_decode(q, k_pool, v_pool, ctx, state.capacity, state.attention_rows)
         return backend.gated_linear(out.reshape(t, -1), gate, self.output)

@@ -93,7 +93,7 @@ class Backend(Protocol):
     ) -> torch.Tensor: ...
     def attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor: ...
     def attention_decode(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: StepContext, capacity: int
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: StepContext, capacity: int, budget_rows: int = 0
     ) -> torch.Tensor: ...
 
 
@@ -334,11 +334,12 @@ class ReferenceBackend:
         return (probs @ values).transpose(0, 1)
 
     def attention_decode(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: StepContext, capacity: int
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: StepContext, capacity: int, budget_rows: int = 0
     ) -> torch.Tensor:
         """Attention of each sequence's T new tokens q [N, Hq, D] (their K/V already written) over its
         slot's rows of the flat pools [slots * capacity + ..., Hkv, D]: token t of a sequence sees the
-        rows before it and itself. Returns [N, Hq, D]."""
+        rows before it and itself. `budget_rows`: the most rows the engine's steps attend with (sizes a
+        kernel's workspace; unused here). Returns [N, Hq, D]."""
         t = ctx.tokens_per_sequence
         out = []
         for b, (slot, start) in enumerate(zip(*ctx.host_view())):

@@ -35,6 +35,7 @@ class StatePool:
         self.sequences = sequences
         self.capacity = capacity
         self.draft_tokens = draft_tokens
+        self.scratch_rows = scratch_rows
         self.scratch_slot = sequences
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[int, torch.Tensor] = {}
@@ -61,6 +62,11 @@ class StatePool:
     def step_tokens(self) -> int:
         """Most tokens one sequence may add in one step (1 + the drafts a step can verify)."""
         return 1 + self.draft_tokens
+
+    @property
+    def attention_rows(self) -> int:
+        """Most token rows one step attends with: every sequence's step tokens, or a captured prompt chunk."""
+        return max(self.sequences * self.step_tokens, self.scratch_rows)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer of the pool."""
