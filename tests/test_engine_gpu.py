@@ -75,14 +75,18 @@ def test_captured_short_prefill_equals_the_eager_one(tiny_artifact_official):
     assert {key[2] for key in engines[0].graphs.graphs if key[0] == "prefill"} == {8, 32}
 
 
-def test_cuda_step_batch_equals_single_steps(tiny_artifact_official):
-    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend="reference", max_sequences=4, spec="none")
-    batched, single = [engine.session() for _ in range(2)], [engine.session() for _ in range(2)]
+@pytest.mark.parametrize("backend,batch", [("reference", 2), ("triton", 2), ("triton", 8)])
+def test_cuda_step_batch_equals_single_steps(tiny_artifact_official, backend, batch):
+    """A batched step equals each sequence's own step, for mixed lengths; 8 sequences take the graph of the
+    8-row bucket, whose products run on tensor cores (one sequence's on CUDA cores): equal to fp32 rounding."""
+    engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend=backend, max_sequences=2 * batch, spec="none")
+    batched, single = [engine.session() for _ in range(batch)], [engine.session() for _ in range(batch)]
     for sessions in (batched, single):
-        sessions[0].prefill(PROMPT[:9])
-        sessions[1].prefill(PROMPT)
-    out = engine.step_batch(batched, [3, 4])
-    expected = torch.stack([single[0].step(3), single[1].step(4)])
+        for i, session in enumerate(sessions):
+            session.prefill(PROMPT[: 9 + 5 * i])
+    tokens = [3 + i for i in range(batch)]
+    out = engine.step_batch(batched, tokens)
+    expected = torch.stack([session.step(token) for session, token in zip(single, tokens)])
     assert _relative(out, expected) < 1e-5
 
 
