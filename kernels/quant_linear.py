@@ -6,9 +6,9 @@ decoder (`kernels/tiles.py`). Three paths by token count:
 * up to `GEMV_MAX_TOKENS` tokens (decode, verification of a few drafts, small decode batches): a
   matrix-vector kernel. Each program owns a few rows and walks the whole row in wide tiles,
   decoding each tile once (`load_gemv_tile`); one token multiplies the codes by its x in registers
-  (`dot_code_tile`, every token count with the same per-token arithmetic); from `MMA_MIN_TOKENS`
-  tokens (a decode batch) the scaled codes go through tensor cores with every token at once
-  (`mma_code_tile`, the token block padded to 16 rows): no split-K partial sums, one launch.
+  (`dot_code_tile`); several tokens of a large product (`MMA_MIN_ROWS`) go through tensor cores
+  with every token at once (`mma_code_tile`: the scaled codes, the token block padded to 16 rows),
+  smaller products keep per-token multiply-adds: no split-K partial sums, one launch.
   `fused_gemv` is the same
   kernel with the elementwise step before or after a product folded in: its input computed as it
   is read (SwiGLU of gate/up, x * sigmoid(gate) for the attention output, the GDN output's gated
@@ -71,12 +71,13 @@ GEMV_TILES = GemvTiles(16, 2048, 8, 3)
 WIDE_GEMV_TILES = GemvTiles(32, 512, 4, 3)
 WIDE_GEMV_MIN_ROWS = 65536
 FEW_ROWS = 8192
-# From this many tokens the matrix-vector kernel multiplies on tensor cores (every token at once, the
-# token block padded to MMA_BLOCK_T rows) instead of per token on CUDA cores, whose work grows with every
-# token: batched decode. Up to 6 tokens (a verification of up to 5 drafts) every token's row keeps the
-# one-token arithmetic bit for bit, so greedy output with speculation equals greedy output without it
-# (at 4 tokens the two paths cost about the same on the H200: 19.8 against 21 us for [12288, 2048]).
-MMA_MIN_TOKENS = 7
+# Products of at least MMA_MIN_ROWS rows multiply several tokens (from MMA_MIN_TOKENS) on tensor cores
+# (every token at once, the token block padded to MMA_BLOCK_T rows) instead of per token on CUDA cores,
+# whose work grows with every token. H200, cold L2, 4 tokens: [12288, 2048] Q8 19.9 us against 29.1, the
+# output head 259 against ~420; smaller products gain nothing ([2048, 4096] 15.2 against 10.4, [1024, 2048]
+# 8.6 against ~5; at 8 tokens about even) and keep the CUDA-core path up to GEMV_MAX_TOKENS.
+MMA_MIN_TOKENS = 2
+MMA_MIN_ROWS = FEW_ROWS
 MMA_BLOCK_T = 16
 # H200, cold L2, 4 and 8 tokens (bench/results/sweeps/mma_gemv_h200_25fcf36.json): 32 x 256 x 4 warps led on the
 # layers' products (Q8 [12288, 2048] 19.8 us, against 45 on CUDA cores at 8 tokens; the weights as the left
@@ -88,7 +89,7 @@ NORM_CHUNK = tl.constexpr(256)  # columns per step of the several-token residual
 
 def gemv_tiles(n: int, tokens: int = 1) -> GemvTiles:
     """The matrix-vector launch shape for a product with n output rows and `tokens` tokens."""
-    if tokens >= MMA_MIN_TOKENS:
+    if tokens >= MMA_MIN_TOKENS and n >= MMA_MIN_ROWS:
         return WIDE_MMA_GEMV_TILES if n >= WIDE_GEMV_MIN_ROWS else MMA_GEMV_TILES
     if n >= WIDE_GEMV_MIN_ROWS:
         return WIDE_GEMV_TILES
@@ -486,7 +487,7 @@ def _launch_gemv(
     x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
     n = geometry.n
-    mma, block_t = t >= MMA_MIN_TOKENS, triton.next_power_of_2(t)
+    mma, block_t = t >= MMA_MIN_TOKENS and n >= MMA_MIN_ROWS, triton.next_power_of_2(t)
     tiles = gemv_tiles(n, t)
     add_gated = routed is not None
     routed = routed.contiguous() if add_gated else out
