@@ -83,6 +83,11 @@ SHARED_DOWN_MIN_TOKENS = 2
 # program per 16 rows walking the 8 experts (the kernel it replaced).
 SPLIT_DOWN_N, SPLIT_DOWN_WARPS = 32, 2
 GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
+# Several tokens: the gate/up kernel keeps its decoded gate and up tiles live across the token loop, so
+# the one-token tiles spill at 8 tokens (255 registers and 368 bytes of stack per thread in the sm_90
+# cubin); 8 rows x 512 columns x 4 warps keep them in 159 registers. H200, cold L2, 4 tokens
+# (bench/results/kernels_h200_cold_cfce028.json): 58.8 us per layer against 69.0 (one token: 15.1 against 14.4).
+BATCH_GEMV_TILES = Tiles(1, 8, 8, 4, 512, 4)
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
@@ -641,7 +646,7 @@ def _routed_experts_gemv(
 ) -> torch.Tensor:
     """The matrix-vector path of `routed_experts` (few pairs)."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
-    ids, tiles = topk_ids.contiguous(), GEMV_TILES
+    ids, tiles = topk_ids.contiguous(), GEMV_TILES if t == 1 else BATCH_GEMV_TILES
     pairs = t * top_k
     block_t, block_pairs = triton.next_power_of_2(t), triton.next_power_of_2(pairs)
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)

@@ -122,7 +122,8 @@ def _routed_gemv(ids, w, monkeypatch, seed: int):
     evaluation of the codec's values."""
     from ninfer_offload.kernels import moe
 
-    monkeypatch.setattr(moe, "GEMV_TILES", dataclasses.replace(moe.GEMV_TILES, block_k=64))
+    for tiles in ("GEMV_TILES", "BATCH_GEMV_TILES"):
+        monkeypatch.setattr(moe, tiles, dataclasses.replace(getattr(moe, tiles), block_k=64))
     monkeypatch.setattr(moe, "_gate_up_swiglu_kernel", _NotLaunched())
     hidden, inter, experts = 128, 128, 4
     layout, records, weights = _records("nvfp4", "nvfp4", hidden, inter, experts, seed=seed, tile_divisors=True)
