@@ -18,7 +18,7 @@ from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, quant_linear, rotary, router, shared_expert
 from ninfer_offload.kernels.dense_linear import dense_linear
 from ninfer_offload.kernels.quant_linear import gated_linear, gated_norm_linear, quantized_linear
-from ninfer_offload.model.backend import Input, ReferenceBackend, ResidualNorm, Weight
+from ninfer_offload.model.backend import Input, ReferenceBackend, ResidualNorm, SharedExpert, Weight
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank
 
@@ -128,12 +128,12 @@ class TritonBackend(ReferenceBackend):
         return router.softmax_topk(logits, top_k, dtype)
 
     def routed_experts(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, shared: SharedExpert | None = None
     ) -> torch.Tensor:
         if not isinstance(experts.layout, ExpertRecordLayout):
-            return super().routed_experts(x, topk_ids, topk_weights, experts)
+            return super().routed_experts(x, topk_ids, topk_weights, experts, shared)
         return moe.routed_experts(
-            x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout, host_records=experts.host is not None
+            x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout, host_records=experts.host is not None, shared=shared
         )
 
     def routed_experts_split(

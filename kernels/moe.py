@@ -21,7 +21,10 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
   kernel 1 computes gate and up rows and applies SwiGLU. For one token, kernel 2 runs a program
   per (slice of output rows, slot): each writes its expert's rounded, weighted rows (fp32) and the
   last of a slice's k programs to arrive sums them in slot order (an atomic count per slice, so no
-  reduction is launched and the k experts are read in parallel); for several, the down kernel
+  reduction is launched and the k experts are read in parallel). Given the MoE block's shared expert
+  (`SharedExpert`), one more program per slice computes its down rows (SwiGLU of its gate/up, scaled
+  by sigmoid of its score) in the same launch and the last arriver adds them to the rounded routed
+  sum, as `shared_expert` would after it: one launch fewer per layer. For several tokens, the down kernel
   shares each expert the same way and the k weighted rows of each token are summed in the same
   fixed order (a launch of its own).
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
@@ -48,8 +51,11 @@ import triton
 import triton.language as tl
 
 from ninfer_offload.artifact.records import ExpertRecordLayout
-from ninfer_offload.kernels.reduce import sum_middle
+from ninfer_offload.model.backend import SharedExpert
+from ninfer_offload.kernels import shared_expert
 from ninfer_offload.kernels.nvfp4 import load_divisors
+from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
+from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile
 
@@ -330,6 +336,40 @@ def _down_shared_gemv_kernel(
 
 
 @triton.jit
+def _routed_down_rows(
+    act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
+    NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """float32 [BLOCK_N]: rows `rows` of pair `pair`'s expert down product, rounded, times its routing weight."""
+    down = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256) + down_offset
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        xs = load_positions(act + pair * I, k0, I, BLOCK_K)
+        acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    if NVFP4:
+        acc = acc / load_divisors(down, rows, row_mask, divisor_offset)
+    return acc.to(act.dtype.element_ty).to(tl.float32) * tl.load(weights + pair).to(tl.float32)
+
+
+@triton.jit
+def _shared_expert_rows(
+    gate, up, stride_gate, stride_up, down, score, stride_score, S, high_offset, scale_offset, divisor_offset, tok, rows, row_mask,
+    NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """float32 [BLOCK_N]: rows `rows` of token `tok`'s shared expert, sigmoid(score) * SwiGLU(gate, up) @ down^T,
+    rounded where `shared_expert.shared_expert` rounds (before the routed output is added)."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        xs = input_positions(gate, up, tok * stride_gate, tok * stride_up, k0, S, gate, 0.0, SWIGLU, 1, BLOCK_K, 1)
+        acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    if NVFP4:
+        acc = acc / load_divisors(down, rows, row_mask, divisor_offset)
+    sv = tl.load(score + tok * stride_score)
+    gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
+    return (gated * acc.to(sv.dtype).to(tl.float32)).to(sv.dtype).to(tl.float32)
+
+
+@triton.jit
 def _down_split_gemv_kernel(
     act,
     arena,
@@ -345,6 +385,17 @@ def _down_split_gemv_kernel(
     high_offset,
     scale_offset,
     divisor_offset,
+    gate,
+    up,
+    stride_gate,
+    stride_up,
+    shared_down,
+    score,
+    stride_score,
+    S,
+    s_high_offset,
+    s_scale_offset,
+    s_divisor_offset,
     TOP_K: tl.constexpr,
     NVFP4: tl.constexpr,
     BITS: tl.constexpr,
@@ -352,29 +403,50 @@ def _down_split_gemv_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SHARED_EXPERT: tl.constexpr,
+    S_NVFP4: tl.constexpr,
+    S_BITS: tl.constexpr,
+    S_GROUP: tl.constexpr,
+    S_K_PAD: tl.constexpr,
+    S_BLOCK_K: tl.constexpr,
 ):
     """A program per (row slice, slot, token): its expert's down rows, rounded and weighted, into
-    `partial` (float32); the last of a slice's TOP_K programs to arrive (`arrivals`, zero between
-    launches) sums the slice's TOP_K rows in slot order into `out` and zeroes its count again."""
+    `partial` (float32); with SHARED_EXPERT a program per (row slice, token) more: the shared
+    expert's down rows of SwiGLU(gate, up) (object `shared_down`, S columns), rounded and scaled by
+    sigmoid(score) as `shared_expert` rounds them. The last of a slice's programs to arrive
+    (`arrivals`, zero between launches) sums the slice's TOP_K routed rows in slot order into `out`
+    (plus the shared expert's rows after rounding the routed sum) and zeroes its count again."""
     block, j, tok = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_mask = rows < H
+    slots: tl.constexpr = TOP_K + SHARED_EXPERT
     pair = tok * TOP_K + j
-    down = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256) + down_offset
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        xs = load_positions(act + pair * I, k0, I, BLOCK_K)
-        acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    if NVFP4:
-        acc = acc / load_divisors(down, rows, row_mask, divisor_offset)
-    y = acc.to(act.dtype.element_ty).to(tl.float32) * tl.load(weights + pair).to(tl.float32)
-    tl.store(partial + pair * H + rows, y, mask=row_mask)
+    if SHARED_EXPERT:
+        if j == TOP_K:
+            y = _shared_expert_rows(
+                gate, up, stride_gate, stride_up, shared_down, score, stride_score, S, s_high_offset, s_scale_offset, s_divisor_offset,
+                tok, rows, row_mask, S_NVFP4, S_BITS, S_GROUP, S_K_PAD, BLOCK_N, S_BLOCK_K,
+            )
+        else:
+            y = _routed_down_rows(
+                act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
+                NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
+            )
+    else:
+        y = _routed_down_rows(
+            act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
+            NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
+        )
+    tl.store(partial + (tok * slots + j) * H + rows, y, mask=row_mask)
     tl.debug_barrier()  # every thread's rows are written before the release below
     count = arrivals + tok * tl.num_programs(0) + block
-    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
+    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == slots - 1:
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for s in tl.static_range(TOP_K):  # read through L2: other programs wrote these rows
-            total += tl.load(partial + (tok * TOP_K + s) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+            total += tl.load(partial + (tok * slots + s) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+        if SHARED_EXPERT:  # the routed output, rounded, plus the shared expert's rows (`shared_expert`'s order)
+            shared = tl.load(partial + (tok * slots + TOP_K) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+            total = total.to(out.dtype.element_ty).to(tl.float32) + shared
         tl.store(out + tok * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
         tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
@@ -525,16 +597,19 @@ def routed_experts(
     table: torch.Tensor,
     layout: ExpertRecordLayout,
     host_records: bool = False,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
-    """Routed-experts output [T, H] in x's dtype; expert e's record starts `table[e]` bytes (int64, a
-    multiple of 256) after the start of the uint8 tensor `arena`. `host_records`: some records are in
-    host memory, read over PCIe (the tiled kernels then read rows in long runs)."""
+    """Routed-experts output [T, H] in x's dtype, plus `shared`'s rows when given (the MoE block's
+    output: one token's in the same launch as its routed down rows, else `shared_expert` after them);
+    expert e's record starts `table[e]` bytes (int64, a multiple of 256) after the start of the uint8
+    tensor `arena`. `host_records`: some records are in host memory, read over PCIe (the tiled
+    kernels then read rows in long runs)."""
     t, hidden = x.shape
     gu, dn = _geometries(layout, hidden)
     x = x.contiguous()
     pairs = t * topk_ids.shape[1]
     if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS:
-        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn)
+        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared)
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
     if pairs <= PAIR_PLAN_MAX:
         plan = plan_pairs(topk_ids, tiles.block_m)
@@ -546,7 +621,12 @@ def routed_experts(
         _prefill_tiled(args, act, weighted, None, EVERY_BLOCK, host_records)
     else:
         _tiled(*args, tiles, act, weighted)
-    return sum_middle(weighted.view(t, -1, hidden), x.dtype)
+    return _with_shared(sum_middle(weighted.view(t, -1, hidden), x.dtype), shared)
+
+
+def _with_shared(routed: torch.Tensor, shared: SharedExpert | None) -> torch.Tensor:
+    """The routed output plus the shared expert's rows (`shared_expert`), if any."""
+    return routed if shared is None else shared_expert.shared_expert(shared.gate, shared.up, shared.down, routed, shared.score)
 
 
 def routed_experts_split(
@@ -643,6 +723,7 @@ def _routed_experts_gemv(
     layout: ExpertRecordLayout,
     gu: TileGeometry,
     dn: TileGeometry,
+    shared: SharedExpert | None,
 ) -> torch.Tensor:
     """The matrix-vector path of `routed_experts` (few pairs)."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
@@ -658,22 +739,29 @@ def _routed_experts_gemv(
     weights = topk_weights.contiguous()
     blocks = triton.cdiv(hidden, SPLIT_DOWN_N)
     if t < SHARED_DOWN_MIN_TOKENS and t * blocks <= ARRIVAL_COUNTS:  # a program per (row slice, slot), no sum launch
-        out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
-        partial = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
-        _down_split_gemv_kernel[(blocks, top_k, t)](
-            act, arena, table, ids, weights, partial, _arrivals(x.device), out, hidden, inter, layout.down_offset,
-            dn.high_offset, dn.scale_offset, dn.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
-            K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=SPLIT_DOWN_WARPS,
-            num_stages=tiles.stages,
+        fold = (  # the shared expert's programs in this launch: a quantized down matrix, gate/up of contiguous columns
+            shared is not None and not isinstance(shared.down, torch.Tensor) and shared.gate.stride(1) == 1 and shared.up.stride(1) == 1
         )
-        return out
+        out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
+        partial = torch.empty(pairs + fold * t, hidden, device=x.device, dtype=torch.float32)
+        gate, up, score = (shared.gate, shared.up, shared.score) if fold else (x, x, x)
+        s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
+        _down_split_gemv_kernel[(blocks, top_k + fold, t)](
+            act, arena, table, ids, weights, partial, _arrivals(x.device), out, hidden, inter, layout.down_offset,
+            dn.high_offset, dn.scale_offset, dn.divisor_offset, gate, up, gate.stride(0), up.stride(0), s_data, score, score.stride(0),
+            gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
+            GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), SHARED_EXPERT=fold,
+            S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=gemv_block_k(sg.k_pad, tiles.block_k),
+            num_warps=SPLIT_DOWN_WARPS, num_stages=tiles.stages,
+        )
+        return out if fold else _with_shared(out, shared)
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     _down_shared_gemv_kernel[(pairs, triton.cdiv(hidden, tiles.down_n))](
         act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
         dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
         K_PAD=dn.k_pad, BLOCK_N=tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    return sum_middle(weighted.view(t, top_k, hidden), x.dtype)
+    return _with_shared(sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
 
 
 # Arrival counts of the split down kernel: int32 zeros, one buffer per device, left zeroed by every

@@ -136,7 +136,7 @@ def _position_input(xv, x2v, wv, inv_rms, INPUT: tl.constexpr):
 
 
 @triton.jit
-def _input_positions(
+def input_positions(
     x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr
 ):
     """One token's input tile as the eight positions of `rowsplit.load_positions` (`_position_input`);
@@ -176,7 +176,7 @@ def _token_input_positions(
     x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, row_inv_rms,
     INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """`_input_positions` of every token at once: eight positions [BLOCK_T, BLOCK_K // 8] in x's dtype
+    """`input_positions` of every token at once: eight positions [BLOCK_T, BLOCK_K // 8] in x's dtype
     (tokens `toks` past T read zeros; their rows are never stored). ADD_NORM takes each token's
     statistic, `row_inv_rms` [BLOCK_T], computed once before the column tiles."""
     W: tl.constexpr = BLOCK_K // 8
@@ -287,7 +287,7 @@ def _quantized_gemv_kernel(
             else:
                 for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
                     token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
-                    xs = _input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
+                    xs = input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
                     part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
                     acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
         if INPUT == ADD_NORM:

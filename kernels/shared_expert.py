@@ -1,6 +1,8 @@
 """The shared expert's output after its gate/up product: `routed + sigmoid(score) * (silu(gate) * up) @ W_down^T`.
 
-Reference op: `ReferenceBackend.shared_expert(gate, up, down, routed, score)`. Up to
+Reference op: `ReferenceBackend.shared_expert(gate, up, down, routed, score)`. One token's shared
+expert usually runs inside the routed experts' down launch (`moe.routed_experts` with a
+`SharedExpert`, the same roundings); otherwise, up to
 `GEMV_MAX_TOKENS` tokens of a quantized down matrix (decode) it is one launch of the
 matrix-vector kernel (`quant_linear.fused_gemv`): it computes SwiGLU of the gate/up columns as it
 reads them and adds the score-gated rows to the routed output in its epilogue (no intermediate

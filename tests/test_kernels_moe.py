@@ -69,6 +69,35 @@ def test_routed_experts_match_reference(gate_up_fmt, down_fmt):
         _assert_matches_reference(records, x, ids, w)
 
 
+@pytest.mark.parametrize("shared_fmt", ["q8_g32_fp16", "q6_g64_fp16"])
+@pytest.mark.parametrize("tokens", [1, 2, 30])
+def test_the_shared_expert_with_the_routed_ones_equals_it_after_them(shared_fmt, tokens):
+    """With the MoE block's shared expert given, routed_experts returns the block's output: one token's
+    shared rows come from programs of the routed down launch (the last arriving program adds them to the
+    rounded routed sum), more tokens' from `shared_expert` after the routed experts; both equal the
+    routed output followed by `shared_expert` (the shared rows reduced by other programs: to rounding)."""
+    from ninfer_offload.kernels.moe import record_table, routed_experts
+    from ninfer_offload.kernels.shared_expert import shared_expert
+    from ninfer_offload.artifact.formats import GROUPED_FORMATS
+    from ninfer_offload.model.backend import SharedExpert
+    from ninfer_offload.model.quant import QuantizedMatrix
+
+    layout, data, _ = _records("q4_g64_fp16", "q5_g64_fp16", seed=5)
+    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(6)
+    width = 128  # the shared expert's intermediate size
+    values = np.random.default_rng(7).standard_normal((HIDDEN, width)).astype(np.float32) / width**0.5
+    down = QuantizedMatrix(GROUPED_FORMATS[shared_fmt], HIDDEN, width, torch.from_numpy(encode_row_split(values, shared_fmt)).to(DEVICE))
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(tokens)]).to(DEVICE)
+    w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1).to(DEVICE)
+    stacked = torch.randn(tokens, 2 * width + 7, generator=gen).to(DEVICE)  # gate and up: column slices of one product
+    gate, up, score = stacked[:, :width], stacked[:, width : 2 * width], stacked[:, 2 * width + 3 : 2 * width + 4]
+    got = routed_experts(x, ids, w, data, table, layout, shared=SharedExpert(gate, up, down, score))
+    want = shared_expert(gate, up, down, routed_experts(x, ids, w, data, table, layout), score)
+    assert got.shape == want.shape and float((got - want).double().norm() / want.double().norm()) < 1e-6
+
+
 def test_tokens_sharing_every_expert():
     """Eight tokens routed to the same three experts (in different slots): each expert's program serves all of them."""
     records = _records("q4_g64_fp16", "q5_g64_fp16", seed=5)

@@ -48,6 +48,21 @@ class ResidualNorm:
 Input = torch.Tensor | ResidualNorm  # what the products of a layer's input accept
 
 
+@dataclass(frozen=True)
+class SharedExpert:
+    """The MoE block's shared expert after its gate/up product: sigmoid(score) * SwiGLU(gate, up) @ down^T
+    (gate, up [T, S]; score [T, 1]), to be added to the routed output. A backend may compute it with the
+    routed experts (`Backend.routed_experts`); `added_to` is the op on its own."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: Weight
+    score: torch.Tensor
+
+    def added_to(self, backend: "Backend", routed: torch.Tensor) -> torch.Tensor:
+        return backend.shared_expert(self.gate, self.up, self.down, routed, self.score)
+
+
 class Backend(Protocol):
     """What the layers need from a compute backend; `ReferenceBackend` documents each op's math."""
 
@@ -72,7 +87,7 @@ class Backend(Protocol):
     ) -> torch.Tensor: ...
     def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
     def routed_experts(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, shared: SharedExpert | None = None
     ) -> torch.Tensor: ...
     def routed_experts_split(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, later: torch.Tensor,
@@ -195,13 +210,18 @@ class ReferenceBackend:
         return ids, weights.to(dtype)
 
     def routed_experts(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, shared: SharedExpert | None = None
     ) -> torch.Tensor:
-        """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H], reading the experts' records through the bank.
+        """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H], reading the experts' records through the bank,
+        plus `shared`'s rows when given (the MoE block's output).
 
         Each (token, expert) assignment is computed on its own (no host sync on the routing), so the
         result of a token does not depend on which other tokens share the call.
         """
+        routed = self._routed(x, topk_ids, topk_weights, experts)
+        return routed if shared is None else shared.added_to(self, routed)
+
+    def _routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank) -> torch.Tensor:
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         tokens = torch.arange(t, device=x.device).repeat_interleave(k)

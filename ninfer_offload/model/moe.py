@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from ninfer_offload.model.backend import Backend, Input
+from ninfer_offload.model.backend import Backend, Input, SharedExpert
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.weights import Weight, WeightReader
@@ -17,7 +17,11 @@ from ninfer_offload.model.weights import Weight, WeightReader
 class RoutedExperts(Protocol):
     """What the MoE block needs from the expert store."""
 
-    def routed(self, backend: Backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor: ...
+    def routed(
+        self, backend: Backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        shared: SharedExpert | None = None,
+    ) -> torch.Tensor:
+        """The routed experts' output [T, H], plus `shared`'s rows when given."""
 
 
 @dataclass
@@ -46,5 +50,4 @@ class SparseMoe:
         (logits, score), (gate, up) = both(backend, self.gates, self.shared_in, x)
         x = backend.resolve(x)  # the normalised input: computed by the products above where they could
         topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
-        routed = self.experts.routed(backend, self.layer, x, topk_ids, topk_weights)
-        return backend.shared_expert(gate, up, self.shared_down, routed, score)
+        return self.experts.routed(backend, self.layer, x, topk_ids, topk_weights, SharedExpert(gate, up, self.shared_down, score))

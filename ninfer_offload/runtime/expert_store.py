@@ -36,6 +36,7 @@ import torch
 
 from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
 from ninfer_offload.errors import NinferError
+from ninfer_offload.model.backend import SharedExpert
 from ninfer_offload.model.experts import RECORD_ALIGN, ExpertBank
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
 from ninfer_offload.runtime.host_pool import HostPool
@@ -291,22 +292,26 @@ class ExpertStore:
     def bank(self, layer: int) -> ExpertBank:
         return ExpertBank(self.layouts[layer], self.arena, self.table[layer], self.host[layer] if self.offloaded else None)
 
-    def routed(self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for layer `layer` -> [T, H]."""
+    def routed(
+        self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared: SharedExpert | None = None
+    ) -> torch.Tensor:
+        """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for layer `layer` -> [T, H], plus `shared`'s rows when given
+        (with the routed experts where the backend can, after them otherwise)."""
         if self.replayed is not None:
             topk_ids = self.replayed[layer, : topk_ids.shape[0]]
         if self.prefilling and self.staging is not None and self.staging.takes(topk_ids.shape[0]):
             bank, later = self.staging.bank(layer, topk_ids)  # (it counts the uses too)
             out = backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
             self.staging.done(layer, topk_ids.shape[0])
-            return out
+            return out if shared is None else shared.added_to(backend, out)
         if self.cache is not None:
             flat = topk_ids.reshape(-1)
             self.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         if self.cpu_path is not None and self.cpu_path.active and topk_ids.shape[0] <= self.cpu_path.tokens:
             bank = self.bank(layer)
-            return self.cpu_path.routed(backend, bank, layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])
-        return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer))
+            out = self.cpu_path.routed(backend, bank, layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])
+            return out if shared is None else shared.added_to(backend, out)
+        return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer), shared)
 
     def replay_routing(self, ids: torch.Tensor) -> None:
         """Benchmarks and tests: route the next forwards' tokens to `ids` [layers, tokens, top_k] (int64)
