@@ -36,7 +36,7 @@ from provenance import gpu_report_header
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 NEW_PROMPT = PROMPT + " The bottle is green, the message is old, and the storm has not ended yet."
-WARM_UP = re.compile(r"warm-up .* took ([0-9.]+)s")
+WARM_UP = re.compile(r"warm-up .* took ([0-9.]+)s: prefills ([0-9.]+)s, decode step captures ([0-9.]+)s")
 
 
 def free_port() -> int:
@@ -128,10 +128,12 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
     ttfts = [r["ttft_s"] for r in results]
     steady = stream_once(server.url, max_tokens)  # one more request alone, for the first request's comparison
     new = stream_once(server.url, max_tokens, NEW_PROMPT)
-    warm_up = next((float(m.group(1)) for line in server.log if (m := WARM_UP.search(line))), None)
+    warm_up = next((m.groups() for line in server.log if (m := WARM_UP.search(line))), (None, None, None))
     return {
         "clients": clients,
-        "server_warm_up_s": warm_up,
+        "server_warm_up_s": warm_up[0] and float(warm_up[0]),
+        "server_warm_up_prefill_s": warm_up[1] and float(warm_up[1]),
+        "server_warm_up_capture_s": warm_up[2] and float(warm_up[2]),
         "first_request_ttft_s": first["ttft_s"],
         "first_request_tok_s": first["decode_tok_s"],
         "steady_ttft_s": steady["ttft_s"],

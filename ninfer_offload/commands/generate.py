@@ -195,7 +195,7 @@ def generate(
     )
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
-    warm_up_seconds = engine.warm_up(min(len(ids), engine.prefill_chunk))
+    warm_up_seconds = engine.warm_up(min(len(ids), engine.prefill_chunk)).seconds
     generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
 
     if json_out:

@@ -113,7 +113,11 @@ def serve(
         config.vocab_size, engine.device, str(engine.dtype).removeprefix("torch."), engine.max_context,
     )
     log.info(engine.placement_report())
-    log.info("warm-up (kernels compiled, decode steps captured) took %.1fs", engine.warm_up(prefill_chunk))
+    warm_up = engine.warm_up(prefill_chunk)
+    log.info(
+        "warm-up (kernels compiled, decode steps captured) took %.1fs: prefills %.1fs, decode step captures %.1fs",
+        warm_up.seconds, warm_up.prefills, warm_up.captures,
+    )
     name = served_model_name or artifact.name.removesuffix(".ninfer")
     app = create_app(
         engine, frontend, name, engine.max_context,

@@ -11,8 +11,8 @@ CUDA with a capturable backend and store replay CUDA graphs (`runtime.graphs`).
 
 from __future__ import annotations
 
-import logging
 import time
+from dataclasses import dataclass
 from collections.abc import Iterable
 
 import torch
@@ -38,7 +38,6 @@ from ninfer_offload.runtime.session import Session
 from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
 
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 32768
 # Prompt lengths reaching each kernel path and block size (the next power of two of the token count T up to 64:
@@ -100,6 +99,19 @@ def _backend_for(device: torch.device, name: str):
         return TritonBackend()
     raise NinferError(f"unknown backend {name!r}: use auto, reference or triton")
 
+
+
+@dataclass(frozen=True)
+class WarmUpTimes:
+    """Seconds `Engine.warm_up` spent prefilling (kernels compiled, short prompt chunks captured) and
+    capturing the decode steps."""
+
+    prefills: float
+    captures: float
+
+    @property
+    def seconds(self) -> float:
+        return self.prefills + self.captures
 
 class Engine:
     """A loaded model on one device, ready to run up to `state.sequences` sequences at once."""
@@ -420,13 +432,13 @@ class Engine:
 
         return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids)
 
-    def warm_up(self, longest_prefill: int | None = None) -> float:
+    def warm_up(self, longest_prefill: int | None = None) -> WarmUpTimes:
         """Compile the kernels and capture the decode steps requests will use, before the first request:
         prefills of each length in WARM_UP_PREFILLS and of `longest_prefill` tokens (default: a whole
         chunk) on a scratch sequence (and, where the context allows, a second chunk after a full one:
         attention over cached rows; the short ones capture the padded prefills of every bucket on a
         resident load), then the step graph of every batch bucket (with speculation also the
-        verify steps and the MTP steps). Returns the seconds it took; logs the two phases' seconds."""
+        verify steps and the MTP steps). Returns the seconds of the two phases."""
         began = time.perf_counter()
         if self.device.type == "cuda":
             longest_prefill = self.prefill_chunk if longest_prefill is None else longest_prefill
@@ -449,9 +461,7 @@ class Engine:
             for t in range(2, self.spec_tokens + 2):  # the MTP layer catching up after a round
                 self.graphs.capture("mtp", 1, t)
             torch.cuda.synchronize(self.device)
-        done = time.perf_counter()
-        log.info("warm-up: prefills %.1fs, decode step captures %.1fs", prefilled - began, done - prefilled)
-        return done - began
+        return WarmUpTimes(prefilled - began, time.perf_counter() - prefilled)
 
     def close(self) -> None:
         self.store.close()
