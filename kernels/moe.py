@@ -88,6 +88,9 @@ SHARED_DOWN_MIN_TOKENS = 2
 # L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one
 # program per 16 rows walking the 8 experts (the kernel it replaced).
 SPLIT_DOWN_N, SPLIT_DOWN_WARPS = 32, 2
+# One token's shared expert in the split down launch (its own launch after the routed experts otherwise).
+# Module-level so benchmarks can compare the two.
+FOLD_SHARED_EXPERT = True
 GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
 # Several tokens: the gate/up kernel keeps its decoded gate and up tiles live across the token loop, so
 # the one-token tiles spill at 8 tokens (255 registers and 368 bytes of stack per thread in the sm_90
@@ -740,7 +743,8 @@ def _routed_experts_gemv(
     blocks = triton.cdiv(hidden, SPLIT_DOWN_N)
     if t < SHARED_DOWN_MIN_TOKENS and t * blocks <= ARRIVAL_COUNTS:  # a program per (row slice, slot), no sum launch
         fold = (  # the shared expert's programs in this launch: a quantized down matrix, gate/up of contiguous columns
-            shared is not None and not isinstance(shared.down, torch.Tensor) and shared.gate.stride(1) == 1 and shared.up.stride(1) == 1
+            FOLD_SHARED_EXPERT and shared is not None and not isinstance(shared.down, torch.Tensor)
+            and shared.gate.stride(1) == 1 and shared.up.stride(1) == 1
         )
         out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
         partial = torch.empty(pairs + fold * t, hidden, device=x.device, dtype=torch.float32)

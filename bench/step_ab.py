@@ -1,0 +1,107 @@
+"""A/B of decode-step variants on one resident load: a one-token step, a verification of K drafts and a
+batched step, with module-level kernel settings changed per variant (graphs recaptured for each).
+
+    python bench/make_synthetic.py /tmp/q36.ninfer
+    python bench/step_ab.py /tmp/q36.ninfer --out ab.json \\
+        --variant no_tensor_cores quant_linear.MMA_MIN_ROWS=2**40 --variant unfolded moe.FOLD_SHARED_EXPERT=False
+
+Every variant, the baseline (`current`, the settings as shipped) first, is measured on the same sessions
+(`--batch` sequences of `--context` tokens; the first also steps alone and verifies): `step_ms` (one
+token), `verify_ms` (K + 1 tokens, then the commit of the first, as a rejected round pays),
+`batch_ms`, and their ratios to the variant's own one-token step. A setting is `MODULE.NAME=EXPRESSION`,
+MODULE one of `ninfer_offload.kernels`' modules, EXPRESSION evaluated with those modules in scope
+(e.g. `moe.BATCH_GEMV_TILES=moe.GEMV_TILES`); each is restored after its variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ninfer_offload.runtime.engine import Engine
+from provenance import gpu_report_header
+
+MODULES = ("attention", "dense_linear", "gdn", "moe", "norm", "quant_linear", "router", "shared_expert")
+
+
+def median_ms(run, steps: int, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - began) / steps)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def parse_setting(text: str, scope: dict) -> tuple[object, str, object]:
+    """(module, attribute, value) of `MODULE.NAME=EXPRESSION`."""
+    target, _, expression = text.partition("=")
+    module_name, _, name = target.strip().partition(".")
+    if module_name not in scope or not name or not expression or not hasattr(scope[module_name], name):
+        raise SystemExit(f"{text!r}: give MODULE.NAME=EXPRESSION with MODULE one of {', '.join(MODULES)} and an existing NAME")
+    return scope[module_name], name, eval(expression, dict(scope))  # a benchmark's own command line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "SETTING"),
+                        help="a variant's name and its MODULE.NAME=EXPRESSION settings (repeatable)")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--draft-tokens", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    scope = {name: importlib.import_module(f"ninfer_offload.kernels.{name}") for name in MODULES}
+    variants = [("current", [])] + [(v[0], [parse_setting(s, scope) for s in v[1:]]) for v in args.variant]
+    report = {**gpu_report_header(args.commit), "context": args.context, "batch": args.batch, "draft_tokens": args.draft_tokens,
+              "variants": []}
+    grown = len(variants) * 3 * (3 * args.steps + 1)  # tokens each variant adds to the first session (one per run)
+    engine = Engine.load(args.artifact, device="cuda", max_context=args.context + grown + 64, max_sequences=args.batch,
+                         mtp=True, draft_tokens=args.draft_tokens, spec="none")
+    vocab = engine.config.vocab_size
+    sessions = [engine.session() for _ in range(args.batch)]
+    for i, session in enumerate(sessions):
+        session.prefill(torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(i)).tolist())
+    first, k = sessions[0], args.draft_tokens
+
+    def step():
+        first.step(7)
+
+    def verify():
+        engine.step([first], [[7] * (k + 1)])
+        first.commit(1)
+
+    def batch():
+        engine.step_batch(sessions, [1] * args.batch)
+
+    for name, settings in variants:
+        saved = [(module, attr, getattr(module, attr)) for module, attr, _ in settings]
+        for module, attr, value in settings:
+            setattr(module, attr, value)
+        engine.graphs.graphs.clear()  # recaptured with this variant's settings
+        for run in (step, verify, batch):
+            run()
+        point = {"variant": name, "settings": [f"{m.__name__.rsplit('.', 1)[-1]}.{a}={v!r}" for m, a, v in settings]}
+        point.update(step_ms=median_ms(step, args.steps), verify_ms=median_ms(verify, args.steps), batch_ms=median_ms(batch, args.steps))
+        point["verify_step_ratio"] = point["verify_ms"] / point["step_ms"]
+        point["batch_step_ratio"] = point["batch_ms"] / point["step_ms"]
+        report["variants"].append(point)
+        args.out.write_text(json.dumps(report, indent=1))
+        print(json.dumps(point), flush=True)
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
+if __name__ == "__main__":
+    main()
