@@ -18,7 +18,7 @@ from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, quant_linear, rotary, router, shared_expert
 from ninfer_offload.kernels.dense_linear import dense_linear
 from ninfer_offload.kernels.quant_linear import gated_linear, gated_norm_linear, quantized_linear
-from ninfer_offload.model.backend import Input, ReferenceBackend, ResidualNorm, SharedExpert, Weight
+from ninfer_offload.model.backend import DepthwiseConv, Input, ReferenceBackend, ResidualNorm, SharedExpert, Weight
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank
 
@@ -68,22 +68,29 @@ class TritonBackend(ReferenceBackend):
         out = quantized_linear(x.reshape(-1, x.shape[-1]), w.data, w.geometry)
         return out.reshape(*lead, w.n)
 
-    def linear_pair(self, x: Input, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear_pair(
+        self, x: Input, first: Weight, second: Weight, conv: DepthwiseConv | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dense_second = isinstance(second, torch.Tensor)
         quantized, dense = (first, second) if dense_second else (second, first)
         tokens = x.tokens if isinstance(x, ResidualNorm) else x.reshape(-1, x.shape[-1]).shape[0]
         if isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor) or tokens > quant_linear.GEMV_MAX_TOKENS:
-            return super().linear_pair(x, first, second)
+            return super().linear_pair(x, first, second, conv)
+        # the conv in the product's epilogue: one token per sequence, no per-token windows kept, on the quantized first product
+        folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.ctx.tokens_per_sequence == 1
+        folded = folded and not conv.ctx.keep_states
+        epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels) if folded else None
         if _fusable(x):  # both products read the normalised input the kernel computes
             yq, yd, x.total, x.normed = quant_linear.paired_gemv(
-                x.x, quantized.data, quantized.geometry, dense, residual=(x.delta, x.weight, x.eps)
+                x.x, quantized.data, quantized.geometry, dense, residual=(x.delta, x.weight, x.eps), conv=epilogue
             )
         else:
             x = self.resolve(x)
             flat = x.reshape(-1, x.shape[-1]).contiguous()
-            yq, yd = quant_linear.paired_gemv(flat, quantized.data, quantized.geometry, dense)
+            yq, yd = quant_linear.paired_gemv(flat, quantized.data, quantized.geometry, dense, conv=epilogue)
             yq, yd = yq.reshape(*x.shape[:-1], quantized.n), yd.reshape(*x.shape[:-1], dense.shape[0])
-        return (yq, yd) if dense_second else (yd, yq)
+        first_out, second_out = (yq, yd) if dense_second else (yd, yq)
+        return (first_out if conv is None or folded else conv.apply(self, first_out)), second_out
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
         if isinstance(w, torch.Tensor):

@@ -196,6 +196,39 @@ def _conv_update_kernel(
         tl.store(state + rows[:, None] * C + cols[None, :], final.to(states.dtype.element_ty), mask=rmask)
 
 
+# One token per sequence: the conv runs in the epilogue of the product that computes its input
+# (`conv_rows`, through `quant_linear.paired_gemv`). Module-level so benchmarks can compare the two.
+CONV_IN_PRODUCT = True
+
+
+@triton.jit
+def conv_rows(y, toks, T, rows, row_mask, states, weight, slots, valid, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
+    """`conv_update` of one token per sequence, done by the product that computes its input: y [BLOCK_T,
+    BLOCK_N] float32 holds token t's values of channels `rows` (a program's own rows: the conv is
+    depthwise, so no other program reads or writes their windows); token t continues the window
+    states[slots[t]] (advanced when valid[t] > 0). Channels below C become silu(conv), rounded to the
+    states' dtype as `conv_update` stores them; the others pass."""
+    conv = (rows < C) & row_mask
+    xr = y.to(states.dtype.element_ty).to(tl.float32)  # the projection as the conv reads it
+    for t in tl.static_range(LOOP_T):
+        if t < T:
+            window = states + tl.load(slots + t).to(tl.int64) * (TAPS - 1) * C + rows
+            xt = tl.sum(tl.where(toks[:, None] == t, xr, 0.0), axis=0)
+            acc = tl.zeros_like(xt)
+            for i in tl.static_range(TAPS - 1):
+                acc += tl.load(weight + i * C + rows, mask=conv, other=0.0).to(tl.float32) * tl.load(
+                    window + i * C, mask=conv, other=0.0
+                ).to(tl.float32)
+            acc += tl.load(weight + (TAPS - 1) * C + rows, mask=conv, other=0.0).to(tl.float32) * xt
+            act = (acc / (1.0 + tl.exp(-acc))).to(states.dtype.element_ty).to(tl.float32)
+            y = tl.where((toks[:, None] == t) & conv[None, :], act[None, :], y)
+            if tl.load(valid + t) > 0:  # the window after the token: rows 1.. of the old one, then the token
+                for i in tl.static_range(TAPS - 2):
+                    tl.store(window + i * C, tl.load(window + (i + 1) * C, mask=conv, other=0.0), mask=conv)
+                tl.store(window + (TAPS - 2) * C, xt.to(states.dtype.element_ty), mask=conv)
+    return y
+
+
 def conv_update(
     x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
     tokens_per_sequence: int, kept: torch.Tensor | None,

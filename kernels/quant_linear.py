@@ -37,6 +37,7 @@ import triton.language as tl
 from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels import dense_linear
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
+from ninfer_offload.kernels.gdn import conv_rows
 from ninfer_offload.kernels.norm import (
     add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_inv_rms_rows, residual_sum,
 )
@@ -108,7 +109,8 @@ DECODE_WARPS = 4
 # (1 + norm_w) * rmsnorm(x + x2) over the whole row (`add_rmsnorm`'s offset form: a layer's input)
 PLAIN, SWIGLU, SIGMOID_GATE, GATED_NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 ADD_NORM = tl.constexpr(4)
-STORE, ADD_GATED = tl.constexpr(0), tl.constexpr(1)  # the rows; routed + sigmoid(score) * rows
+# the rows; routed + sigmoid(score) * rows; the first channels through GDN's conv (`gdn.conv_rows`), the rest as they are
+STORE, ADD_GATED, CONV = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -254,8 +256,14 @@ def _quantized_gemv_kernel(
     LOOP_T: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     DENSE_BLOCK_K: tl.constexpr,
+    conv_states,
+    conv_weight,
+    slots,
+    valid,
+    CONV_C,
     MMA: tl.constexpr,
     IEEE: tl.constexpr,
+    TAPS: tl.constexpr,
 ):
     """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
     W, per token on CUDA cores or, with MMA (BLOCK_T >= 16), for every token at once on tensor cores;
@@ -299,6 +307,8 @@ def _quantized_gemv_kernel(
                         )
         if NVFP4:
             acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
+        if EPILOGUE == CONV:
+            acc = conv_rows(acc, toks, T, rows, row_mask, conv_states, conv_weight, slots, valid, CONV_C, TAPS, LOOP_T)
         offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
         mask = (toks < T)[:, None] & row_mask[None, :]
         if EPILOGUE == ADD_GATED:
@@ -445,14 +455,17 @@ def residual_norm_gemv(
 
 def paired_gemv(
     x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, dense_w: torch.Tensor,
-    residual: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    residual: tuple[torch.Tensor, torch.Tensor, float] | None = None, conv: tuple | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(x @ W^T, x @ dense_w^T) for up to GEMV_MAX_TOKENS tokens in one launch: the programs of the
     quantized matrix-vector product (its `fused_gemv` launch shape) followed by those of the dense one
     (`dense_linear`'s rows per program), e.g. GDN's q/k/v/z projections with its dense a/b rows, or the
     shared expert's gate/up with the dense router: one launch instead of two small ones. With
     `residual` = (delta, norm_w, eps) the input is (1 + norm_w) * rmsnorm(x + delta), computed by the
-    kernel (as in `residual_norm_gemv`), and x + delta and the normed input follow the two products."""
+    kernel (as in `residual_norm_gemv`), and x + delta and the normed input follow the two products.
+    With `conv` = (states, weight, slots, valid, channels), each token being one sequence's, the first
+    `channels` columns of x @ W^T come out through GDN's conv (`gdn.conv_update`'s result, its windows
+    advanced), computed by the programs that own those rows (`gdn.conv_rows`): no launch of its own."""
     delta, norm_w, eps = (None, None, 0.0) if residual is None else residual
     _check_gemv_inputs(x, delta, geometry)
     if dense_w.shape[1] != x.shape[1]:
@@ -460,12 +473,12 @@ def paired_gemv(
     out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
     dense_out = torch.empty(x.shape[0], dense_w.shape[0], device=x.device, dtype=x.dtype)
     if residual is None:
-        _launch_gemv(x, None, None, 0.0, data, geometry, out, PLAIN, 1, dense_w=dense_w.contiguous(), dense_out=dense_out)
+        _launch_gemv(x, None, None, 0.0, data, geometry, out, PLAIN, 1, dense_w=dense_w.contiguous(), dense_out=dense_out, conv=conv)
         return out, dense_out
     total, normed = torch.empty_like(x), torch.empty_like(x)
     _launch_gemv(
         x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, total=total, normed=normed,
-        dense_w=dense_w.contiguous(), dense_out=dense_out,
+        dense_w=dense_w.contiguous(), dense_out=dense_out, conv=conv,
     )
     return out, dense_out, total, normed
 
@@ -480,9 +493,10 @@ def _launch_gemv(
     x: torch.Tensor, x2: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float, data: torch.Tensor, geometry: ObjectGeometry,
     out: torch.Tensor, input_op: tl.constexpr, norm_d: int, routed: torch.Tensor | None = None, score: torch.Tensor | None = None,
     total: torch.Tensor | None = None, normed: torch.Tensor | None = None,
-    dense_w: torch.Tensor | None = None, dense_out: torch.Tensor | None = None,
+    dense_w: torch.Tensor | None = None, dense_out: torch.Tensor | None = None, conv: tuple | None = None,
 ) -> None:
-    """One launch of the matrix-vector kernel (unused pointer arguments point at `out`)."""
+    """One launch of the matrix-vector kernel (unused pointer arguments point at `out`); `conv` = (states,
+    weight, slots, valid, channels) for the CONV epilogue."""
     t, k = x.shape
     x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
@@ -490,6 +504,7 @@ def _launch_gemv(
     mma, block_t = t >= MMA_MIN_TOKENS and n >= MMA_MIN_ROWS, triton.next_power_of_2(t)
     tiles = gemv_tiles(n, t)
     add_gated = routed is not None
+    conv_states, conv_weight, slots, valid, channels = conv if conv is not None else (out, out, out, out, 0)
     routed = routed.contiguous() if add_gated else out
     score = score if add_gated else out
     quantized_programs = triton.cdiv(n, tiles.block_n)
@@ -501,10 +516,12 @@ def _launch_gemv(
         NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=max(MMA_BLOCK_T, block_t) if mma else block_t,
         BLOCK_N=tiles.block_n,
         BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), INPUT=input_op.value, NORM_D=norm_d,
-        EPILOGUE=(ADD_GATED if add_gated else STORE).value, ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
+        EPILOGUE=(ADD_GATED if add_gated else CONV if conv is not None else STORE).value,
+        ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        MMA=mma, IEEE=x.dtype == torch.float32,
+        conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
+        TAPS=conv_weight.shape[0] if conv is not None else 1,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
 

@@ -152,6 +152,33 @@ def test_tensor_core_products_equal_the_cuda_core_ones(dtype, tol, monkeypatch):
     assert torch.equal(total, cuda_cores[2]) and torch.equal(normed, cuda_cores[3])
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_paired_product_runs_the_conv_of_its_first_channels(tensor_cores, monkeypatch):
+    """GDN's q/k/v/z product with the conv in its epilogue (one token per sequence): the first channels
+    come out as `conv_update` gives them after the plain product, its windows advanced alike (a token
+    with valid 0 leaves its window), the other channels and the dense rows as the plain product's."""
+    from ninfer_offload.kernels import gdn, quant_linear
+
+    monkeypatch.setattr(quant_linear, "MMA_MIN_ROWS", 1 if tensor_cores else quant_linear.MMA_MIN_ROWS)
+    gen = torch.Generator().manual_seed(14)
+    data, _, geometry = _random_object("q8_g32_fp16", 48, 256, seed=15)
+    dense = torch.randn(5, 256, generator=gen).to(DEVICE)
+    x = torch.randn(3, 256, generator=gen).to(DEVICE)
+    channels, taps = 32, 4
+    weight = torch.randn(taps, channels, generator=gen).to(DEVICE)
+    states = torch.randn(4, taps - 1, channels, generator=gen).to(DEVICE)
+    before = states.clone()
+    slots, valid = torch.tensor([2, 0, 3], device=DEVICE), torch.tensor([1, 1, 0], device=DEVICE)
+    plain, plain_dense = quant_linear.paired_gemv(x, data, geometry, dense)
+    want_states = states.clone()
+    want = torch.cat([gdn.conv_update(plain[:, :channels], want_states, weight, slots, valid, 1, None), plain[:, channels:]], dim=1)
+    got, got_dense = quant_linear.paired_gemv(x, data, geometry, dense, conv=(states, weight, slots, valid, channels))
+    assert torch.equal(got_dense, plain_dense) and torch.equal(got[:, channels:], plain[:, channels:])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(states, want_states, rtol=0, atol=0)
+    assert torch.equal(states[3], before[3]) and not torch.equal(states[2], before[2]) and torch.equal(states[1], before[1])
+
+
 def test_sum_middle_is_a_float32_sum_then_cast():
     from ninfer_offload.kernels.reduce import sum_middle
 

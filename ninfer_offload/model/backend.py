@@ -49,6 +49,23 @@ Input = torch.Tensor | ResidualNorm  # what the products of a layer's input acce
 
 
 @dataclass(frozen=True)
+class DepthwiseConv:
+    """GDN's causal depthwise conv (`Backend.conv_update` of `states`, `weight`, `ctx`, `kept`) over the
+    first `channels` columns of a product's output: a backend may compute it in that product
+    (`Backend.linear_pair`); `apply` is the op on its own, in place on those columns."""
+
+    states: torch.Tensor
+    weight: torch.Tensor
+    ctx: StepContext
+    kept: torch.Tensor | None
+    channels: int
+
+    def apply(self, backend: "Backend", y: torch.Tensor) -> torch.Tensor:
+        y[..., : self.channels] = backend.conv_update(y[..., : self.channels], self.states, self.weight, self.ctx, self.kept)
+        return y
+
+
+@dataclass(frozen=True)
 class SharedExpert:
     """The MoE block's shared expert after its gate/up product: sigmoid(score) * SwiGLU(gate, up) @ down^T
     (gate, up [T, S]; score [T, 1]), to be added to the routed output. A backend may compute it with the
@@ -70,7 +87,9 @@ class Backend(Protocol):
 
     def resolve(self, x: Input) -> torch.Tensor: ...
     def linear(self, x: Input, w: Weight) -> torch.Tensor: ...
-    def linear_pair(self, x: Input, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def linear_pair(
+        self, x: Input, first: Weight, second: Weight, conv: DepthwiseConv | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor: ...
     def gated_norm_linear(self, x: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, w: Weight) -> torch.Tensor: ...
     def embedding(self, ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor: ...
@@ -139,11 +158,15 @@ class ReferenceBackend:
             w = w.dequantize(x.dtype)
         return x @ w.T
 
-    def linear_pair(self, x: Input, first: Weight, second: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear_pair(
+        self, x: Input, first: Weight, second: Weight, conv: DepthwiseConv | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x @ first^T, x @ second^T): two products of one input whose weights cannot be stacked into one
-        matrix (different formats: a layer's quantized projections beside its dense control rows)."""
+        matrix (different formats: a layer's quantized projections beside its dense control rows); with
+        `conv`, the first product's first channels through it."""
         x = self.resolve(x)
-        return self.linear(x, first), self.linear(x, second)
+        y = self.linear(x, first)
+        return (y if conv is None else conv.apply(self, y)), self.linear(x, second)
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
         """(x * sigmoid(gate)) @ w^T: the attention output gated per element [T, K], then projected."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer_offload.model.backend import Backend, Input
+from ninfer_offload.model.backend import Backend, DepthwiseConv, Input
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.stacked import StackedLinear, both
@@ -62,10 +62,11 @@ class GatedDeltaNet:
         t = ctx.positions.shape[0]
         nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
         nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-        (mixed, z), (a, b) = both(backend, self.projections, self.gates, x)
+        channels = 2 * nk * dk + nv * dv
+        conv = DepthwiseConv(state.conv[self.key], self.convolution, ctx, state.conv_snapshots.get(self.key), channels)
+        (mixed, z), (a, b) = both(backend, self.projections, self.gates, x, conv)  # q|k|v after the conv
         z = z.reshape(t, nv, dv)
-        conv = backend.conv_update(mixed, state.conv[self.key], self.convolution, ctx, state.conv_snapshots.get(self.key))
-        q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
+        q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q, k, v = q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv)
         if ctx.chunked and t > RECURRENT_PREFILL_TOKENS:
             (slot,), _ = ctx.host_view()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer_offload.artifact.formats import RowSplitGeometry
-from ninfer_offload.model.backend import Backend, Input
+from ninfer_offload.model.backend import Backend, DepthwiseConv, Input
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.model.weights import Weight
 
@@ -87,10 +87,17 @@ class StackedLinear:
         return y.split([sum(self.sizes[a:b]) for a, b in zip(bounds, bounds[1:])], dim=-1)
 
 
-def both(backend: Backend, first: StackedLinear, second: StackedLinear, x: Input) -> tuple[tuple[torch.Tensor, ...], ...]:
+def both(
+    backend: Backend, first: StackedLinear, second: StackedLinear, x: Input, conv: DepthwiseConv | None = None
+) -> tuple[tuple[torch.Tensor, ...], ...]:
     """(first's outputs, second's outputs) of one input: one `linear_pair` where each is one stacked
-    matrix (e.g. quantized projections and dense gates, which cannot share a matrix), else each alone."""
+    matrix (e.g. quantized projections and dense gates, which cannot share a matrix), else each alone.
+    `conv` runs over first's first output (GDN's q/k/v before the delta rule), in the product where
+    the backend can."""
     if len(first.weights) == 1 and len(second.weights) == 1:
-        y1, y2 = backend.linear_pair(x, first.weights[0], second.weights[0])
+        y1, y2 = backend.linear_pair(x, first.weights[0], second.weights[0], conv)
         return first._split(y1), second._split(y2)
-    return first(backend, x), second(backend, x)
+    outputs = first(backend, x)
+    if conv is not None:
+        outputs = (conv.apply(backend, outputs[0].contiguous()), *outputs[1:])
+    return outputs, second(backend, x)
