@@ -76,9 +76,7 @@ class TritonBackend(ReferenceBackend):
         tokens = x.tokens if isinstance(x, ResidualNorm) else x.reshape(-1, x.shape[-1]).shape[0]
         if isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor) or tokens > quant_linear.GEMV_MAX_TOKENS:
             return super().linear_pair(x, first, second, conv)
-        # the conv in the product's epilogue: one token per sequence, no per-token windows kept, on the quantized first product
-        folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.ctx.tokens_per_sequence == 1
-        folded = folded and not conv.ctx.keep_states
+        folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence  # in the epilogue
         epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels) if folded else None
         if _fusable(x):  # both products read the normalised input the kernel computes
             yq, yd, x.total, x.normed = quant_linear.paired_gemv(

@@ -88,9 +88,14 @@ WIDE_MMA_GEMV_TILES = GemvTiles(64, 128, 4, 4)
 NORM_CHUNK = tl.constexpr(256)  # columns per step of the several-token residual norm statistic
 
 
+def on_tensor_cores(n: int, tokens: int) -> bool:
+    """Whether the matrix-vector kernel multiplies `tokens` tokens of an n-row product on tensor cores."""
+    return tokens >= MMA_MIN_TOKENS and n >= MMA_MIN_ROWS
+
+
 def gemv_tiles(n: int, tokens: int = 1) -> GemvTiles:
     """The matrix-vector launch shape for a product with n output rows and `tokens` tokens."""
-    if tokens >= MMA_MIN_TOKENS and n >= MMA_MIN_ROWS:
+    if on_tensor_cores(n, tokens):
         return WIDE_MMA_GEMV_TILES if n >= WIDE_GEMV_MIN_ROWS else MMA_GEMV_TILES
     if n >= WIDE_GEMV_MIN_ROWS:
         return WIDE_GEMV_TILES
@@ -501,7 +506,7 @@ def _launch_gemv(
     x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
     n = geometry.n
-    mma, block_t = t >= MMA_MIN_TOKENS and n >= MMA_MIN_ROWS, triton.next_power_of_2(t)
+    mma, block_t = on_tensor_cores(n, t), triton.next_power_of_2(t)
     tiles = gemv_tiles(n, t)
     add_gated = routed is not None
     conv_states, conv_weight, slots, valid, channels = conv if conv is not None else (out, out, out, out, 0)

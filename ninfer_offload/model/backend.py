@@ -60,6 +60,11 @@ class DepthwiseConv:
     kept: torch.Tensor | None
     channels: int
 
+    @property
+    def one_token_per_sequence(self) -> bool:
+        """A step of one token per sequence that keeps no per-token windows: what a product's epilogue can run."""
+        return self.ctx.tokens_per_sequence == 1 and not self.ctx.keep_states
+
     def apply(self, backend: "Backend", y: torch.Tensor) -> torch.Tensor:
         y[..., : self.channels] = backend.conv_update(y[..., : self.channels], self.states, self.weight, self.ctx, self.kept)
         return y
