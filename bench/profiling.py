@@ -211,6 +211,38 @@ def stream_timeline(run, keep: Path | None = None) -> dict:
     return {"wall_ms": wall * 1e3, **timeline_from_trace(events)}
 
 
+def kernels_by_launch(run, repeats: int, top: int = 30) -> list[dict]:
+    """The kernels of `repeats` runs of `run()` grouped by name and launch shape (grid, block, registers per
+    thread, shared memory: which product or layer op a launch is), microseconds and launches per run, most
+    expensive first (torch profiler's Chrome trace; replays of CUDA graphs included)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name)).get("traceEvents", [])
+    groups: dict[tuple, list[float]] = {}
+    for event in events:
+        if event.get("cat") != "kernel":
+            continue
+        args = event.get("args", {})
+        key = (event.get("name", "?")[:80], str(args.get("grid")), str(args.get("block")), args.get("registers per thread"),
+               args.get("shared memory"))
+        group = groups.setdefault(key, [0, 0.0])
+        group[0], group[1] = group[0] + 1, group[1] + float(event.get("dur", 0.0))
+    rows = [{"kernel": name, "grid": grid, "block": block, "registers": registers, "shared": shared,
+             "launches": launches / repeats, "us": us / repeats}
+            for (name, grid, block, registers, shared), (launches, us) in groups.items()]
+    return sorted(rows, key=lambda row: -row["us"])[:top]
+
+
 def main() -> None:
     """`python bench/profiling.py TRACE.json[.gz]`: the timeline of a kept Chrome trace (`stream_timeline(keep=...)`)."""
     import argparse

@@ -8,7 +8,8 @@ batched step, with module-level kernel settings changed per variant (graphs reca
 Every variant, the baseline (`current`, the settings as shipped) first, is measured on the same sessions
 (`--batch` sequences of `--context` tokens; the first also steps alone and verifies): `step_ms` (one
 token), `verify_ms` (K + 1 tokens, then the commit of the first, as a rejected round pays),
-`batch_ms`, and their ratios to the variant's own one-token step. A setting is `MODULE.NAME=EXPRESSION`,
+`batch_ms`, and their ratios to the variant's own one-token step; with `--profile`, each run's kernels by launch
+shape (which product a launch is: `profiling.kernels_by_launch`). A setting is `MODULE.NAME=EXPRESSION`,
 MODULE one of `ninfer_offload.kernels`' modules, EXPRESSION evaluated with those modules in scope
 (e.g. `moe.BATCH_GEMV_TILES=moe.GEMV_TILES`); each is restored after its variant.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ninfer_offload.runtime.engine import Engine
+from profiling import kernels_by_launch
 from provenance import gpu_report_header
 
 MODULES = ("attention", "dense_linear", "gdn", "moe", "norm", "quant_linear", "router", "shared_expert")
@@ -60,6 +62,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--draft-tokens", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each variant's kernels by launch shape (profiling.kernels_by_launch)")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     scope = {name: importlib.import_module(f"ninfer_offload.kernels.{name}") for name in MODULES}
@@ -96,9 +100,11 @@ def main() -> None:
         point.update(step_ms=median_ms(step, args.steps), verify_ms=median_ms(verify, args.steps), batch_ms=median_ms(batch, args.steps))
         point["verify_step_ratio"] = point["verify_ms"] / point["step_ms"]
         point["batch_step_ratio"] = point["batch_ms"] / point["step_ms"]
+        if args.profile:
+            point["kernels"] = {name: kernels_by_launch(run, 5) for name, run in (("step", step), ("verify", verify), ("batch", batch))}
         report["variants"].append(point)
         args.out.write_text(json.dumps(report, indent=1))
-        print(json.dumps(point), flush=True)
+        print(json.dumps({key: value for key, value in point.items() if key != "kernels"}), flush=True)
         for module, attr, value in saved:
             setattr(module, attr, value)
 
