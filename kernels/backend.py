@@ -76,7 +76,9 @@ class TritonBackend(ReferenceBackend):
         tokens = x.tokens if isinstance(x, ResidualNorm) else x.reshape(-1, x.shape[-1]).shape[0]
         if isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor) or tokens > quant_linear.GEMV_MAX_TOKENS:
             return super().linear_pair(x, first, second, conv)
-        folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence  # in the epilogue
+        # the conv in the epilogue for a single token: several sequences' windows are a per-token chain there
+        # (H200 batch-8 step 9.36 ms folded, 8.90 unfolded; one token 2.27 against 2.43: bench/results/step_ab_h200_4a7f9f5.json)
+        folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence and tokens == 1
         epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels) if folded else None
         if _fusable(x):  # both products read the normalised input the kernel computes
             yq, yd, x.total, x.normed = quant_linear.paired_gemv(

@@ -58,21 +58,6 @@ def residual_inv_rms(x, delta, D, eps, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def residual_inv_rms_rows(x, delta, rows, live, stride_x, stride_delta, D, eps, CHUNK: tl.constexpr):
-    """`residual_inv_rms` of several rows at once ([len(rows)]; rows not `live` read zeros), summed over
-    chunks of CHUNK columns (a few registers per row, however long the rows)."""
-    rows = rows[:, None].to(tl.int64)
-    squares = tl.zeros(live.shape, dtype=tl.float32)
-    for c0 in range(0, D, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)[None, :]
-        mask = live[:, None] & (cols < D)
-        xv = tl.load(x + rows * stride_x + cols, mask=mask, other=0.0)
-        sf = residual_sum(xv, tl.load(delta + rows * stride_delta + cols, mask=mask, other=0.0))
-        squares += tl.sum(sf * sf, axis=1)
-    return tl.rsqrt(squares / D + eps)
-
-
-@triton.jit
 def _add_rmsnorm_kernel(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     add_rmsnorm_row(x + row * D, delta + row * D, total + row * D, out + row * D, w, D, eps, OFFSET, BLOCK_D)

@@ -39,7 +39,7 @@ from ninfer_offload.kernels import dense_linear
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.gdn import conv_rows
 from ninfer_offload.kernels.norm import (
-    add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_inv_rms_rows, residual_sum,
+    add_rmsnorm, add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum,
 )
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
@@ -85,7 +85,6 @@ MMA_BLOCK_T = 16
 # operand measured 1.1-1.3x slower), the output head in 64 x 128 tiles (258 us, against 707).
 MMA_GEMV_TILES = GemvTiles(32, 256, 4, 4)
 WIDE_MMA_GEMV_TILES = GemvTiles(64, 128, 4, 4)
-NORM_CHUNK = tl.constexpr(256)  # columns per step of the several-token residual norm statistic
 
 
 def on_tensor_cores(n: int, tokens: int) -> bool:
@@ -180,12 +179,12 @@ def input_positions(
 
 @triton.jit
 def _token_input_positions(
-    x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, row_inv_rms,
+    x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps,
     INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """`input_positions` of every token at once: eight positions [BLOCK_T, BLOCK_K // 8] in x's dtype
-    (tokens `toks` past T read zeros; their rows are never stored). ADD_NORM takes each token's
-    statistic, `row_inv_rms` [BLOCK_T], computed once before the column tiles."""
+    (tokens `toks` past T read zeros; their rows are never stored). Every input but ADD_NORM, whose
+    products take a normalised input on tensor cores (`residual_norm_gemv`)."""
     W: tl.constexpr = BLOCK_K // 8
     live = toks < T
     tok = toks[:, None].to(tl.int64)
@@ -205,9 +204,6 @@ def _token_input_positions(
         per_group = tl.sum(tl.reshape(squares, [BLOCK_T, BLOCK_K // NORM_D, NORM_D // 8]), axis=2)
         groups = tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, :, None], [BLOCK_T, BLOCK_K // NORM_D, NORM_D // 8])
         inv_rms = tl.reshape(groups, [BLOCK_T, W])
-    if INPUT == ADD_NORM:
-        weights = load_positions(norm_w, k0, K, BLOCK_K)
-        inv_rms = inv_rms * row_inv_rms[:, None]
     dtype = x.dtype.element_ty
     return (
         _position_input(raw[0], raw2[0], weights[0], inv_rms, INPUT).to(dtype),
@@ -276,6 +272,7 @@ def _quantized_gemv_kernel(
     With DENSE, the programs after them: DENSE_BLOCK_N rows each of the product with `dense_w`
     (`paired_gemv`). With ADD_NORM, program 0 also stores each token's x + x2 and its norm
     (`add_rmsnorm`'s outputs) in `total` and `normed`, for the ops after this one."""
+    tl.static_assert(not (MMA and INPUT == ADD_NORM), "tensor-core products take the residual's norm from add_rmsnorm")
     pid = tl.program_id(0)
     if DENSE and pid >= QUANTIZED_PROGRAMS:
         dense_gemv_rows(
@@ -287,15 +284,10 @@ def _quantized_gemv_kernel(
         row_mask = rows < N
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        row_inv_rms = tl.full([BLOCK_T], 1.0, tl.float32)
-        if MMA and INPUT == ADD_NORM:
-            row_inv_rms = residual_inv_rms_rows(x, x2, toks, toks < T, stride_x, stride_x2, K, eps, NORM_CHUNK)
         for k0 in range(0, K_PAD, BLOCK_K):
             codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
             if MMA:
-                xs = _token_input_positions(
-                    x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, row_inv_rms, INPUT, NORM_D, BLOCK_T, BLOCK_K
-                )
+                xs = _token_input_positions(x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K)
                 acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
             else:
                 for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
@@ -448,14 +440,27 @@ def fused_gemv(
 def residual_norm_gemv(
     x: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float, data: torch.Tensor, geometry: ObjectGeometry
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, total, normed) for up to GEMV_MAX_TOKENS tokens in one launch: total = x + delta and normed =
-    (1 + norm_w) * rmsnorm(total) as `norm.add_rmsnorm` gives them, y = normed @ W^T; the kernel
-    normalises its own input tiles, so no norm launch comes before the product."""
+    """(y, total, normed) for up to GEMV_MAX_TOKENS tokens: total = x + delta and normed = (1 + norm_w) *
+    rmsnorm(total) as `norm.add_rmsnorm` gives them, y = normed @ W^T. On CUDA cores the kernel
+    normalises its own input tiles (one launch); on tensor cores (`on_tensor_cores`) `add_rmsnorm`
+    runs first and the product reads its normed rows (`_normalised_first`)."""
     _check_gemv_inputs(x, delta, geometry)
     out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
+    if _normalised_first(geometry, x):
+        total, normed = add_rmsnorm(x, delta, norm_w, eps, offset=True)
+        _launch_gemv(normed, None, None, 0.0, data, geometry, out, PLAIN, 1)
+        return out, total, normed
     total, normed = torch.empty_like(x), torch.empty_like(x)
     _launch_gemv(x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, total=total, normed=normed)
     return out, total, normed
+
+
+def _normalised_first(geometry: ObjectGeometry, x: torch.Tensor) -> bool:
+    """Whether a product of a residual's norm takes its input normalised by its own `add_rmsnorm` launch:
+    on tensor cores, where the kernel's own statistic of every token's rows (a chain of row chunks before the
+    first tile) made it slower than its plain input (H200, 4 tokens, in the step:
+    bench/results/step_ab_h200_4a7f9f5.json, q/k/v/z 62 us against ~20 us plain)."""
+    return on_tensor_cores(geometry.n, x.shape[0])
 
 
 def paired_gemv(
@@ -466,8 +471,8 @@ def paired_gemv(
     quantized matrix-vector product (its `fused_gemv` launch shape) followed by those of the dense one
     (`dense_linear`'s rows per program), e.g. GDN's q/k/v/z projections with its dense a/b rows, or the
     shared expert's gate/up with the dense router: one launch instead of two small ones. With
-    `residual` = (delta, norm_w, eps) the input is (1 + norm_w) * rmsnorm(x + delta), computed by the
-    kernel (as in `residual_norm_gemv`), and x + delta and the normed input follow the two products.
+    `residual` = (delta, norm_w, eps) the input is (1 + norm_w) * rmsnorm(x + delta), computed as in
+    `residual_norm_gemv`, and x + delta and the normed input follow the two products.
     With `conv` = (states, weight, slots, valid, channels), each token being one sequence's, the first
     `channels` columns of x @ W^T come out through GDN's conv (`gdn.conv_update`'s result, its windows
     advanced), computed by the programs that own those rows (`gdn.conv_rows`): no launch of its own."""
@@ -480,6 +485,10 @@ def paired_gemv(
     if residual is None:
         _launch_gemv(x, None, None, 0.0, data, geometry, out, PLAIN, 1, dense_w=dense_w.contiguous(), dense_out=dense_out, conv=conv)
         return out, dense_out
+    if _normalised_first(geometry, x):
+        total, normed = add_rmsnorm(x, delta, norm_w, eps, offset=True)
+        _launch_gemv(normed, None, None, 0.0, data, geometry, out, PLAIN, 1, dense_w=dense_w.contiguous(), dense_out=dense_out, conv=conv)
+        return out, dense_out, total, normed
     total, normed = torch.empty_like(x), torch.empty_like(x)
     _launch_gemv(
         x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, total=total, normed=normed,
