@@ -27,11 +27,12 @@ from ninfer_offload.model.experts import ExpertBank
 MIN_CAPABILITY = (8, 0)
 
 
-def _fusable(x: Input) -> bool:
-    """Whether a matrix-vector kernel can compute this layer input itself: a `ResidualNorm` not yet
-    computed, of at most GEMV_MAX_TOKENS rows with contiguous columns."""
+def _fusable(x: Input, n: int) -> bool:
+    """Whether the matrix-vector kernel of an n-row product can compute this layer input itself: a
+    `ResidualNorm` not yet computed, of rows that kernel takes (`quant_linear.on_matrix_vector`), with
+    contiguous columns."""
     return (
-        isinstance(x, ResidualNorm) and x.normed is None and x.tokens <= quant_linear.GEMV_MAX_TOKENS
+        isinstance(x, ResidualNorm) and x.normed is None and quant_linear.on_matrix_vector(n, x.tokens)
         and x.x.dim() == 2 and x.x.stride(1) == 1 and x.delta.stride(1) == 1 and x.delta.shape == x.x.shape
     )
 
@@ -58,7 +59,7 @@ class TritonBackend(ReferenceBackend):
         return self._fla.result()
 
     def linear(self, x: Input, w: Weight) -> torch.Tensor:
-        if _fusable(x) and not isinstance(w, torch.Tensor):  # the product normalises its own input
+        if not isinstance(w, torch.Tensor) and _fusable(x, w.n):  # the product normalises its own input
             y, x.total, x.normed = quant_linear.residual_norm_gemv(x.x, x.delta, x.weight, x.eps, w.data, w.geometry)
             return y
         x = self.resolve(x)
@@ -74,13 +75,16 @@ class TritonBackend(ReferenceBackend):
         dense_second = isinstance(second, torch.Tensor)
         quantized, dense = (first, second) if dense_second else (second, first)
         tokens = x.tokens if isinstance(x, ResidualNorm) else x.reshape(-1, x.shape[-1]).shape[0]
-        if isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor) or tokens > quant_linear.GEMV_MAX_TOKENS:
+        if (
+            isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor)
+            or not quant_linear.on_matrix_vector(quantized.n, tokens)
+        ):
             return super().linear_pair(x, first, second, conv)
         # the conv in the epilogue for a single token: several sequences' windows are a per-token chain there
         # (H200 batch-8 step 9.36 ms folded, 8.90 unfolded; one token 2.27 against 2.43: bench/results/step_ab_h200_4a7f9f5.json)
         folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence and tokens == 1
         epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels) if folded else None
-        if _fusable(x):  # both products read the normalised input the kernel computes
+        if _fusable(x, quantized.n):  # both products read the normalised input the kernel computes
             yq, yd, x.total, x.normed = quant_linear.paired_gemv(
                 x.x, quantized.data, quantized.geometry, dense, residual=(x.delta, x.weight, x.eps), conv=epilogue
             )

@@ -3,7 +3,8 @@
 Reference op: `ReferenceBackend.linear(x, w)` with `w` a `QuantizedMatrix` or `Nvfp4Matrix`, i.e.
 `x @ w.dequantize().T`. Every path serves both formats, the `NVFP4` constexpr picking the tile
 decoder (`kernels/tiles.py`). Three paths by token count:
-* up to `GEMV_MAX_TOKENS` tokens (decode, verification of a few drafts, small decode batches): a
+* up to `GEMV_MAX_TOKENS` tokens (decode, verification of a few drafts, small decode batches) of
+  the large products, up to `SMALL_GEMV_MAX_TOKENS` of the others (`on_matrix_vector`): a
   matrix-vector kernel. Each program owns a few rows and walks the whole row in wide tiles,
   decoding each tile once (`load_gemv_tile`); one token multiplies the codes by its x in registers
   (`dot_code_tile`); several tokens of a large product (`MMA_MIN_ROWS`) go through tensor cores
@@ -85,6 +86,19 @@ MMA_BLOCK_T = 16
 # operand measured 1.1-1.3x slower), the output head in 64 x 128 tiles (258 us, against 707).
 MMA_GEMV_TILES = GemvTiles(32, 256, 4, 4)
 WIDE_MMA_GEMV_TILES = GemvTiles(64, 128, 4, 4)
+
+
+# Products of fewer than MMA_MIN_ROWS rows take the matrix-vector kernel for up to SMALL_GEMV_MAX_TOKENS
+# tokens and the tiled kernel beyond: its split-K tensor-core tiles fill the GPU whatever the token count, while
+# the per-token multiply-adds grow with every token (H200 batch-8 step, bench/results/step_ab_h200_8d5cda9.json,
+# per launch: GDN/attention output 24.2 us fused against 9.2 tiled + 1.8 norm + 1.8 sum; shared down 11.8 against
+# ~7; shared gate/up with the router 16.7 against ~15; at 4 tokens the matrix-vector kernel leads or ties).
+SMALL_GEMV_MAX_TOKENS = 4
+
+
+def on_matrix_vector(n: int, tokens: int) -> bool:
+    """Whether `tokens` tokens of an n-row product take the matrix-vector kernel (else the tiled one)."""
+    return tokens <= GEMV_MAX_TOKENS and (tokens <= SMALL_GEMV_MAX_TOKENS or n >= MMA_MIN_ROWS)
 
 
 def on_tensor_cores(n: int, tokens: int) -> bool:
@@ -541,9 +555,9 @@ def _launch_gemv(
 
 
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
-    """(x * sigmoid(gate)) [T, k] @ W^T: the gate folded into the matrix-vector kernel's input up to
-    GEMV_MAX_TOKENS tokens, else applied before `quantized_linear`."""
-    if x.shape[0] <= GEMV_MAX_TOKENS and x.stride(1) == 1 and gate.stride(1) == 1:
+    """(x * sigmoid(gate)) [T, k] @ W^T: the gate folded into the matrix-vector kernel's input where it
+    runs (`on_matrix_vector`), else applied before `quantized_linear`."""
+    if on_matrix_vector(geometry.n, x.shape[0]) and x.stride(1) == 1 and gate.stride(1) == 1:
         return fused_gemv(x, data, geometry, gate, SIGMOID_GATE)
     return quantized_linear(x * torch.sigmoid(gate), data, geometry)
 
@@ -552,12 +566,12 @@ def gated_norm_linear(
     x: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, data: torch.Tensor, geometry: ObjectGeometry
 ) -> torch.Tensor:
     """gated_rmsnorm(x, norm_w, eps, z) [T, H, D] flattened to [T, H * D], @ W^T: the norm computed in the
-    matrix-vector kernel's input up to GEMV_MAX_TOKENS tokens, else by `norm.gated_rmsnorm` first."""
+    matrix-vector kernel's input where it runs (`on_matrix_vector`), else by `norm.gated_rmsnorm` first."""
     t = x.shape[0]
     flat, gate = x.reshape(t, -1), z.reshape(t, -1)
     block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, gemv_tiles(geometry.n, t).block_k)
     whole_groups = block_k % norm_w.numel() == 0 and norm_w.numel() % 8 == 0  # per column tile, in whole words
-    if t <= GEMV_MAX_TOKENS and flat.stride(1) == 1 and gate.stride(1) == 1 and whole_groups:
+    if on_matrix_vector(geometry.n, t) and flat.stride(1) == 1 and gate.stride(1) == 1 and whole_groups:
         return fused_gemv(flat, data, geometry, gate, GATED_NORM, norm_w=norm_w, eps=eps)
     return quantized_linear(gated_rmsnorm(x, norm_w, eps, z).reshape(t, -1), data, geometry)
 
@@ -572,7 +586,7 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeomet
     x = x.contiguous()
     g = TileGeometry.of(geometry)
     n = geometry.n
-    if t <= GEMV_MAX_TOKENS:
+    if on_matrix_vector(n, t):
         return fused_gemv(x, data, geometry)
     block_m = 16 if t <= 16 else (32 if t <= 32 else 64)
     block_n = DECODE_BLOCK_N

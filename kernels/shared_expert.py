@@ -2,8 +2,8 @@
 
 Reference op: `ReferenceBackend.shared_expert(gate, up, down, routed, score)`. One token's shared
 expert usually runs inside the routed experts' down launch (`moe.routed_experts` with a
-`SharedExpert`, the same roundings); otherwise, up to
-`GEMV_MAX_TOKENS` tokens of a quantized down matrix (decode) it is one launch of the
+`SharedExpert`, the same roundings); otherwise, for the tokens a quantized down matrix takes the
+matrix-vector kernel for (`quant_linear.on_matrix_vector`: decode, few-token steps) it is one launch of the
 matrix-vector kernel (`quant_linear.fused_gemv`): it computes SwiGLU of the gate/up columns as it
 reads them and adds the score-gated rows to the routed output in its epilogue (no intermediate
 activation, no separate SwiGLU or gating launch). Otherwise (prefill, dense weights)
@@ -26,7 +26,7 @@ BLOCK = 1024
 
 def shared_expert(gate: torch.Tensor, up: torch.Tensor, down: Weight, routed: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     """routed [T, H] + sigmoid(score [T, 1]) * (silu(gate) * up) [T, S] @ down^T (down [H, S])."""
-    if isinstance(down, torch.Tensor) or gate.shape[0] > quant_linear.GEMV_MAX_TOKENS:
+    if isinstance(down, torch.Tensor) or not quant_linear.on_matrix_vector(down.n, gate.shape[0]):
         act = swiglu(gate, up)
         shared = dense_linear(act, down) if isinstance(down, torch.Tensor) else quant_linear.quantized_linear(act, down.data, down.geometry)
         return add_gated(routed, score, shared)

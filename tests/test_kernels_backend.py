@@ -34,10 +34,13 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _skip_interpreter_tiled(tokens: int, dtype: torch.dtype, fmt: str) -> None:
-    """9..64 tokens of a quantized product take the tiled kernels, whose bf16 tl.dot the interpreter gets wrong."""
-    if tokens > 8 and dtype == torch.bfloat16 and DEVICE.type == "cpu" and fmt != "dense":
-        pytest.skip("the interpreter's bf16 tl.dot gives wrong tiled products (9..64 tokens); runs on CUDA")
+def _skip_interpreter_tiled(tokens: int, dtype: torch.dtype, fmt: str, n: int) -> None:
+    """Tokens of an n-row quantized product past the matrix-vector kernel's (`quant_linear.on_matrix_vector`) take
+    the tiled kernels, whose bf16 tl.dot the interpreter gets wrong."""
+    from ninfer_offload.kernels import quant_linear
+
+    if not quant_linear.on_matrix_vector(n, tokens) and dtype == torch.bfloat16 and DEVICE.type == "cpu" and fmt != "dense":
+        pytest.skip("the interpreter's bf16 tl.dot gives wrong tiled products; runs on CUDA")
 
 
 def _weight(fmt: str, values: np.ndarray, dtype: torch.dtype):
@@ -51,7 +54,7 @@ def _weight(fmt: str, values: np.ndarray, dtype: torch.dtype):
 @pytest.mark.parametrize("tokens", [1, 3, 8, 12])
 def test_products_of_a_residual_norm_input(tokens):
     """A layer's first products on a `ResidualNorm`: the outputs, x + delta and the normed rows equal
-    `add_rmsnorm` then the products (up to 8 tokens the kernels compute the norm themselves; beyond,
+    `add_rmsnorm` then the products (where the matrix-vector kernel runs it computes the norm itself; beyond,
     `resolve` does), and resolving it again computes nothing more."""
     from ninfer_offload.model.backend import ResidualNorm
 
@@ -436,12 +439,12 @@ def test_gdn_gating(dtype, tol):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 12])  # the norm inside the matrix-vector kernel's input up to 8 tokens
+@pytest.mark.parametrize("tokens", [1, 3, 8, 12])  # the norm inside the matrix-vector kernel's input (small products: up to 4 tokens)
 @pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q5_g64_fp16", "dense"])
 def test_gated_norm_linear(dtype, tol, tokens, fmt):
     """GDN's output: per-head RMSNorm of x times silu(z), flattened, @ w^T, with z a slice of a wider product."""
-    _skip_interpreter_tiled(tokens, dtype, fmt)
     heads, d, n = 8, 32, 40
+    _skip_interpreter_tiled(tokens, dtype, fmt, n)
     w = _weight(fmt, np.random.default_rng(tokens).standard_normal((n, heads * d)).astype(np.float32) * 0.1, dtype)
     x = (torch.randn(tokens, heads, d, generator=_gen(45)) * 2).to(dtype)
     wide = torch.randn(tokens, 2 * heads * d, generator=_gen(46)).to(dtype)
@@ -456,12 +459,12 @@ def test_gated_norm_linear(dtype, tol, tokens, fmt):
 
 # bf16: torch's CPU sigmoid in bf16 is sometimes one ulp off the float32 value rounded, as the kernels round it
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 12])  # the gate inside the matrix-vector kernel's input up to 8 tokens
+@pytest.mark.parametrize("tokens", [1, 3, 8, 12])  # the gate inside the matrix-vector kernel's input (small products: up to 4 tokens)
 @pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q6_g64_fp16", "dense"])
 def test_gated_linear(dtype, tol, tokens, fmt):
     """(x * sigmoid(gate)) @ w^T with the gate a column slice of a wider product (the attention output gate)."""
-    _skip_interpreter_tiled(tokens, dtype, fmt)
     n, k = 40, 300
+    _skip_interpreter_tiled(tokens, dtype, fmt, n)
     w = _weight(fmt, np.random.default_rng(tokens).standard_normal((n, k)).astype(np.float32) * 0.1, dtype)
     x = torch.randn(tokens, k, generator=_gen(40)).to(dtype)
     wide = (torch.randn(tokens, 3 * k, generator=_gen(41)) * 3).to(dtype)
@@ -471,13 +474,13 @@ def test_gated_linear(dtype, tol, tokens, fmt):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])  # bf16: three roundings (1.1 % seen)
-@pytest.mark.parametrize("tokens", [1, 3, 8, 12])  # one matrix-vector kernel up to 8 tokens, three launches above
+@pytest.mark.parametrize("tokens", [1, 3, 8, 12])  # one matrix-vector kernel (small products: up to 4 tokens), three launches above
 @pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q5_g64_fp16", "dense"])
 def test_shared_expert(dtype, tol, tokens, fmt):
     """routed + sigmoid(score) * swiglu(gate, up) @ down^T, with gate/up and score read as the stacked
     products leave them (column slices of one buffer)."""
-    _skip_interpreter_tiled(tokens, dtype, fmt)
     hidden, width = 40, 300
+    _skip_interpreter_tiled(tokens, dtype, fmt, hidden)
     down = _weight(fmt, np.random.default_rng(tokens).standard_normal((hidden, width)).astype(np.float32) * 0.1, dtype)
     gate_up = torch.randn(tokens, 2 * width, generator=_gen(34)).to(dtype)
     gate, up = gate_up[:, :width], gate_up[:, width:]
