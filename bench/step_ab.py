@@ -70,7 +70,8 @@ def main() -> None:
     variants = [("current", [])] + [(v[0], [parse_setting(s, scope) for s in v[1:]]) for v in args.variant]
     report = {**gpu_report_header(args.commit), "context": args.context, "batch": args.batch, "draft_tokens": args.draft_tokens,
               "variants": []}
-    grown = len(variants) * 3 * (3 * args.steps + 1)  # tokens each variant adds to the first session (one per run)
+    profiled = 5 if args.profile else 0  # runs of each kind under the profiler
+    grown = len(variants) * 3 * (3 * args.steps + 1 + profiled)  # tokens the variants add to the first session (one per run)
     engine = Engine.load(args.artifact, device="cuda", max_context=args.context + grown + 64, max_sequences=args.batch,
                          mtp=True, draft_tokens=args.draft_tokens, spec="none")
     vocab = engine.config.vocab_size
@@ -101,7 +102,8 @@ def main() -> None:
         point["verify_step_ratio"] = point["verify_ms"] / point["step_ms"]
         point["batch_step_ratio"] = point["batch_ms"] / point["step_ms"]
         if args.profile:
-            point["kernels"] = {name: kernels_by_launch(run, 5) for name, run in (("step", step), ("verify", verify), ("batch", batch))}
+            runs = (("step", step), ("verify", verify), ("batch", batch))
+            point["kernels"] = {name: kernels_by_launch(run, profiled) for name, run in runs}
         report["variants"].append(point)
         args.out.write_text(json.dumps(report, indent=1))
         print(json.dumps({key: value for key, value in point.items() if key != "kernels"}), flush=True)
