@@ -158,10 +158,11 @@ class TritonBackend(ReferenceBackend):
         )
 
     def conv_update(
-        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None
+        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return gdn.conv_update(
-            x, conv_states, weight, ctx.slots, ctx.valid, ctx.tokens_per_sequence, kept if ctx.keep_states else None
+            x, conv_states, weight, ctx.slots, ctx.valid, ctx.tokens_per_sequence, kept if ctx.keep_states else None, out
         )
 
     def gdn_gating(

@@ -148,6 +148,9 @@ def _window(x, stride_x, state, first_row, w, wmask, cols, cmask, C, PREV: tl.co
     return tl.load(starts[:, None] + cols[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
 
 
+MAX_BLOCK_T = 64  # a program's tokens of one sequence in `conv_update`
+
+
 @triton.jit
 def _conv_update_kernel(
     x,
@@ -160,6 +163,7 @@ def _conv_update_kernel(
     T,
     C,
     stride_x,
+    stride_out,
     KEPT_TOKENS,
     TAPS: tl.constexpr,
     PREV_PAD: tl.constexpr,
@@ -186,12 +190,14 @@ def _conv_update_kernel(
         if KEEP and i > 0:
             dst = kept + ((slot * KEPT_TOKENS + tokens[:, None]) * (TAPS - 1) + i - 1) * C + cols[None, :]
             tl.store(dst, win.to(kept.dtype.element_ty), mask=(tokens < T - 1)[:, None] & cmask[None, :])
-    dst = out + (seq * T + tokens[:, None]) * C + cols[None, :]
-    tl.store(dst, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+    final = tl.zeros([PREV_PAD, BLOCK_C], dtype=tl.float32)
     if t0 == 0:  # the window after the last real token (padding rows after it are computed, not kept)
         n = tl.load(valid + seq).to(tl.int32)
         final = _window(x, stride_x, state, seq * T, n + rows, rows < TAPS - 1, cols, cmask, C, TAPS - 1)
-        tl.debug_barrier()  # every thread of the program has read the old window before it is overwritten
+    tl.debug_barrier()  # every thread has read its x rows and the old window: out may be x, the window is overwritten
+    dst = out + (seq * T + tokens[:, None]).to(tl.int64) * stride_out + cols[None, :]
+    tl.store(dst, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+    if t0 == 0:
         rmask = (rows < TAPS - 1)[:, None] & cmask[None, :]
         tl.store(state + rows[:, None] * C + cols[None, :], final.to(states.dtype.element_ty), mask=rmask)
 
@@ -231,27 +237,33 @@ def conv_rows(y, toks, T, rows, row_mask, states, weight, slots, valid, C, TAPS:
 
 def conv_update(
     x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
-    tokens_per_sequence: int, kept: torch.Tensor | None,
+    tokens_per_sequence: int, kept: torch.Tensor | None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(causal depthwise conv) of the B = len(slots) sequences of T tokens in x [N, C] with taps weight [W, C],
     sequence b continuing the window conv_states[slots[b]] of conv_states [slots, W-1, C], which is advanced in
     place over its first valid[b] tokens (the rest are padding: computed, not kept). A
     `kept` [slots, K, W-1, C] receives the window after each token but the last. x's rows may be strided (a
-    column slice of a wider product): they are read in place. Returns [N, C] (contiguous)."""
+    column slice of a wider product): they are read in place. Returns `out` [N, C] (rows may be strided; x itself
+    too: a sequence of up to MAX_BLOCK_T tokens is one program's, which reads its rows before it writes them),
+    else a new contiguous tensor."""
     c = x.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
+    if out is not None and out.stride(1) != 1:
+        raise ValueError("conv_update writes rows of contiguous columns")
+    if out is not None and out.data_ptr() == x.data_ptr() and tokens_per_sequence > MAX_BLOCK_T:  # blocks read each other's rows
+        return out.copy_(conv_update(x, conv_states, weight, slots, valid, tokens_per_sequence, kept))
     taps = weight.shape[0]
     if conv_states.shape[1:] != (taps - 1, c) or conv_states.dtype != x.dtype or not conv_states.is_contiguous():
         raise ValueError(f"conv states must be one contiguous {x.dtype} [slots, {taps - 1}, {c}] tensor")
     if kept is not None:
         _check_kept(kept, conv_states, tokens_per_sequence)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     block_c = 256
-    block_t = 64 if tokens_per_sequence > 64 else triton.next_power_of_2(tokens_per_sequence)  # several blocks: >= TAPS-1 rows
+    block_t = MAX_BLOCK_T if tokens_per_sequence > MAX_BLOCK_T else triton.next_power_of_2(tokens_per_sequence)  # blocks: >= TAPS-1 rows
     _conv_update_kernel[(triton.cdiv(c, block_c), slots.shape[0], triton.cdiv(tokens_per_sequence, block_t))](
         x, slots, valid, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
-        tokens_per_sequence, c, x.stride(0), 0 if kept is None else kept.shape[1],
+        tokens_per_sequence, c, x.stride(0), out.stride(0), 0 if kept is None else kept.shape[1],
         TAPS=taps, PREV_PAD=triton.next_power_of_2(taps - 1), BLOCK_T=block_t,
         BLOCK_C=block_c, KEEP=kept is not None,
     )

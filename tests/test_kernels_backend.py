@@ -260,6 +260,24 @@ def test_conv_update_reads_a_column_slice_in_place():
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+@pytest.mark.parametrize("batch,tokens,keep,prefill", [(3, 1, False, False), (2, 4, True, False), (1, 300, False, True)])
+def test_conv_update_writes_over_its_input(batch, tokens, keep, prefill):
+    """The conv of a product's first columns written back over them (no copy launch): the rows, windows and
+    kept windows equal the conv into a new tensor, the other columns untouched; a sequence of more tokens
+    than one program holds (300) reads its input before any is overwritten."""
+    x, weight, states, kept = _conv_case(batch * tokens, 300, torch.float32, 23)
+    wide = torch.cat([x, torch.randn(batch * tokens, 24, generator=_gen(24))], dim=1).to(DEVICE)
+    ctx = _step(SLOTS[:batch], [7, 0, 1][:batch], tokens, 512, keep, prefill)
+    results = []
+    for in_place in (False, True):
+        y, dev_states, dev_kept = wide.clone(), states.clone().to(DEVICE), kept.clone().to(DEVICE)
+        first = y[:, :300]
+        out = _backend().conv_update(first, dev_states, weight.to(DEVICE), ctx, dev_kept, out=first if in_place else None)
+        assert (out.data_ptr() == first.data_ptr()) == in_place
+        results.append((out.clone(), y[:, 300:].clone(), dev_states, dev_kept))
+    assert all(torch.equal(a, b) for a, b in zip(*results)) and torch.equal(results[1][1], wide[:, 300:])
+
+
 def _padded_step(slot: int, start: int, tokens: int, valid: int, capacity: int):
     """The context of a captured prefill of `valid` real tokens padded to `tokens` rows."""
     from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs

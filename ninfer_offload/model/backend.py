@@ -66,7 +66,8 @@ class DepthwiseConv:
         return self.ctx.tokens_per_sequence == 1 and not self.ctx.keep_states
 
     def apply(self, backend: "Backend", y: torch.Tensor) -> torch.Tensor:
-        y[..., : self.channels] = backend.conv_update(y[..., : self.channels], self.states, self.weight, self.ctx, self.kept)
+        first = y[..., : self.channels]
+        backend.conv_update(first, self.states, self.weight, self.ctx, self.kept, out=first)  # in place: no copy launch
         return y
 
 
@@ -118,7 +119,8 @@ class Backend(Protocol):
         wait: Callable[[], None],
     ) -> torch.Tensor: ...
     def conv_update(
-        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None
+        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
     def gdn_gating(
         self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
@@ -274,23 +276,26 @@ class ReferenceBackend:
 
     # ------------------------------------------------------------------ Gated DeltaNet
     def conv_update(
-        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None
+        self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """silu(causal depthwise conv) of x [N, C] with taps weight [W, C], per sequence of `ctx`.
+        """silu(causal depthwise conv) of x [N, C] with taps weight [W, C], per sequence of `ctx`, in `out`
+        ([N, C], x itself allowed) when given, else in a new tensor.
 
         conv_states [slots, W-1, C] holds each slot's previous W-1 inputs and is advanced in place;
         with `ctx.keep_states`, the window after each token but the last goes to kept [slots, K, W-1, C].
         """
         taps, t = weight.shape[0], ctx.tokens_per_sequence
-        out = []
+        rows = []
         for b, slot in enumerate(ctx.host_view()[0]):
             window = torch.cat([conv_states[slot], x[b * t : (b + 1) * t]], dim=0)  # [W-1+T, C]
-            out.append(F.silu(sum(weight[i].float() * window[i : i + t].float() for i in range(taps))).to(x.dtype))
+            rows.append(F.silu(sum(weight[i].float() * window[i : i + t].float() for i in range(taps))).to(x.dtype))
             if ctx.keep_states:
                 for i in range(t - 1):
                     kept[slot, i].copy_(window[i + 1 : i + taps])
             conv_states[slot].copy_(window[t:])
-        return out[0] if len(out) == 1 else torch.cat(out)
+        result = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return result if out is None else out.copy_(result)
 
     def gdn_gating(
         self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
