@@ -25,8 +25,9 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
   (`SharedExpert`), one more program per slice computes its down rows (SwiGLU of its gate/up, scaled
   by sigmoid of its score) in the same launch and the last arriver adds them to the rounded routed
   sum, as `shared_expert` would after it: one launch fewer per layer. For several tokens, the down kernel
-  shares each expert the same way and the k weighted rows of each token are summed in the same
-  fixed order (a launch of its own).
+  shares each expert the same way (per token on CUDA cores, or from `MMA_DOWN_MIN_TOKENS` tokens all of
+  an expert's pairs in one tensor-core product) and the k weighted rows of each token are summed in the
+  same fixed order (a launch of its own).
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
   own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
@@ -56,7 +57,7 @@ from ninfer_offload.kernels import shared_expert
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_token_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile
 
 
@@ -97,6 +98,13 @@ GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
 # cubin); 8 rows x 512 columns x 4 warps keep them in 159 registers. H200, cold L2, 4 tokens
 # (bench/results/kernels_h200_cold_cfce028.json): 58.8 us per layer against 69.0 (one token: 15.1 against 14.4).
 BATCH_GEMV_TILES = Tiles(1, 8, 8, 4, 512, 4)
+# Several tokens' down product on tensor cores from this many tokens (`_down_mma_gemv_kernel`: each expert's
+# pairs in one product, rows per program and k tile of MMA_DOWN_TILES), below it per token on CUDA cores.
+# Not measured yet: at 8 tokens the per-token kernel took 36 us per layer for ~60 experts (about 1 TB/s,
+# bench/results/step_ab_h200_8d5cda9.json), 16K programs of 8 rows each with a chain of per-token reductions.
+# Beyond GEMV_MAX_TOKENS (never) until a step A/B (`moe.MMA_DOWN_MIN_TOKENS=2`) says otherwise.
+MMA_DOWN_MIN_TOKENS = GEMV_MAX_TOKENS + 1
+MMA_DOWN_TILES = Tiles(1, 8, 32, 4, 128, 3)
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
@@ -336,6 +344,63 @@ def _down_shared_gemv_kernel(
         ptr = weighted + index.to(tl.int64)[:, None] * H + rows[None, :]
         out_rows = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N) * w[:, None]
         tl.store(ptr, out_rows, mask=uses[:, None] & row_mask[None, :])
+
+
+MMA_ROWS = tl.constexpr(16)  # pairs of one expert per tensor-core product of `_down_mma_gemv_kernel`
+
+
+@triton.jit
+def _down_mma_gemv_kernel(
+    act,
+    arena,
+    table,
+    topk_ids,
+    weights,
+    weighted,
+    pairs,
+    H,
+    I,
+    down_offset,
+    high_offset,
+    scale_offset,
+    divisor_offset,
+    TOP_K: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+    NVFP4: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """`_down_shared_gemv_kernel` on tensor cores: the expert of each first pair, decoded once, multiplies the
+    activation rows of the pairs routed to it at once (in index order, MMA_ROWS per product: one product
+    unless a token uses the expert in several slots), no per-token loop or reduction."""
+    e, owner, index, uses, _ = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
+    if owner:
+        down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        row_mask = rows < H
+        rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1  # of each pair among the expert's
+        for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
+            slot = r0 + tl.arange(0, MMA_ROWS)
+            member = tl.min(tl.where(uses[None, :] & (rank[None, :] == slot[:, None]), index[None, :], BLOCK_PAIRS), axis=1)
+            live = member < BLOCK_PAIRS  # product row r: the expert's (r0 + r)-th pair
+            acc = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K_PAD, BLOCK_K):
+                codes, scales = load_gemv_tile(
+                    down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+                )
+                cols = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(act + member.to(tl.int64)[:, None] * I + cols[None, :], mask=live[:, None] & (cols < I)[None, :], other=0.0)
+                acc = mma_code_tile(codes, scales, split_token_positions(xt, MMA_ROWS, BLOCK_K), acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
+            if NVFP4:
+                acc = acc / load_divisors(down, rows, row_mask, divisor_offset)[None, :]
+            y = acc.to(act.dtype.element_ty).to(tl.float32)
+            w = tl.load(weights + member, mask=live, other=0.0).to(tl.float32)
+            ptr = weighted + member.to(tl.int64)[:, None] * H + rows[None, :]
+            tl.store(ptr, y * w[:, None], mask=live[:, None] & row_mask[None, :])
 
 
 @triton.jit
@@ -760,6 +825,15 @@ def _routed_experts_gemv(
         )
         return out if fold else _with_shared(out, shared)
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
+    if t >= MMA_DOWN_MIN_TOKENS:
+        mma = MMA_DOWN_TILES
+        _down_mma_gemv_kernel[(pairs, triton.cdiv(hidden, mma.down_n))](
+            act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
+            dn.divisor_offset, TOP_K=top_k, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
+            K_PAD=dn.k_pad, BLOCK_N=mma.down_n, BLOCK_K=gemv_block_k(dn.k_pad, mma.block_k), IEEE=x.dtype == torch.float32,
+            num_warps=mma.warps, num_stages=mma.stages,
+        )
+        return _with_shared(sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
     _down_shared_gemv_kernel[(pairs, triton.cdiv(hidden, tiles.down_n))](
         act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
         dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,

@@ -131,6 +131,40 @@ def test_shared_and_per_token_down_products_agree(monkeypatch):
     assert int(moe._arrivals(x.device).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("down_fmt", ["q5_g64_fp16", "q8_g32_fp16"])
+def test_several_tokens_down_product_on_tensor_cores(down_fmt, monkeypatch):
+    """The down product of 2-8 tokens with every pair of an expert in one tensor-core product
+    (`MMA_DOWN_MIN_TOKENS`): equal to the float64 evaluation with experts repeated within the batch, eight
+    tokens on the same three experts, a token using one expert in two slots (the first with a zero weight),
+    more pairs of one expert than one product's rows, and to the per-token kernel to rounding."""
+    from ninfer_offload.kernels import moe
+
+    records = _records("q4_g64_fp16", down_fmt, seed=11)
+    layout, data, _ = records
+    table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(6)
+    cases = []
+    for t in (2, 5, 8):
+        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(t)])
+        ids[-1] = ids[0]
+        cases.append(ids)
+    cases.append(torch.stack([torch.tensor([2, 4, 5]).roll(t) for t in range(8)]))
+    cases.append(torch.tensor([[3, 1, 3]] * 4))
+    cases.append(torch.tensor([[3, 3, 3]] * 8))  # 24 pairs of one expert: two products of MMA_ROWS
+    for ids in cases:
+        t = ids.shape[0]
+        x = torch.randn(t, HIDDEN, generator=gen)
+        w = torch.softmax(torch.randn(t, 3, generator=gen), dim=-1)
+        w[0, 0] = 0.0
+        monkeypatch.setattr(moe, "MMA_DOWN_MIN_TOKENS", 2)
+        monkeypatch.setattr(moe, "_down_shared_gemv_kernel", None)  # not this one
+        _assert_matches_reference(records, x, ids, w)
+        on_tensor_cores = moe.routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout)
+        monkeypatch.undo()
+        per_token = moe.routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout)
+        torch.testing.assert_close(on_tensor_cores, per_token, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 30])
 def test_a_token_repeating_an_expert(tokens):
     """A token may use one expert in two slots (the host-miss path gives host-computed slots a

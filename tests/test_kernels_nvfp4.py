@@ -143,6 +143,20 @@ def test_matrix_vector_routed_experts_tokens_sharing_experts(tokens, monkeypatch
     _routed_gemv(ids, w, monkeypatch, seed=tokens)
 
 
+@pytest.mark.parametrize("tokens", [3, 8])
+def test_several_tokens_nvfp4_down_product_on_tensor_cores(tokens, monkeypatch):
+    """The down product of several tokens on tensor cores (`moe.MMA_DOWN_MIN_TOKENS`) from nvfp4 records:
+    e2m1 codes, their block scales and row divisors as in the per-token kernel."""
+    from ninfer_offload.kernels import moe
+
+    monkeypatch.setattr(moe, "MMA_DOWN_MIN_TOKENS", 2)
+    monkeypatch.setattr(moe, "_down_shared_gemv_kernel", _NotLaunched())
+    ids = torch.stack([torch.tensor([0, 2, 3]).roll(t) for t in range(tokens)])
+    ids[-1] = torch.tensor([1, 3, 1])  # a token using one expert twice
+    w = torch.softmax(torch.randn(tokens, 3, generator=torch.Generator().manual_seed(tokens)), dim=-1)
+    _routed_gemv(ids, w, monkeypatch, seed=20 + tokens)
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_matrix_vector_routed_experts_repeating_an_expert(tokens, monkeypatch):
     """A token using one expert in two slots, the first with a zero weight (the host-miss path)."""
