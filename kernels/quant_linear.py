@@ -472,8 +472,8 @@ def residual_norm_gemv(
 def _normalised_first(geometry: ObjectGeometry, x: torch.Tensor) -> bool:
     """Whether a product of a residual's norm takes its input normalised by its own `add_rmsnorm` launch:
     on tensor cores, where the kernel's own statistic of every token's rows (a chain of row chunks before the
-    first tile) made it slower than its plain input (H200, 4 tokens, in the step:
-    bench/results/step_ab_h200_4a7f9f5.json, q/k/v/z 62 us against ~20 us plain)."""
+    first tile) made it slower (H200, 4 tokens, per launch in the step: q/k/v/z 62 us at 4a7f9f5, 20.2 us plus
+    1.7 for `add_rmsnorm` at 8d5cda9, bench/results/step_ab_h200_*.json)."""
     return on_tensor_cores(geometry.n, x.shape[0])
 
 
