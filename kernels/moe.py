@@ -98,8 +98,8 @@ GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
 # cubin); 8 rows x 512 columns x 4 warps keep them in 159 registers. H200, cold L2, 4 tokens
 # (bench/results/kernels_h200_cold_cfce028.json): 58.8 us per layer against 69.0 (one token: 15.1 against 14.4).
 BATCH_GEMV_TILES = Tiles(1, 8, 8, 4, 512, 4)
-# Several tokens' down product on tensor cores from this many tokens (`_down_mma_gemv_kernel`: each expert's
-# pairs in one product, rows per program and k tile of MMA_DOWN_TILES), below it per token on CUDA cores.
+# Several tokens' down product on tensor cores from this many tokens (`_down_shared_gemv_kernel` with MMA: each
+# expert's pairs in one product, rows per program and k tile of MMA_DOWN_TILES), below it per token on CUDA cores.
 # Not measured yet: at 8 tokens the per-token kernel took 36 us per layer for ~60 experts (about 1 TB/s,
 # bench/results/step_ab_h200_8d5cda9.json), 16K programs of 8 rows each with a chain of per-token reductions.
 # Beyond GEMV_MAX_TOKENS (never) until a step A/B (`moe.MMA_DOWN_MIN_TOKENS=2`) says otherwise.
@@ -293,6 +293,18 @@ def _gate_up_swiglu_gemv_kernel(
         tl.store(ptr, pair_act.to(act.dtype.element_ty), mask=uses[:, None] & col_mask[None, :])
 
 
+MMA_ROWS = tl.constexpr(16)  # pairs of one expert per tensor-core product of `_down_shared_gemv_kernel`
+
+
+@triton.jit
+def _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4: tl.constexpr):
+    """A down product's float32 rows (`acc`, [BLOCK_N] or [R, BLOCK_N]) over its rows' divisors (nvfp4), rounded
+    to the activations' dtype."""
+    if NVFP4:
+        acc = acc / load_divisors(down, rows, row_mask, divisor_offset)
+    return acc.to(act.dtype.element_ty).to(tl.float32)
+
+
 @triton.jit
 def _down_shared_gemv_kernel(
     act,
@@ -317,90 +329,55 @@ def _down_shared_gemv_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Several tokens: the expert of each first pair, decoded once, applied to every pair routed to it;
-    each pair's weighted output row (float32) goes to `weighted` for the per-token sum."""
+    each pair's weighted output row (float32) goes to `weighted` for the per-token sum. Per token on CUDA
+    cores, or with MMA every pair of the expert at once on tensor cores (in index order, MMA_ROWS per
+    product: one product unless a token uses the expert in several slots; no per-token loop or reduction)."""
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
     if owner:
         down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         row_mask = rows < H
-        toks = tl.arange(0, BLOCK_T)
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K_PAD, BLOCK_K):
-            codes, scales = load_gemv_tile(
-                down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-            )
-            for t in tl.static_range(BLOCK_T):
-                pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
-                if pair < BLOCK_PAIRS:
-                    xs = load_positions(act + pair.to(tl.int64) * I, k0, I, BLOCK_K)
-                    part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
-                    acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
-        if NVFP4:
-            acc = acc / load_divisors(down, rows, row_mask, divisor_offset)[None, :]
-        y = acc.to(act.dtype.element_ty).to(tl.float32)
-        w = tl.load(weights + index, mask=uses, other=0.0).to(tl.float32)
-        ptr = weighted + index.to(tl.int64)[:, None] * H + rows[None, :]
-        out_rows = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N) * w[:, None]
-        tl.store(ptr, out_rows, mask=uses[:, None] & row_mask[None, :])
-
-
-MMA_ROWS = tl.constexpr(16)  # pairs of one expert per tensor-core product of `_down_mma_gemv_kernel`
-
-
-@triton.jit
-def _down_mma_gemv_kernel(
-    act,
-    arena,
-    table,
-    topk_ids,
-    weights,
-    weighted,
-    pairs,
-    H,
-    I,
-    down_offset,
-    high_offset,
-    scale_offset,
-    divisor_offset,
-    TOP_K: tl.constexpr,
-    BLOCK_PAIRS: tl.constexpr,
-    NVFP4: tl.constexpr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """`_down_shared_gemv_kernel` on tensor cores: the expert of each first pair, decoded once, multiplies the
-    activation rows of the pairs routed to it at once (in index order, MMA_ROWS per product: one product
-    unless a token uses the expert in several slots), no per-token loop or reduction."""
-    e, owner, index, uses, _ = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
-    if owner:
-        down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        row_mask = rows < H
-        rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1  # of each pair among the expert's
-        for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
-            slot = r0 + tl.arange(0, MMA_ROWS)
-            member = tl.min(tl.where(uses[None, :] & (rank[None, :] == slot[:, None]), index[None, :], BLOCK_PAIRS), axis=1)
-            live = member < BLOCK_PAIRS  # product row r: the expert's (r0 + r)-th pair
-            acc = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
+        if MMA:
+            rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1  # of each pair among the expert's
+            for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
+                slot = r0 + tl.arange(0, MMA_ROWS)
+                member = tl.min(tl.where(uses[None, :] & (rank[None, :] == slot[:, None]), index[None, :], BLOCK_PAIRS), axis=1)
+                live = member < BLOCK_PAIRS  # product row r: the expert's (r0 + r)-th pair
+                acc = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, K_PAD, BLOCK_K):
+                    codes, scales = load_gemv_tile(
+                        down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+                    )
+                    cols = k0 + tl.arange(0, BLOCK_K)
+                    at = act + member.to(tl.int64)[:, None] * I + cols[None, :]
+                    xt = tl.load(at, mask=live[:, None] & (cols < I)[None, :], other=0.0)
+                    acc = mma_code_tile(codes, scales, split_token_positions(xt, MMA_ROWS, BLOCK_K), acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                y = _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4)
+                w = tl.load(weights + member, mask=live, other=0.0).to(tl.float32)
+                ptr = weighted + member.to(tl.int64)[:, None] * H + rows[None, :]
+                tl.store(ptr, y * w[:, None], mask=live[:, None] & row_mask[None, :])
+        else:
+            toks = tl.arange(0, BLOCK_T)
+            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K_PAD, BLOCK_K):
                 codes, scales = load_gemv_tile(
                     down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
                 )
-                cols = k0 + tl.arange(0, BLOCK_K)
-                xt = tl.load(act + member.to(tl.int64)[:, None] * I + cols[None, :], mask=live[:, None] & (cols < I)[None, :], other=0.0)
-                acc = mma_code_tile(codes, scales, split_token_positions(xt, MMA_ROWS, BLOCK_K), acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
-            if NVFP4:
-                acc = acc / load_divisors(down, rows, row_mask, divisor_offset)[None, :]
-            y = acc.to(act.dtype.element_ty).to(tl.float32)
-            w = tl.load(weights + member, mask=live, other=0.0).to(tl.float32)
-            ptr = weighted + member.to(tl.int64)[:, None] * H + rows[None, :]
-            tl.store(ptr, y * w[:, None], mask=live[:, None] & row_mask[None, :])
+                for t in tl.static_range(BLOCK_T):
+                    pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
+                    if pair < BLOCK_PAIRS:
+                        xs = load_positions(act + pair.to(tl.int64) * I, k0, I, BLOCK_K)
+                        part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
+                        acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+            y = _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4)
+            w = tl.load(weights + index, mask=uses, other=0.0).to(tl.float32)
+            ptr = weighted + index.to(tl.int64)[:, None] * H + rows[None, :]
+            out_rows = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N) * w[:, None]
+            tl.store(ptr, out_rows, mask=uses[:, None] & row_mask[None, :])
 
 
 @triton.jit
@@ -414,9 +391,7 @@ def _routed_down_rows(
     for k0 in range(0, K_PAD, BLOCK_K):
         xs = load_positions(act + pair * I, k0, I, BLOCK_K)
         acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    if NVFP4:
-        acc = acc / load_divisors(down, rows, row_mask, divisor_offset)
-    return acc.to(act.dtype.element_ty).to(tl.float32) * tl.load(weights + pair).to(tl.float32)
+    return _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4) * tl.load(weights + pair).to(tl.float32)
 
 
 @triton.jit
@@ -640,9 +615,7 @@ def _down_kernel(
                 acc = tl.dot(at, tl.trans(wd), acc, input_precision="ieee")
             else:
                 acc = tl.dot(at, tl.trans(wd.to(at.dtype)), acc)
-        if NVFP4:
-            acc = acc / load_divisors(down, rows, row_mask, divisor_offset)[None, :]
-        y = acc.to(act.dtype.element_ty).to(tl.float32)
+        y = _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4)
         w = tl.load(weights + safe_pairs, mask=pair_mask, other=0.0).to(tl.float32)
         tl.store(out + safe_pairs[:, None] * H + rows[None, :], y * w[:, None], mask=pair_mask[:, None] & row_mask[None, :])
 
@@ -825,19 +798,13 @@ def _routed_experts_gemv(
         )
         return out if fold else _with_shared(out, shared)
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
-    if t >= MMA_DOWN_MIN_TOKENS:
-        mma = MMA_DOWN_TILES
-        _down_mma_gemv_kernel[(pairs, triton.cdiv(hidden, mma.down_n))](
-            act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
-            dn.divisor_offset, TOP_K=top_k, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
-            K_PAD=dn.k_pad, BLOCK_N=mma.down_n, BLOCK_K=gemv_block_k(dn.k_pad, mma.block_k), IEEE=x.dtype == torch.float32,
-            num_warps=mma.warps, num_stages=mma.stages,
-        )
-        return _with_shared(sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
-    _down_shared_gemv_kernel[(pairs, triton.cdiv(hidden, tiles.down_n))](
+    mma = t >= MMA_DOWN_MIN_TOKENS
+    down_tiles = MMA_DOWN_TILES if mma else tiles
+    _down_shared_gemv_kernel[(pairs, triton.cdiv(hidden, down_tiles.down_n))](
         act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
         dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
-        K_PAD=dn.k_pad, BLOCK_N=tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
+        K_PAD=dn.k_pad, BLOCK_N=down_tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, down_tiles.block_k), MMA=mma,
+        IEEE=x.dtype == torch.float32, num_warps=down_tiles.warps, num_stages=down_tiles.stages,
     )
     return _with_shared(sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
 

@@ -20,3 +20,21 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 needs_triton_device = pytest.mark.skipif(not (HAS_CUDA or INTERPRETED), reason="needs CUDA or the Triton interpreter")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+class LaunchedWith:
+    """Stands in for a Triton kernel: launches it as it is, after checking that each launch passes the
+    given constexpr values (which of its paths ran)."""
+
+    def __init__(self, kernel, **expected) -> None:
+        self.kernel, self.expected = kernel, expected
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def checked(*args, **kwargs):
+            wrong = {name: kwargs.get(name) for name, value in self.expected.items() if kwargs.get(name) != value}
+            assert not wrong, f"launched with {wrong}, expected {self.expected}"
+            return launch(*args, **kwargs)
+
+        return checked

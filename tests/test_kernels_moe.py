@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels_support import DEVICE, needs_triton_device
+from kernels_support import DEVICE, LaunchedWith, needs_triton_device
 from ninfer_offload.artifact.codecs import decode_row_split_values, encode_row_split
 from ninfer_offload.artifact.records import ExpertRecordLayout
 
@@ -157,7 +157,7 @@ def test_several_tokens_down_product_on_tensor_cores(down_fmt, monkeypatch):
         w = torch.softmax(torch.randn(t, 3, generator=gen), dim=-1)
         w[0, 0] = 0.0
         monkeypatch.setattr(moe, "MMA_DOWN_MIN_TOKENS", 2)
-        monkeypatch.setattr(moe, "_down_shared_gemv_kernel", None)  # not this one
+        monkeypatch.setattr(moe, "_down_shared_gemv_kernel", LaunchedWith(moe._down_shared_gemv_kernel, MMA=True))
         _assert_matches_reference(records, x, ids, w)
         on_tensor_cores = moe.routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout)
         monkeypatch.undo()

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from kernels_support import DEVICE, needs_cuda, needs_triton_device
+from kernels_support import DEVICE, LaunchedWith, needs_cuda, needs_triton_device
 from nvfp4_support import random_nvfp4
 
 from ninfer_offload.artifact.codecs import decode_nvfp4, decode_row_split_values, encode_row_split, materialize_rows
@@ -150,7 +150,7 @@ def test_several_tokens_nvfp4_down_product_on_tensor_cores(tokens, monkeypatch):
     from ninfer_offload.kernels import moe
 
     monkeypatch.setattr(moe, "MMA_DOWN_MIN_TOKENS", 2)
-    monkeypatch.setattr(moe, "_down_shared_gemv_kernel", _NotLaunched())
+    monkeypatch.setattr(moe, "_down_shared_gemv_kernel", LaunchedWith(moe._down_shared_gemv_kernel, MMA=True))
     ids = torch.stack([torch.tensor([0, 2, 3]).roll(t) for t in range(tokens)])
     ids[-1] = torch.tensor([1, 3, 1])  # a token using one expert twice
     w = torch.softmax(torch.randn(tokens, 3, generator=torch.Generator().manual_seed(tokens)), dim=-1)
