@@ -455,26 +455,29 @@ def residual_norm_gemv(
     x: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float, data: torch.Tensor, geometry: ObjectGeometry
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, total, normed) for up to GEMV_MAX_TOKENS tokens: total = x + delta and normed = (1 + norm_w) *
-    rmsnorm(total) as `norm.add_rmsnorm` gives them, y = normed @ W^T. On CUDA cores the kernel
-    normalises its own input tiles (one launch); on tensor cores (`on_tensor_cores`) `add_rmsnorm`
-    runs first and the product reads its normed rows (`_normalised_first`)."""
+    rmsnorm(total) as `norm.add_rmsnorm` gives them, y = normed @ W^T (`_launch_residual_gemv`)."""
     _check_gemv_inputs(x, delta, geometry)
     out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
-    if _normalised_first(geometry, x):
+    return (out, *_launch_residual_gemv(x, delta, norm_w, eps, data, geometry, out))
+
+
+def _launch_residual_gemv(
+    x: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor, eps: float, data: torch.Tensor, geometry: ObjectGeometry,
+    out: torch.Tensor, **paired,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_launch_gemv` of (1 + norm_w) * rmsnorm(x + delta) (`paired`: its dense product and conv); returns
+    (x + delta, the normed rows). On CUDA cores the kernel normalises its own input tiles (one launch); on
+    tensor cores `add_rmsnorm` runs first and the product reads its rows: the kernel's own statistic of
+    every token's rows (a chain of row chunks before the first tile) made it slower (H200, 4 tokens, per
+    launch in the step: q/k/v/z 62 us at 4a7f9f5, 20.2 us plus 1.7 for `add_rmsnorm` at 8d5cda9,
+    bench/results/step_ab_h200_*.json)."""
+    if on_tensor_cores(geometry.n, x.shape[0]):
         total, normed = add_rmsnorm(x, delta, norm_w, eps, offset=True)
-        _launch_gemv(normed, None, None, 0.0, data, geometry, out, PLAIN, 1)
-        return out, total, normed
+        _launch_gemv(normed, None, None, 0.0, data, geometry, out, PLAIN, 1, **paired)
+        return total, normed
     total, normed = torch.empty_like(x), torch.empty_like(x)
-    _launch_gemv(x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, total=total, normed=normed)
-    return out, total, normed
-
-
-def _normalised_first(geometry: ObjectGeometry, x: torch.Tensor) -> bool:
-    """Whether a product of a residual's norm takes its input normalised by its own `add_rmsnorm` launch:
-    on tensor cores, where the kernel's own statistic of every token's rows (a chain of row chunks before the
-    first tile) made it slower (H200, 4 tokens, per launch in the step: q/k/v/z 62 us at 4a7f9f5, 20.2 us plus
-    1.7 for `add_rmsnorm` at 8d5cda9, bench/results/step_ab_h200_*.json)."""
-    return on_tensor_cores(geometry.n, x.shape[0])
+    _launch_gemv(x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, total=total, normed=normed, **paired)
+    return total, normed
 
 
 def paired_gemv(
@@ -496,19 +499,11 @@ def paired_gemv(
         raise ValueError(f"a paired matrix-vector product takes two matrices of {x.shape[1]} columns")
     out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
     dense_out = torch.empty(x.shape[0], dense_w.shape[0], device=x.device, dtype=x.dtype)
+    paired = {"dense_w": dense_w.contiguous(), "dense_out": dense_out, "conv": conv}
     if residual is None:
-        _launch_gemv(x, None, None, 0.0, data, geometry, out, PLAIN, 1, dense_w=dense_w.contiguous(), dense_out=dense_out, conv=conv)
+        _launch_gemv(x, None, None, 0.0, data, geometry, out, PLAIN, 1, **paired)
         return out, dense_out
-    if _normalised_first(geometry, x):
-        total, normed = add_rmsnorm(x, delta, norm_w, eps, offset=True)
-        _launch_gemv(normed, None, None, 0.0, data, geometry, out, PLAIN, 1, dense_w=dense_w.contiguous(), dense_out=dense_out, conv=conv)
-        return out, dense_out, total, normed
-    total, normed = torch.empty_like(x), torch.empty_like(x)
-    _launch_gemv(
-        x, delta, norm_w, eps, data, geometry, out, ADD_NORM, 1, total=total, normed=normed,
-        dense_w=dense_w.contiguous(), dense_out=dense_out, conv=conv,
-    )
-    return out, dense_out, total, normed
+    return (out, dense_out, *_launch_residual_gemv(x, delta, norm_w, eps, data, geometry, out, **paired))
 
 
 def _check_gemv_inputs(x: torch.Tensor, x2: torch.Tensor | None, geometry: ObjectGeometry) -> None:
