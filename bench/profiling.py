@@ -187,10 +187,6 @@ def stream_timeline(run, keep: Path | None = None) -> dict:
     """Where one `run()`'s GPU time goes by stream (torch profiler, read back from its Chrome trace):
     the run's wall time and `timeline_from_trace` of its events; `keep`: also write the trace there
     (gzipped JSON, for chrome://tracing or Perfetto)."""
-    import gzip
-    import json
-    import shutil
-    import tempfile
     import time
 
     from torch.profiler import ProfilerActivity, profile
@@ -201,6 +197,16 @@ def stream_timeline(run, keep: Path | None = None) -> dict:
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - began
+    return {"wall_ms": wall * 1e3, **timeline_from_trace(_trace_events(prof, keep))}
+
+
+def _trace_events(prof, keep: Path | None = None) -> list[dict]:
+    """The Chrome-trace events of a finished torch profiler run; `keep`: also write the trace there (gzipped)."""
+    import gzip
+    import json
+    import shutil
+    import tempfile
+
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         events = json.load(open(trace.name)).get("traceEvents", [])
@@ -208,16 +214,13 @@ def stream_timeline(run, keep: Path | None = None) -> dict:
             keep.parent.mkdir(parents=True, exist_ok=True)
             with open(trace.name, "rb") as source, gzip.open(keep, "wb") as target:
                 shutil.copyfileobj(source, target)
-    return {"wall_ms": wall * 1e3, **timeline_from_trace(events)}
+    return events
 
 
 def kernels_by_launch(run, repeats: int, top: int = 30) -> list[dict]:
     """The kernels of `repeats` runs of `run()` grouped by name and launch shape (grid, block, registers per
     thread, shared memory: which product or layer op a launch is), microseconds and launches per run, most
     expensive first (torch profiler's Chrome trace; replays of CUDA graphs included)."""
-    import json
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -225,9 +228,7 @@ def kernels_by_launch(run, repeats: int, top: int = 30) -> list[dict]:
         for _ in range(repeats):
             run()
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-        prof.export_chrome_trace(trace.name)
-        events = json.load(open(trace.name)).get("traceEvents", [])
+    events = _trace_events(prof)
     groups: dict[tuple, list[float]] = {}
     for event in events:
         if event.get("cat") != "kernel":
