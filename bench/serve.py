@@ -13,7 +13,8 @@ kernel or plan built per prompt length costs every new length; `new_prompt_ttft_
 steady). Per client: time to first token (first content chunk) and decode tok/s (tokens after the
 first over the time after the first chunk). Reported per level: mean per-client tok/s, aggregate
 tok/s (all tokens over the wall time from the first concurrent request to the last end), TTFT p50
-and p95. Extra server options (`--serve-arg`, repeatable)
+and p95, and the server's own log line of each request (`server_requests`: time queued, its TTFT and
+decode rate as the engine thread saw them). Extra server options (`--serve-arg`, repeatable)
 are passed through, e.g. `--serve-arg=--vram-budget=15GiB`. Both decode plainly (`--spec none`)
 unless such an option says otherwise (`--serve-arg=--spec=mtp`).
 """
@@ -145,6 +146,7 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p95_s": percentile(ttfts, 0.95),
         "tokens": [r["tokens"] for r in results],
+        "server_requests": [line.split(" ninfer ", 1)[-1].strip() for line in server.log if " prompt=" in line],
     }
 
 

@@ -84,7 +84,9 @@ GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
 # weighted rows (`_down_split_gemv_kernel`: an expert shared by several tokens is read once per token, no
 # sum launch). Both round, weight and sum the same way (on a GPU their fp32 dot products may differ in the
 # last bits: the two kernels reduce a row in different orders). Module-level so benchmarks can compare them.
-SHARED_DOWN_MIN_TOKENS = 2
+# H200 step A/B at 87d790d (bench/results/step_ab_h200_87d790d.json): a 3-draft verification (4 tokens) took
+# 4.69 ms with the per-token kernel against 4.74 with the shared one.
+SHARED_DOWN_MIN_TOKENS = 5
 # Rows per program and warps of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
 # L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one
 # program per 16 rows walking the 8 experts (the kernel it replaced).
@@ -97,14 +99,20 @@ GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
 # the one-token tiles spill at 8 tokens (255 registers and 368 bytes of stack per thread in the sm_90
 # cubin); 8 rows x 512 columns x 4 warps keep them in 159 registers. H200, cold L2, 4 tokens
 # (bench/results/kernels_h200_cold_cfce028.json): 58.8 us per layer against 69.0 (one token: 15.1 against 14.4).
-BATCH_GEMV_TILES = Tiles(1, 8, 8, 4, 512, 4)
+# 16 down rows per program: 31.0 us per layer at 8 tokens against 35.9 for 8 rows, 15.5 against 16.4 at 4
+# (step A/B at 87d790d, kernels by launch shape).
+BATCH_GEMV_TILES = Tiles(1, 8, 16, 4, 512, 4)
 # Several tokens' down product on tensor cores from this many tokens (`_down_shared_gemv_kernel` with MMA: each
 # expert's pairs in one product, rows per program and k tile of MMA_DOWN_TILES), below it per token on CUDA cores.
-# Not measured yet: at 8 tokens the per-token kernel took 36 us per layer for ~60 experts (about 1 TB/s,
-# bench/results/step_ab_h200_8d5cda9.json), 16K programs of 8 rows each with a chain of per-token reductions.
-# Beyond GEMV_MAX_TOKENS (never) until a step A/B (`moe.MMA_DOWN_MIN_TOKENS=2`) says otherwise.
-MMA_DOWN_MIN_TOKENS = GEMV_MAX_TOKENS + 1
+# H200 step A/B at 87d790d (random routing, ~60 experts per layer at 8 tokens): 25.9 us per layer at 8 tokens
+# against 35.9 per token (batch-8 step 6.13 against 6.46 ms); at 4 tokens 17.2 against 16.4 (the split kernel's
+# range now). 5-7 tokens unmeasured: the per-token kernel keeps them.
+MMA_DOWN_MIN_TOKENS = 8
 MMA_DOWN_TILES = Tiles(1, 8, 32, 4, 128, 3)
+# The gate/up product likewise (`_gate_up_swiglu_gemv_kernel` with MMA, columns per program and k tile of
+# MMA_GATE_UP_TILES). Not measured yet: at 8 tokens the per-token kernel took 39.4 us per layer (step A/B at 87d790d).
+MMA_GATE_UP_MIN_TOKENS = GEMV_MAX_TOKENS + 1
+MMA_GATE_UP_TILES = Tiles(1, 16, 32, 4, 128, 3)  # sm_90 cubins: 184-255 registers for 8-64 pairs, no spill
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
@@ -236,6 +244,30 @@ def pair_rows(y, token_of, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr, BLO
     return out
 
 
+MMA_ROWS = tl.constexpr(16)  # pairs of one expert per tensor-core product of the matrix-vector kernels
+
+
+@triton.jit
+def _expert_pair_rows(uses, rank, index, r0, BLOCK_PAIRS: tl.constexpr):
+    """(member, live) [MMA_ROWS]: row r of a tensor-core product is the expert's (r0 + r)-th pair (`rank`: of
+    each pair among the expert's), `live` where there is one."""
+    slot = r0 + tl.arange(0, MMA_ROWS)
+    member = tl.min(tl.where(uses[None, :] & (rank[None, :] == slot[:, None]), index[None, :], BLOCK_PAIRS), axis=1)
+    return member, member < BLOCK_PAIRS
+
+
+@triton.jit
+def _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4: tl.constexpr):
+    """SwiGLU of gate and up accumulators [R, BLOCK_N] (float32): over their rows' divisors (nvfp4), each rounded
+    to the activations' dtype first."""
+    if NVFP4:
+        acc_gate = acc_gate / load_divisors(record, cols_i, col_mask, divisor_offset)[None, :]
+        acc_up = acc_up / load_divisors(record, cols_i + I, col_mask, divisor_offset)[None, :]
+    gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(x.dtype.element_ty).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
 @triton.jit
 def _gate_up_swiglu_gemv_kernel(
     x,
@@ -259,9 +291,39 @@ def _gate_up_swiglu_gemv_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
+    """Gate and up columns of the expert of each first pair, decoded once, for every pair routed to it; SwiGLU
+    of each pair into `act`. Per token on CUDA cores, or with MMA every pair of the expert at once on tensor
+    cores (as `_down_shared_gemv_kernel` does)."""
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
-    if owner:
+    if owner and MMA:
+        record = arena + tl.multiple_of(tl.load(table + e), 256)
+        cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        col_mask = cols_i < I
+        rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1
+        for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
+            member, live = _expert_pair_rows(uses, rank, index, r0, BLOCK_PAIRS)
+            token = tl.where(live, member // TOP_K, 0).to(tl.int64)
+            acc_gate = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K_PAD, BLOCK_K):
+                g_codes, g_scales = load_gemv_tile(
+                    record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+                )
+                u_codes, u_scales = load_gemv_tile(
+                    record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+                )
+                cols = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(x + token[:, None] * stride_x + cols[None, :], mask=live[:, None] & (cols < H)[None, :], other=0.0)
+                xs = split_token_positions(xt, MMA_ROWS, BLOCK_K)
+                acc_gate = mma_code_tile(g_codes, g_scales, xs, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                acc_up = mma_code_tile(u_codes, u_scales, xs, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE)
+            y = _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4)
+            ptr = act + member.to(tl.int64)[:, None] * I + cols_i[None, :]
+            tl.store(ptr, y.to(act.dtype.element_ty), mask=live[:, None] & col_mask[None, :])
+    if owner and not MMA:
         record = arena + tl.multiple_of(tl.load(table + e), 256)
         cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         col_mask = cols_i < I
@@ -282,18 +344,10 @@ def _gate_up_swiglu_gemv_kernel(
                     up_part = dot_code_tile(u_codes, u_scales, xs, GROUP, BLOCK_N, BLOCK_K)
                     acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
                     acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
-        if NVFP4:
-            acc_gate = acc_gate / load_divisors(record, cols_i, col_mask, divisor_offset)[None, :]
-            acc_up = acc_up / load_divisors(record, cols_i + I, col_mask, divisor_offset)[None, :]
-        gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(x.dtype.element_ty).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
+        y = _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4)
         pair_act = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N)
         ptr = act + index.to(tl.int64)[:, None] * I + cols_i[None, :]
         tl.store(ptr, pair_act.to(act.dtype.element_ty), mask=uses[:, None] & col_mask[None, :])
-
-
-MMA_ROWS = tl.constexpr(16)  # pairs of one expert per tensor-core product of `_down_shared_gemv_kernel`
 
 
 @triton.jit
@@ -344,9 +398,7 @@ def _down_shared_gemv_kernel(
         if MMA:
             rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1  # of each pair among the expert's
             for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
-                slot = r0 + tl.arange(0, MMA_ROWS)
-                member = tl.min(tl.where(uses[None, :] & (rank[None, :] == slot[:, None]), index[None, :], BLOCK_PAIRS), axis=1)
-                live = member < BLOCK_PAIRS  # product row r: the expert's (r0 + r)-th pair
+                member, live = _expert_pair_rows(uses, rank, index, r0, BLOCK_PAIRS)
                 acc = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
                 for k0 in range(0, K_PAD, BLOCK_K):
                     codes, scales = load_gemv_tile(
@@ -755,6 +807,12 @@ def _tiled(
     )
 
 
+def _on_tensor_cores(tokens: int, min_tokens: int, geometry: TileGeometry, tiles: Tiles) -> bool:
+    """Whether a matrix-vector product of `tokens` tokens runs on tensor cores: from `min_tokens`, and only with
+    k tiles of 128+ columns (each of a tile's eight positions a product of 16+ columns)."""
+    return tokens >= min_tokens and gemv_block_k(geometry.k_pad, tiles.block_k) >= 128
+
+
 def _routed_experts_gemv(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -772,10 +830,13 @@ def _routed_experts_gemv(
     pairs = t * top_k
     block_t, block_pairs = triton.next_power_of_2(t), triton.next_power_of_2(pairs)
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
-    _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, tiles.gate_up_n))](
+    mma = _on_tensor_cores(t, MMA_GATE_UP_MIN_TOKENS, gu, MMA_GATE_UP_TILES)
+    gate_up_tiles = MMA_GATE_UP_TILES if mma else tiles
+    _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, gate_up_tiles.gate_up_n))](
         x, arena, table, ids, act, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset, gu.divisor_offset,
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
-        BLOCK_N=tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, tiles.block_k), num_warps=tiles.warps, num_stages=tiles.stages,
+        BLOCK_N=gate_up_tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, IEEE=x.dtype == torch.float32,
+        num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages,
     )
     weights = topk_weights.contiguous()
     blocks = triton.cdiv(hidden, SPLIT_DOWN_N)
@@ -798,7 +859,7 @@ def _routed_experts_gemv(
         )
         return out if fold else _with_shared(out, shared)
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
-    mma = t >= MMA_DOWN_MIN_TOKENS
+    mma = _on_tensor_cores(t, MMA_DOWN_MIN_TOKENS, dn, MMA_DOWN_TILES)
     down_tiles = MMA_DOWN_TILES if mma else tiles
     _down_shared_gemv_kernel[(pairs, triton.cdiv(hidden, down_tiles.down_n))](
         act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,

@@ -131,15 +131,25 @@ def test_shared_and_per_token_down_products_agree(monkeypatch):
     assert int(moe._arrivals(x.device).abs().sum()) == 0
 
 
-@pytest.mark.parametrize("down_fmt", ["q5_g64_fp16", "q8_g32_fp16"])
-def test_several_tokens_down_product_on_tensor_cores(down_fmt, monkeypatch):
-    """The down product of 2-8 tokens with every pair of an expert in one tensor-core product
-    (`MMA_DOWN_MIN_TOKENS`): equal to the float64 evaluation with experts repeated within the batch, eight
-    tokens on the same three experts, a token using one expert in two slots (the first with a zero weight),
-    more pairs of one expert than one product's rows, and to the per-token kernel to rounding."""
+# Each matrix-vector product with a tensor-core path: its threshold and its kernel.
+TENSOR_CORE_PRODUCTS = {
+    "gate_up": ("MMA_GATE_UP_MIN_TOKENS", "_gate_up_swiglu_gemv_kernel"),
+    "down": ("MMA_DOWN_MIN_TOKENS", "_down_shared_gemv_kernel"),
+}
+
+
+@pytest.mark.parametrize("product", sorted(TENSOR_CORE_PRODUCTS))
+@pytest.mark.parametrize("fmt", ["q5_g64_fp16", "q8_g32_fp16"])
+def test_several_tokens_product_on_tensor_cores(product, fmt, monkeypatch):
+    """The gate/up or the down product of 2-8 tokens with every pair of an expert in one tensor-core
+    product (`MMA_GATE_UP_MIN_TOKENS`, `MMA_DOWN_MIN_TOKENS`): equal to the float64 evaluation with experts
+    repeated within the batch, eight tokens on the same three experts, a token using one expert in two slots
+    (the first with a zero weight), more pairs of one expert than one product's rows, and to the per-token
+    kernel to rounding."""
     from ninfer_offload.kernels import moe
 
-    records = _records("q4_g64_fp16", down_fmt, seed=11)
+    threshold, kernel = TENSOR_CORE_PRODUCTS[product]
+    records = _records(fmt, "q5_g64_fp16", seed=11) if product == "gate_up" else _records("q4_g64_fp16", fmt, seed=11)
     layout, data, _ = records
     table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
     gen = torch.Generator().manual_seed(6)
@@ -156,12 +166,15 @@ def test_several_tokens_down_product_on_tensor_cores(down_fmt, monkeypatch):
         x = torch.randn(t, HIDDEN, generator=gen)
         w = torch.softmax(torch.randn(t, 3, generator=gen), dim=-1)
         w[0, 0] = 0.0
-        monkeypatch.setattr(moe, "MMA_DOWN_MIN_TOKENS", 2)
-        monkeypatch.setattr(moe, "_down_shared_gemv_kernel", LaunchedWith(moe._down_shared_gemv_kernel, MMA=True))
+        monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", 1)
+        monkeypatch.setattr(moe, threshold, 2)
+        monkeypatch.setattr(moe, kernel, LaunchedWith(getattr(moe, kernel), MMA=True))
         _assert_matches_reference(records, x, ids, w)
         on_tensor_cores = moe.routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout)
-        monkeypatch.undo()
+        monkeypatch.setattr(moe, threshold, moe.GEMV_MAX_TOKENS + 1)
+        monkeypatch.setattr(moe, kernel, LaunchedWith(getattr(moe, kernel).kernel, MMA=False))
         per_token = moe.routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout)
+        monkeypatch.undo()
         torch.testing.assert_close(on_tensor_cores, per_token, rtol=1e-5, atol=1e-6)
 
 

@@ -117,14 +117,14 @@ def test_routed_experts_match_codec_values(down_fmt):
         assert _relative_error(out, _expected(x, ids, w, weights, inter)) < 1e-5
 
 
-def _routed_gemv(ids, w, monkeypatch, seed: int):
+def _routed_gemv(ids, w, monkeypatch, seed: int, block_k: int = 64):
     """Routed experts of nvfp4 gate/up and down records (gate and up rows with their own divisors)
-    through the matrix-vector kernels, with 64-wide column tiles (two per row), against the float64
-    evaluation of the codec's values."""
+    through the matrix-vector kernels, with `block_k`-wide column tiles (64: two per row), against the
+    float64 evaluation of the codec's values."""
     from ninfer_offload.kernels import moe
 
-    for tiles in ("GEMV_TILES", "BATCH_GEMV_TILES"):
-        monkeypatch.setattr(moe, tiles, dataclasses.replace(getattr(moe, tiles), block_k=64))
+    for tiles in ("GEMV_TILES", "BATCH_GEMV_TILES", "MMA_GATE_UP_TILES", "MMA_DOWN_TILES"):
+        monkeypatch.setattr(moe, tiles, dataclasses.replace(getattr(moe, tiles), block_k=block_k))
     monkeypatch.setattr(moe, "_gate_up_swiglu_kernel", _NotLaunched())
     hidden, inter, experts = 128, 128, 4
     layout, records, weights = _records("nvfp4", "nvfp4", hidden, inter, experts, seed=seed, tile_divisors=True)
@@ -143,18 +143,23 @@ def test_matrix_vector_routed_experts_tokens_sharing_experts(tokens, monkeypatch
     _routed_gemv(ids, w, monkeypatch, seed=tokens)
 
 
+@pytest.mark.parametrize("product", ["gate_up", "down"])
 @pytest.mark.parametrize("tokens", [3, 8])
-def test_several_tokens_nvfp4_down_product_on_tensor_cores(tokens, monkeypatch):
-    """The down product of several tokens on tensor cores (`moe.MMA_DOWN_MIN_TOKENS`) from nvfp4 records:
-    e2m1 codes, their block scales and row divisors as in the per-token kernel."""
+def test_several_tokens_nvfp4_product_on_tensor_cores(product, tokens, monkeypatch):
+    """The gate/up or the down product of several tokens on tensor cores (`moe.MMA_GATE_UP_MIN_TOKENS`,
+    `moe.MMA_DOWN_MIN_TOKENS`) from nvfp4 records: e2m1 codes, their block scales and row divisors as in
+    the per-token kernel (128-wide k tiles: the tensor-core paths' narrowest)."""
     from ninfer_offload.kernels import moe
 
-    monkeypatch.setattr(moe, "MMA_DOWN_MIN_TOKENS", 2)
-    monkeypatch.setattr(moe, "_down_shared_gemv_kernel", LaunchedWith(moe._down_shared_gemv_kernel, MMA=True))
+    threshold, kernel = {"gate_up": ("MMA_GATE_UP_MIN_TOKENS", "_gate_up_swiglu_gemv_kernel"),
+                         "down": ("MMA_DOWN_MIN_TOKENS", "_down_shared_gemv_kernel")}[product]
+    monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", 1)
+    monkeypatch.setattr(moe, threshold, 2)
+    monkeypatch.setattr(moe, kernel, LaunchedWith(getattr(moe, kernel), MMA=True))
     ids = torch.stack([torch.tensor([0, 2, 3]).roll(t) for t in range(tokens)])
     ids[-1] = torch.tensor([1, 3, 1])  # a token using one expert twice
     w = torch.softmax(torch.randn(tokens, 3, generator=torch.Generator().manual_seed(tokens)), dim=-1)
-    _routed_gemv(ids, w, monkeypatch, seed=20 + tokens)
+    _routed_gemv(ids, w, monkeypatch, seed=20 + tokens, block_k=128)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
