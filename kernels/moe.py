@@ -110,9 +110,10 @@ BATCH_GEMV_TILES = Tiles(1, 8, 16, 4, 512, 4)
 MMA_DOWN_MIN_TOKENS = 8
 MMA_DOWN_TILES = Tiles(1, 8, 32, 4, 128, 3)
 # The gate/up product likewise (`_gate_up_swiglu_gemv_kernel` with MMA, columns per program and k tile of
-# MMA_GATE_UP_TILES). Not measured yet: at 8 tokens the per-token kernel took 39.4 us per layer (step A/B at 87d790d).
-MMA_GATE_UP_MIN_TOKENS = GEMV_MAX_TOKENS + 1
-MMA_GATE_UP_TILES = Tiles(1, 16, 32, 4, 128, 3)  # sm_90 cubins: 184-255 registers for 8-64 pairs, no spill
+# MMA_GATE_UP_TILES). H200 step A/B at 442bc96: batch-8 step 5.56 ms with 32 columns per program against 6.03 per
+# token (16 columns: 6.05); a 3-draft verification on it 5.12 against 4.62, so not below 8 tokens.
+MMA_GATE_UP_MIN_TOKENS = 8
+MMA_GATE_UP_TILES = Tiles(1, 32, 32, 4, 128, 3)  # sm_90 cubins: 242 registers at 64 pairs, no spill
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)

@@ -11,6 +11,7 @@ from ninfer_offload import Engine
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PROMPT = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+LONG_PROMPT = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(8)).tolist()  # past GRAPHED_PROMPT_MAX
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,30 +46,30 @@ def test_cuda_pinned_host_experts_equal_resident(tiny_artifact_official, backend
     assert torch.equal(host.logits(PROMPT), resident.logits(PROMPT))
     sessions = [resident.session(), host.session()]
     for session in sessions:
-        session.prefill(PROMPT[:34])  # longer than a captured prompt chunk: both prefills run the same kernels
-    for token in PROMPT[34:40]:
+        session.prefill(LONG_PROMPT[:140])  # longer than a prompt replayed in pieces: both prefills run the same kernels
+    for token in LONG_PROMPT[140:146]:
         assert torch.equal(*[session.step(token) for session in sessions])
     assert host.store.stats.uses > host.store.stats.hits  # some experts were read from host memory
 
 
 def test_captured_short_prefill_equals_the_eager_one(tiny_artifact_official):
-    """Prompt chunks of up to 32 tokens replay a captured prefill padded to its bucket: the logits and the
-    state it leaves (the decode steps after it, a second chunk after the first) match the eager prefill's."""
-    from ninfer_offload.runtime.graphs import PREFILL_BUCKETS
+    """Prompt chunks of up to 32 tokens replay a captured prefill padded to its bucket, and prompts of up to
+    GRAPHED_PROMPT_MAX tokens replay it in 32-token pieces: the logits and the state they leave (the decode
+    steps after them, a second chunk after the first) match the eager prefill's, which runs each chunk whole."""
+    from ninfer_offload.runtime.engine import GRAPHED_PROMPT_MAX
 
     engines = [
         Engine.load(tiny_artifact_official, device="cuda", dtype="float32", spec="none", cuda_graphs=graphs) for graphs in (True, False)
     ]
     assert engines[0].graphs is not None and engines[1].graphs is None
-    for chunks in ([5], [8], [24], [3, 29], [32, 1]):
-        assert max(chunks) <= PREFILL_BUCKETS[-1]
+    for chunks in ([5], [8], [24], [3, 29], [32, 1], [40], [3, 70], [GRAPHED_PROMPT_MAX]):
         outputs = []
         for engine in engines:
             session, logits, start = engine.session(), [], 0
             for size in chunks:
-                logits.append(session.prefill(PROMPT[start : start + size]))
+                logits.append(session.prefill(LONG_PROMPT[start : start + size]))
                 start += size
-            logits += [session.step(token) for token in PROMPT[start : start + 4]]
+            logits += [session.step(token) for token in LONG_PROMPT[start : start + 4]]
             outputs.append(torch.stack(logits))
             session.close()
         assert _relative(*outputs) < 1e-4

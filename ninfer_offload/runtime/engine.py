@@ -46,6 +46,11 @@ DEFAULT_MAX_CONTEXT = 32768
 # pairs (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles
 # (or loads from Triton's disk cache) its kernels inside the first request that has it.
 WARM_UP_PREFILLS = (1, 2, 3, 5, 12, 17, 24, 32, 33, 100)
+# Prompts of up to this many tokens replay the largest captured prefill in pieces rather than run one eager
+# chunk. H200 at 442bc96 (prefill, head and token read): 9.6 ms for 17-32 tokens by replay, 50.2 ms for 33
+# tokens and 51.7 for 60 eagerly (an eager chunk is bound by ~900 launches of host time at these lengths), so
+# four 32-token replays still beat one eager chunk (bench/short_prompts.py measures both).
+GRAPHED_PROMPT_MAX = 128
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -273,13 +278,16 @@ class Engine:
 
     def prefill(self, session: Session, token_ids: Iterable[int]) -> torch.Tensor:
         """Append `token_ids` to `session` in chunks of at most `prefill_chunk`; hidden states [T, H]. A
-        chunk of a few tokens on a resident load replays a captured prefill (`StepGraphs.prefill`)."""
+        chunk of a few tokens on a resident load replays a captured prefill (`StepGraphs.prefill`), and so
+        does a short prompt, in pieces of the largest captured chunk (GRAPHED_PROMPT_MAX)."""
         ids = self._token_list(token_ids)
         slot = session.live_slot()
         self._check_room(session.length, len(ids))
         hidden = []
-        for c0 in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[c0 : c0 + self.prefill_chunk]
+        short = self._replays_prefills() and len(ids) <= GRAPHED_PROMPT_MAX
+        piece = min(PREFILL_BUCKETS[-1] if short else self.prefill_chunk, self.prefill_chunk)
+        for c0 in range(0, len(ids), piece):
+            chunk = ids[c0 : c0 + piece]
             with torch.no_grad():
                 if self._captured_prefill(session.length, len(chunk)):
                     hidden.append(self.graphs.prefill(chunk, slot, session.length))
@@ -294,10 +302,11 @@ class Engine:
     def _captured_prefill(self, start: int, tokens: int) -> bool:
         """Whether a prompt chunk of `tokens` tokens after `start` replays a captured prefill: graphs, all
         experts in VRAM (an offloaded prefill stages host experts), and its padded rows within the context."""
-        return (
-            self.graphs is not None and not self.store.offloaded and tokens <= PREFILL_BUCKETS[-1]
-            and start + prefill_bucket(tokens) <= self.max_context
-        )
+        return self._replays_prefills() and tokens <= PREFILL_BUCKETS[-1] and start + prefill_bucket(tokens) <= self.max_context
+
+    def _replays_prefills(self) -> bool:
+        """Whether short prompt chunks replay captured prefills: graphs, and all experts in VRAM."""
+        return self.graphs is not None and not self.store.offloaded
 
     def step(
         self, sessions: list[Session], tokens: list[list[int]], with_hidden: bool = False
