@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection
 from contextlib import asynccontextmanager
@@ -17,7 +18,10 @@ from ninfer_offload.serve.completions import completion
 from ninfer_offload.serve.context import ServeContext
 from ninfer_offload.serve.errors import ErrorGuard, install_error_handlers
 from ninfer_offload.serve.guards import ApiKeyGuard, BodyLimit, HostGuard
+from ninfer_offload.serve.rehearsal import rehearse
 from ninfer_offload.serve.scheduler import Scheduler
+
+log = logging.getLogger("ninfer.serve")
 
 
 def create_app(
@@ -43,6 +47,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         scheduler.start()
+        if engine.device.type == "cuda":
+            log.info("serving path rehearsed in %.2fs", await rehearse(scheduler, engine.config.vocab_size, max_context))
         try:
             yield
         finally:
