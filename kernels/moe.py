@@ -258,6 +258,18 @@ def _expert_pair_rows(uses, rank, index, r0, BLOCK_PAIRS: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_tiles(
+    record, cols_i, col_mask, k0, I, high_offset, scale_offset,
+    NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """(gate codes, gate scales, up codes, up scales): the k tile at `k0` of an expert's gate rows `cols_i` and of
+    its up rows (I rows further on), for `dot_code_tile` / `mma_code_tile`."""
+    gate = load_gemv_tile(record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    up = load_gemv_tile(record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    return gate[0], gate[1], up[0], up[1]
+
+
+@triton.jit
 def _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4: tl.constexpr):
     """SwiGLU of gate and up accumulators [R, BLOCK_N] (float32): over their rows' divisors (nvfp4), each rounded
     to the activations' dtype first."""
@@ -299,56 +311,48 @@ def _gate_up_swiglu_gemv_kernel(
     of each pair into `act`. Per token on CUDA cores, or with MMA every pair of the expert at once on tensor
     cores (as `_down_shared_gemv_kernel` does)."""
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
-    if owner and MMA:
+    if owner:
         record = arena + tl.multiple_of(tl.load(table + e), 256)
         cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         col_mask = cols_i < I
-        rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1
-        for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
-            member, live = _expert_pair_rows(uses, rank, index, r0, BLOCK_PAIRS)
-            token = tl.where(live, member // TOP_K, 0).to(tl.int64)
-            acc_gate = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
+        if MMA:
+            rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1
+            for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
+                member, live = _expert_pair_rows(uses, rank, index, r0, BLOCK_PAIRS)
+                token = tl.where(live, member // TOP_K, 0).to(tl.int64)
+                acc_gate = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, K_PAD, BLOCK_K):
+                    g_codes, g_scales, u_codes, u_scales = _gate_up_tiles(
+                        record, cols_i, col_mask, k0, I, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+                    )
+                    cols = k0 + tl.arange(0, BLOCK_K)
+                    xt = tl.load(x + token[:, None] * stride_x + cols[None, :], mask=live[:, None] & (cols < H)[None, :], other=0.0)
+                    xs = split_token_positions(xt, MMA_ROWS, BLOCK_K)
+                    acc_gate = mma_code_tile(g_codes, g_scales, xs, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                    acc_up = mma_code_tile(u_codes, u_scales, xs, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                y = _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4)
+                ptr = act + member.to(tl.int64)[:, None] * I + cols_i[None, :]
+                tl.store(ptr, y.to(act.dtype.element_ty), mask=live[:, None] & col_mask[None, :])
+        else:
+            toks = tl.arange(0, BLOCK_T)
+            acc_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K_PAD, BLOCK_K):
-                g_codes, g_scales = load_gemv_tile(
-                    record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+                g_codes, g_scales, u_codes, u_scales = _gate_up_tiles(
+                    record, cols_i, col_mask, k0, I, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
                 )
-                u_codes, u_scales = load_gemv_tile(
-                    record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-                )
-                cols = k0 + tl.arange(0, BLOCK_K)
-                xt = tl.load(x + token[:, None] * stride_x + cols[None, :], mask=live[:, None] & (cols < H)[None, :], other=0.0)
-                xs = split_token_positions(xt, MMA_ROWS, BLOCK_K)
-                acc_gate = mma_code_tile(g_codes, g_scales, xs, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE)
-                acc_up = mma_code_tile(u_codes, u_scales, xs, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
+                    if tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0:
+                        xs = load_positions(x + t * stride_x, k0, H, BLOCK_K)
+                        gate_part = dot_code_tile(g_codes, g_scales, xs, GROUP, BLOCK_N, BLOCK_K)
+                        up_part = dot_code_tile(u_codes, u_scales, xs, GROUP, BLOCK_N, BLOCK_K)
+                        acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
+                        acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
             y = _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4)
-            ptr = act + member.to(tl.int64)[:, None] * I + cols_i[None, :]
-            tl.store(ptr, y.to(act.dtype.element_ty), mask=live[:, None] & col_mask[None, :])
-    if owner and not MMA:
-        record = arena + tl.multiple_of(tl.load(table + e), 256)
-        cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        col_mask = cols_i < I
-        toks = tl.arange(0, BLOCK_T)
-        acc_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K_PAD, BLOCK_K):
-            g_codes, g_scales = load_gemv_tile(
-                record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-            )
-            u_codes, u_scales = load_gemv_tile(
-                record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-            )
-            for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
-                if tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0:
-                    xs = load_positions(x + t * stride_x, k0, H, BLOCK_K)
-                    gate_part = dot_code_tile(g_codes, g_scales, xs, GROUP, BLOCK_N, BLOCK_K)
-                    up_part = dot_code_tile(u_codes, u_scales, xs, GROUP, BLOCK_N, BLOCK_K)
-                    acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
-                    acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
-        y = _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4)
-        pair_act = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N)
-        ptr = act + index.to(tl.int64)[:, None] * I + cols_i[None, :]
-        tl.store(ptr, pair_act.to(act.dtype.element_ty), mask=uses[:, None] & col_mask[None, :])
+            pair_act = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N)
+            ptr = act + index.to(tl.int64)[:, None] * I + cols_i[None, :]
+            tl.store(ptr, pair_act.to(act.dtype.element_ty), mask=uses[:, None] & col_mask[None, :])
 
 
 @triton.jit
