@@ -47,9 +47,9 @@ DEFAULT_MAX_CONTEXT = 32768
 # (or loads from Triton's disk cache) its kernels inside the first request that has it.
 WARM_UP_PREFILLS = (1, 2, 3, 5, 12, 17, 24, 32, 33, 100)
 # Prompts of up to this many tokens replay the largest captured prefill in pieces rather than run one eager
-# chunk. H200 at 442bc96 (prefill, head and token read): 9.6 ms for 17-32 tokens by replay, 50.2 ms for 33
-# tokens and 51.7 for 60 eagerly (an eager chunk is bound by ~900 launches of host time at these lengths), so
-# four 32-token replays still beat one eager chunk (bench/short_prompts.py measures both).
+# chunk (bound by ~900 launches of host time at these lengths). H200, prefill + head + token read
+# (bench/results/short_prompts_h200_e012db3.json): 40 tokens 21.0 ms in pieces against 48.2 as one eager chunk,
+# 64: 25.6 / 51.7, 100: 44.6 / 77.1, 128: 51.4 / 80.4; 200 tokens, one eager chunk, 78.4.
 GRAPHED_PROMPT_MAX = 128
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
