@@ -18,14 +18,16 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
 * few (token, slot) pairs (decode, verification, small batches): matrix-vector kernels. A program
   per (pair, column slice) works only if its pair is the first one routed to its expert, and then
   for every token routed to that expert, decoding each weight tile once (`load_gemv_tile`):
-  kernel 1 computes gate and up rows and applies SwiGLU. For one token, kernel 2 runs a program
-  per (slice of output rows, slot): each writes its expert's rounded, weighted rows (fp32) and the
-  last of a slice's k programs to arrive sums them in slot order (an atomic count per slice, so no
+  kernel 1 computes gate and up rows and applies SwiGLU (per token on CUDA cores, or from
+  `MMA_GATE_UP_MIN_TOKENS` tokens all of an expert's pairs in one tensor-core product). For up to
+  `SHARED_DOWN_MIN_TOKENS - 1` tokens, kernel 2 runs a program per (slice of output rows, slot, token):
+  each writes its expert's rounded, weighted rows (fp32) and the last of a slice's k programs to arrive
+  sums them in slot order (an atomic count per slice, so no
   reduction is launched and the k experts are read in parallel). Given the MoE block's shared expert
   (`SharedExpert`), one more program per slice computes its down rows (SwiGLU of its gate/up, scaled
   by sigmoid of its score) in the same launch and the last arriver adds them to the rounded routed
-  sum, as `shared_expert` would after it: one launch fewer per layer. For several tokens, the down kernel
-  shares each expert the same way (per token on CUDA cores, or from `MMA_DOWN_MIN_TOKENS` tokens all of
+  sum, as `shared_expert` would after it: one launch fewer per layer. For more tokens, the down kernel
+  shares each expert as kernel 1 does (per token on CUDA cores, or from `MMA_DOWN_MIN_TOKENS` tokens all of
   an expert's pairs in one tensor-core product) and the k weighted rows of each token are summed in the
   same fixed order (a launch of its own).
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
