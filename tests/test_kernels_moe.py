@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels_support import DEVICE, LaunchedWith, needs_triton_device
+from kernels_support import DEVICE, TENSOR_CORE_PRODUCTS, LaunchedWith, needs_triton_device, product_on_tensor_cores
 from ninfer_offload.artifact.codecs import decode_row_split_values, encode_row_split
 from ninfer_offload.artifact.records import ExpertRecordLayout
 
@@ -131,13 +131,6 @@ def test_shared_and_per_token_down_products_agree(monkeypatch):
     assert int(moe._arrivals(x.device).abs().sum()) == 0
 
 
-# Each matrix-vector product with a tensor-core path: its threshold and its kernel.
-TENSOR_CORE_PRODUCTS = {
-    "gate_up": ("MMA_GATE_UP_MIN_TOKENS", "_gate_up_swiglu_gemv_kernel"),
-    "down": ("MMA_DOWN_MIN_TOKENS", "_down_shared_gemv_kernel"),
-}
-
-
 @pytest.mark.parametrize("product", sorted(TENSOR_CORE_PRODUCTS))
 @pytest.mark.parametrize("fmt", ["q5_g64_fp16", "q8_g32_fp16"])
 def test_several_tokens_product_on_tensor_cores(product, fmt, monkeypatch):
@@ -166,9 +159,7 @@ def test_several_tokens_product_on_tensor_cores(product, fmt, monkeypatch):
         x = torch.randn(t, HIDDEN, generator=gen)
         w = torch.softmax(torch.randn(t, 3, generator=gen), dim=-1)
         w[0, 0] = 0.0
-        monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", 1)
-        monkeypatch.setattr(moe, threshold, 2)
-        monkeypatch.setattr(moe, kernel, LaunchedWith(getattr(moe, kernel), MMA=True))
+        product_on_tensor_cores(monkeypatch, product)
         _assert_matches_reference(records, x, ids, w)
         on_tensor_cores = moe.routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout)
         monkeypatch.setattr(moe, threshold, moe.GEMV_MAX_TOKENS + 1)

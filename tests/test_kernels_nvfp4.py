@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from kernels_support import DEVICE, LaunchedWith, needs_cuda, needs_triton_device
+from kernels_support import DEVICE, TENSOR_CORE_PRODUCTS, needs_cuda, needs_triton_device, product_on_tensor_cores
 from nvfp4_support import random_nvfp4
 
 from ninfer_offload.artifact.codecs import decode_nvfp4, decode_row_split_values, encode_row_split, materialize_rows
@@ -143,19 +143,13 @@ def test_matrix_vector_routed_experts_tokens_sharing_experts(tokens, monkeypatch
     _routed_gemv(ids, w, monkeypatch, seed=tokens)
 
 
-@pytest.mark.parametrize("product", ["gate_up", "down"])
+@pytest.mark.parametrize("product", sorted(TENSOR_CORE_PRODUCTS))
 @pytest.mark.parametrize("tokens", [3, 8])
 def test_several_tokens_nvfp4_product_on_tensor_cores(product, tokens, monkeypatch):
     """The gate/up or the down product of several tokens on tensor cores (`moe.MMA_GATE_UP_MIN_TOKENS`,
     `moe.MMA_DOWN_MIN_TOKENS`) from nvfp4 records: e2m1 codes, their block scales and row divisors as in
     the per-token kernel (128-wide k tiles: the tensor-core paths' narrowest)."""
-    from ninfer_offload.kernels import moe
-
-    threshold, kernel = {"gate_up": ("MMA_GATE_UP_MIN_TOKENS", "_gate_up_swiglu_gemv_kernel"),
-                         "down": ("MMA_DOWN_MIN_TOKENS", "_down_shared_gemv_kernel")}[product]
-    monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", 1)
-    monkeypatch.setattr(moe, threshold, 2)
-    monkeypatch.setattr(moe, kernel, LaunchedWith(getattr(moe, kernel), MMA=True))
+    product_on_tensor_cores(monkeypatch, product)
     ids = torch.stack([torch.tensor([0, 2, 3]).roll(t) for t in range(tokens)])
     ids[-1] = torch.tensor([1, 3, 1])  # a token using one expert twice
     w = torch.softmax(torch.randn(tokens, 3, generator=torch.Generator().manual_seed(tokens)), dim=-1)

@@ -285,7 +285,7 @@ class Engine:
         self._check_room(session.length, len(ids))
         hidden = []
         short = self._replays_prefills() and len(ids) <= GRAPHED_PROMPT_MAX
-        piece = min(PREFILL_BUCKETS[-1] if short else self.prefill_chunk, self.prefill_chunk)
+        piece = min(PREFILL_BUCKETS[-1], self.prefill_chunk) if short else self.prefill_chunk
         for c0 in range(0, len(ids), piece):
             chunk = ids[c0 : c0 + piece]
             with torch.no_grad():
