@@ -68,9 +68,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-4) -> bo
 
 def test_nvfp4_weights_stay_encoded(resident, path):
     layer = resident.text.layers[0]
-    gate, up = layer.moe.shared_in.weights  # nvfp4 parts are separate products, not one stacked matrix
-    assert isinstance(gate, Nvfp4Matrix) and isinstance(up, Nvfp4Matrix) and isinstance(layer.moe.shared_down, Nvfp4Matrix)
-    assert gate.data.numel() == BlockScaleGeometry(128, 128, 1).encoded_size  # gate half: one tile, one divisor
+    (gate_up,) = layer.moe.shared_in.weights  # the nvfp4 gate and up stacked into one product
+    assert isinstance(gate_up, Nvfp4Matrix) and isinstance(layer.moe.shared_down, Nvfp4Matrix)
+    assert gate_up.data.numel() == BlockScaleGeometry(256, 128, 2).encoded_size  # two tiles, a divisor each
     assert all(isinstance(layout.gate_up, BlockScaleGeometry) for layout in resident.store.layouts[: resident.config.num_layers])
     assert isinstance(resident.text.head, Nvfp4Matrix) == _head_is_nvfp4(path)
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from nvfp4_support import random_nvfp4
 
 from ninfer_offload.artifact.codecs import encode_row_split
 from ninfer_offload.artifact.formats import GROUPED_FORMATS, grouped_format
+from ninfer_offload.artifact.codecs import materialize_rows
 from ninfer_offload.model.backend import ReferenceBackend
+from ninfer_offload.model.nvfp4 import Nvfp4Matrix
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.model.stacked import StackedLinear, stack_quantized
 
@@ -25,6 +28,20 @@ def test_stacked_object_decodes_to_the_stacked_matrices(fmt):
     stacked = stack_quantized(parts)
     assert stacked.shape == (27, 200)
     assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_stacked_nvfp4_object_decodes_to_the_stacked_matrices():
+    """nvfp4 parts (the shared expert's gate and up) stack tile by tile, each tile keeping its own divisor."""
+    parts = []
+    for seed, n in enumerate((256, 128, 384)):
+        parent = random_nvfp4(np.random.default_rng(seed), n, 192, n // 128)
+        parts.append(Nvfp4Matrix(n, 192, torch.from_numpy(materialize_rows(parent, "nvfp4", n, 192, 0, n))))
+    stacked = StackedLinear.of(parts)
+    assert len(stacked.weights) == 1 and stacked.weights[0].shape == (768, 192)
+    assert torch.equal(stacked.weights[0].dequantize(), torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(2, 192, generator=torch.Generator().manual_seed(3))
+    for got, part in zip(stacked(ReferenceBackend(), x), parts):
+        torch.testing.assert_close(got, ReferenceBackend().linear(x, part))
 
 
 def test_one_stacked_product_equals_the_separate_products():

@@ -5,46 +5,59 @@ are; the layers read the same normalised input with several matrices (GDN q/k/v/
 attention q/k/v/gate, the shared expert's gate/up, the router and the shared-expert score), so
 each such set becomes one matrix and one launch. Quantized parts are stacked plane by plane
 (row-split planes are row-major, so the stacked object is exactly the object of the stacked
-matrix); parts of different formats stay separate products. Two stacked products of one input
+matrix; nvfp4 objects in runtime form are whole 128-row tiles, each plane tile-major, so the stacked
+object is the parts' planes one after another); parts of different formats stay separate products. Two stacked products of one input
 (`both`) run as one `linear_pair`, which the Triton backend launches as one kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from ninfer_offload.artifact.formats import RowSplitGeometry
+from ninfer_offload.artifact.formats import NVFP4, BlockScaleGeometry, ObjectGeometry, RowSplitGeometry, runtime_geometry
 from ninfer_offload.model.backend import Backend, DepthwiseConv, Input
+from ninfer_offload.model.nvfp4 import Nvfp4Matrix
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.model.weights import Weight
 
+Encoded = QuantizedMatrix | Nvfp4Matrix
 
-def _planes(geometry: RowSplitGeometry) -> tuple[tuple[int, int], ...]:
-    """(offset, bytes) of the base, high and scale planes."""
+
+def _planes(geometry: ObjectGeometry) -> tuple[tuple[int, int], ...]:
+    """(offset, bytes) of each plane: row-split base, high and scales; nvfp4 codes, scales and divisors."""
+    if isinstance(geometry, BlockScaleGeometry):
+        return ((0, geometry.code_bytes), (geometry.scale_offset, geometry.scale_bytes), (geometry.divisor_offset, 4 * geometry.divisors))
     return ((0, geometry.base_bytes), (geometry.high_offset, geometry.high_bytes), (geometry.scale_offset, geometry.scale_bytes))
 
 
-def stack_quantized(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
-    """One row-split matrix holding the rows of `parts` in order (same format and width)."""
-    fmt, k, n = parts[0].fmt, parts[0].k, sum(p.n for p in parts)
-    geometry = RowSplitGeometry(fmt, n, k)
+def _geometry(like: Encoded, n: int) -> ObjectGeometry:
+    return RowSplitGeometry(like.fmt, n, like.k) if isinstance(like, QuantizedMatrix) else runtime_geometry(NVFP4, n, like.k)
+
+
+def stack_quantized(parts: list[Encoded]) -> Encoded:
+    """One encoded matrix holding the rows of `parts` in order (same format and width): each plane of the
+    stacked object is the parts' planes of that kind, one after another."""
+    n = sum(p.n for p in parts)
+    geometry = _geometry(parts[0], n)
     data = torch.zeros(geometry.encoded_size, dtype=torch.uint8, device=parts[0].device)
-    row = 0
+    filled = [0] * len(_planes(geometry))
     for part in parts:
-        for (dst, dst_bytes), (src, src_bytes) in zip(_planes(geometry), _planes(part.geometry)):
-            if src_bytes:
-                at = dst + row * (dst_bytes // n)
-                data[at : at + src_bytes] = part.data[src : src + src_bytes]
-        row += part.n
-    return QuantizedMatrix(fmt, n, k, data)
+        for plane, ((dst, _), (src, src_bytes)) in enumerate(zip(_planes(geometry), _planes(part.geometry))):
+            at = dst + filled[plane]
+            data[at : at + src_bytes] = part.data[src : src + src_bytes]
+            filled[plane] += src_bytes
+    return dataclasses.replace(parts[0], n=n, data=data)
 
 
 def _stackable(parts: list[Weight]) -> bool:
     first = parts[0]
     if isinstance(first, QuantizedMatrix):
         return all(isinstance(p, QuantizedMatrix) and p.fmt == first.fmt and p.k == first.k for p in parts)
+    if isinstance(first, Nvfp4Matrix):
+        return all(isinstance(p, Nvfp4Matrix) and p.k == first.k for p in parts)
     return all(isinstance(p, torch.Tensor) and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts)
 
 
@@ -67,7 +80,7 @@ class StackedLinear:
             raise ValueError(f"output groups {groups} do not cover {len(parts)} parts")
         if len(parts) == 1 or not _stackable(parts):
             return cls(tuple(parts), sizes, groups)
-        if isinstance(parts[0], QuantizedMatrix):
+        if isinstance(parts[0], QuantizedMatrix | Nvfp4Matrix):
             return cls((stack_quantized(parts),), sizes, groups)
         return cls((torch.cat(parts, dim=0),), sizes, groups)
 
