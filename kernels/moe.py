@@ -92,7 +92,7 @@ SHARED_DOWN_MIN_TOKENS = 5
 # Rows per program and warps of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
 # L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one
 # program per 16 rows walking the 8 experts (the kernel it replaced).
-SPLIT_DOWN_N, SPLIT_DOWN_WARPS = 32, 2
+SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 32, 2, 512
 # One token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
@@ -860,8 +860,8 @@ def _routed_experts_gemv(
             act, arena, table, ids, weights, partial, _arrivals(x.device), out, hidden, inter, layout.down_offset,
             dn.high_offset, dn.scale_offset, dn.divisor_offset, gate, up, gate.stride(0), up.stride(0), s_data, score, score.stride(0),
             gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
-            GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k), SHARED_EXPERT=fold,
-            S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=gemv_block_k(sg.k_pad, tiles.block_k),
+            GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), SHARED_EXPERT=fold,
+            S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K),
             num_warps=SPLIT_DOWN_WARPS, num_stages=tiles.stages,
         )
         return out if fold else _with_shared(out, shared)
