@@ -89,10 +89,13 @@ GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
 # H200 step A/B at 87d790d (bench/results/step_ab_h200_87d790d.json): a 3-draft verification (4 tokens) took
 # 4.69 ms with the per-token kernel against 4.74 with the shared one.
 SHARED_DOWN_MIN_TOKENS = 5
-# Rows per program and warps of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
+# Rows per program, warps and k tile of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
 # L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one
-# program per 16 rows walking the 8 experts (the kernel it replaced).
-SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 32, 2, 512
+# program per 16 rows walking the 8 experts (the kernel it replaced). In the step (with the shared expert folded
+# in, 241 registers) 16 rows led in two runs at 05f867f: one-token step 2.216 / 2.207 ms against 2.242 / 2.247 at
+# 32 rows (bench/results/step_ab_h200_split_tiles_05f867f.json, step_ab_h200_split_n16_05f867f.json); k tiles of
+# 256 / 128 (fewer registers, a k loop) 2.57 / 2.52, 4 warps 2.36, 64 rows / 4 warps 2.75.
+SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
 # One token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True

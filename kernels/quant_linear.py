@@ -68,7 +68,8 @@ class GemvTiles:
 # faster with half the rows per program, twice the programs (H200, bench/sweep_decode.py: [2048, 4096]
 # 4.3 vs 5.0 us, [1024, 2048] 2.3 vs 2.5); the output head (Q6, 248,320 rows) in 32 x 512 tiles
 # (bench/results/sweeps/decode_h200.json: 1 / 4 / 8 tokens 167 / 425 / 710 us, 181 / 415 / 740 in
-# 32 x 256). Module-level so benchmarks can sweep them.
+# 32 x 256). In the one-token step at 05f867f (bench/results/step_ab_h200_split_tiles_05f867f.json) 32 rows per
+# program took 2.287 ms and 8 rows / 4 warps 2.351, against 2.242. Module-level so benchmarks can sweep them.
 GEMV_TILES = GemvTiles(16, 2048, 8, 3)
 WIDE_GEMV_TILES = GemvTiles(32, 512, 4, 3)
 WIDE_GEMV_MIN_ROWS = 65536
