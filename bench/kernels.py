@@ -1,6 +1,10 @@
 """Kernel microbenchmark at Qwen3.6-35B-A3B shapes: achieved HBM bandwidth of each decode kernel.
 
-Usage (on a CUDA machine): python bench/kernels.py --out bench/results/kernels_<gpu>.json
+Usage (on a CUDA machine): python bench/kernels.py --out bench/results/kernels_<gpu>.json [--sweeps formats]
+
+`--sweeps formats` measures only the products the nvfp4 recipe stores as nvfp4 (the shared expert's gate/up and
+down, the routed experts), each in the official recipe's row-split formats and in nvfp4 at 1, 4 and 8 tokens; each
+nvfp4 entry records `fraction_of_row_split`, its bandwidth fraction over the row-split one's.
 
 Weights are random but valid row-split bytes (random planes, finite fp16 scales), so the kernels
 read exactly the bytes a real artifact would make them read. Each entry reports the median time
@@ -137,6 +141,33 @@ def bench_gdn(bandwidth: float) -> dict:
     return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 
 
+# Products the nvfp4 recipe stores as nvfp4, in the official recipe's formats (the routed experts: Q4 gate/up, Q5 down).
+NVFP4_PRODUCTS = [("shared_gate_up", "q8_g32_fp16", 1024, 2048), ("shared_down", "q8_g32_fp16", 2048, 512)]
+FORMAT_TOKENS = (1, 4, 8)
+
+
+def compare_formats(results: list[dict], bandwidth: float, save) -> None:
+    """Each product of NVFP4_PRODUCTS and the routed experts in its row-split format, then in nvfp4, per token count;
+    the nvfp4 entry gets `fraction_of_row_split`."""
+    for tokens in FORMAT_TOKENS:
+        for name, fmt, n, k in NVFP4_PRODUCTS:
+            record(results, lambda: bench_linear(name, fmt, n, k, tokens, bandwidth), save)
+            record(results, lambda: bench_linear(name, NVFP4, n, k, tokens, bandwidth), save)
+            _ratio_to_previous(results, save)
+        record(results, lambda: bench_moe(tokens, "q5_g64_fp16", bandwidth), save)
+        record(results, lambda: bench_moe(tokens, NVFP4, bandwidth, gate_up_fmt=NVFP4), save)
+        _ratio_to_previous(results, save)
+
+
+def _ratio_to_previous(results: list[dict], save) -> None:
+    """The last entry's bandwidth fraction over the one before it (both measured), as `fraction_of_row_split`."""
+    base, last = results[-2], results[-1]
+    if "bandwidth_fraction" in base and "bandwidth_fraction" in last:
+        last["fraction_of_row_split"] = last["bandwidth_fraction"] / base["bandwidth_fraction"]
+        save()
+        print(f"{'':60s} nvfp4 at {100 * last['fraction_of_row_split']:.0f} % of the row-split fraction", flush=True)
+
+
 def record(results: list[dict], measure, save) -> None:
     """Append and print one measurement (a configuration that cannot run is recorded with its error),
     then save the report so far (a run cut short keeps what it measured)."""
@@ -171,12 +202,19 @@ def start_run(doc: str, add_arguments=None) -> tuple[argparse.Namespace, float, 
 
 
 def main() -> None:
-    args, bandwidth, header = start_run(__doc__)
+    def add_arguments(parser) -> None:
+        parser.add_argument("--sweeps", choices=("all", "formats"), default="all", help="every kernel and launch shape, or formats only")
+
+    args, bandwidth, header = start_run(__doc__, add_arguments)
     results = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
         args.out.write_text(json.dumps({**header, "results": results}, indent=1))
+
+    if args.sweeps == "formats":
+        compare_formats(results, bandwidth, save)
+        return
 
     shapes = [("gdn_qkvz", "q8_g32_fp16", 12288, 2048), ("attn_qkgv", "q8_g32_fp16", 9216, 2048), ("mixer_out", "q8_g32_fp16", 2048, 4096),
               ("shared_gate_up", "q8_g32_fp16", 1024, 2048), ("shared_down", "q8_g32_fp16", 2048, 512),
