@@ -114,6 +114,39 @@ def test_batched_multi_token_steps_commit_per_sequence(engine):
             session.close()
 
 
+def test_batched_prefill_equals_each_prompt_prefilled_alone(engine):
+    """Three sequences (one fresh, two already holding tokens) take 21 tokens each in one forward: each one's
+    logits, KV rows and GDN state are those of its own prefill, and decoding on from there agrees."""
+    starts = [0, 9, 25]
+    batched = [engine.session() for _ in starts]
+    single = [engine.session() for _ in starts]
+    try:
+        for b, s, n in zip(batched, single, starts):
+            if n:
+                b.prefill(PROMPT[:n])
+                s.prefill(PROMPT[:n])
+        rows = [PROMPT[n : n + 21] for n in starts]
+        logits = engine.prefill_batch(batched, rows)
+        assert logits.shape == (3, engine.config.vocab_size)
+        for i, (b, s, row) in enumerate(zip(batched, single, rows)):
+            expected = s.prefill(row)
+            assert b.length == s.length
+            assert torch.allclose(logits[i], expected, atol=1e-4 * expected.abs().max().item())
+            for got, want in zip(_gdn_state(engine, b.slot) + _kv_rows(engine, b.slot, b.length),
+                                 _gdn_state(engine, s.slot) + _kv_rows(engine, s.slot, s.length)):
+                assert torch.allclose(got, want, atol=1e-4 * max(1.0, want.abs().max().item()))
+        step = engine.step_batch(batched, [5, 6, 7])
+        expected = torch.stack([s.step(tok) for s, tok in zip(single, [5, 6, 7])])
+        assert torch.allclose(step, expected, atol=1e-4 * expected.abs().max().item())
+        with pytest.raises(NinferError, match="same number of tokens"):
+            engine.prefill_batch(batched[:2], [[1, 2], [3]])
+        with pytest.raises(NinferError, match="same session twice"):
+            engine.prefill_batch([batched[0], batched[0]], [[1], [2]])
+    finally:
+        for session in batched + single:
+            session.close()
+
+
 def test_pending_steps_and_slots_are_one_line_errors(engine, tiny_artifact_official):
     session = engine.session()
     try:

@@ -159,6 +159,23 @@ def test_batched_steps_equal_single_sequence_steps_on_the_gpu(tiny_artifact_offi
             session.close()
 
 
+@needs_triton_device
+def test_batched_prefill_on_the_triton_backend_equals_prefills_alone(tiny_artifact_official):
+    """Several sequences' prompt tokens in one forward of the decode kernels (the server's admission of several
+    requests) against each prompt prefilled alone, and the next step after it."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    engine = Engine.load(tiny_artifact_official, device=device, dtype="float32", backend="triton", max_sequences=4, spec="none")
+    rows = [PROMPT, STEPS + PROMPT[:4]]
+    batched, single = [engine.session() for _ in rows], [engine.session() for _ in rows]
+    batched[1].prefill(PROMPT[:2])  # one sequence starts empty, the other holds tokens
+    single[1].prefill(PROMPT[:2])
+    got = engine.prefill_batch(batched, rows)
+    expected = torch.stack([s.prefill(row) for s, row in zip(single, rows)])
+    assert _relative(got.cpu(), expected.cpu()) < 1e-4
+    step = engine.step_batch(batched, [4, 5])
+    assert _relative(step.cpu(), torch.stack([s.step(t) for s, t in zip(single, [4, 5])]).cpu()) < 1e-4
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_rollback_on_the_gpu_equals_never_seeing_the_tokens(tiny_artifact_official):

@@ -46,6 +46,10 @@ class RecordingEngine:
         self.created += 1
         return RecordingSession(self, self.engine.session(), self.created)
 
+    def prefill_batch(self, sessions, token_ids):
+        self.calls.append(("together", tuple(s.tag for s in sessions), len(token_ids[0])))
+        return self.engine.prefill_batch([s.inner for s in sessions], token_ids)
+
     def step_batch(self, sessions, token_ids):
         self.calls.append(("decode", tuple(s.tag for s in sessions)))
         return self.engine.step_batch([s.inner for s in sessions], token_ids)
@@ -100,6 +104,29 @@ def test_prefill_chunks_interleave_with_decode_and_outputs_match_solo(engine):
     for before, after in zip(chunks, chunks[1:]):  # the first sequence kept decoding between chunks
         assert any(call[0] == "decode" and 1 in call[1] for call in calls[before:after])
     assert ("decode", (1, 2)) in calls  # then both decoded in one batched forward
+    assert recording.open_sessions == 0
+
+
+def test_newcomers_short_prompts_are_prefilled_together_and_outputs_match_solo(engine):
+    """Five requests arrive at once: the four short prompts' common 20 tokens go through one forward, what is
+    left of the longer two and the 80-token prompt are prefilled alone; every output is the solo one."""
+    recording = RecordingEngine(engine)
+    prompts = [[(13 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((20, 24, 20, 80, 33))]
+
+    async def run() -> list[list[int]]:
+        scheduler = Scheduler(recording, Sampler, max_concurrency=5, max_queue=4)
+        loop = asyncio.get_running_loop()
+        handles = [scheduler.submit(GenerationRequest(p, 6, GREEDY), loop) for p in prompts]
+        scheduler.start()  # all five are waiting when the engine thread first admits
+        outputs = await asyncio.gather(*(collect(h) for h in handles))
+        scheduler.stop()
+        return outputs
+
+    outputs = asyncio.run(run())
+    assert outputs == [solo(engine, p, 6) for p in prompts]
+    prefills = [call for call in recording.calls if call[0] in ("together", "prefill")]
+    assert prefills[0] == ("together", (1, 2, 3, 5), 20)
+    assert sorted(prefills[1:]) == [("prefill", 2, 4), ("prefill", 4, 80), ("prefill", 5, 13)]
     assert recording.open_sessions == 0
 
 

@@ -46,6 +46,10 @@ DEFAULT_MAX_CONTEXT = 32768
 # pairs (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles
 # (or loads from Triton's disk cache) its kernels inside the first request that has it.
 WARM_UP_PREFILLS = (1, 2, 3, 5, 12, 17, 24, 32, 33, 100)
+# Tokens per sequence of the batched prefills (`prefill_batch`, a server admitting several short prompts at once
+# with the experts in VRAM) run on two scratch sequences: the decode kernels' per-sequence token count T past the verify steps', odd and a
+# multiple of 16.
+WARM_UP_BATCHED_PREFILLS = (16, 33)
 # Prompts of up to this many tokens replay the largest captured prefill in pieces rather than run one eager
 # chunk (bound by ~900 launches of host time at these lengths). H200, prefill + head + token read
 # (bench/results/short_prompts_h200_e012db3.json): 40 tokens 21.0 ms in pieces against 48.2 as one eager chunk,
@@ -299,6 +303,30 @@ class Engine:
             session.commit(len(chunk))
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
+    def prefill_batch(self, sessions: list[Session], token_ids: list[list[int]]) -> torch.Tensor:
+        """Append token_ids[i] (the same number of tokens for every session) to sessions[i] in one forward over all
+        of them, each sequence's rows attending to its own cache (the decode step's kernels, run eagerly): logits
+        [B, vocab] of each one's last token. Several prompts cost about one forward's launches instead of one
+        prefill each (a server admitting several requests at once)."""
+        if len(sessions) != len(token_ids) or not sessions:
+            raise NinferError("a batched prefill needs one token list per session and at least one session")
+        t = len(token_ids[0])
+        if any(len(row) != t for row in token_ids):
+            raise NinferError("a batched prefill adds the same number of tokens to every sequence")
+        flat = self._token_list([token for row in token_ids for token in row])
+        slots = [s.live_slot() for s in sessions]
+        if len(set(slots)) != len(slots):
+            raise NinferError("a batched prefill got the same session twice")
+        for session in sessions:
+            self._check_room(session.length, t)
+        tokens, ctx = step_inputs(flat, slots, [s.length for s in sessions], t, self.max_context, self.device)
+        with torch.no_grad(), self.store.forward(tokens=len(flat)):
+            hidden = self.text.hidden(self.backend, tokens, ctx, self.state)
+        for session in sessions:
+            session.pending = t
+            session.commit(t)
+        return self.logits_of(hidden.view(len(sessions), t, -1)[:, -1])
+
     def _captured_prefill(self, start: int, tokens: int) -> bool:
         """Whether a prompt chunk of `tokens` tokens after `start` replays a captured prefill: graphs, all
         experts in VRAM (an offloaded prefill stages host experts), and its padded rows within the context."""
@@ -446,8 +474,8 @@ class Engine:
         prefills of each length in WARM_UP_PREFILLS and of `longest_prefill` tokens (default: a whole
         chunk) on a scratch sequence (and, where the context allows, a second chunk after a full one:
         attention over cached rows; the short ones capture the padded prefills of every bucket on a
-        resident load), then the step graph of every batch bucket (with speculation also the
-        verify steps and the MTP steps). Returns the seconds of the two phases."""
+        resident load), batched prefills of WARM_UP_BATCHED_PREFILLS tokens on two, then the step graph
+        of every batch bucket (with speculation also the verify steps and the MTP steps). Returns the seconds of the two phases."""
         began = time.perf_counter()
         if self.device.type == "cuda":
             longest_prefill = self.prefill_chunk if longest_prefill is None else longest_prefill
@@ -460,6 +488,14 @@ class Engine:
                     session.prefill([i % self.config.vocab_size for i in range(min(length, self.max_context - 1))])
                 finally:
                     session.close()
+            if self.state.sequences >= 2 and not self.store.offloaded and sum(WARM_UP_BATCHED_PREFILLS) < self.max_context:
+                pair = [self.session(), self.session()]
+                try:
+                    for length in WARM_UP_BATCHED_PREFILLS:
+                        self.prefill_batch(pair, [[i % self.config.vocab_size for i in range(length)]] * 2)
+                finally:
+                    for session in pair:
+                        session.close()
         prefilled = time.perf_counter()
         if self.graphs is not None:
             for bucket in self.graphs.buckets:

@@ -1,18 +1,19 @@
 """The engine thread: admits queued requests, interleaves prefill chunks with batched decode.
 
-One thread owns the engine. Each iteration it (1) admits waiting requests up to
-`max_concurrency` active sequences, (2) frees the sessions of cancelled requests, (3) runs one
-prefill chunk of one newcomer, (4) runs one batched decode step over every sequence that is
-decoding. When every plainly decoding sequence is greedy without penalties, grammar or logprobs (its
-next token is the argmax of its logits), the step runs one ahead of the host: it takes the previous
-step's argmax on the device (`Engine.step_on_device`) and is queued before the host reads the previous
-step's tokens, so the device does not wait for the host's work between steps (handing out tokens,
-admitting, the HTTP side holding the interpreter); a sequence that ends on a token read then has one
-step thrown away. Otherwise the step waits for the host's tokens; its greedy rows are picked in one
-argmax. With an engine loaded for speculation (`spec="mtp"`), sequences without a grammar or logprobs
-decode speculatively instead: one batched verify step over their anchors and MTP drafts, each
-sequence keeping as many tokens as its own acceptance gives. Tokens go back to the request's asyncio
-queue on its event loop.
+One thread owns the engine. Each iteration it (1) admits waiting requests up to `max_concurrency`
+active sequences, (2) frees the sessions of cancelled requests, (3) runs one prefill: the common
+piece of several plainly decoding newcomers' short prompts in one forward (`Engine.prefill_batch`,
+experts in VRAM), else one chunk of one newcomer, (4) runs one batched decode step over every
+sequence that is decoding. When every plainly decoding sequence is greedy without penalties, grammar
+or logprobs (its next token is the argmax of its logits), the step runs one ahead of the host: it
+takes the previous step's argmax on the device (`Engine.step_on_device`) and is queued before the
+host reads the previous step's tokens, so the device does not wait for the host's work between steps
+(handing out tokens, admitting, the HTTP side holding the interpreter); a sequence that ends on a
+token read then has one step thrown away. Otherwise the step waits for the host's tokens; its greedy
+rows are picked in one argmax. With an engine loaded for speculation (`spec="mtp"`), sequences
+without a grammar or logprobs decode speculatively instead: one batched verify step over their
+anchors and MTP drafts, each sequence keeping as many tokens as its own acceptance gives. Tokens go
+back to the request's asyncio queue on its event loop.
 
 A request counts against `max_concurrency + max_queue` from `submit` until its last event is
 sent, whatever state it is in (waiting, admitted, decoding).
@@ -39,6 +40,15 @@ from ninfer_offload.runtime.step_inputs import upload
 log = logging.getLogger("ninfer.serve")
 
 SHUTTING_DOWN = "the server is shutting down"
+# Short prompts prefilled together: one eager forward of the decode kernels over several newcomers' prompts
+# (`Engine.prefill_batch`) against a prefill each. H200 at e012db3 (bench/results/short_prompts_h200_e012db3.json):
+# prompts of up to 32 tokens replay a captured prefill (7.9-14.4 ms with the head and the token read), a 40-128
+# token one took 21-51 ms in replayed pieces, and one eager forward 48-80 ms whatever its rows, so prefilling
+# together should pay from about four newcomers with a common piece of 16+ tokens (an estimate from those numbers,
+# not yet measured). A piece of each is at most PREFILL_TOGETHER_TOKENS tokens: the delta rule runs token by token
+# there, as a prompt chunk takes it up to `model.gdn.RECURRENT_PREFILL_TOKENS`; what is left of a longer or
+# unequal prompt is prefilled alone.
+PREFILL_TOGETHER_MIN, PREFILL_TOGETHER_MIN_TOKENS, PREFILL_TOGETHER_TOKENS = 4, 16, 64
 
 
 class QueueFullError(Exception):
@@ -239,7 +249,7 @@ class Scheduler:
                 for handle in admitted:
                     self._start(handle)
                 self._drop_cancelled()
-                self._prefill_one()
+                self._prefill()
                 self._decode_all()
             except Exception:  # noqa: BLE001 - a failure here must not stop the server
                 log.exception("scheduler iteration failed; ending its sequences")
@@ -278,10 +288,33 @@ class Scheduler:
         for sequence in [s for s in self._active if s.handle.cancelled]:
             self._finish(sequence, "cancelled")
 
-    def _prefill_one(self) -> None:
-        sequence = next((s for s in self._active if s.unprefilled), None)
-        if sequence is None:
+    def _prefill(self) -> None:
+        """The common piece of several newcomers' short prompts in one forward when it pays (PREFILL_TOGETHER_*),
+        else one chunk of the first newcomer's prompt."""
+        waiting = [s for s in self._active if s.unprefilled]
+        short = [s for s in waiting if s.speculator is None and len(s.unprefilled) <= PREFILL_TOGETHER_TOKENS]
+        tokens = min((len(s.unprefilled) for s in short), default=0)
+        together = short[: self.prefill_chunk // max(1, tokens)]
+        if len(together) >= PREFILL_TOGETHER_MIN and tokens >= PREFILL_TOGETHER_MIN_TOKENS and not self.engine.store.offloaded:
+            self._prefill_together(together, tokens)
+        elif waiting:
+            self._prefill_one(waiting[0])
+
+    def _prefill_together(self, sequences: list[_Sequence], tokens: int) -> None:
+        """The first `tokens` tokens of each one's prompt in one forward."""
+        try:
+            logits = self.engine.prefill_batch([s.session for s in sequences], [s.unprefilled[:tokens] for s in sequences])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("prefill of %d requests together failed", len(sequences))
+            for sequence in sequences:
+                self._finish(sequence, "error", str(exc))
             return
+        for sequence, row in zip(sequences, logits):
+            sequence.unprefilled = sequence.unprefilled[tokens:]
+            if not sequence.unprefilled:
+                self._accept(sequence, row)
+
+    def _prefill_one(self, sequence: _Sequence) -> None:
         chunk, sequence.unprefilled = sequence.unprefilled[: self.prefill_chunk], sequence.unprefilled[self.prefill_chunk :]
         try:
             if sequence.speculator is not None:
