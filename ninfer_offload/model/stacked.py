@@ -1,13 +1,13 @@
 """Products that read the same input: their weights stacked by rows at load, one product, outputs split.
 
-A decode step is bound by how many weight bytes each launch reads and how many launches there
-are; the layers read the same normalised input with several matrices (GDN q/k/v/z and a/b,
-attention q/k/v/gate, the shared expert's gate/up, the router and the shared-expert score), so
-each such set becomes one matrix and one launch. Quantized parts are stacked plane by plane
-(row-split planes are row-major, so the stacked object is exactly the object of the stacked
-matrix; nvfp4 objects in runtime form are whole 128-row tiles, each plane tile-major, so the stacked
-object is the parts' planes one after another); parts of different formats stay separate products. Two stacked products of one input
-(`both`) run as one `linear_pair`, which the Triton backend launches as one kernel.
+A decode step is bound by how many weight bytes each launch reads and how many launches there are;
+the layers read the same normalised input with several matrices (GDN q/k/v/z and a/b, attention
+q/k/v/gate, the shared expert's gate/up, the router and the shared-expert score), so each such set
+becomes one matrix and one launch. Quantized parts are stacked plane by plane (row-split planes are
+row-major, so the stacked object is exactly the object of the stacked matrix; nvfp4 objects in
+runtime form are whole 128-row tiles, each plane tile-major, so the stacked object is the parts'
+planes one after another); parts of different formats stay separate products. Two stacked products
+of one input (`both`) run as one `linear_pair`, which the Triton backend launches as one kernel.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ DEFAULT_MAX_CONTEXT = 32768
 # pairs (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles
 # (or loads from Triton's disk cache) its kernels inside the first request that has it.
 WARM_UP_PREFILLS = (1, 2, 3, 5, 12, 17, 24, 32, 33, 100)
-# Tokens per sequence of the batched prefills (`prefill_batch`, a server admitting several short prompts at once
-# with the experts in VRAM) run on two scratch sequences: the decode kernels' per-sequence token count T past the verify steps', odd and a
+# Tokens per sequence of the batched prefills (`prefill_batch`: a server admitting several short prompts at once,
+# experts in VRAM) run on two scratch sequences: per-sequence token counts T past the verify steps', odd and a
 # multiple of 16.
 WARM_UP_BATCHED_PREFILLS = (16, 33)
 # Prompts of up to this many tokens replay the largest captured prefill in pieces rather than run one eager
@@ -475,7 +475,8 @@ class Engine:
         chunk) on a scratch sequence (and, where the context allows, a second chunk after a full one:
         attention over cached rows; the short ones capture the padded prefills of every bucket on a
         resident load), batched prefills of WARM_UP_BATCHED_PREFILLS tokens on two, then the step graph
-        of every batch bucket (with speculation also the verify steps and the MTP steps). Returns the seconds of the two phases."""
+        of every batch bucket (with speculation also the verify steps and the MTP steps). Returns the
+        seconds of the two phases."""
         began = time.perf_counter()
         if self.device.type == "cuda":
             longest_prefill = self.prefill_chunk if longest_prefill is None else longest_prefill
