@@ -8,9 +8,8 @@ import pytest
 import torch
 from nvfp4_support import random_nvfp4
 
-from ninfer_offload.artifact.codecs import encode_row_split
+from ninfer_offload.artifact.codecs import encode_row_split, materialize_rows
 from ninfer_offload.artifact.formats import GROUPED_FORMATS, grouped_format
-from ninfer_offload.artifact.codecs import materialize_rows
 from ninfer_offload.model.backend import ReferenceBackend
 from ninfer_offload.model.nvfp4 import Nvfp4Matrix
 from ninfer_offload.model.quant import QuantizedMatrix
