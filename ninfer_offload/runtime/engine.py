@@ -314,11 +314,7 @@ class Engine:
         if any(len(row) != t for row in token_ids):
             raise NinferError("a batched prefill adds the same number of tokens to every sequence")
         flat = self._token_list([token for row in token_ids for token in row])
-        slots = [s.live_slot() for s in sessions]
-        if len(set(slots)) != len(slots):
-            raise NinferError("a batched prefill got the same session twice")
-        for session in sessions:
-            self._check_room(session.length, t)
+        slots = self._live_slots(sessions, t)
         tokens, ctx = step_inputs(flat, slots, [s.length for s in sessions], t, self.max_context, self.device)
         with torch.no_grad(), self.store.forward(tokens=len(flat)):
             hidden = self.text.hidden(self.backend, tokens, ctx, self.state)
@@ -369,11 +365,7 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B, T, vocab], hidden [B * T, H]) of one decode step of `flat` tokens (the ids of
         `device_tokens` where given)."""
-        slots = [s.live_slot() for s in sessions]
-        if len(set(slots)) != len(slots):
-            raise NinferError("a step got the same session twice")
-        for session in sessions:
-            self._check_room(session.length, t)
+        slots = self._live_slots(sessions, t)
         starts = [s.length for s in sessions]
         with torch.no_grad(), self.store.forward(tokens=len(flat)):
             if self.graphs is not None:
@@ -522,6 +514,15 @@ class Engine:
         if bad:
             raise NinferError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         return ids
+
+    def _live_slots(self, sessions: list[Session], new: int) -> list[int]:
+        """The sessions' slots: each live and distinct, each sequence with room for `new` more tokens."""
+        slots = [s.live_slot() for s in sessions]
+        if len(set(slots)) != len(slots):
+            raise NinferError("a step got the same session twice")
+        for session in sessions:
+            self._check_room(session.length, new)
+        return slots
 
     def _check_room(self, length: int, new: int) -> None:
         if length + new > self.max_context:
