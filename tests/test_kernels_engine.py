@@ -85,7 +85,8 @@ def test_graphs_are_captured_once_per_engine_and_bucket(tiny_artifact_official):
             session.step(token)
         engine.step_batch(sessions, [token] * 3)
     captured = dict(engine.graphs.graphs)
-    assert set(captured) == {("target", 1, 1), ("target", 3, 1)}  # buckets 1, 2, 3: three sequences use bucket 3
+    # buckets 1, 2, 3: three sequences use bucket 3; the 7-token prompts replay the captured 8-token prefill
+    assert set(captured) == {("target", 1, 1), ("target", 3, 1), ("prefill", 1, 8)}
     sessions[0].close()
     again = engine.session()
     again.prefill(PROMPT)
