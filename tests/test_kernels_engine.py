@@ -36,13 +36,15 @@ def test_triton_backend_engine_matches_reference(tiny_artifact_official):
 @needs_cuda
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_graph_replay_equals_eager(tiny_artifact_official, dtype, tolerance):
+    """Captured prefills and steps against an engine without graphs (every layer launched eagerly)."""
     engine = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype, max_sequences=2, spec="none")
-    assert engine.graphs is not None
-    eager, captured = engine.session(), engine.session()
+    eager_engine = Engine.load(tiny_artifact_official, device="cuda", dtype=dtype, max_sequences=2, spec="none", cuda_graphs=False)
+    assert engine.graphs is not None and eager_engine.graphs is None
+    eager, captured = eager_engine.session(), engine.session()
     eager.prefill(PROMPT)
     captured.prefill(PROMPT)
     for token in STEPS * 3:
-        expected = eager.forward([token])[0][0].float()  # the eager layers, not a graph
+        expected = eager.step(token)
         got = captured.step(token)
         assert _relative(got.cpu(), expected.cpu()) < tolerance
     assert captured.length == eager.length == len(PROMPT) + 3 * len(STEPS)
@@ -119,10 +121,11 @@ def test_captured_step_ops_equal_eager_step(tiny_artifact_official):
     from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs
 
     device = "cuda" if HAS_CUDA else "cpu"
-    engine = Engine.load(tiny_artifact_official, device=device, dtype="float32", backend="triton", max_sequences=2)
+    # without graphs, so that `forward` runs the layers eagerly (with graphs a short prompt replays a captured prefill)
+    engine = Engine.load(tiny_artifact_official, device=device, dtype="float32", backend="triton", max_sequences=2, cuda_graphs=False)
     eager, captured = engine.session(), engine.session()
-    eager.prefill(PROMPT[:3])  # (interpreted, a prefill costs ~10 s per token here)
-    captured.prefill(PROMPT[:3])
+    eager.prefill(PROMPT[:1])  # (interpreted, a prefill costs ~10 s per token here)
+    captured.prefill(PROMPT[:1])
     for token in STEPS:
         expected = eager.forward([token])[0][0]
         packed = pack_inputs([token], [captured.slot], [captured.length], 1, engine.max_context).to(device)
