@@ -20,6 +20,7 @@ COMMIT=${COMMIT:-unknown}
 RUN=$(mktemp -d)
 cp -r bench tests "$RUN"/ && cd "$RUN" || exit 1
 artifact() { [ -f /tmp/q36.ninfer ] || python3 bench/make_synthetic.py /tmp/q36.ninfer > "$OUT/synthetic.log" 2>&1; }
+nvfp4_artifact() { [ -f /tmp/q36_nvfp4.ninfer ] || python3 bench/make_synthetic.py /tmp/q36_nvfp4.ninfer --recipe nvfp4 > "$OUT/synthetic_nvfp4.log" 2>&1; }
 if [ -n "$TESTS" ]; then
   # SIGINT at the limit: pytest stops and still prints which tests passed and failed
   (cd tests && timeout -s INT -k 30 "${TEST_TIMEOUT:-600}" python3 -m pytest -q -rfE -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -15)
@@ -44,12 +45,12 @@ for bench in $BENCHES; do
       --commit "$COMMIT" 2>&1 | tail -12 ;;
     offload_sweep) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_sweep.json" --budgets 15 12 18 20 24 \
       --tokens 128 --warmup 128 --skip-accelerate --commit "$COMMIT" 2>&1 | tail -16 ;;
-    nvfp4) { [ -f /tmp/q36_nvfp4.ninfer ] || python3 bench/make_synthetic.py /tmp/q36_nvfp4.ninfer --recipe nvfp4 > "$OUT/synthetic_nvfp4.log" 2>&1; } &&
+    nvfp4) nvfp4_artifact &&
       python3 bench/resident.py /tmp/q36_nvfp4.ninfer --out "$OUT/resident_nvfp4.json" --contexts 1024 --prefills 4096 --batches 1 \
         --skip-transformers --commit "$COMMIT" 2>&1 | tail -5 &&
       python3 bench/offload.py /tmp/q36_nvfp4.ninfer --out "$OUT/offload_nvfp4.json" --budgets 15 --tokens 128 --warmup 128 \
         --skip-accelerate --commit "$COMMIT" 2>&1 | tail -3 ;;
-    nvfp4_pair) { [ -f /tmp/q36_nvfp4.ninfer ] || python3 bench/make_synthetic.py /tmp/q36_nvfp4.ninfer --recipe nvfp4 > "$OUT/synthetic_nvfp4.log" 2>&1; } && artifact &&
+    nvfp4_pair) nvfp4_artifact && artifact &&
       for recipe in official nvfp4; do
         file=/tmp/q36.ninfer; [ $recipe = nvfp4 ] && file=/tmp/q36_nvfp4.ninfer
         python3 bench/resident.py $file --out "$OUT/resident_pair_$recipe.json" --contexts 1024 --prefills 24 --batches \
