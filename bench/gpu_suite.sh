@@ -4,7 +4,7 @@
 # Installs the project (and the wheels in $WHEELS, if set, for a machine without a package index),
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
-# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, paths (matrix-vector vs tensor-core tiles, 1-16 tokens), kernels, serve, spec (options in SPEC_ARGS), short_prompts, kernel_formats (nvfp4 against row-split per product), nvfp4_pair (the official and nvfp4 artifacts resident and at 15 GiB in one run), offload (15 GiB and
+# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, paths (matrix-vector vs tensor-core tiles, 1-16 tokens), kernels, serve, spec (options in SPEC_ARGS), short_prompts, kernel_formats (nvfp4 against row-split per product), nvfp4_pair (the official and nvfp4 artifacts resident and at 15 GiB in one run), offload_kernels (both artifacts at 15 GiB with their decode kernels by launch shape), offload (15 GiB and
 # the accelerate floor), offload_sweep (five budgets, ~7 min), offload_cpu (15 GiB, the three miss paths), offload_all (15, 12, 20, 24 GiB and the three miss paths, one load each, ~6 min), offload_prefill (at PREFILL_BUDGET GiB, default 15), nvfp4, pinning, ab (bench/step_ab.py with the variants in AB_ARGS)), their
 # JSON and logs under $OUT. One device call runs at most 10 minutes: offload_sweep and the floor (~3 min more) do not fit in one.
 set -o pipefail
@@ -57,6 +57,12 @@ for bench in $BENCHES; do
           --skip-transformers --commit "$COMMIT" 2>&1 | tail -3
         python3 bench/offload.py $file --out "$OUT/offload_pair_$recipe.json" --budgets 15 --tokens 128 --warmup 128 \
           --skip-accelerate --commit "$COMMIT" 2>&1 | tail -3
+      done ;;
+    offload_kernels) nvfp4_artifact && artifact &&
+      for recipe in official nvfp4; do
+        file=/tmp/q36.ninfer; [ $recipe = nvfp4 ] && file=/tmp/q36_nvfp4.ninfer
+        python3 bench/offload.py $file --out "$OUT/offload_kernels_$recipe.json" --budgets 15 --tokens 128 --warmup 128 \
+          --kernel-steps 16 --skip-accelerate --commit "$COMMIT" 2>&1 | tail -2
       done ;;
     offload_cpu) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_cpu.json" --budgets 15 --tokens 128 --warmup 128 \
       --miss-paths pcie cpu auto --miss-path-loads 2 --skip-accelerate --trace-dir "$OUT/traces" --commit "$COMMIT" 2>&1 | tail -6 ;;

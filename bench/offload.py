@@ -32,6 +32,8 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
 * the planner's prediction for the same options, and its projections to the RTX 5060 Ti and
   RTX 5090 (the cost model of `planner.cost`);
 * whether the offloaded logits equal the all-resident ones on a prompt (bitwise);
+* with `--kernel-steps N`, N decode steps' kernels by launch shape (`profiling.kernels_by_launch`, per step),
+  resident and at the first budget: which kernels an offloaded step pays more for;
 * with `--miss-paths`, decode at the first budget with each miss path (pcie, cpu, auto), each engine
   loaded and timed the same way (`--miss-path-loads N` loads each N times
   in turn and keeps its best), and `auto` against the better pure path;
@@ -88,7 +90,7 @@ from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.runtime.generate import queue_greedy_step
 from ninfer_offload.runtime.session import Session
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
-from profiling import stream_timeline
+from profiling import kernels_by_launch, stream_timeline
 from provenance import gpu_report_header
 
 GiB = 2**30
@@ -183,6 +185,14 @@ class TraceRun:
         timeline = stream_timeline(partial(self._steps, engine, session, token, steps), trace)
         session.close()
         return {"steps": steps, **timeline}
+
+    def decode_kernels(self, engine: Engine, warmup: int, steps: int) -> list[dict]:
+        """`profiling.kernels_by_launch` of `steps` greedy steps after `warmup` ones, microseconds and launches per step."""
+        session, token = self._prompted(engine)
+        token = self._steps(engine, session, token, warmup)
+        rows = kernels_by_launch(partial(self._steps, engine, session, token, steps), repeats=1)
+        session.close()
+        return [{**row, "us": row["us"] / steps, "launches": row["launches"] / steps} for row in rows]
 
     def _prompted(self, engine: Engine) -> tuple[Session, int]:
         """A session after its PROMPT_TOKENS-token prompt, and its greedy next token."""
@@ -486,6 +496,10 @@ def main() -> None:
     parser.add_argument("--floor-tokens", type=int, default=4, help="timed decode steps of the floor")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     parser.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled prefills' Chrome traces here (gzipped)")
+    parser.add_argument(
+        "--kernel-steps", type=int, default=0,
+        help="also profile this many decode steps' kernels by launch shape, resident and at the first budget (`decode_kernels`)",
+    )
     args = parser.parse_args()
     if args.floor_layers and args.floor_layers[0] == args.floor_layers[1]:
         parser.error("--floor-layers takes two different depths")
@@ -534,6 +548,7 @@ def main() -> None:
         "decode_tok_s": 1 / step, "step_s": step, "prefill_4k_tok_s": PREFILL_TOKENS / prefill, "time_to_ready_s": resident_ready,
         "load_seconds": resident.load_seconds,
         "prefill_streams": resident_streams, "prefill_4k_tok_s_by_chunk": {str(c): v for c, v in resident_by_chunk.items()},
+        "decode_kernels": runner.decode_kernels(resident, args.warmup, args.kernel_steps) if args.kernel_steps else None,
     }
     save()
     release(resident)
@@ -577,6 +592,7 @@ def main() -> None:
             "pcie_bytes_per_token": stats["pcie_bytes_per_token"],
             "promotions_per_token": stats["promotions_per_token"],
             "decode_variants": decodes,  # the same decode with other cache settings, for comparison
+            "decode_kernels": runner.decode_kernels(engine, args.warmup, args.kernel_steps) if first and args.kernel_steps else None,
             "planner_decode_tok_s": placement.predicted.decode_tok_s if placement is not None else None,
             "planner_prefill_tok_s": placement.predicted.prefill_tok_s if placement is not None else None,
             "prefill_4k_tok_s": PREFILL_TOKENS / prefill_s,
