@@ -310,6 +310,7 @@ def _gate_up_swiglu_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MMA: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Gate and up columns of the expert of each first pair, decoded once, for every pair routed to it; SwiGLU
     of each pair into `act`. Per token on CUDA cores, or with MMA every pair of the expert at once on tensor
@@ -333,8 +334,8 @@ def _gate_up_swiglu_gemv_kernel(
                     cols = k0 + tl.arange(0, BLOCK_K)
                     xt = tl.load(x + token[:, None] * stride_x + cols[None, :], mask=live[:, None] & (cols < H)[None, :], other=0.0)
                     xs = split_token_positions(xt, MMA_ROWS, BLOCK_K)
-                    acc_gate = mma_code_tile(g_codes, g_scales, xs, acc_gate, GROUP, BLOCK_N, BLOCK_K, NVFP4)
-                    acc_up = mma_code_tile(u_codes, u_scales, xs, acc_up, GROUP, BLOCK_N, BLOCK_K, NVFP4)
+                    acc_gate = mma_code_tile(g_codes, g_scales, xs, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                    acc_up = mma_code_tile(u_codes, u_scales, xs, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE)
                 y = _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4)
                 ptr = act + member.to(tl.int64)[:, None] * I + cols_i[None, :]
                 tl.store(ptr, y.to(act.dtype.element_ty), mask=live[:, None] & col_mask[None, :])
@@ -393,6 +394,7 @@ def _down_shared_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MMA: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Several tokens: the expert of each first pair, decoded once, applied to every pair routed to it;
     each pair's weighted output row (float32) goes to `weighted` for the per-token sum. Per token on CUDA
@@ -415,7 +417,7 @@ def _down_shared_gemv_kernel(
                     cols = k0 + tl.arange(0, BLOCK_K)
                     at = act + member.to(tl.int64)[:, None] * I + cols[None, :]
                     xt = tl.load(at, mask=live[:, None] & (cols < I)[None, :], other=0.0)
-                    acc = mma_code_tile(codes, scales, split_token_positions(xt, MMA_ROWS, BLOCK_K), acc, GROUP, BLOCK_N, BLOCK_K, NVFP4)
+                    acc = mma_code_tile(codes, scales, split_token_positions(xt, MMA_ROWS, BLOCK_K), acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
                 y = _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4)
                 w = tl.load(weights + member, mask=live, other=0.0).to(tl.float32)
                 ptr = weighted + member.to(tl.int64)[:, None] * H + rows[None, :]
@@ -843,7 +845,7 @@ def _routed_experts_gemv(
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, gate_up_tiles.gate_up_n))](
         x, arena, table, ids, act, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset, gu.divisor_offset,
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
-        BLOCK_N=gate_up_tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma,
+        BLOCK_N=gate_up_tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, IEEE=x.dtype == torch.float32,
         num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages,
     )
     weights = topk_weights.contiguous()
@@ -873,7 +875,7 @@ def _routed_experts_gemv(
         act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
         dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
         K_PAD=dn.k_pad, BLOCK_N=down_tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, down_tiles.block_k), MMA=mma,
-        num_warps=down_tiles.warps, num_stages=down_tiles.stages,
+        IEEE=x.dtype == torch.float32, num_warps=down_tiles.warps, num_stages=down_tiles.stages,
     )
     return _with_shared(sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
 

@@ -22,11 +22,8 @@ decoder (`kernels/tiles.py`). Three paths by token count:
 * above (prefill): the weight is dequantized once per call into a transient buffer (the same tile
   decoders) and multiplied with cuBLAS, which beats an in-kernel tile decode once the product is
   compute-bound.
-The two in-kernel paths multiply the stored values (code times scale, unrounded: on tensor cores as
-two products, `rowsplit.dot_weights`), so a product's result does not depend on its token count beyond
-summation order, and divide nvfp4 rows by their FP32 divisor in the fp32 accumulator; the dequantize
-path rounds each weight to the activation dtype and divides nvfp4 weights correctly rounded, as the
-reference does.
+The two in-kernel paths divide nvfp4 rows by their FP32 divisor in the fp32 accumulator; the
+dequantize path divides each weight (correctly rounded, as the reference).
 """
 
 from __future__ import annotations
@@ -47,9 +44,7 @@ from ninfer_offload.kernels.norm import (
 )
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import (
-    dot_code_tile, dot_weights, load_positions, mma_code_tile, split_positions, split_token_positions,
-)
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_positions, split_token_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
@@ -283,6 +278,7 @@ def _quantized_gemv_kernel(
     valid,
     CONV_C,
     MMA: tl.constexpr,
+    IEEE: tl.constexpr,
     TAPS: tl.constexpr,
 ):
     """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
@@ -307,7 +303,7 @@ def _quantized_gemv_kernel(
             codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
             if MMA:
                 xs = _token_input_positions(x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K)
-                acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, NVFP4)
+                acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
             else:
                 for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
                     token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
@@ -356,6 +352,7 @@ def _quantized_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -372,7 +369,10 @@ def _quantized_matmul_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x + toks[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tok_mask[:, None] & (cols < K)[None, :], other=0.0)
         wt = load_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-        acc = dot_weights(xt, wt, acc, NVFP4)
+        if IEEE:
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
     if NVFP4:
         acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
     optr = out + pid_k.to(tl.int64) * T * N + toks[:, None].to(tl.int64) * N + rows[None, :]
@@ -544,7 +544,7 @@ def _launch_gemv(
         ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma,
+        conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
         TAPS=conv_weight.shape[0] if conv is not None else 1,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
@@ -597,6 +597,6 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeomet
     _quantized_matmul_kernel[(n_blocks, m_blocks, split)](
         x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset, g.divisor_offset, per_split,
         NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=DECODE_WARPS,
+        IEEE=x.dtype == torch.float32, num_warps=DECODE_WARPS,
     )
     return sum_middle(out.view(1, split, t * n), x.dtype).view(t, n) if split > 1 else out

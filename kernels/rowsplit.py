@@ -171,30 +171,16 @@ def dot_code_tile(codes, scales, xs, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def dot_weights(x, w, acc, W_EXACT: tl.constexpr):
-    """acc + x [M, K] @ w [N, K]^T on tensor cores, w float32 decoded weights, x in the activation dtype.
-    float32 x takes IEEE products; otherwise, unless W_EXACT (w exact in x's dtype: nvfp4's at most 6
-    significant bits), w goes in as two products in x's dtype, its leading bits and their remainder: the
-    sum is within 2^-16 of the unrounded weights, as the matrix-vector kernels multiply them, so a product
-    does not change its rounding with its token count (one rounded product differed by up to 2^-9 per weight)."""
-    if x.dtype == tl.float32:
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-    elif W_EXACT:
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    else:
-        high = w.to(x.dtype)
-        acc = tl.dot(x, tl.trans(high), acc)
-        acc = tl.dot(x, tl.trans((w - high.to(tl.float32)).to(x.dtype)), acc)
-    return acc
-
-
-@triton.jit
-def mma_code_tile(codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_EXACT: tl.constexpr):
+def mma_code_tile(codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """acc [BLOCK_T, BLOCK_N] plus the tile's product with several tokens on tensor cores: `xs` are their
     x columns as positions [BLOCK_T, BLOCK_K // 8] (BLOCK_T >= 16, rows past the tokens zero) in the
-    activation dtype; each position's codes times their group's scale is dotted with the matching x
-    columns (`dot_weights`; W_EXACT: nvfp4 tiles)."""
+    activation dtype; each position's codes times their group's scale, rounded to that dtype as a
+    dequantized weight, is dotted with the matching x columns (IEEE: float32 without TF32 rounding)."""
     per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), [BLOCK_N, BLOCK_K // 8])
     for i in tl.static_range(8):
-        acc = dot_weights(xs[i], codes[i] * per_word, acc, W_EXACT)
+        weights = (codes[i] * per_word).to(xs[i].dtype)
+        if IEEE:
+            acc = tl.dot(xs[i], tl.trans(weights), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xs[i], tl.trans(weights), acc)
     return acc
