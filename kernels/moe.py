@@ -60,7 +60,7 @@ from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_token_positions
-from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile
+from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile, program_rows
 
 
 @dataclass(frozen=True)
@@ -304,6 +304,7 @@ def _gate_up_swiglu_gemv_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_PAIRS: tl.constexpr,
     NVFP4: tl.constexpr,
+    WHOLE_TILES: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -318,7 +319,7 @@ def _gate_up_swiglu_gemv_kernel(
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
     if owner:
         record = arena + tl.multiple_of(tl.load(table + e), 256)
-        cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
         col_mask = cols_i < I
         if MMA:
             rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1
@@ -403,7 +404,7 @@ def _down_shared_gemv_kernel(
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
     if owner:
         down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        rows = program_rows(tl.program_id(1), BLOCK_N, NVFP4)
         row_mask = rows < H
         if MMA:
             rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1  # of each pair among the expert's
@@ -522,7 +523,7 @@ def _down_split_gemv_kernel(
     (`arrivals`, zero between launches) sums the slice's TOP_K routed rows in slot order into `out`
     (plus the shared expert's rows after rounding the routed sum) and zeroes its count again."""
     block, j, tok = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    rows = block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rows = program_rows(block, BLOCK_N, NVFP4)
     row_mask = rows < H
     slots: tl.constexpr = TOP_K + SHARED_EXPERT
     pair = tok * TOP_K + j
@@ -590,6 +591,7 @@ def _gate_up_swiglu_kernel(
     divisor_offset,
     TOP_K: tl.constexpr,
     NVFP4: tl.constexpr,
+    WHOLE_TILES: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -607,7 +609,7 @@ def _gate_up_swiglu_kernel(
         pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_mask = pairs >= 0
         toks = tl.where(pair_mask, pairs // TOP_K, 0)
-        cols_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
         col_mask = cols_i < I
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -666,7 +668,7 @@ def _down_kernel(
         pairs = tl.load(block_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_mask = pairs >= 0
         safe_pairs = tl.where(pair_mask, pairs, 0)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        rows = program_rows(tl.program_id(1), BLOCK_N, NVFP4)
         row_mask = rows < H
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
@@ -804,7 +806,8 @@ def _tiled(
     deferred = plan.block_expert if deferred is None else deferred  # (not read by EVERY_BLOCK)
     _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
         x, arena, table, plan.block_expert, plan.block_pairs, deferred, arena.numel(), act, x.stride(0), hidden, inter, gu.high_offset,
-        gu.scale_offset, gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
+        gu.scale_offset, gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group,
+        K_PAD=gu.k_pad,
         BLOCK_M=plan.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, PASS=which, WHERE=where,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
@@ -815,6 +818,11 @@ def _tiled(
         NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_M=plan.block_m, BLOCK_N=tiles.down_n,
         BLOCK_K=block_k_for(dn.k_pad, tiles.block_k), IEEE=ieee, PASS=which, WHERE=where, num_warps=tiles.warps, num_stages=tiles.stages,
     )
+
+
+def _whole_tiles(gu: TileGeometry, inter: int) -> bool:
+    """Whether the gate rows and the up rows of nvfp4 gate/up objects are each whole 128-row tiles (`tiles.program_rows`)."""
+    return gu.nvfp4 and inter % 128 == 0
 
 
 def _on_tensor_cores(tokens: int, min_tokens: int, geometry: TileGeometry, tiles: Tiles) -> bool:
@@ -844,8 +852,9 @@ def _routed_experts_gemv(
     gate_up_tiles = MMA_GATE_UP_TILES if mma else tiles
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, gate_up_tiles.gate_up_n))](
         x, arena, table, ids, act, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset, gu.divisor_offset,
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
-        BLOCK_N=gate_up_tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, IEEE=x.dtype == torch.float32,
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits,
+        GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma,
+        IEEE=x.dtype == torch.float32,
         num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages,
     )
     weights = topk_weights.contiguous()

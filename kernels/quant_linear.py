@@ -45,7 +45,7 @@ from ninfer_offload.kernels.norm import (
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_positions, split_token_positions
-from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile
+from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile, program_rows
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
 # one; above it, transient dequantization + cuBLAS.
@@ -295,7 +295,7 @@ def _quantized_gemv_kernel(
             LOOP_T, DENSE_BLOCK_N, DENSE_BLOCK_K, INPUT == ADD_NORM, ROW_BLOCK,
         )
     else:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        rows = program_rows(pid, BLOCK_N, NVFP4)
         row_mask = rows < N
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -357,7 +357,7 @@ def _quantized_matmul_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rows = program_rows(pid_n, BLOCK_N, NVFP4)
     row_mask = rows < N
     toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok_mask = toks < T
@@ -395,7 +395,7 @@ def _dequantize_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    rows = program_rows(tl.program_id(0), BLOCK_N, NVFP4)
     k0 = tl.program_id(1) * BLOCK_K
     cols = k0 + tl.arange(0, BLOCK_K)
     row_mask = rows < N

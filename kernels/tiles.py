@@ -9,7 +9,8 @@ codes in stored order with their scales, nvfp4 ones laid out as 4-bit row-split 
 16-element groups): the matrix-vector kernels dot them with x (`rowsplit.dot_code_tile`, or both
 at once: `gemv_tile`), the tiled `tl.dot` kernels read them interleaved and scaled (`load_tile`). A further format (or a tensor-core FP4
 path on sm_120 that skips the register decode) is one more branch here and in the kernels'
-epilogues.
+epilogues. Kernels take their rows from `program_rows`, which orders nvfp4 rows so that a program's
+scale reads are contiguous.
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ def gemv_block_k(k_pad: int, preferred: int) -> int:
     while k_pad % block:
         block //= 2
     return block
+
+
+@triton.jit
+def program_rows(block, BLOCK_N: tl.constexpr, NVFP4: tl.constexpr):
+    """int64 [BLOCK_N]: the output rows of a program's `block`-th row slice. Row-split: BLOCK_N consecutive rows.
+    nvfp4 (BLOCK_N a divisor of 128, at least 4): BLOCK_N / 4 consecutive rows of each 32-row quarter of a
+    128-row tile; the scale swizzle interleaves the quarters, so those rows' scale words of one scale tile
+    are contiguous (consecutive rows' words lie 16 bytes apart: a quarter of every sector read)."""
+    j = tl.arange(0, BLOCK_N)
+    if NVFP4 and BLOCK_N >= 4 and 128 % BLOCK_N == 0:
+        slices: tl.constexpr = 128 // BLOCK_N
+        rows = (block // slices) * 128 + (j % 4) * 32 + (block % slices) * (BLOCK_N // 4) + j // 4
+    else:
+        rows = block * BLOCK_N + j
+    return rows.to(tl.int64)
 
 
 @triton.jit
