@@ -3,8 +3,11 @@
 Usage (on a CUDA machine): python bench/kernels.py --out bench/results/kernels_<gpu>.json [--sweeps formats]
 
 `--sweeps formats` measures only the products the nvfp4 recipe stores as nvfp4 (the shared expert's gate/up and
-down, the routed experts), each in the official recipe's row-split formats and in nvfp4 at 1, 4 and 8 tokens; each
-nvfp4 entry records `fraction_of_row_split`, its bandwidth fraction over the row-split one's.
+down, the routed experts), each in the official recipe's row-split formats and in nvfp4 at 1, 4 and 8 tokens, the
+shared expert's products (Q8 in the official recipe) also in Q4, the row-split format of nvfp4's size; each nvfp4
+entry records `fraction_of_row_split`, its bandwidth fraction over the row-split entry just before it (Q4 for the
+shared products: latency-bound at 1-2 MB, they take about the same time in any format, so a fraction over Q8's
+would mostly count nvfp4's smaller size).
 
 Weights are random but valid row-split bytes (random planes, finite fp16 scales), so the kernels
 read exactly the bytes a real artifact would make them read. Each entry reports the median time
@@ -141,18 +144,21 @@ def bench_gdn(bandwidth: float) -> dict:
     return {"op": "gdn_decode", "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 
 
-# Products the nvfp4 recipe stores as nvfp4, in the official recipe's formats (the routed experts: Q4 gate/up, Q5 down).
+# Products the nvfp4 recipe stores as nvfp4, in the official recipe's formats (the routed experts: Q4 gate/up, Q5 down),
+# and the row-split format of nvfp4's size.
 NVFP4_PRODUCTS = [("shared_gate_up", "q8_g32_fp16", 1024, 2048), ("shared_down", "q8_g32_fp16", 2048, 512)]
+SAME_SIZE_ROW_SPLIT = "q4_g64_fp16"
 FORMAT_TOKENS = (1, 4, 8)
 
 
 def compare_formats(results: list[dict], bandwidth: float, save) -> None:
-    """Each product of NVFP4_PRODUCTS and the routed experts in its row-split format, then in nvfp4, per token count;
-    the nvfp4 entry gets `fraction_of_row_split`."""
+    """Each product of NVFP4_PRODUCTS in its official format, in SAME_SIZE_ROW_SPLIT and in nvfp4, and the routed
+    experts in their row-split formats and in nvfp4, per token count; each nvfp4 entry gets `fraction_of_row_split`
+    over the entry before it."""
     for tokens in FORMAT_TOKENS:
         for name, fmt, n, k in NVFP4_PRODUCTS:
-            record(results, lambda: bench_linear(name, fmt, n, k, tokens, bandwidth), save)
-            record(results, lambda: bench_linear(name, NVFP4, n, k, tokens, bandwidth), save)
+            for each in (fmt, SAME_SIZE_ROW_SPLIT, NVFP4):
+                record(results, lambda: bench_linear(name, each, n, k, tokens, bandwidth), save)
             _ratio_to_previous(results, save)
         record(results, lambda: bench_moe(tokens, "q5_g64_fp16", bandwidth), save)
         record(results, lambda: bench_moe(tokens, NVFP4, bandwidth, gate_up_fmt=NVFP4), save)
