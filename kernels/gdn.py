@@ -97,6 +97,12 @@ def _gdn_recurrent_kernel(
     tl.store(sptr, s, mask=smask)
 
 
+# Value columns of a state per program of the recurrent kernel: the H200 step's 32 heads x 128 columns run as 128
+# programs of [128, 32] states (3.9 us per layer at 3d2bcee, ~1 at the bandwidth). Module-level so benchmarks can
+# try narrower slices (more programs, a shorter chain per program).
+RECURRENT_BLOCK_V = 32
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [N, heads, D] with contiguous heads and dims (rows may be strided, e.g. a split of a wider tensor)."""
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
@@ -130,7 +136,7 @@ def gdn_decode(
         _check_kept(kept, states, tokens_per_sequence)
     q, k, v = _rows(q), _rows(k), _rows(v)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    block_v = min(32, triton.next_power_of_2(dv))
+    block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
     _gdn_recurrent_kernel[(hv, triton.cdiv(dv, block_v), slots.shape[0])](
         q, k, v, a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), slots, valid, states,
         states if kept is None else kept, out, tokens_per_sequence, 0 if kept is None else kept.shape[1],
