@@ -84,7 +84,7 @@ class TritonBackend(ReferenceBackend):
         # (H200 batch-8 step 9.36 ms folded, 8.90 unfolded; one token 2.27 against 2.43: bench/results/step_ab_h200_4a7f9f5.json)
         folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence and tokens == 1
         epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels) if folded else None
-        routed = route is not None and not dense_second and router.TOPK_IN_PRODUCT  # the top-k in the last dense program
+        routed = route is not None and not dense_second  # the router's top-k in the dense programs' last one
         dtype = (x.x if isinstance(x, ResidualNorm) else x).dtype
         if routed:
             route.ids = torch.empty(tokens, route.top_k, dtype=torch.int64, device=dense.device)

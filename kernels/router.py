@@ -15,12 +15,6 @@ import triton
 import triton.language as tl
 
 
-# In a decode step the paired router/shared-expert product takes the top-k in its last dense program
-# (`quant_linear.paired_gemv` with `route`) instead of this module's launch. Module-level so benchmarks can
-# compare the two.
-TOPK_IN_PRODUCT = True
-
-
 @triton.jit
 def topk_row(logits, ids, weights, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token's fp32 softmax over its E logits at `logits` (read through L2: other programs of a launch may
