@@ -18,7 +18,7 @@ from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels import attention, gdn, moe, norm, quant_linear, rotary, router, shared_expert
 from ninfer_offload.kernels.dense_linear import dense_linear
 from ninfer_offload.kernels.quant_linear import gated_linear, gated_norm_linear, quantized_linear
-from ninfer_offload.model.backend import DepthwiseConv, Input, ReferenceBackend, ResidualNorm, Routing, SharedExpert, Weight
+from ninfer_offload.model.backend import DepthwiseConv, Input, ReferenceBackend, ResidualNorm, SharedExpert, Weight
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import ExpertBank
 
@@ -70,7 +70,7 @@ class TritonBackend(ReferenceBackend):
         return out.reshape(*lead, w.n)
 
     def linear_pair(
-        self, x: Input, first: Weight, second: Weight, conv: DepthwiseConv | None = None, route: Routing | None = None
+        self, x: Input, first: Weight, second: Weight, conv: DepthwiseConv | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dense_second = isinstance(second, torch.Tensor)
         quantized, dense = (first, second) if dense_second else (second, first)
@@ -79,32 +79,22 @@ class TritonBackend(ReferenceBackend):
             isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor)
             or not quant_linear.on_matrix_vector(quantized.n, tokens)
         ):
-            return super().linear_pair(x, first, second, conv, route)
+            return super().linear_pair(x, first, second, conv)
         # the conv in the epilogue for a single token: several sequences' windows are a per-token chain there
         # (H200 batch-8 step 9.36 ms folded, 8.90 unfolded; one token 2.27 against 2.43: bench/results/step_ab_h200_4a7f9f5.json)
         folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence and tokens == 1
         epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels) if folded else None
-        routed = route is not None and not dense_second  # the router's top-k in the dense programs' last one
-        dtype = (x.x if isinstance(x, ResidualNorm) else x).dtype
-        if routed:
-            route.ids = torch.empty(tokens, route.top_k, dtype=torch.int64, device=dense.device)
-            route.weights = torch.empty(tokens, route.top_k, dtype=dtype, device=dense.device)
-        top_k = (route.ids, route.weights, route.experts) if routed else None
         if _fusable(x, quantized.n):  # both products read the normalised input the kernel computes
             yq, yd, x.total, x.normed = quant_linear.paired_gemv(
-                x.x, quantized.data, quantized.geometry, dense, residual=(x.delta, x.weight, x.eps), conv=epilogue, route=top_k
+                x.x, quantized.data, quantized.geometry, dense, residual=(x.delta, x.weight, x.eps), conv=epilogue
             )
         else:
             x = self.resolve(x)
             flat = x.reshape(-1, x.shape[-1]).contiguous()
-            yq, yd = quant_linear.paired_gemv(flat, quantized.data, quantized.geometry, dense, conv=epilogue, route=top_k)
+            yq, yd = quant_linear.paired_gemv(flat, quantized.data, quantized.geometry, dense, conv=epilogue)
             yq, yd = yq.reshape(*x.shape[:-1], quantized.n), yd.reshape(*x.shape[:-1], dense.shape[0])
         first_out, second_out = (yq, yd) if dense_second else (yd, yq)
-        if conv is not None and not folded:
-            first_out = conv.apply(self, first_out)
-        if route is not None and not routed:
-            route.apply(self, first_out)
-        return first_out, second_out
+        return (first_out if conv is None or folded else conv.apply(self, first_out)), second_out
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
         if isinstance(w, torch.Tensor):

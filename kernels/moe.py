@@ -56,7 +56,6 @@ import triton.language as tl
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.model.backend import SharedExpert
 from ninfer_offload.kernels import shared_expert
-from ninfer_offload.kernels.arrivals import arrival_counts
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
@@ -893,8 +892,13 @@ def _routed_experts_gemv(
 # Arrival counts of the split down kernel: int32 zeros, one buffer per device, left zeroed by every
 # launch (so a captured step may replay it); row slices x tokens of one launch, at most.
 ARRIVAL_COUNTS = 4096
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
 def _arrivals(device: torch.device) -> torch.Tensor:
-    return arrival_counts("moe.down_split", ARRIVAL_COUNTS, device)
+    if device not in _ARRIVALS:
+        _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTS, dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
 
 
 def record_table(slots: torch.Tensor, stride: int) -> torch.Tensor:

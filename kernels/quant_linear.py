@@ -37,7 +37,6 @@ import triton.language as tl
 
 from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels import dense_linear
-from ninfer_offload.kernels.arrivals import arrival_counts
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.gdn import conv_rows
 from ninfer_offload.kernels.norm import (
@@ -45,7 +44,6 @@ from ninfer_offload.kernels.norm import (
 )
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.router import topk_row
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_positions, split_token_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile, program_rows
 
@@ -282,22 +280,13 @@ def _quantized_gemv_kernel(
     MMA: tl.constexpr,
     IEEE: tl.constexpr,
     TAPS: tl.constexpr,
-    route_ids,
-    route_weights,
-    arrivals,
-    ROUTED_E,
-    ROUTE_TOP_K: tl.constexpr,
-    ROUTE_K_PAD: tl.constexpr,
-    ROUTE_BLOCK_E: tl.constexpr,
 ):
     """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
     W, per token on CUDA cores or, with MMA (BLOCK_T >= 16), for every token at once on tensor cores;
     loops over the tokens themselves unroll LOOP_T (T's next power of two) times.
     With DENSE, the programs after them: DENSE_BLOCK_N rows each of the product with `dense_w`
-    (`paired_gemv`); with ROUTE_TOP_K the last of them to arrive (`arrivals`) takes each token's router
-    top-k over the first ROUTED_E columns of the dense rows (`router.topk_row`). With ADD_NORM, program 0
-    also stores each token's x + x2 and its norm (`add_rmsnorm`'s outputs) in `total` and `normed`, for
-    the ops after this one."""
+    (`paired_gemv`). With ADD_NORM, program 0 also stores each token's x + x2 and its norm
+    (`add_rmsnorm`'s outputs) in `total` and `normed`, for the ops after this one."""
     tl.static_assert(not (MMA and INPUT == ADD_NORM), "tensor-core products take the residual's norm from add_rmsnorm")
     pid = tl.program_id(0)
     if DENSE and pid >= QUANTIZED_PROGRAMS:
@@ -305,16 +294,6 @@ def _quantized_gemv_kernel(
             pid - QUANTIZED_PROGRAMS, x, x2, stride_x, stride_x2, norm_w, eps, dense_w, dense_out, T, DENSE_N, K,
             LOOP_T, DENSE_BLOCK_N, DENSE_BLOCK_K, INPUT == ADD_NORM, ROW_BLOCK,
         )
-        if ROUTE_TOP_K > 0:
-            tl.debug_barrier()  # every thread's rows are written before the release below
-            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - QUANTIZED_PROGRAMS - 1:
-                for t in tl.static_range(LOOP_T):
-                    if t < T:
-                        topk_row(
-                            dense_out + t * DENSE_N, route_ids + t * ROUTE_TOP_K, route_weights + t * ROUTE_TOP_K, ROUTED_E,
-                            ROUTE_TOP_K, ROUTE_K_PAD, ROUTE_BLOCK_E,
-                        )
-                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
     else:
         rows = program_rows(pid, BLOCK_N, NVFP4)
         row_mask = rows < N
@@ -505,7 +484,6 @@ def _launch_residual_gemv(
 def paired_gemv(
     x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, dense_w: torch.Tensor,
     residual: tuple[torch.Tensor, torch.Tensor, float] | None = None, conv: tuple | None = None,
-    route: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(x @ W^T, x @ dense_w^T) for up to GEMV_MAX_TOKENS tokens in one launch: the programs of the
     quantized matrix-vector product (its `fused_gemv` launch shape) followed by those of the dense one
@@ -515,17 +493,14 @@ def paired_gemv(
     `residual_norm_gemv`, and x + delta and the normed input follow the two products.
     With `conv` = (states, weight, slots, valid, channels), each token being one sequence's, the first
     `channels` columns of x @ W^T come out through GDN's conv (`gdn.conv_update`'s result, its windows
-    advanced), computed by the programs that own those rows (`gdn.conv_rows`): no launch of its own.
-    With `route` = (ids [T, k] int64, weights [T, k], experts), the router's top-k of each token's first
-    `experts` dense columns (`router.softmax_topk`) is written to ids and weights by the last dense program
-    to finish: no launch of its own either."""
+    advanced), computed by the programs that own those rows (`gdn.conv_rows`): no launch of its own."""
     delta, norm_w, eps = (None, None, 0.0) if residual is None else residual
     _check_gemv_inputs(x, delta, geometry)
     if dense_w.shape[1] != x.shape[1]:
         raise ValueError(f"a paired matrix-vector product takes two matrices of {x.shape[1]} columns")
     out = torch.empty(x.shape[0], geometry.n, device=x.device, dtype=x.dtype)
     dense_out = torch.empty(x.shape[0], dense_w.shape[0], device=x.device, dtype=x.dtype)
-    paired = {"dense_w": dense_w.contiguous(), "dense_out": dense_out, "conv": conv, "route": route}
+    paired = {"dense_w": dense_w.contiguous(), "dense_out": dense_out, "conv": conv}
     if residual is None:
         _launch_gemv(x, None, None, 0.0, data, geometry, out, PLAIN, 1, **paired)
         return out, dense_out
@@ -543,11 +518,9 @@ def _launch_gemv(
     out: torch.Tensor, input_op: tl.constexpr, norm_d: int, routed: torch.Tensor | None = None, score: torch.Tensor | None = None,
     total: torch.Tensor | None = None, normed: torch.Tensor | None = None,
     dense_w: torch.Tensor | None = None, dense_out: torch.Tensor | None = None, conv: tuple | None = None,
-    route: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> None:
     """One launch of the matrix-vector kernel (unused pointer arguments point at `out`); `conv` = (states,
-    weight, slots, valid, channels) for the CONV epilogue, `route` = (ids, weights, experts) for the dense
-    programs' top-k."""
+    weight, slots, valid, channels) for the CONV epilogue."""
     t, k = x.shape
     x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
@@ -560,8 +533,6 @@ def _launch_gemv(
     score = score if add_gated else out
     quantized_programs = triton.cdiv(n, tiles.block_n)
     dense_n = 0 if dense_w is None else dense_w.shape[0]
-    route_ids, route_weights, experts = route if route is not None else (out, out, 0)
-    top_k = route_ids.shape[1] if route is not None else 0
     _quantized_gemv_kernel[(quantized_programs + triton.cdiv(dense_n, dense_linear.GEMV_BLOCK_N),)](
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
         out if total is None else total, out if normed is None else normed, out if dense_w is None else dense_w,
@@ -575,9 +546,6 @@ def _launch_gemv(
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
         conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
         TAPS=conv_weight.shape[0] if conv is not None else 1,
-        route_ids=route_ids, route_weights=route_weights, arrivals=arrival_counts("quant_linear.route", 1, x.device),
-        ROUTED_E=experts, ROUTE_TOP_K=top_k, ROUTE_K_PAD=triton.next_power_of_2(max(top_k, 1)),
-        ROUTE_BLOCK_E=triton.next_power_of_2(max(experts, 1)),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
 

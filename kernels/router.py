@@ -3,9 +3,7 @@
 Reference op: `ReferenceBackend.route` (the logits product before it is a plain linear).
 Top-k is taken by k rounds of one max over int64 keys (a probability's bits over its id's complement:
 ties go to the lowest expert id, like `torch.topk` on distinct values), in one warp; the
-renormalisation divides by the sum of the chosen probabilities. `topk_row` is the same steps for one
-token, which the router's own product also runs in its last program (`quant_linear.paired_gemv` with
-`route`: no launch of its own in a decode step).
+renormalisation divides by the sum of the chosen probabilities.
 """
 
 from __future__ import annotations
@@ -16,12 +14,11 @@ import triton.language as tl
 
 
 @triton.jit
-def topk_row(logits, ids, weights, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token's fp32 softmax over its E logits at `logits` (read through L2: other programs of a launch may
-    have written them), its TOP_K largest probabilities renormalised, into `ids` and `weights`."""
+def _softmax_topk_kernel(logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
-    z = tl.load(logits + cols, mask=mask, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    z = tl.load(logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z))
     p = p / tl.sum(p)
     # One int64 key per expert: the probability's bits (non-negative floats order as their bits) over
@@ -36,14 +33,8 @@ def topk_row(logits, ids, weights, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, 
         key = tl.where(key == best, -1, key)
     keep = slots < TOP_K
     chosen_p = tl.where(keep, (chosen >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    tl.store(ids + slots, BLOCK_E - 1 - (chosen & 0xFFFFFFFF), mask=keep)
-    tl.store(weights + slots, (chosen_p / tl.sum(chosen_p)).to(weights.dtype.element_ty), mask=keep)
-
-
-@triton.jit
-def _softmax_topk_kernel(logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    topk_row(logits + row * stride, ids + row * TOP_K, weights + row * TOP_K, E, TOP_K, K_PAD, BLOCK_E)
+    tl.store(ids + row * TOP_K + slots, BLOCK_E - 1 - (chosen & 0xFFFFFFFF), mask=keep)
+    tl.store(weights + row * TOP_K + slots, (chosen_p / tl.sum(chosen_p)).to(weights.dtype.element_ty), mask=keep)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,32 +93,6 @@ def test_paired_product_is_both_products_in_one_launch(fmt):
         quant_linear.paired_gemv(torch.randn(9, 256).to(DEVICE), data, geometry, dense.to(DEVICE))
 
 
-@pytest.mark.parametrize("residual", [False, True])
-def test_paired_product_routes_in_its_last_dense_program(residual):
-    """With `route`, the router's top-k of the dense product's first columns (the router's logits beside the
-    shared expert's score) comes out of the same launch, equal to `router.softmax_topk` on those columns;
-    the arrival count is zero again after every launch (a graph replays it)."""
-    from ninfer_offload.kernels import quant_linear
-    from ninfer_offload.kernels.arrivals import arrival_counts
-    from ninfer_offload.kernels.router import softmax_topk
-
-    data, _, geometry = _random_object("q8_g32_fp16", 64, 256, seed=8)
-    gen = torch.Generator().manual_seed(9)
-    dense = torch.randn(33, 256, generator=gen).to(DEVICE)  # 32 experts' logits, then a score row
-    x, delta = (torch.randn(8, 256, generator=gen).to(DEVICE) for _ in range(2))
-    norm_w = torch.rand(256, generator=gen).to(DEVICE)
-    for t in (1, 3, 8):
-        ids = torch.empty(t, 4, dtype=torch.int64, device=DEVICE)
-        weights = torch.empty(t, 4, device=DEVICE)
-        options = {"residual": (delta[:t], norm_w, 1e-6)} if residual else {}
-        plain = quant_linear.paired_gemv(x[:t], data, geometry, dense, **options)
-        routed = quant_linear.paired_gemv(x[:t], data, geometry, dense, route=(ids, weights, 32), **options)
-        assert all(torch.equal(a, b) for a, b in zip(routed, plain))
-        want_ids, want_weights = softmax_topk(plain[1][:, :32], 4, torch.float32)
-        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
-        assert int(arrival_counts("quant_linear.route", 1, DEVICE)[0]) == 0
-
-
 def test_products_normalise_their_own_residual_input():
     """A layer's first products read (1 + w) * rmsnorm(x + delta) without a norm launch before them: the
     outputs and the x + delta and normed rows they store equal `add_rmsnorm` followed by the products."""

@@ -71,22 +71,6 @@ class DepthwiseConv:
         return y
 
 
-@dataclass
-class Routing:
-    """The router's top-k (`Backend.route`) over the first `experts` columns of a product's output (the router
-    logits, stacked with the shared-expert score): a backend may compute it in that product
-    (`Backend.linear_pair`); whichever op computes it sets `ids` and `weights`, `apply` is the op on its own."""
-
-    top_k: int
-    experts: int
-    ids: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-
-    def apply(self, backend: "Backend", y: torch.Tensor) -> torch.Tensor:
-        self.ids, self.weights = backend.route(y[..., : self.experts], self.top_k, y.dtype)
-        return y
-
-
 @dataclass(frozen=True)
 class SharedExpert:
     """The MoE block's shared expert after its gate/up product: sigmoid(score) * SwiGLU(gate, up) @ down^T
@@ -110,7 +94,7 @@ class Backend(Protocol):
     def resolve(self, x: Input) -> torch.Tensor: ...
     def linear(self, x: Input, w: Weight) -> torch.Tensor: ...
     def linear_pair(
-        self, x: Input, first: Weight, second: Weight, conv: DepthwiseConv | None = None, route: Routing | None = None
+        self, x: Input, first: Weight, second: Weight, conv: DepthwiseConv | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor: ...
     def gated_norm_linear(self, x: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, w: Weight) -> torch.Tensor: ...
@@ -182,17 +166,14 @@ class ReferenceBackend:
         return x @ w.T
 
     def linear_pair(
-        self, x: Input, first: Weight, second: Weight, conv: DepthwiseConv | None = None, route: Routing | None = None
+        self, x: Input, first: Weight, second: Weight, conv: DepthwiseConv | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x @ first^T, x @ second^T): two products of one input whose weights cannot be stacked into one
         matrix (different formats: a layer's quantized projections beside its dense control rows); with
-        `conv`, the first product's first channels through it; with `route`, the router's top-k of the first
-        product's first columns."""
+        `conv`, the first product's first channels through it."""
         x = self.resolve(x)
         y = self.linear(x, first)
-        for epilogue in (conv, route):
-            y = y if epilogue is None else epilogue.apply(self, y)
-        return y, self.linear(x, second)
+        return (y if conv is None else conv.apply(self, y)), self.linear(x, second)
 
     def gated_linear(self, x: torch.Tensor, gate: torch.Tensor, w: Weight) -> torch.Tensor:
         """(x * sigmoid(gate)) @ w^T: the attention output gated per element [T, K], then projected."""

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from ninfer_offload.model.backend import Backend, Input, Routing, SharedExpert
+from ninfer_offload.model.backend import Backend, Input, SharedExpert
 from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.weights import Weight, WeightReader
@@ -47,7 +47,7 @@ class SparseMoe:
         )
 
     def __call__(self, backend: Backend, x: Input) -> torch.Tensor:
-        routing = Routing(self.top_k, self.gates.sizes[0])  # the router's logits, then the shared expert's score
-        (_, score), (gate, up) = both(backend, self.gates, self.shared_in, x, route=routing)
+        (logits, score), (gate, up) = both(backend, self.gates, self.shared_in, x)
         x = backend.resolve(x)  # the normalised input: computed by the products above where they could
-        return self.experts.routed(backend, self.layer, x, routing.ids, routing.weights, SharedExpert(gate, up, self.shared_down, score))
+        topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
+        return self.experts.routed(backend, self.layer, x, topk_ids, topk_weights, SharedExpert(gate, up, self.shared_down, score))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer_offload.artifact.formats import NVFP4, BlockScaleGeometry, ObjectGeometry, RowSplitGeometry, runtime_geometry
-from ninfer_offload.model.backend import Backend, DepthwiseConv, Input, Routing
+from ninfer_offload.model.backend import Backend, DepthwiseConv, Input
 from ninfer_offload.model.nvfp4 import Nvfp4Matrix
 from ninfer_offload.model.quant import QuantizedMatrix
 from ninfer_offload.model.weights import Weight
@@ -101,19 +101,16 @@ class StackedLinear:
 
 
 def both(
-    backend: Backend, first: StackedLinear, second: StackedLinear, x: Input, conv: DepthwiseConv | None = None,
-    route: Routing | None = None,
+    backend: Backend, first: StackedLinear, second: StackedLinear, x: Input, conv: DepthwiseConv | None = None
 ) -> tuple[tuple[torch.Tensor, ...], ...]:
     """(first's outputs, second's outputs) of one input: one `linear_pair` where each is one stacked
     matrix (e.g. quantized projections and dense gates, which cannot share a matrix), else each alone.
-    `conv` runs over first's first output (GDN's q/k/v before the delta rule), `route` over its first
-    columns (the router's logits), in the product where the backend can."""
+    `conv` runs over first's first output (GDN's q/k/v before the delta rule), in the product where
+    the backend can."""
     if len(first.weights) == 1 and len(second.weights) == 1:
-        y1, y2 = backend.linear_pair(x, first.weights[0], second.weights[0], conv, route)
+        y1, y2 = backend.linear_pair(x, first.weights[0], second.weights[0], conv)
         return first._split(y1), second._split(y2)
     outputs = first(backend, x)
     if conv is not None:
         outputs = (conv.apply(backend, outputs[0].contiguous()), *outputs[1:])
-    if route is not None:
-        route.apply(backend, outputs[0])
     return outputs, second(backend, x)
