@@ -144,7 +144,8 @@ class TritonBackend(ReferenceBackend):
         if not isinstance(experts.layout, ExpertRecordLayout):
             return super().routed_experts(x, topk_ids, topk_weights, experts, shared)
         return moe.routed_experts(
-            x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout, host_records=experts.host is not None, shared=shared
+            x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout, host_records=experts.host is not None, shared=shared,
+            uses=experts.uses,
         )
 
     def routed_experts_split(

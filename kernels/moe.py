@@ -55,6 +55,7 @@ import triton.language as tl
 
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.model.backend import SharedExpert
+from ninfer_offload.model.experts import count_uses
 from ninfer_offload.kernels import shared_expert
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
@@ -293,6 +294,7 @@ def _gate_up_swiglu_gemv_kernel(
     table,
     topk_ids,
     act,
+    use_counts,
     stride_x,
     pairs,
     H,
@@ -311,12 +313,17 @@ def _gate_up_swiglu_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MMA: tl.constexpr,
+    COUNT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Gate and up columns of the expert of each first pair, decoded once, for every pair routed to it; SwiGLU
     of each pair into `act`. Per token on CUDA cores, or with MMA every pair of the expert at once on tensor
-    cores (as `_down_shared_gemv_kernel` does)."""
+    cores (as `_down_shared_gemv_kernel` does). With COUNT, each pair's first program adds 1 to `use_counts` at
+    its expert (`model.experts.count_uses`)."""
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
+    if COUNT:
+        if tl.program_id(1) == 0:
+            tl.atomic_add(use_counts + e, 1, sem="relaxed")
     if owner:
         record = arena + tl.multiple_of(tl.load(table + e), 256)
         cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
@@ -703,18 +710,22 @@ def routed_experts(
     layout: ExpertRecordLayout,
     host_records: bool = False,
     shared: SharedExpert | None = None,
+    uses: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-experts output [T, H] in x's dtype, plus `shared`'s rows when given (the MoE block's
     output: one token's in the same launch as its routed down rows, else `shared_expert` after them);
     expert e's record starts `table[e]` bytes (int64, a multiple of 256) after the start of the uint8
     tensor `arena`. `host_records`: some records are in host memory, read over PCIe (the tiled
-    kernels then read rows in long runs)."""
+    kernels then read rows in long runs). `uses` (int32 [E]) counts each (token, expert) assignment:
+    in the gate/up launch of the matrix-vector path, else by `count_uses`."""
     t, hidden = x.shape
     gu, dn = _geometries(layout, hidden)
     x = x.contiguous()
     pairs = t * topk_ids.shape[1]
     if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS:
-        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared)
+        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared, uses)
+    if uses is not None:
+        count_uses(uses, topk_ids)
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
     if pairs <= PAIR_PLAN_MAX:
         plan = plan_pairs(topk_ids, tiles.block_m)
@@ -841,8 +852,9 @@ def _routed_experts_gemv(
     gu: TileGeometry,
     dn: TileGeometry,
     shared: SharedExpert | None,
+    uses: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The matrix-vector path of `routed_experts` (few pairs)."""
+    """The matrix-vector path of `routed_experts` (few pairs); the gate/up launch counts `uses`."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
     ids, tiles = topk_ids.contiguous(), GEMV_TILES if t == 1 else BATCH_GEMV_TILES
     pairs = t * top_k
@@ -851,7 +863,8 @@ def _routed_experts_gemv(
     mma = _on_tensor_cores(t, MMA_GATE_UP_MIN_TOKENS, gu, MMA_GATE_UP_TILES)
     gate_up_tiles = MMA_GATE_UP_TILES if mma else tiles
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, gate_up_tiles.gate_up_n))](
-        x, arena, table, ids, act, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset, gu.divisor_offset,
+        x, arena, table, ids, act, act if uses is None else uses, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset,
+        gu.divisor_offset, COUNT=uses is not None,
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits,
         GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma,
         IEEE=x.dtype == torch.float32,

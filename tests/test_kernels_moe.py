@@ -169,6 +169,27 @@ def test_several_tokens_product_on_tensor_cores(product, fmt, monkeypatch):
         torch.testing.assert_close(on_tensor_cores, per_token, rtol=1e-5, atol=1e-6)
 
 
+def test_the_kernels_count_each_assignment():
+    """With `uses`, each (token, expert) assignment is counted as `count_uses` counts it (a token's repeated
+    expert twice): in the matrix-vector path's gate/up launch, by `count_uses` on the tiled path."""
+    from ninfer_offload.kernels.moe import record_table, routed_experts
+    from ninfer_offload.model.experts import count_uses
+
+    layout, data, _ = _records("q4_g64_fp16", "q5_g64_fp16", seed=7)
+    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(8)
+    for t in (1, 4, 8, 30):
+        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(t)])
+        ids[0, 2] = ids[0, 0]
+        x, w = torch.randn(t, HIDDEN, generator=gen), torch.softmax(torch.randn(t, 3, generator=gen), dim=-1)
+        uses = torch.full((EXPERTS,), 5, dtype=torch.int32, device=DEVICE)
+        want = uses.clone()
+        count_uses(want, ids.to(DEVICE))
+        counted = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout, uses=uses)
+        assert torch.equal(uses, want)
+        assert torch.equal(counted, routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout))
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 30])
 def test_a_token_repeating_an_expert(tokens):
     """A token may use one expert in two slots (the host-miss path gives host-computed slots a

@@ -248,6 +248,7 @@ class ReferenceBackend:
         Each (token, expert) assignment is computed on its own (no host sync on the routing), so the
         result of a token does not depend on which other tokens share the call.
         """
+        experts.count(topk_ids)
         routed = self._routed(x, topk_ids, topk_weights, experts)
         return routed if shared is None else shared.added_to(self, routed)
 

@@ -41,6 +41,12 @@ def record_weights(records: torch.Tensor, layout: RecordLayout, dtype: torch.dty
     )
 
 
+def count_uses(uses: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """Adds each (token, expert) assignment of `topk_ids` to `uses` (int32 [num_experts])."""
+    flat = topk_ids.reshape(-1)
+    uses.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
 @dataclass
 class ExpertBank:
     """One layer's routed experts as the compute sees them: a byte offset per expert from the start
@@ -48,13 +54,21 @@ class ExpertBank:
 
     An offset inside the arena is a record in device memory; any other points at the expert's row
     of `host` (host memory mapped into the device's address space: the MoE kernels read it over
-    PCIe). `records` resolves offsets to tensors for ops that index records instead.
+    PCIe). `records` resolves offsets to tensors for ops that index records instead. With `uses`, the op
+    that computes the experts also counts their assignments there (the expert cache's statistics), in
+    its own kernels where it can: no launch of its own in a decode step.
     """
 
     layout: RecordLayout
     arena: torch.Tensor  # uint8 [N]
     offsets: torch.Tensor  # int64 [num_experts], on the arena's device
     host: torch.Tensor | None = None  # uint8 [num_experts, layout.nbytes]: every expert's host record
+    uses: torch.Tensor | None = None  # int32 [num_experts]: the op that computes the experts counts each assignment here
+
+    def count(self, topk_ids: torch.Tensor) -> None:
+        """`count_uses` of `topk_ids` where the bank has `uses`."""
+        if self.uses is not None:
+            count_uses(self.uses, topk_ids)
 
     @classmethod
     def of_records(cls, layout: RecordLayout, records: torch.Tensor) -> "ExpertBank":

@@ -10,8 +10,9 @@ MoE kernels then read over PCIe (zero-copy). Routing never leaves the device, so
 is one CUDA graph like a resident one; "resident" (everything pinned) and "host" (nothing pinned)
 are the two ends of the same mechanism.
 
-Inside a step the store only counts uses per (layer, expert) on the device; between steps the
-cache reads the counts and moves records (`forward`).
+Inside a step only uses per (layer, expert) are counted, on the device, by the op that computes the
+experts (`ExpertBank.uses`: the decode MoE kernel in its own launch); between steps the cache reads the
+counts and moves records (`forward`).
 
 A prefill chunk (`forward(prefill=True)`, never captured) copies the host experts its layers need
 into the staging slots first (`runtime.prefill_staging`). Decode steps never stage.
@@ -37,7 +38,7 @@ import torch
 from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.model.backend import SharedExpert
-from ninfer_offload.model.experts import RECORD_ALIGN, ExpertBank
+from ninfer_offload.model.experts import RECORD_ALIGN, ExpertBank, count_uses
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
 from ninfer_offload.runtime.host_pool import HostPool
 from ninfer_offload.runtime.memory_check import host_tensor
@@ -289,8 +290,8 @@ class ExpertStore:
         return self.slot_offset(self.cache_slots + slot)
 
     # ------------------------------------------------------------------ compute
-    def bank(self, layer: int) -> ExpertBank:
-        return ExpertBank(self.layouts[layer], self.arena, self.table[layer], self.host[layer] if self.offloaded else None)
+    def bank(self, layer: int, uses: torch.Tensor | None = None) -> ExpertBank:
+        return ExpertBank(self.layouts[layer], self.arena, self.table[layer], self.host[layer] if self.offloaded else None, uses)
 
     def routed(
         self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared: SharedExpert | None = None
@@ -304,14 +305,14 @@ class ExpertStore:
             out = backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
             self.staging.done(layer, topk_ids.shape[0])
             return out if shared is None else shared.added_to(backend, out)
-        if self.cache is not None:
-            flat = topk_ids.reshape(-1)
-            self.uses[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        uses = self.uses[layer] if self.cache is not None else None  # counted by the op that computes the experts
         if self.cpu_path is not None and self.cpu_path.active and topk_ids.shape[0] <= self.cpu_path.tokens:
-            bank = self.bank(layer)
-            out = self.cpu_path.routed(backend, bank, layer, x, topk_ids, topk_weights, self.anchor[layer], self.cpu_uses[layer])
+            if uses is not None:  # here: the CPU path hands the GPU only some of the assignments
+                count_uses(uses, topk_ids)
+            anchor, cpu_uses = self.anchor[layer], self.cpu_uses[layer]
+            out = self.cpu_path.routed(backend, self.bank(layer), layer, x, topk_ids, topk_weights, anchor, cpu_uses)
             return out if shared is None else shared.added_to(backend, out)
-        return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer), shared)
+        return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer, uses), shared)
 
     def replay_routing(self, ids: torch.Tensor) -> None:
         """Benchmarks and tests: route the next forwards' tokens to `ids` [layers, tokens, top_k] (int64)
