@@ -57,6 +57,7 @@ from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.model.backend import SharedExpert
 from ninfer_offload.model.experts import count_uses
 from ninfer_offload.kernels import shared_expert
+from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
@@ -902,16 +903,9 @@ def _routed_experts_gemv(
     return _with_shared(sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
 
 
-# Arrival counts of the split down kernel: int32 zeros, one buffer per device, left zeroed by every
-# launch (so a captured step may replay it); row slices x tokens of one launch, at most.
-ARRIVAL_COUNTS = 4096
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
 def _arrivals(device: torch.device) -> torch.Tensor:
-    if device not in _ARRIVALS:
-        _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTS, dtype=torch.int32, device=device)
-    return _ARRIVALS[device]
+    """The split down kernel's arrival counts (one per row slice and token of a launch)."""
+    return arrival_counts("moe.down_split", device)
 
 
 def record_table(slots: torch.Tensor, stride: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ decoder (`kernels/tiles.py`). Three paths by token count:
 * up to `FUSED_MAX_TOKENS`: a tiled kernel: each program decodes a weight tile in registers
   (`load_tile`) and multiplies it with `tl.dot` (the token block is padded to 16 rows). Few-token
   products split K across programs so that even a [2048, 4096] projection fills the GPU; their
-  partial sums are added in a fixed order, so results are deterministic.
+  partial sums are added in a fixed order by the last program of each tile to arrive, so results are
+  deterministic and no reduction is launched.
 * above (prefill): the weight is dequantized once per call into a transient buffer (the same tile
   decoders) and multiplied with cuBLAS, which beats an in-kernel tile decode once the product is
   compute-bound.
@@ -37,6 +38,7 @@ import triton.language as tl
 
 from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels import dense_linear
+from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.gdn import conv_rows
 from ninfer_offload.kernels.norm import (
@@ -121,6 +123,10 @@ def gemv_tiles(n: int, tokens: int = 1) -> GemvTiles:
 # Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
+# A few tokens' tiled product splits K across programs: the last program of each output tile to arrive sums
+# the splits' float32 tiles (`arrivals`), or, turned off, a `sum_middle` launch after it does (the batch-8
+# step at 01e649c spent 231 us in 120 such launches). Module-level so benchmarks can compare the two.
+SUM_IN_PRODUCT = True
 
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
@@ -336,7 +342,9 @@ def _quantized_gemv_kernel(
 def _quantized_matmul_kernel(
     x,
     w,
+    partial,
     out,
+    arrivals,
     T,
     N,
     K,
@@ -353,7 +361,11 @@ def _quantized_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
+    """Programs (row block, token block, K split): a [BLOCK_M, BLOCK_N] tile of x @ W^T over K_BLOCKS_PER_SPLIT
+    k tiles. One split stores its tile in `out`; with SPLIT, each stores its float32 tile in `partial` [SPLIT, T, N]
+    and the last of a tile's programs to arrive (`arrivals`) sums the SPLIT tiles in split order into `out`."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -375,8 +387,20 @@ def _quantized_matmul_kernel(
             acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
     if NVFP4:
         acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
-    optr = out + pid_k.to(tl.int64) * T * N + toks[:, None].to(tl.int64) * N + rows[None, :]
-    tl.store(optr, acc.to(out.dtype.element_ty), mask=tok_mask[:, None] & row_mask[None, :])
+    tile = toks[:, None].to(tl.int64) * N + rows[None, :]
+    mask = tok_mask[:, None] & row_mask[None, :]
+    if SPLIT > 1:
+        tl.store(partial + pid_k.to(tl.int64) * T * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's rows are written before the release below
+        count = arrivals + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):  # read through L2: other programs wrote these rows
+                acc += tl.load(partial + s * T * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+    else:  # one split, or each split's tile for a `sum_middle` launch after this one
+        tl.store(out + pid_k.to(tl.int64) * T * N + tile, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -593,10 +617,13 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeomet
     split = max(1, min(k_blocks, (4 * _sm_count(x.device)) // (n_blocks * m_blocks)))
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)
-    out = torch.empty((split, t, n) if split > 1 else (t, n), device=x.device, dtype=torch.float32 if split > 1 else x.dtype)
+    out = torch.empty(t, n, device=x.device, dtype=x.dtype)
+    partial = torch.empty(split, t, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    summed_after = split > 1 and not (SUM_IN_PRODUCT and n_blocks * m_blocks <= ARRIVAL_COUNTS)
     _quantized_matmul_kernel[(n_blocks, m_blocks, split)](
-        x, data, out, t, n, k, x.stride(0), g.high_offset, g.scale_offset, g.divisor_offset, per_split,
-        NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32, num_warps=DECODE_WARPS,
+        x, data, partial, partial if summed_after else out, arrival_counts("quant_linear.split_k", x.device), t, n, k, x.stride(0),
+        g.high_offset, g.scale_offset, g.divisor_offset, per_split, NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLIT=1 if summed_after else split,
+        num_warps=DECODE_WARPS,
     )
-    return sum_middle(out.view(1, split, t * n), x.dtype).view(t, n) if split > 1 else out
+    return sum_middle(partial.view(1, split, t * n), x.dtype).view(t, n) if summed_after else out

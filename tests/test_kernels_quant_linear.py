@@ -51,6 +51,22 @@ def test_split_k_and_dequantize_paths():
     assert _relative_error(few, x[:20].double() @ weight.double().T) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q5_g64_fp16"])
+def test_split_k_sums_in_the_launch_as_a_sum_launch_would(fmt, monkeypatch):
+    """A few tokens' tiled product splits K across programs; the last program of each tile to arrive sums the
+    splits in split order: bit for bit what a `sum_middle` launch after it gives, the arrival counts zero again."""
+    from ninfer_offload.kernels import quant_linear
+    from ninfer_offload.kernels.arrivals import arrival_counts
+
+    data, weight, geometry = _random_object(fmt, 40, 1024, seed=3)
+    x = torch.randn(12, 1024, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    in_launch = quant_linear.quantized_linear(x, data, geometry)
+    assert int(arrival_counts("quant_linear.split_k", DEVICE).abs().sum()) == 0
+    monkeypatch.setattr(quant_linear, "SUM_IN_PRODUCT", False)
+    assert torch.equal(in_launch, quant_linear.quantized_linear(x, data, geometry))
+    assert _relative_error(in_launch, x.double() @ weight.double().T) < 1e-5
+
+
 @pytest.mark.parametrize("fmt", sorted(GROUPED_FORMATS))
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_matrix_vector_kernel_walks_rows_in_several_tiles(fmt, tensor_cores, monkeypatch):
