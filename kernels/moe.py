@@ -29,7 +29,7 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
   sum, as `shared_expert` would after it: one launch fewer per layer. For more tokens, the down kernel
   shares each expert as kernel 1 does (per token on CUDA cores, or from `MMA_DOWN_MIN_TOKENS` tokens all of
   an expert's pairs in one tensor-core product) and the k weighted rows of each token are summed in the
-  same fixed order (a launch of its own).
+  same fixed order by the last program of each row slice to arrive (`SUM_IN_PRODUCT`).
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
   own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
@@ -91,6 +91,10 @@ GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
 # H200 step A/B at 87d790d (bench/results/step_ab_h200_87d790d.json): a 3-draft verification (4 tokens) took
 # 4.69 ms with the per-token kernel against 4.74 with the shared one.
 SHARED_DOWN_MIN_TOKENS = 5
+# The shared down kernel's per-token sum of the k weighted rows: by the last program of each row slice to arrive
+# (an arrival count) or, turned off, by a `sum_middle` launch after it (40 launches, 91 us of the 5.3 ms batch-8
+# step at 01e649c). Module-level so benchmarks can compare the two.
+SUM_IN_PRODUCT = True
 # Rows per program, warps and k tile of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
 # L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one
 # program per 16 rows walking the 8 experts (the kernel it replaced). In the step (with the shared expert folded
@@ -386,6 +390,8 @@ def _down_shared_gemv_kernel(
     topk_ids,
     weights,
     weighted,
+    out,
+    arrivals,
     pairs,
     H,
     I,
@@ -404,16 +410,19 @@ def _down_shared_gemv_kernel(
     BLOCK_K: tl.constexpr,
     MMA: tl.constexpr,
     IEEE: tl.constexpr,
+    SUM: tl.constexpr,
 ):
     """Several tokens: the expert of each first pair, decoded once, applied to every pair routed to it;
     each pair's weighted output row (float32) goes to `weighted` for the per-token sum. Per token on CUDA
     cores, or with MMA every pair of the expert at once on tensor cores (in index order, MMA_ROWS per
-    product: one product unless a token uses the expert in several slots; no per-token loop or reduction)."""
+    product: one product unless a token uses the expert in several slots; no per-token loop or reduction).
+    With SUM, the last of a row slice's programs to arrive (`arrivals`; every pair's program arrives, owner
+    or not) sums each token's TOP_K weighted rows in slot order into `out`."""
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
+    rows = program_rows(tl.program_id(1), BLOCK_N, NVFP4)
+    row_mask = rows < H
     if owner:
         down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
-        rows = program_rows(tl.program_id(1), BLOCK_N, NVFP4)
-        row_mask = rows < H
         if MMA:
             rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1  # of each pair among the expert's
             for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
@@ -449,6 +458,17 @@ def _down_shared_gemv_kernel(
             ptr = weighted + index.to(tl.int64)[:, None] * H + rows[None, :]
             out_rows = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N) * w[:, None]
             tl.store(ptr, out_rows, mask=uses[:, None] & row_mask[None, :])
+    if SUM:
+        tl.debug_barrier()  # every thread's rows are written before the release below
+        count = arrivals + tl.program_id(1)
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == pairs - 1:
+            for t in tl.static_range(BLOCK_T):
+                if t < pairs // TOP_K:
+                    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                    for j in tl.static_range(TOP_K):  # read through L2: other programs wrote these rows
+                        total += tl.load(weighted + (t * TOP_K + j) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+                    tl.store(out + t * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -894,13 +914,17 @@ def _routed_experts_gemv(
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     mma = _on_tensor_cores(t, MMA_DOWN_MIN_TOKENS, dn, MMA_DOWN_TILES)
     down_tiles = MMA_DOWN_TILES if mma else tiles
-    _down_shared_gemv_kernel[(pairs, triton.cdiv(hidden, down_tiles.down_n))](
-        act, arena, table, ids, weights, weighted, pairs, hidden, inter, layout.down_offset, dn.high_offset, dn.scale_offset,
-        dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group,
-        K_PAD=dn.k_pad, BLOCK_N=down_tiles.down_n, BLOCK_K=gemv_block_k(dn.k_pad, down_tiles.block_k), MMA=mma,
-        IEEE=x.dtype == torch.float32, num_warps=down_tiles.warps, num_stages=down_tiles.stages,
+    slices = triton.cdiv(hidden, down_tiles.down_n)
+    summed = SUM_IN_PRODUCT and slices <= ARRIVAL_COUNTS
+    out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
+    _down_shared_gemv_kernel[(pairs, slices)](
+        act, arena, table, ids, weights, weighted, out, arrival_counts("moe.down_shared", x.device), pairs, hidden, inter,
+        layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs,
+        NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=down_tiles.down_n,
+        BLOCK_K=gemv_block_k(dn.k_pad, down_tiles.block_k), MMA=mma, IEEE=x.dtype == torch.float32, SUM=summed,
+        num_warps=down_tiles.warps, num_stages=down_tiles.stages,
     )
-    return _with_shared(sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
+    return _with_shared(out if summed else sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
 
 
 def _arrivals(device: torch.device) -> torch.Tensor:

@@ -131,6 +131,30 @@ def test_shared_and_per_token_down_products_agree(monkeypatch):
     assert int(moe._arrivals(x.device).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_shared_down_sums_in_the_launch_as_a_sum_launch_would(tensor_cores, monkeypatch):
+    """Several tokens' down product: the last program of each row slice to arrive sums each token's weighted
+    rows in slot order, bit for bit what a `sum_middle` launch after it gives; the arrival counts zero again."""
+    from ninfer_offload.kernels import moe
+    from ninfer_offload.kernels.arrivals import arrival_counts
+
+    records = _records("q4_g64_fp16", "q5_g64_fp16", seed=12)
+    layout, data, _ = records
+    table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(13)
+    monkeypatch.setattr(moe, "MMA_DOWN_MIN_TOKENS", 2 if tensor_cores else moe.GEMV_MAX_TOKENS + 1)
+    for t in (5, 8):
+        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(t)]).to(DEVICE)
+        ids[1, 2] = ids[1, 0]
+        x, w = torch.randn(t, HIDDEN, generator=gen).to(DEVICE), torch.softmax(torch.randn(t, 3, generator=gen), dim=-1).to(DEVICE)
+        in_launch = moe.routed_experts(x, ids, w, data, table, layout)
+        assert int(arrival_counts("moe.down_shared", DEVICE).abs().sum()) == 0
+        monkeypatch.setattr(moe, "SUM_IN_PRODUCT", False)
+        assert torch.equal(in_launch, moe.routed_experts(x, ids, w, data, table, layout))
+        monkeypatch.setattr(moe, "SUM_IN_PRODUCT", True)
+        _assert_matches_reference(records, x.cpu(), ids.cpu(), w.cpu())
+
+
 @pytest.mark.parametrize("product", sorted(TENSOR_CORE_PRODUCTS))
 @pytest.mark.parametrize("fmt", ["q5_g64_fp16", "q8_g32_fp16"])
 def test_several_tokens_product_on_tensor_cores(product, fmt, monkeypatch):
