@@ -839,9 +839,8 @@ def _tiled(
     _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
         x, arena, table, plan.block_expert, plan.block_pairs, deferred, arena.numel(), act, x.stride(0), hidden, inter, gu.high_offset,
         gu.scale_offset, gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group,
-        K_PAD=gu.k_pad,
-        BLOCK_M=plan.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, PASS=which, WHERE=where,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        K_PAD=gu.k_pad, BLOCK_M=plan.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, PASS=which,
+        WHERE=where, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
         act, arena, table, plan.block_expert, plan.block_pairs, deferred, arena.numel(), topk_weights.reshape(-1).contiguous(), weighted,
@@ -885,10 +884,9 @@ def _routed_experts_gemv(
     gate_up_tiles = MMA_GATE_UP_TILES if mma else tiles
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, gate_up_tiles.gate_up_n))](
         x, arena, table, ids, act, act if uses is None else uses, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset,
-        gu.divisor_offset, COUNT=uses is not None,
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits,
-        GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma,
-        IEEE=x.dtype == torch.float32,
+        gu.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter),
+        BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n,
+        BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, COUNT=uses is not None, IEEE=x.dtype == torch.float32,
         num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages,
     )
     weights = topk_weights.contiguous()
