@@ -143,16 +143,15 @@ def test_shared_down_sums_in_the_launch_as_a_sum_launch_would(tensor_cores, monk
     table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
     gen = torch.Generator().manual_seed(13)
     monkeypatch.setattr(moe, "MMA_DOWN_MIN_TOKENS", 2 if tensor_cores else moe.GEMV_MAX_TOKENS + 1)
-    for t in (5, 8):
-        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(t)]).to(DEVICE)
-        ids[1, 2] = ids[1, 0]
-        x, w = torch.randn(t, HIDDEN, generator=gen).to(DEVICE), torch.softmax(torch.randn(t, 3, generator=gen), dim=-1).to(DEVICE)
-        in_launch = moe.routed_experts(x, ids, w, data, table, layout)
-        assert int(arrival_counts("moe.down_shared", DEVICE).abs().sum()) == 0
-        monkeypatch.setattr(moe, "SUM_IN_PRODUCT", False)
-        assert torch.equal(in_launch, moe.routed_experts(x, ids, w, data, table, layout))
-        monkeypatch.setattr(moe, "SUM_IN_PRODUCT", True)
-        _assert_matches_reference(records, x.cpu(), ids.cpu(), w.cpu())
+    t = 6
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(t)]).to(DEVICE)
+    ids[1, 2] = ids[1, 0]
+    x, w = torch.randn(t, HIDDEN, generator=gen).to(DEVICE), torch.softmax(torch.randn(t, 3, generator=gen), dim=-1).to(DEVICE)
+    in_launch = moe.routed_experts(x, ids, w, data, table, layout)
+    assert int(arrival_counts("moe.down_shared", DEVICE).abs().sum()) == 0
+    _assert_matches_reference(records, x.cpu(), ids.cpu(), w.cpu())
+    monkeypatch.setattr(moe, "SUM_IN_PRODUCT", False)
+    assert torch.equal(in_launch, moe.routed_experts(x, ids, w, data, table, layout))
 
 
 @pytest.mark.parametrize("product", sorted(TENSOR_CORE_PRODUCTS))
@@ -202,7 +201,7 @@ def test_the_kernels_count_each_assignment():
     layout, data, _ = _records("q4_g64_fp16", "q5_g64_fp16", seed=7)
     table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
     gen = torch.Generator().manual_seed(8)
-    for t in (1, 4, 8, 30):
+    for t in (1, 8, 30):
         ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(t)])
         ids[0, 2] = ids[0, 0]
         x, w = torch.randn(t, HIDDEN, generator=gen), torch.softmax(torch.randn(t, 3, generator=gen), dim=-1)
