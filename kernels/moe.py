@@ -57,7 +57,7 @@ from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.model.backend import SharedExpert
 from ninfer_offload.model.experts import count_uses
 from ninfer_offload.kernels import shared_expert
-from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts
+from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts, last_to_arrive, rearm
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
@@ -459,16 +459,15 @@ def _down_shared_gemv_kernel(
             out_rows = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N) * w[:, None]
             tl.store(ptr, out_rows, mask=uses[:, None] & row_mask[None, :])
     if SUM:
-        tl.debug_barrier()  # every thread's rows are written before the release below
         count = arrivals + tl.program_id(1)
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == pairs - 1:
+        if last_to_arrive(count, pairs):
             for t in tl.static_range(BLOCK_T):
                 if t < pairs // TOP_K:
                     total = tl.zeros([BLOCK_N], dtype=tl.float32)
                     for j in tl.static_range(TOP_K):  # read through L2: other programs wrote these rows
                         total += tl.load(weighted + (t * TOP_K + j) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
                     tl.store(out + t * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+            rearm(count)
 
 
 @triton.jit
@@ -572,9 +571,8 @@ def _down_split_gemv_kernel(
             NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
         )
     tl.store(partial + (tok * slots + j) * H + rows, y, mask=row_mask)
-    tl.debug_barrier()  # every thread's rows are written before the release below
     count = arrivals + tok * tl.num_programs(0) + block
-    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == slots - 1:
+    if last_to_arrive(count, slots):
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for s in tl.static_range(TOP_K):  # read through L2: other programs wrote these rows
             total += tl.load(partial + (tok * slots + s) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
@@ -582,7 +580,7 @@ def _down_split_gemv_kernel(
             shared = tl.load(partial + (tok * slots + TOP_K) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
             total = total.to(out.dtype.element_ty).to(tl.float32) + shared
         tl.store(out + tok * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
-        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+        rearm(count)
 
 
 @triton.jit

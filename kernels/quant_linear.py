@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels import dense_linear
-from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts
+from ninfer_offload.kernels.arrivals import arrival_counts, last_to_arrive, rearm
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.gdn import conv_rows
 from ninfer_offload.kernels.norm import (
@@ -391,14 +391,13 @@ def _quantized_matmul_kernel(
     mask = tok_mask[:, None] & row_mask[None, :]
     if SPLIT > 1:
         tl.store(partial + pid_k.to(tl.int64) * T * N + tile, acc, mask=mask)
-        tl.debug_barrier()  # every thread's rows are written before the release below
         count = arrivals + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        if last_to_arrive(count, SPLIT):
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT):  # read through L2: other programs wrote these rows
                 acc += tl.load(partial + s * T * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+            rearm(count)
     else:  # one split, or each split's tile for a `sum_middle` launch after this one
         tl.store(out + pid_k.to(tl.int64) * T * N + tile, acc.to(out.dtype.element_ty), mask=mask)
 
@@ -619,7 +618,7 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeomet
     split = triton.cdiv(k_blocks, per_split)
     out = torch.empty(t, n, device=x.device, dtype=x.dtype)
     partial = torch.empty(split, t, n, device=x.device, dtype=torch.float32) if split > 1 else out
-    summed_after = split > 1 and not (SUM_IN_PRODUCT and n_blocks * m_blocks <= ARRIVAL_COUNTS)
+    summed_after = split > 1 and not SUM_IN_PRODUCT  # (a split launch has fewer tiles than 4 per SM: one counter each)
     _quantized_matmul_kernel[(n_blocks, m_blocks, split)](
         x, data, partial, partial if summed_after else out, arrival_counts("quant_linear.split_k", x.device), t, n, k, x.stride(0),
         g.high_offset, g.scale_offset, g.divisor_offset, per_split, NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad,
