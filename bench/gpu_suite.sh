@@ -36,8 +36,8 @@ for bench in $BENCHES; do
       --batches --skip-transformers --commit "$COMMIT" 2>&1 | tail -6 ;;
     sweep) python3 bench/sweep_decode.py --out "$OUT/sweep.json" --commit "$COMMIT" 2>&1 | tail -100 ;;
     paths) python3 bench/sweep_decode.py --sweeps paths --out "$OUT/paths.json" --commit "$COMMIT" 2>&1 | tail -60 ;;
-    kernels) python3 bench/kernels.py --out "$OUT/kernels.json" --commit "$COMMIT" 2>&1 | tail -60 ;;
-    kernel_formats) python3 bench/kernels.py --sweeps formats --out "$OUT/kernel_formats.json" --commit "$COMMIT" 2>&1 | tail -30 ;;
+    kernels) python3 bench/kernel_sweeps.py --out "$OUT/kernels.json" --commit "$COMMIT" 2>&1 | tail -60 ;;
+    kernel_formats) python3 bench/kernel_sweeps.py --sweeps formats --out "$OUT/kernel_formats.json" --commit "$COMMIT" 2>&1 | tail -30 ;;
     serve) artifact && python3 bench/serve.py /tmp/q36.ninfer --out "$OUT/serve.json" --clients 1 8 --max-tokens 96 --commit "$COMMIT" 2>&1 | tail -12 ;;
     spec) artifact && python3 bench/spec.py /tmp/q36.ninfer --out "$OUT/spec.json" --commit "$COMMIT" $SPEC_ARGS 2>&1 | tail -12 ;;
     short_prompts) artifact && python3 bench/short_prompts.py /tmp/q36.ninfer --out "$OUT/short_prompts.json" --commit "$COMMIT" 2>&1 | tail -14 ;;

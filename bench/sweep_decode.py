@@ -10,7 +10,7 @@ it, and the output head under several shapes), the dense products (router + shar
 GDN a/b) under several rows per program, the routed experts (8 of 256 experts per token) under
 several launch shapes, and attention decode at a fixed 32K capacity for growing lengths (what the
 engine launches with its default context). Each entry: median microseconds, bytes read, fraction of
-the device bandwidth measured in the same run. Weights are random valid bytes (bench/kernels.py).
+the device bandwidth measured in the same run. Weights are random valid bytes (bench/kernel_sweeps.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import torch
 from triton.testing import do_bench_cudagraph
 
-from kernels import EXPERTS, HIDDEN, INTER, TOP_K, quantized_object, start_run
+from kernel_sweeps import EXPERTS, HIDDEN, INTER, TOP_K, quantized_object, start_run
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels import attention, dense_linear, moe, quant_linear
 

@@ -79,7 +79,7 @@ class Tiles:
 
 
 # Up to this many (token, slot) pairs: the matrix-vector kernels (block_m unused;
-# widest column tile in block_k). H200 sweep (bench/kernels.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide.
+# widest column tile in block_k). H200 sweep (bench/kernel_sweeps.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide.
 GEMV_MAX_PAIRS = 64
 GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
 # From this many tokens the matrix-vector down product reads each expert once for all the tokens routed to

@@ -9,10 +9,17 @@ session temporary directory.
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import tiny_hf
 import torch
+
+# With the source tree's root on sys.path (`python -m pytest` there), its top-level `kernels/` folder (installed as
+# `ninfer_offload.kernels`) would shadow the `kernels` distribution that transformers imports; tests use the install.
+_SOURCE_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _SOURCE_ROOT]
 
 if any(importlib.util.find_spec(name) for name in ("fla", "causal_conv1d")):
     tiny_hf.oracle_module()

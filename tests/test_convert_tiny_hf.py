@@ -92,15 +92,15 @@ def test_checkpoints_reload_in_transformers(layout, tiny_hf_model, tmp_path):
 
 
 _BINDING_PROBE = """
-import inspect, sys
+import sys
 sys.path[:0] = sys.argv[1:3]
+import tiny_hf
 if sys.argv[3] == "helper":
-    import tiny_hf
     module = tiny_hf.oracle_module()
 else:
     import importlib
     module = importlib.import_module("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
-fast = inspect.getclosurevars(module.torch_chunk_gated_delta_rule).nonlocals["is_new_implementation"]
+fast = tiny_hf.binds_fast_kernel(module.torch_chunk_gated_delta_rule)
 import fla.ops.gated_delta_rule  # still importable by the engine afterwards
 print("fast" if fast else "torch")
 """
@@ -118,6 +118,7 @@ def test_oracle_module_hides_an_installed_fla(how, bound, tmp_path):
         "fused_recurrent_gated_delta_rule = chunk_gated_delta_rule\n"
     )
     tests = str(Path(__file__).parent)
-    done = subprocess.run([sys.executable, "-c", _BINDING_PROBE, str(tmp_path), tests, how], capture_output=True, text=True, timeout=300)
+    probe = [sys.executable, "-c", _BINDING_PROBE, str(tmp_path), tests, how]
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=300, cwd=tmp_path)  # not the source root: see conftest
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == bound

@@ -49,9 +49,23 @@ def oracle_module():
                     sys.modules[name] = module
     module = sys.modules[_MODELING]
     for fn in (module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule, module.causal_conv1d_fn):
-        if inspect.getclosurevars(fn).nonlocals.get("is_new_implementation"):
+        if binds_fast_kernel(fn):
             raise RuntimeError(f"{_MODELING} was imported with a fast kernel bound; import tests/tiny_hf.py first")
     return module
+
+
+def binds_fast_kernel(fn) -> bool:
+    """Whether transformers' fallback wrapper `fn` bound a fast package's kernel instead of its PyTorch function.
+
+    With the `kernels` distribution installed (a dependency of transformers >= 5.25) the wrapper sits inside a
+    `Func` module whose `forward` calls it; without it, `fn` is the wrapper itself.
+    """
+    if not inspect.isfunction(fn):
+        fn = type(fn).forward
+    names = inspect.getclosurevars(fn).nonlocals
+    if "is_new_implementation" in names:
+        return bool(names["is_new_implementation"])
+    return inspect.isfunction(names.get("func")) and binds_fast_kernel(names["func"])
 
 
 def cache_keyword(model) -> str:

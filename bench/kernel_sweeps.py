@@ -1,6 +1,6 @@
 """Kernel microbenchmark at Qwen3.6-35B-A3B shapes: achieved HBM bandwidth of each decode kernel.
 
-Usage (on a CUDA machine): python bench/kernels.py --out bench/results/kernels_<gpu>.json [--sweeps formats]
+Usage (on a CUDA machine): python bench/kernel_sweeps.py --out bench/results/kernels_<gpu>.json [--sweeps formats]
 
 `--sweeps formats` measures only the products the nvfp4 recipe stores as nvfp4 (the shared expert's gate/up and
 down, the routed experts), each in the official recipe's row-split formats and in nvfp4 at 1, 4 and 8 tokens, the
