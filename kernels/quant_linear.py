@@ -19,7 +19,9 @@ decoder (`kernels/tiles.py`). Three paths by token count:
   (`load_tile`) and multiplies it with `tl.dot` (the token block is padded to 16 rows). Few-token
   products split K across programs so that even a [2048, 4096] projection fills the GPU; their
   partial sums are added in a fixed order by the last program of each tile to arrive, so results are
-  deterministic and no reduction is launched.
+  deterministic and no reduction is launched. It computes the same inputs as it reads them
+  (`_input_tile`) and the same gated add where it stores (`gated_add`), so a batched step's small
+  products launch no SwiGLU, gate, norm or add kernel around them.
 * above (prefill): the weight is dequantized once per call into a transient buffer (the same tile
   decoders) and multiplied with cuBLAS, which beats an in-kernel tile decode once the product is
   compute-bound.
@@ -40,6 +42,7 @@ from ninfer_offload.artifact.formats import ObjectGeometry
 from ninfer_offload.kernels import dense_linear
 from ninfer_offload.kernels.arrivals import arrival_counts, last_to_arrive, rearm
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
+from ninfer_offload.kernels.elementwise import add_gated, swiglu
 from ninfer_offload.kernels.gdn import conv_rows
 from ninfer_offload.kernels.norm import (
     add_rmsnorm, add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum,
@@ -127,6 +130,10 @@ DECODE_WARPS = 4
 # the splits' float32 tiles (`arrivals`), or, turned off, a `sum_middle` launch after it does (the batch-8
 # step at 01e649c spent 231 us in 120 such launches). Module-level so benchmarks can compare the two.
 SUM_IN_PRODUCT = True
+# The tiled kernel computes SwiGLU, the sigmoid gate and the gated norm of its input and the shared expert's gated
+# add in its launch, or, turned off, elementwise kernels run around it (the batch-8 step at 01e649c: 40 SwiGLU
+# launches 45 us, 40 gated adds 50 us, 30 gated norms 53 us). Module-level so benchmarks can compare the two.
+FOLD_IN_TILED = True
 
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
@@ -239,6 +246,41 @@ def _token_input_positions(
 
 
 @triton.jit
+def gated_add(acc, routed, score, stride_score, toks, T, offsets, mask, out):
+    """routed + sigmoid(score) * rows for float32 rows `acc` [BLOCK_T, BLOCK_N] at `offsets`: the rows, the gate and
+    the scaled rows each rounded to the activations' dtype, as `ReferenceBackend.shared_expert` rounds."""
+    shared = acc.to(out.dtype.element_ty).to(tl.float32)
+    sv = tl.load(score + toks.to(tl.int64) * stride_score, mask=toks < T, other=0.0)
+    gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
+    scaled = (gated[:, None] * shared).to(sv.dtype).to(tl.float32)
+    return tl.load(routed + offsets, mask=mask, other=0.0).to(tl.float32) + scaled
+
+
+@triton.jit
+def _input_tile(
+    x, x2, toks, tok_mask, cols, col_mask, stride_x, stride_x2, norm_w, eps,
+    INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Every token's input [BLOCK_T, BLOCK_K] at columns `cols` in x's dtype (`_position_input` of the whole
+    tile): the tiled kernel's operand. GATED_NORM groups of NORM_D columns lie whole in the tile."""
+    mask = tok_mask[:, None] & col_mask[None, :]
+    xv = tl.load(x + toks[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
+    tile = xv
+    if INPUT != PLAIN:
+        x2v = tl.load(x2 + toks[:, None].to(tl.int64) * stride_x2 + cols[None, :], mask=mask, other=0.0)
+        weights = x2v
+        inv_rms = tl.full([BLOCK_T, BLOCK_K], 1.0, tl.float32)
+        if INPUT == GATED_NORM:
+            weights = tl.load(norm_w + cols % NORM_D)[None, :]
+            squares = xv.to(tl.float32) * xv.to(tl.float32)
+            per_group = tl.sum(tl.reshape(squares, [BLOCK_T, BLOCK_K // NORM_D, NORM_D]), axis=2)
+            groups = tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, :, None], [BLOCK_T, BLOCK_K // NORM_D, NORM_D])
+            inv_rms = tl.reshape(groups, [BLOCK_T, BLOCK_K])
+        tile = _position_input(xv, x2v, weights, inv_rms, INPUT).to(xv.dtype)
+    return tile
+
+
+@triton.jit
 def _quantized_gemv_kernel(
     x,
     x2,
@@ -330,25 +372,28 @@ def _quantized_gemv_kernel(
         offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
         mask = (toks < T)[:, None] & row_mask[None, :]
         if EPILOGUE == ADD_GATED:
-            shared = acc.to(out.dtype.element_ty).to(tl.float32)
-            sv = tl.load(score + toks.to(tl.int64) * stride_score, mask=toks < T, other=0.0)
-            gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
-            scaled = (gated[:, None] * shared).to(sv.dtype).to(tl.float32)
-            acc = tl.load(routed + offsets, mask=mask, other=0.0).to(tl.float32) + scaled
+            acc = gated_add(acc, routed, score, stride_score, toks, T, offsets, mask, out)
         tl.store(out + offsets, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _quantized_matmul_kernel(
     x,
+    x2,
+    stride_x,
+    stride_x2,
+    norm_w,
+    eps,
     w,
+    routed,
+    score,
+    stride_score,
     partial,
     out,
     arrivals,
     T,
     N,
     K,
-    stride_x,
     high_offset,
     scale_offset,
     divisor_offset,
@@ -362,10 +407,14 @@ def _quantized_matmul_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     SPLIT: tl.constexpr,
+    INPUT: tl.constexpr,
+    NORM_D: tl.constexpr,
+    EPILOGUE: tl.constexpr,
 ):
-    """Programs (row block, token block, K split): a [BLOCK_M, BLOCK_N] tile of x @ W^T over K_BLOCKS_PER_SPLIT
-    k tiles. One split stores its tile in `out`; with SPLIT, each stores its float32 tile in `partial` [SPLIT, T, N]
-    and the last of a tile's programs to arrive (`arrivals`) sums the SPLIT tiles in split order into `out`."""
+    """Programs (row block, token block, K split): a [BLOCK_M, BLOCK_N] tile of INPUT(x, x2) @ W^T over
+    K_BLOCKS_PER_SPLIT k tiles (`_input_tile`), stored, or with ADD_GATED added as routed + sigmoid(score) * rows.
+    One split stores its tile in `out`; with SPLIT, each stores its float32 tile in `partial` [SPLIT, T, N] and the
+    last of a tile's programs to arrive (`arrivals`) sums the SPLIT tiles in split order into `out`."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -379,7 +428,7 @@ def _quantized_matmul_kernel(
     for kb in range(kb_begin, kb_end):
         k0 = kb * BLOCK_K
         cols = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x + toks[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tok_mask[:, None] & (cols < K)[None, :], other=0.0)
+        xt = _input_tile(x, x2, toks, tok_mask, cols, cols < K, stride_x, stride_x2, norm_w, eps, INPUT, NORM_D, BLOCK_M, BLOCK_K)
         wt = load_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
         if IEEE:
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
@@ -396,9 +445,13 @@ def _quantized_matmul_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT):  # read through L2: other programs wrote these rows
                 acc += tl.load(partial + s * T * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            if EPILOGUE == ADD_GATED:
+                acc = gated_add(acc, routed, score, stride_score, toks, T, tile, mask, out)
             tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
             rearm(count)
-    else:  # one split, or each split's tile for a `sum_middle` launch after this one
+    else:  # one split, or each split's tile for a `sum_middle` launch after this one (no epilogue then)
+        if EPILOGUE == ADD_GATED:
+            acc = gated_add(acc, routed, score, stride_score, toks, T, tile, mask, out)
         tl.store(out + pid_k.to(tl.int64) * T * N + tile, acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -574,39 +627,90 @@ def _launch_gemv(
 
 
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
-    """(x * sigmoid(gate)) [T, k] @ W^T: the gate folded into the matrix-vector kernel's input where it
-    runs (`on_matrix_vector`), else applied before `quantized_linear`."""
-    if on_matrix_vector(geometry.n, x.shape[0]) and x.stride(1) == 1 and gate.stride(1) == 1:
-        return fused_gemv(x, data, geometry, gate, SIGMOID_GATE)
-    return quantized_linear(x * torch.sigmoid(gate), data, geometry)
+    """(x * sigmoid(gate)) [T, k] @ W^T, the gate folded into the product's launch (`quantized_linear`)."""
+    return quantized_linear(x, data, geometry, gate, SIGMOID_GATE)
 
 
 def gated_norm_linear(
     x: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, data: torch.Tensor, geometry: ObjectGeometry
 ) -> torch.Tensor:
-    """gated_rmsnorm(x, norm_w, eps, z) [T, H, D] flattened to [T, H * D], @ W^T: the norm computed in the
-    matrix-vector kernel's input where it runs (`on_matrix_vector`), else by `norm.gated_rmsnorm` first."""
+    """gated_rmsnorm(x, norm_w, eps, z) [T, H, D] flattened to [T, H * D], @ W^T, the norm computed as the
+    product reads its input (`quantized_linear`)."""
     t = x.shape[0]
-    flat, gate = x.reshape(t, -1), z.reshape(t, -1)
-    block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, gemv_tiles(geometry.n, t).block_k)
-    whole_groups = block_k % norm_w.numel() == 0 and norm_w.numel() % 8 == 0  # per column tile, in whole words
-    if on_matrix_vector(geometry.n, t) and flat.stride(1) == 1 and gate.stride(1) == 1 and whole_groups:
-        return fused_gemv(flat, data, geometry, gate, GATED_NORM, norm_w=norm_w, eps=eps)
-    return quantized_linear(gated_rmsnorm(x, norm_w, eps, z).reshape(t, -1), data, geometry)
+    return quantized_linear(x.reshape(t, -1), data, geometry, z.reshape(t, -1), GATED_NORM, norm_w=norm_w, eps=eps)
 
 
-def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
-    """x [T, k] @ W^T -> [T, n] in x's dtype, W given as its raw object bytes `data` on x's device."""
+def _folds_input(x: torch.Tensor, x2: torch.Tensor | None, input_op: tl.constexpr, norm_d: int, block_k: int) -> bool:
+    """Whether a kernel reading column tiles of `block_k` can compute `input_op`(x, x2) as it reads them: contiguous
+    columns, and GATED_NORM groups (a power of two of norm_d columns, whole words of 8) lying whole in every tile."""
+    if input_op == PLAIN:
+        return True
+    contiguous = x.stride(1) == 1 and x2.stride(1) == 1
+    whole_groups = block_k % norm_d == 0 and x.shape[1] % norm_d == 0 and norm_d % 8 == 0 and norm_d & (norm_d - 1) == 0
+    return contiguous and (input_op != GATED_NORM or whole_groups)
+
+
+def _unfolded_input(x: torch.Tensor, x2: torch.Tensor | None, input_op: tl.constexpr, norm_w: torch.Tensor | None, eps: float):
+    """`input_op`(x, x2) computed before the product, by the elementwise kernels (prefill, unaligned norm groups)."""
+    if input_op == SWIGLU:
+        return swiglu(x, x2)
+    if input_op == SIGMOID_GATE:
+        return x * torch.sigmoid(x2)
+    if input_op == GATED_NORM:
+        t, d = x.shape[0], norm_w.numel()
+        return gated_rmsnorm(x.reshape(t, -1, d), norm_w, eps, x2.reshape(t, -1, d)).reshape(t, -1)
+    return x
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    geometry: ObjectGeometry,
+    x2: torch.Tensor | None = None,
+    input_op: tl.constexpr = PLAIN,
+    routed: torch.Tensor | None = None,
+    score: torch.Tensor | None = None,
+    norm_w: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """`input_op`(x [T, k], x2) @ W^T -> [T, n] in x's dtype, W given as its raw object bytes `data` on x's device;
+    with `routed` [T, n] and `score` [T, 1] given, routed + sigmoid(score) * rows (the shared expert). Up to
+    FUSED_MAX_TOKENS tokens the input step and the gated add run inside the product's launch (the matrix-vector
+    or the tiled kernel); above (prefill), as elementwise kernels around a cuBLAS product."""
     t, k = x.shape
     if k != geometry.k:
         raise ValueError(f"input has {k} columns, weight expects {geometry.k}")
-    if t > FUSED_MAX_TOKENS:
+    norm_d = 1 if norm_w is None else norm_w.numel()
+    n = geometry.n
+    g = TileGeometry.of(geometry)
+    block_k = gemv_block_k(g.k_pad, gemv_tiles(n, t).block_k) if on_matrix_vector(n, t) else block_k_for(g.k_pad)
+    folded = on_matrix_vector(n, t) or FOLD_IN_TILED or (input_op == PLAIN and routed is None)
+    if t > FUSED_MAX_TOKENS or not folded or not _folds_input(x, x2, input_op, norm_d, block_k):
+        y = _product(_unfolded_input(x, x2, input_op, norm_w, eps).contiguous(), data, geometry)
+        return y if routed is None else add_gated(routed, score, y)
+    if on_matrix_vector(n, t):
+        x = x if input_op != PLAIN else x.contiguous()
+        return fused_gemv(x, data, geometry, x2, input_op, routed, score, norm_w, eps)
+    return _tiled_product(x, data, geometry, x2, input_op, routed, score, norm_w, eps, norm_d)
+
+
+def _product(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
+    """x @ W^T: transient dequantization + cuBLAS above FUSED_MAX_TOKENS tokens, else `quantized_linear`."""
+    if x.shape[0] > FUSED_MAX_TOKENS:
         return x @ dequantize_matrix(data, geometry, x.dtype).T
-    x = x.contiguous()
+    return quantized_linear(x, data, geometry)
+
+
+def _tiled_product(
+    x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, x2: torch.Tensor | None, input_op: tl.constexpr,
+    routed: torch.Tensor | None, score: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float, norm_d: int,
+) -> torch.Tensor:
+    """One launch of the tiled kernel (split-K across programs when the tiles alone would not fill the GPU)."""
+    t = x.shape[0]
+    x = x if input_op != PLAIN else x.contiguous()
+    x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
     n = geometry.n
-    if on_matrix_vector(n, t):
-        return fused_gemv(x, data, geometry)
     block_m = 16 if t <= 16 else (32 if t <= 32 else 64)
     block_n = DECODE_BLOCK_N
     block_k = block_k_for(g.k_pad)
@@ -619,10 +723,17 @@ def quantized_linear(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeomet
     out = torch.empty(t, n, device=x.device, dtype=x.dtype)
     partial = torch.empty(split, t, n, device=x.device, dtype=torch.float32) if split > 1 else out
     summed_after = split > 1 and not SUM_IN_PRODUCT  # (a split launch has fewer tiles than 4 per SM: one counter each)
+    add_after = summed_after and routed is not None  # the gated add needs the summed rows
+    in_launch = routed is not None and not add_after
     _quantized_matmul_kernel[(n_blocks, m_blocks, split)](
-        x, data, partial, partial if summed_after else out, arrival_counts("quant_linear.split_k", x.device), t, n, k, x.stride(0),
+        x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data,
+        routed.contiguous() if in_launch else out, score if in_launch else out, score.stride(0) if in_launch else 0,
+        partial, partial if summed_after else out, arrival_counts("quant_linear.split_k", x.device), t, n, geometry.k,
         g.high_offset, g.scale_offset, g.divisor_offset, per_split, NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLIT=1 if summed_after else split,
-        num_warps=DECODE_WARPS,
+        INPUT=input_op.value, NORM_D=norm_d, EPILOGUE=(ADD_GATED if in_launch else STORE).value, num_warps=DECODE_WARPS,
     )
-    return sum_middle(partial.view(1, split, t * n), x.dtype).view(t, n) if summed_after else out
+    if not summed_after:
+        return out
+    y = sum_middle(partial.view(1, split, t * n), x.dtype).view(t, n)
+    return add_gated(routed, score, y) if add_after else y

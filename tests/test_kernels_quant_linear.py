@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels_support import DEVICE, needs_cuda, needs_triton_device
+from kernels_support import DEVICE, LaunchedWith, needs_cuda, needs_triton_device
 from ninfer_offload.artifact.codecs import decode_row_split_values, encode_row_split
 from ninfer_offload.artifact.formats import GROUPED_FORMATS, RowSplitGeometry
 
@@ -166,6 +166,43 @@ def test_tensor_core_products_equal_the_cuda_core_ones(dtype, tol, monkeypatch):
         assert got.shape == want.shape and _relative_error(got.float(), want.double().cpu()) < tol
     total = quant_linear.residual_norm_gemv(x, x2, norm_w, 1e-6, data, geometry)[1]
     assert torch.equal(total, cuda_cores[2])  # the normed rows' statistic sums in the launch's own order
+
+
+@pytest.mark.parametrize("k,sum_in_product", [(256, True), (1024, True), (1024, False)])  # 1024: K split across programs
+def test_tiled_products_fold_their_inputs_and_gated_add(k, sum_in_product, monkeypatch):
+    """A batched step's small products (5-64 tokens: the tiled kernel) compute SwiGLU, the sigmoid gate and the
+    gated norm of their input as they read it and the shared expert's gated add where they store: what the
+    elementwise kernels around the product give (bit for bit, but the norm's statistic: its own sum order)."""
+    from ninfer_offload.kernels import quant_linear
+    from ninfer_offload.kernels.quant_linear import GATED_NORM, SIGMOID_GATE, SWIGLU
+
+    monkeypatch.setattr(quant_linear, "SUM_IN_PRODUCT", sum_in_product)
+    gen = torch.Generator().manual_seed(16)
+    data, weight, geometry = _random_object("q5_g64_fp16", 40, k, seed=17)
+    wide = torch.randn(8, 3 * k, generator=gen).to(DEVICE)
+    x, x2 = wide[:, :k], wide[:, 2 * k :]  # column slices of one product, as a step's stacked outputs are
+    norm_w = (torch.rand(64, generator=gen) + 0.5).to(DEVICE)
+    routed, score = torch.randn(8, 40, generator=gen).to(DEVICE), torch.randn(8, 3, generator=gen).to(DEVICE)[:, 1:2]
+    assert not quant_linear.on_matrix_vector(geometry.n, 8)
+
+    tiled = quant_linear._quantized_matmul_kernel
+    calls = [(SWIGLU, {"routed": routed, "score": score}), (SIGMOID_GATE, {}), (GATED_NORM, {"norm_w": norm_w, "eps": 1e-6})]
+
+    def products(fold: bool):
+        outputs = []
+        for op, extra in calls:  # folded: each product is one tiled launch that reads its input through `op`
+            monkeypatch.setattr(quant_linear, "_quantized_matmul_kernel", LaunchedWith(tiled, INPUT=op.value) if fold else tiled)
+            outputs.append(quant_linear.quantized_linear(x, data, geometry, x2, op, **extra))
+        return outputs
+
+    folded = products(fold=True)
+    monkeypatch.setattr(quant_linear, "FOLD_IN_TILED", False)
+    apart = products(fold=False)
+    assert torch.equal(folded[0], apart[0])
+    for got, want in zip(folded[1:], apart[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    gate = x.double().cpu() * torch.sigmoid(x2.double().cpu())
+    assert _relative_error(folded[1], gate @ weight.double().T) < 1e-5
 
 
 @pytest.mark.parametrize("tensor_cores", [False, True])
