@@ -75,9 +75,10 @@ class TritonBackend(ReferenceBackend):
         dense_second = isinstance(second, torch.Tensor)
         quantized, dense = (first, second) if dense_second else (second, first)
         tokens = x.tokens if isinstance(x, ResidualNorm) else x.reshape(-1, x.shape[-1]).shape[0]
+        tiled = not quant_linear.on_matrix_vector(quantized.n, tokens)
         if (
             isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor)
-            or not quant_linear.on_matrix_vector(quantized.n, tokens)
+            or (tiled and not (quant_linear.PAIR_IN_TILED and tokens <= quant_linear.FUSED_MAX_TOKENS))
         ):
             return super().linear_pair(x, first, second, conv)
         # the conv in the epilogue for a single token: several sequences' windows are a per-token chain there
@@ -91,7 +92,10 @@ class TritonBackend(ReferenceBackend):
         else:
             x = self.resolve(x)
             flat = x.reshape(-1, x.shape[-1]).contiguous()
-            yq, yd = quant_linear.paired_gemv(flat, quantized.data, quantized.geometry, dense, conv=epilogue)
+            if tiled:  # a batched step's small products: the dense rows as more row blocks of the tiled launch
+                yq, yd = quant_linear.paired_tiled(flat, quantized.data, quantized.geometry, dense)
+            else:
+                yq, yd = quant_linear.paired_gemv(flat, quantized.data, quantized.geometry, dense, conv=epilogue)
             yq, yd = yq.reshape(*x.shape[:-1], quantized.n), yd.reshape(*x.shape[:-1], dense.shape[0])
         first_out, second_out = (yq, yd) if dense_second else (yd, yq)
         return (first_out if conv is None or folded else conv.apply(self, first_out)), second_out

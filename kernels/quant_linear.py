@@ -130,6 +130,11 @@ DECODE_WARPS = 4
 # the splits' float32 tiles (`arrivals`), or, turned off, a `sum_middle` launch after it does (the batch-8
 # step at 01e649c spent 231 us in 120 such launches). Module-level so benchmarks can compare the two.
 SUM_IN_PRODUCT = True
+# The tiled kernel runs a layer's dense control rows beside its quantized product of one input (the router with the
+# shared expert's gate/up) as more row blocks of its launch, or, turned off, `dense_linear` runs them apart (the
+# batch-8 step at 01e649c: 40 such launches 251 us, 6.3 us each beside 3.8 for the tiled product). Module-level so
+# benchmarks can compare the two.
+PAIR_IN_TILED = True
 # The tiled kernel computes SwiGLU, the sigmoid gate and the gated norm of its input and the shared expert's gated
 # add in its launch, or, turned off, elementwise kernels run around it (the batch-8 step at 01e649c: 40 SwiGLU
 # launches 45 us, 40 gated adds 50 us, 30 gated norms 53 us). Module-level so benchmarks can compare the two.
@@ -391,9 +396,13 @@ def _quantized_matmul_kernel(
     partial,
     out,
     arrivals,
+    dense_w,
+    dense_out,
     T,
     N,
     K,
+    DENSE_N,
+    QUANTIZED_BLOCKS,
     high_offset,
     scale_offset,
     divisor_offset,
@@ -410,49 +419,71 @@ def _quantized_matmul_kernel(
     INPUT: tl.constexpr,
     NORM_D: tl.constexpr,
     EPILOGUE: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     """Programs (row block, token block, K split): a [BLOCK_M, BLOCK_N] tile of INPUT(x, x2) @ W^T over
     K_BLOCKS_PER_SPLIT k tiles (`_input_tile`), stored, or with ADD_GATED added as routed + sigmoid(score) * rows.
     One split stores its tile in `out`; with SPLIT, each stores its float32 tile in `partial` [SPLIT, T, N] and the
-    last of a tile's programs to arrive (`arrivals`) sums the SPLIT tiles in split order into `out`."""
+    last of a tile's programs to arrive (`arrivals`) sums the SPLIT tiles in split order into `out`. With DENSE,
+    the row blocks from QUANTIZED_BLOCKS are `dense_w`'s (x's dtype, read as it is), into `dense_out`, their
+    partial tiles after W's in `partial` (`paired_tiled`)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = program_rows(pid_n, BLOCK_N, NVFP4)
-    row_mask = rows < N
     toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok_mask = toks < T
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     kb_begin = pid_k * K_BLOCKS_PER_SPLIT
     kb_end = tl.minimum(kb_begin + K_BLOCKS_PER_SPLIT, K_PAD // BLOCK_K)
-    for kb in range(kb_begin, kb_end):
-        k0 = kb * BLOCK_K
-        cols = k0 + tl.arange(0, BLOCK_K)
-        xt = _input_tile(x, x2, toks, tok_mask, cols, cols < K, stride_x, stride_x2, norm_w, eps, INPUT, NORM_D, BLOCK_M, BLOCK_K)
-        wt = load_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-        if IEEE:
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
-    if NVFP4:
-        acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
-    tile = toks[:, None].to(tl.int64) * N + rows[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if DENSE and pid_n >= QUANTIZED_BLOCKS:
+        rows = ((pid_n - QUANTIZED_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_rows, target, part = DENSE_N, dense_out, partial + SPLIT * T * N
+        row_mask = rows < n_rows
+        for kb in range(kb_begin, kb_end):
+            cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            xt = _input_tile(x, x2, toks, tok_mask, cols, cols < K, stride_x, stride_x2, norm_w, eps, INPUT, NORM_D, BLOCK_M, BLOCK_K)
+            wt = tl.load(dense_w + rows[:, None] * K + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+            acc = _tile_dot(xt, wt, acc, IEEE)
+    else:
+        rows = program_rows(pid_n, BLOCK_N, NVFP4)
+        n_rows, target, part = N, out, partial
+        row_mask = rows < n_rows
+        for kb in range(kb_begin, kb_end):
+            k0 = kb * BLOCK_K
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xt = _input_tile(x, x2, toks, tok_mask, cols, cols < K, stride_x, stride_x2, norm_w, eps, INPUT, NORM_D, BLOCK_M, BLOCK_K)
+            wt = load_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            acc = _tile_dot(xt, wt, acc, IEEE)
+        if NVFP4:
+            acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
+    tile = toks[:, None].to(tl.int64) * n_rows + rows[None, :]
     mask = tok_mask[:, None] & row_mask[None, :]
     if SPLIT > 1:
-        tl.store(partial + pid_k.to(tl.int64) * T * N + tile, acc, mask=mask)
+        tl.store(part + pid_k.to(tl.int64) * T * n_rows + tile, acc, mask=mask)
         count = arrivals + pid_m * tl.num_programs(0) + pid_n
         if last_to_arrive(count, SPLIT):
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT):  # read through L2: other programs wrote these rows
-                acc += tl.load(partial + s * T * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                acc += tl.load(part + s * T * n_rows + tile, mask=mask, other=0.0, cache_modifier=".cg")
             if EPILOGUE == ADD_GATED:
                 acc = gated_add(acc, routed, score, stride_score, toks, T, tile, mask, out)
-            tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+            tl.store(target + tile, acc.to(out.dtype.element_ty), mask=mask)
             rearm(count)
     else:  # one split, or each split's tile for a `sum_middle` launch after this one (no epilogue then)
         if EPILOGUE == ADD_GATED:
             acc = gated_add(acc, routed, score, stride_score, toks, T, tile, mask, out)
-        tl.store(out + pid_k.to(tl.int64) * T * N + tile, acc.to(out.dtype.element_ty), mask=mask)
+        tl.store(target + pid_k.to(tl.int64) * T * n_rows + tile, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_dot(xt, wt, acc, IEEE: tl.constexpr):
+    """acc + xt [M, BLOCK_K] @ wt [BLOCK_N, BLOCK_K]^T on tensor cores, the weights rounded to x's dtype (float32
+    inputs: full precision)."""
+    if IEEE:
+        acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
+    return acc
 
 
 @triton.jit
@@ -691,7 +722,7 @@ def quantized_linear(
     if on_matrix_vector(n, t):
         x = x if input_op != PLAIN else x.contiguous()
         return fused_gemv(x, data, geometry, x2, input_op, routed, score, norm_w, eps)
-    return _tiled_product(x, data, geometry, x2, input_op, routed, score, norm_w, eps, norm_d)
+    return _tiled_launch(x, data, geometry, x2, input_op, routed, score, norm_w, eps, norm_d)[0]
 
 
 def _product(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
@@ -701,39 +732,59 @@ def _product(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> t
     return quantized_linear(x, data, geometry)
 
 
-def _tiled_product(
-    x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, x2: torch.Tensor | None, input_op: tl.constexpr,
-    routed: torch.Tensor | None, score: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float, norm_d: int,
-) -> torch.Tensor:
-    """One launch of the tiled kernel (split-K across programs when the tiles alone would not fill the GPU)."""
+def paired_tiled(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, dense_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W^T, x @ dense_w^T) for up to FUSED_MAX_TOKENS tokens in one launch of the tiled kernel, the dense rows
+    as row blocks after W's (e.g. a batched step's shared-expert gate/up with the router): `paired_gemv`'s pairing
+    for the products past the matrix-vector kernel."""
+    if x.shape[0] > FUSED_MAX_TOKENS or x.shape[1] != geometry.k or dense_w.shape[1] != geometry.k:
+        raise ValueError(f"a paired tiled product takes up to {FUSED_MAX_TOKENS} rows of {geometry.k} columns and two such matrices")
+    return _tiled_launch(x, data, geometry, dense_w=dense_w.contiguous())
+
+
+def _tiled_launch(
+    x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, x2: torch.Tensor | None = None, input_op: tl.constexpr = PLAIN,
+    routed: torch.Tensor | None = None, score: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 0.0,
+    norm_d: int = 1, dense_w: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch of the tiled kernel (split-K across programs when the tiles alone would not fill the GPU), with
+    `dense_w`'s rows as more row blocks; returns (the rows, the dense rows or None)."""
     t = x.shape[0]
     x = x if input_op != PLAIN else x.contiguous()
     x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
-    n = geometry.n
+    n, dense_n = geometry.n, 0 if dense_w is None else dense_w.shape[0]
     block_m = 16 if t <= 16 else (32 if t <= 32 else 64)
     block_n = DECODE_BLOCK_N
     block_k = block_k_for(g.k_pad)
-    n_blocks = triton.cdiv(n, block_n)
+    quantized_blocks = triton.cdiv(n, block_n)
+    n_blocks = quantized_blocks + triton.cdiv(dense_n, block_n)
     k_blocks = g.k_pad // block_k
     m_blocks = triton.cdiv(t, block_m)
     split = max(1, min(k_blocks, (4 * _sm_count(x.device)) // (n_blocks * m_blocks)))
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)
     out = torch.empty(t, n, device=x.device, dtype=x.dtype)
-    partial = torch.empty(split, t, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    dense_out = torch.empty(t, dense_n, device=x.device, dtype=x.dtype) if dense_n else None
     summed_after = split > 1 and not SUM_IN_PRODUCT  # (a split launch has fewer tiles than 4 per SM: one counter each)
+    if summed_after:  # each split's rows, float32, for the `sum_middle` launches after this one
+        targets = [torch.empty(split, t, rows, device=x.device, dtype=torch.float32) for rows in (n, dense_n)]
+        partial = targets[0]
+    else:
+        targets = [out, dense_out]
+        partial = torch.empty(split * t * (n + dense_n), device=x.device, dtype=torch.float32) if split > 1 else out
     add_after = summed_after and routed is not None  # the gated add needs the summed rows
     in_launch = routed is not None and not add_after
     _quantized_matmul_kernel[(n_blocks, m_blocks, split)](
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data,
         routed.contiguous() if in_launch else out, score if in_launch else out, score.stride(0) if in_launch else 0,
-        partial, partial if summed_after else out, arrival_counts("quant_linear.split_k", x.device), t, n, geometry.k,
+        partial, targets[0], arrival_counts("quant_linear.split_k", x.device), x if dense_w is None else dense_w,
+        out if dense_out is None else targets[1], t, n, geometry.k, dense_n, quantized_blocks,
         g.high_offset, g.scale_offset, g.divisor_offset, per_split, NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLIT=1 if summed_after else split,
-        INPUT=input_op.value, NORM_D=norm_d, EPILOGUE=(ADD_GATED if in_launch else STORE).value, num_warps=DECODE_WARPS,
+        INPUT=input_op.value, NORM_D=norm_d, EPILOGUE=(ADD_GATED if in_launch else STORE).value, DENSE=dense_w is not None,
+        num_warps=DECODE_WARPS,
     )
     if not summed_after:
-        return out
-    y = sum_middle(partial.view(1, split, t * n), x.dtype).view(t, n)
-    return add_gated(routed, score, y) if add_after else y
+        return out, dense_out
+    y, dense_y = (sum_middle(rows.view(1, split, -1), x.dtype).view(t, -1) if rows.shape[2] else None for rows in targets)
+    return (add_gated(routed, score, y) if add_after else y), dense_y

@@ -168,6 +168,30 @@ def test_tensor_core_products_equal_the_cuda_core_ones(dtype, tol, monkeypatch):
     assert torch.equal(total, cuda_cores[2])  # the normed rows' statistic sums in the launch's own order
 
 
+@pytest.mark.parametrize("sum_in_product", [True, False])
+def test_paired_tiled_product_is_both_products_in_one_launch(sum_in_product, monkeypatch):
+    """Past the matrix-vector kernel's tokens, a quantized and a dense matrix of one input (the shared expert's
+    gate/up and the router) share one tiled launch: the quantized rows bit for bit the tiled product's, the dense
+    rows the dense product's (to float32 summation order), the split-K arrival counts zero again."""
+    from ninfer_offload.kernels import quant_linear
+    from ninfer_offload.kernels.arrivals import arrival_counts
+
+    monkeypatch.setattr(quant_linear, "SUM_IN_PRODUCT", sum_in_product)
+    data, weight, geometry = _random_object("q8_g32_fp16", 40, 1024, seed=18)
+    dense = torch.randn(45, 1024, generator=torch.Generator().manual_seed(19)).to(DEVICE)  # two row blocks, one partial
+    x = torch.randn(12, 1024, generator=torch.Generator().manual_seed(20)).to(DEVICE)
+    for t in (5, 12):
+        assert not quant_linear.on_matrix_vector(geometry.n, t)
+        yq, yd = quant_linear.paired_tiled(x[:t], data, geometry, dense)
+        assert yq.shape == (t, 40) and yd.shape == (t, 45)
+        assert torch.equal(yq, quant_linear.quantized_linear(x[:t], data, geometry))
+        assert _relative_error(yq, x[:t].double().cpu() @ weight.double().T) < 1e-5
+        assert _relative_error(yd, x[:t].double().cpu() @ dense.double().cpu().T) < 1e-5
+    assert int(arrival_counts("quant_linear.split_k", DEVICE).abs().sum()) == 0
+    with pytest.raises(ValueError, match="paired tiled product"):
+        quant_linear.paired_tiled(torch.randn(65, 1024).to(DEVICE), data, geometry, dense)
+
+
 @pytest.mark.parametrize("k,sum_in_product", [(256, True), (1024, True), (1024, False)])  # 1024: K split across programs
 def test_tiled_products_fold_their_inputs_and_gated_add(k, sum_in_product, monkeypatch):
     """A batched step's small products (5-64 tokens: the tiled kernel) compute SwiGLU, the sigmoid gate and the
