@@ -719,8 +719,8 @@ def quantized_linear(
     if t > FUSED_MAX_TOKENS or not folded or not _folds_input(x, x2, input_op, norm_d, block_k):
         y = _product(_unfolded_input(x, x2, input_op, norm_w, eps).contiguous(), data, geometry)
         return y if routed is None else add_gated(routed, score, y)
+    x = x.contiguous() if input_op == PLAIN else x  # the fused inputs read rows of contiguous columns where they lie
     if on_matrix_vector(n, t):
-        x = x if input_op != PLAIN else x.contiguous()
         return fused_gemv(x, data, geometry, x2, input_op, routed, score, norm_w, eps)
     return _tiled_launch(x, data, geometry, x2, input_op, routed, score, norm_w, eps, norm_d)[0]
 
@@ -738,7 +738,7 @@ def paired_tiled(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, 
     for the products past the matrix-vector kernel."""
     if x.shape[0] > FUSED_MAX_TOKENS or x.shape[1] != geometry.k or dense_w.shape[1] != geometry.k:
         raise ValueError(f"a paired tiled product takes up to {FUSED_MAX_TOKENS} rows of {geometry.k} columns and two such matrices")
-    return _tiled_launch(x, data, geometry, dense_w=dense_w.contiguous())
+    return _tiled_launch(x.contiguous(), data, geometry, dense_w=dense_w.contiguous())
 
 
 def _tiled_launch(
@@ -749,7 +749,6 @@ def _tiled_launch(
     """One launch of the tiled kernel (split-K across programs when the tiles alone would not fill the GPU), with
     `dense_w`'s rows as more row blocks; returns (the rows, the dense rows or None)."""
     t = x.shape[0]
-    x = x if input_op != PLAIN else x.contiguous()
     x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
     n, dense_n = geometry.n, 0 if dense_w is None else dense_w.shape[0]
