@@ -75,11 +75,10 @@ class TritonBackend(ReferenceBackend):
         dense_second = isinstance(second, torch.Tensor)
         quantized, dense = (first, second) if dense_second else (second, first)
         tokens = x.tokens if isinstance(x, ResidualNorm) else x.reshape(-1, x.shape[-1]).shape[0]
+        if isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor):
+            return super().linear_pair(x, first, second, conv)
         tiled = not quant_linear.on_matrix_vector(quantized.n, tokens)
-        if (
-            isinstance(quantized, torch.Tensor) or not isinstance(dense, torch.Tensor)
-            or (tiled and not (quant_linear.PAIR_IN_TILED and tokens <= quant_linear.FUSED_MAX_TOKENS))
-        ):
+        if tiled and not (quant_linear.PAIR_IN_TILED and tokens <= quant_linear.FUSED_MAX_TOKENS):
             return super().linear_pair(x, first, second, conv)
         # the conv in the epilogue for a single token: several sequences' windows are a per-token chain there
         # (H200 batch-8 step 9.36 ms folded, 8.90 unfolded; one token 2.27 against 2.43: bench/results/step_ab_h200_4a7f9f5.json)
