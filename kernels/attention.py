@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ninfer_offload.kernels import fitting
+
 # Cached positions per program in decode. H200 sweep at a 32K capacity (bench/sweep_decode.py):
 # 256 takes 10.6 / 12.8 / 34.6 us at 1K / 8K / 32K cached rows, 128 takes 9.5 / 16.2 / 52.9 (more
 # partial softmaxes to merge), 64 takes 14.5 / 26.6 / 91.9.
@@ -33,6 +35,9 @@ SPAN = 256
 DECODE_PARTIAL_BYTES = 80 << 20
 # Spans the merge combines per step.
 MERGE_BLOCK = 16
+# Pipeline stages of the decode kernel's K/V tile loads (Triton's default depth; 138 KB of shared memory for bf16
+# tiles of 64 rows x 256 dims; where the device has less, as the sm_120 cards, `fitting.launch` takes fewer).
+DECODE_STAGES = 3
 # SDPA backends a prefill may take: not cuDNN's, which torch prefers on Hopper and which builds an
 # execution plan for every new shape (reported at 0.1-0.4 s per first call), so that every new prompt or
 # chunk length would pay it; flash attention needs no plan. The math backend is the fallback elsewhere (CPU).
@@ -166,10 +171,12 @@ def attention_decode(
     part_out = torch.empty(n, hq, nsplit, d, dtype=torch.float32, device=q.device)
     part_max = torch.empty(n, hq, nsplit, dtype=torch.float32, device=q.device)
     part_sum = torch.empty(n, hq, nsplit, dtype=torch.float32, device=q.device)
-    _decode_partial_kernel[(hkv, nsplit, n)](
+    fitting.launch(
+        _decode_partial_kernel, (hkv, nsplit, n),
         q.contiguous(), k_pool, v_pool, slots, lengths, part_out, part_max, part_sum, d**-0.5, k_pool.stride(0), capacity,
         tokens_per_sequence, HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d),
         GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=span, BLOCK_S=64, IEEE=q.dtype == torch.float32,
+        num_stages=DECODE_STAGES,
     )
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(n * hq,)](

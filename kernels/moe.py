@@ -56,7 +56,7 @@ import triton.language as tl
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.model.backend import SharedExpert
 from ninfer_offload.model.experts import count_uses
-from ninfer_offload.kernels import shared_expert
+from ninfer_offload.kernels import fitting, shared_expert
 from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts, last_to_arrive, rearm
 from ninfer_offload.kernels.nvfp4 import load_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
@@ -834,13 +834,15 @@ def _tiled(
     blocks = plan.block_expert.numel()
     ieee = x.dtype == torch.float32
     deferred = plan.block_expert if deferred is None else deferred  # (not read by EVERY_BLOCK)
-    _gate_up_swiglu_kernel[(blocks, triton.cdiv(inter, tiles.gate_up_n))](
+    fitting.launch(
+        _gate_up_swiglu_kernel, (blocks, triton.cdiv(inter, tiles.gate_up_n)),
         x, arena, table, plan.block_expert, plan.block_pairs, deferred, arena.numel(), act, x.stride(0), hidden, inter, gu.high_offset,
         gu.scale_offset, gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group,
         K_PAD=gu.k_pad, BLOCK_M=plan.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=block_k_for(gu.k_pad, tiles.block_k), IEEE=ieee, PASS=which,
         WHERE=where, num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    _down_kernel[(blocks, triton.cdiv(hidden, tiles.down_n))](
+    fitting.launch(
+        _down_kernel, (blocks, triton.cdiv(hidden, tiles.down_n)),
         act, arena, table, plan.block_expert, plan.block_pairs, deferred, arena.numel(), topk_weights.reshape(-1).contiguous(), weighted,
         hidden,
         inter, layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset,
