@@ -66,7 +66,7 @@ def test_attention_decode_runs_in_sm_120_shared_memory(monkeypatch):
     hq, hkv, d, capacity = 12, 3, 256, 512
     q = torch.randn(2, hq, d, generator=gen).to(torch.bfloat16)
     k_pool, v_pool = (torch.randn(2 * capacity, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2))
-    slots, lengths = torch.tensor([1, 0]), torch.tensor([300, 77], dtype=torch.int32)
+    slots, lengths = torch.tensor([1, 0]), torch.tensor([300, 77])  # int64, as a step context holds them
     got = attention_decode(q.cuda(), k_pool.cuda(), v_pool.cuda(), slots.cuda(), lengths.cuda(), 1, capacity)
     for b in range(2):
         rows = slice(int(slots[b]) * capacity, int(slots[b]) * capacity + int(lengths[b]))
