@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ninfer_offload.artifact.formats import ObjectGeometry
-from ninfer_offload.kernels import dense_linear
+from ninfer_offload.kernels import dense_linear, fitting
 from ninfer_offload.kernels.arrivals import arrival_counts, last_to_arrive, rearm
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.elementwise import add_gated, swiglu
@@ -123,9 +123,12 @@ def gemv_tiles(n: int, tokens: int = 1) -> GemvTiles:
     return GEMV_TILES
 
 
-# Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them).
+# Fused kernel: weight rows per program and warps (module-level so benchmarks can sweep them), and its pipeline
+# depth (Triton's default; 99,328 bytes of shared memory for 64 Q8 tokens, `bench/kernel_resources.py`: a launch
+# takes fewer stages where the device has less, `fitting.launch`).
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
+TILED_STAGES = 3
 # A few tokens' tiled product splits K across programs: the last program of each output tile to arrive sums
 # the splits' float32 tiles (`arrivals`), or, turned off, a `sum_middle` launch after it does (the batch-8
 # step at 01e649c spent 231 us in 120 such launches). Module-level so benchmarks can compare the two.
@@ -773,7 +776,8 @@ def _tiled_launch(
         partial = torch.empty(split * t * (n + dense_n), device=x.device, dtype=torch.float32) if split > 1 else out
     add_after = summed_after and routed is not None  # the gated add needs the summed rows
     in_launch = routed is not None and not add_after
-    _quantized_matmul_kernel[(n_blocks, m_blocks, split)](
+    fitting.launch(
+        _quantized_matmul_kernel, (n_blocks, m_blocks, split),
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data,
         routed.contiguous() if in_launch else out, score if in_launch else out, score.stride(0) if in_launch else 0,
         partial, targets[0], arrival_counts("quant_linear.split_k", x.device), x if dense_w is None else dense_w,
@@ -781,7 +785,7 @@ def _tiled_launch(
         g.high_offset, g.scale_offset, g.divisor_offset, per_split, NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLIT=1 if summed_after else split,
         INPUT=input_op.value, NORM_D=norm_d, EPILOGUE=(ADD_GATED if in_launch else STORE).value, DENSE=dense_w is not None,
-        num_warps=DECODE_WARPS,
+        num_warps=DECODE_WARPS, num_stages=TILED_STAGES,
     )
     if not summed_after:
         return out, dense_out
