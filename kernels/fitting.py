@@ -3,7 +3,8 @@
 A Triton kernel launched with `num_stages` software-pipeline stages keeps that many tiles of its loads in
 shared memory. Tiles and depths are tuned on the H200, which gives a block 227 KB of shared memory; the
 consumer Blackwell cards of the profiles (sm_120: RTX 5090, RTX 5060 Ti, RTX PRO 6000) give it 99 KB, where
-the attention decode kernel's three stages of bf16 K/V tiles (138 KB) cannot load. `launch` tries the tuned
+the attention decode kernel's three stages of bf16 K/V tiles (138 KB) and the MoE prefill tiles over host
+records (up to 130 KB) cannot load (`bench/kernel_resources.py`). `launch` tries the tuned
 depth and, where Triton reports the shared memory short, one stage fewer, down to one; the depth that loaded
 is kept per kernel, device and launch configuration, so later launches and graph captures take it at once.
 """
