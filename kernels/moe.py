@@ -901,7 +901,7 @@ def _routed_experts_gemv(
         gate, up, score = (shared.gate, shared.up, shared.score) if fold else (x, x, x)
         s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
         _down_split_gemv_kernel[(blocks, top_k + fold, t)](
-            act, arena, table, ids, weights, partial, _arrivals(x.device), out, hidden, inter, layout.down_offset,
+            act, arena, table, ids, weights, partial, arrival_counts("moe.down_split", x.device), out, hidden, inter, layout.down_offset,
             dn.high_offset, dn.scale_offset, dn.divisor_offset, gate, up, gate.stride(0), up.stride(0), s_data, score, score.stride(0),
             gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
             GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), SHARED_EXPERT=fold,
@@ -923,11 +923,6 @@ def _routed_experts_gemv(
         num_warps=down_tiles.warps, num_stages=down_tiles.stages,
     )
     return _with_shared(out if summed else sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The split down kernel's arrival counts (one per row slice and token of a launch)."""
-    return arrival_counts("moe.down_split", device)
 
 
 def record_table(slots: torch.Tensor, stride: int) -> torch.Tensor:

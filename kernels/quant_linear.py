@@ -715,24 +715,19 @@ def quantized_linear(
     if k != geometry.k:
         raise ValueError(f"input has {k} columns, weight expects {geometry.k}")
     norm_d = 1 if norm_w is None else norm_w.numel()
-    n = geometry.n
-    g = TileGeometry.of(geometry)
-    block_k = gemv_block_k(g.k_pad, gemv_tiles(n, t).block_k) if on_matrix_vector(n, t) else block_k_for(g.k_pad)
-    folded = on_matrix_vector(n, t) or FOLD_IN_TILED or (input_op == PLAIN and routed is None)
-    if t > FUSED_MAX_TOKENS or not folded or not _folds_input(x, x2, input_op, norm_d, block_k):
-        y = _product(_unfolded_input(x, x2, input_op, norm_w, eps).contiguous(), data, geometry)
+    g, n = TileGeometry.of(geometry), geometry.n
+    gemv = on_matrix_vector(n, t)
+    block_k = gemv_block_k(g.k_pad, gemv_tiles(n, t).block_k) if gemv else block_k_for(g.k_pad)
+    folds = t <= FUSED_MAX_TOKENS and (gemv or FOLD_IN_TILED) and _folds_input(x, x2, input_op, norm_d, block_k)
+    if not folds and (input_op != PLAIN or routed is not None):  # the steps around a plain product
+        y = quantized_linear(_unfolded_input(x, x2, input_op, norm_w, eps), data, geometry)
         return y if routed is None else add_gated(routed, score, y)
+    if t > FUSED_MAX_TOKENS:
+        return x @ dequantize_matrix(data, geometry, x.dtype).T
     x = x.contiguous() if input_op == PLAIN else x  # the fused inputs read rows of contiguous columns where they lie
-    if on_matrix_vector(n, t):
+    if gemv:
         return fused_gemv(x, data, geometry, x2, input_op, routed, score, norm_w, eps)
     return _tiled_launch(x, data, geometry, x2, input_op, routed, score, norm_w, eps, norm_d)[0]
-
-
-def _product(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry) -> torch.Tensor:
-    """x @ W^T: transient dequantization + cuBLAS above FUSED_MAX_TOKENS tokens, else `quantized_linear`."""
-    if x.shape[0] > FUSED_MAX_TOKENS:
-        return x @ dequantize_matrix(data, geometry, x.dtype).T
-    return quantized_linear(x, data, geometry)
 
 
 def paired_tiled(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, dense_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton.runtime.errors import OutOfResources
 
-from kernels_support import HAS_CUDA, needs_cuda
+from kernels_support import HAS_CUDA, needs_cuda  # (sets the interpreter up before anything imports triton)
 from ninfer_offload.kernels import fitting
+from triton.runtime.errors import OutOfResources
 
 SM_120_SHARED = 101_376  # bytes of shared memory per block on sm_120 (99 KB)
 

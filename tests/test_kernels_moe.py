@@ -9,6 +9,7 @@ import torch
 from kernels_support import DEVICE, TENSOR_CORE_PRODUCTS, LaunchedWith, needs_triton_device, product_on_tensor_cores
 from ninfer_offload.artifact.codecs import decode_row_split_values, encode_row_split
 from ninfer_offload.artifact.records import ExpertRecordLayout
+from ninfer_offload.kernels.arrivals import arrival_counts
 
 pytestmark = needs_triton_device
 
@@ -128,7 +129,7 @@ def test_shared_and_per_token_down_products_agree(monkeypatch):
             outputs.append(moe.routed_experts(x[:tokens], ids[:tokens], w[:tokens], data, table, layout))
         torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
         assert torch.equal(outputs[1], outputs[2])
-    assert int(moe._arrivals(x.device).abs().sum()) == 0
+    assert int(arrival_counts("moe.down_split", x.device).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("tensor_cores", [False, True])
