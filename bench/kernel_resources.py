@@ -53,13 +53,11 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
     for kv, dtype in (("bf16", BF16), ("fp8", "*fp8e4nv")):
         out.append((f"attention decode, {kv} KV", attention._decode_partial_kernel, attend,
                     {"num_warps": 4, "num_stages": attention.DECODE_STAGES, "types": {"k_pool": dtype, "v_pool": dtype}}))
-    tiled = dict(K_PAD=HIDDEN, BLOCK_N=quant_linear.DECODE_BLOCK_N, BLOCK_K=256, IEEE=False, SPLIT=4, NORM_D=1, EPILOGUE=0, DENSE=False)
+    tiled = dict(K_PAD=HIDDEN, BLOCK_N=quant_linear.DECODE_BLOCK_N, BLOCK_K=256, IEEE=False, SPLIT=4, EPILOGUE=0, DENSE=False)
     for tokens in (16, 64):
         for name, fmt in (("Q8", Q8), ("NVFP4", NVFP4)):
             out.append((f"tiled product, {tokens} tokens, {name}", quant_linear._quantized_matmul_kernel,
-                        {**tiled, **fmt, "BLOCK_M": tokens, "INPUT": 0}, {"num_warps": quant_linear.DECODE_WARPS}))
-    out.append(("tiled product, 16 tokens, gated norm input", quant_linear._quantized_matmul_kernel,
-                {**tiled, **Q8, "BLOCK_M": 16, "INPUT": quant_linear.GATED_NORM.value, "NORM_D": 128}, {"num_warps": 4}))
+                        {**tiled, **fmt, "BLOCK_M": tokens}, {"num_warps": quant_linear.DECODE_WARPS}))
     gemv = dict(K_PAD=HIDDEN, INPUT=0, NORM_D=1, EPILOGUE=0, ROW_BLOCK=1, DENSE=False, DENSE_BLOCK_N=2, DENSE_BLOCK_K=HIDDEN,
                 CONV_C=0, IEEE=False, TAPS=1)
     for name, tiles, mma in (("one token", quant_linear.GEMV_TILES, False), ("tensor cores", quant_linear.MMA_GEMV_TILES, True),

@@ -19,9 +19,8 @@ decoder (`kernels/tiles.py`). Three paths by token count:
   (`load_tile`) and multiplies it with `tl.dot` (the token block is padded to 16 rows). Few-token
   products split K across programs so that even a [2048, 4096] projection fills the GPU; their
   partial sums are added in a fixed order by the last program of each tile to arrive, so results are
-  deterministic and no reduction is launched. It computes the same inputs as it reads them
-  (`_input_tile`) and the same gated add where it stores (`gated_add`), so a batched step's small
-  products launch no SwiGLU, gate, norm or add kernel around them.
+  deterministic and no reduction is launched. It adds the shared expert's gated add where it stores
+  (`gated_add`); its inputs are computed before it (SwiGLU, gate, norm: measured slower inside it).
 * above (prefill): the weight is dequantized once per call into a transient buffer (the same tile
   decoders) and multiplied with cuBLAS, which beats an in-kernel tile decode once the product is
   compute-bound.
@@ -138,10 +137,12 @@ SUM_IN_PRODUCT = True
 # batch-8 step at 01e649c: 40 such launches 251 us, 6.3 us each beside 3.8 for the tiled product). Module-level so
 # benchmarks can compare the two.
 PAIR_IN_TILED = True
-# The tiled kernel computes SwiGLU, the sigmoid gate and the gated norm of its input and the shared expert's gated
-# add in its launch, or, turned off, elementwise kernels run around it (the batch-8 step at 01e649c: 40 SwiGLU
-# launches 45 us, 40 gated adds 50 us, 30 gated norms 53 us). Module-level so benchmarks can compare the two.
-FOLD_IN_TILED = True
+# The tiled kernel adds the shared expert's rows score-gated into the routed output where it stores them, or, turned
+# off, an `add_gated` launch after it does. It does not compute its input (SwiGLU, the sigmoid gate, the gated norm)
+# as it reads it: in the H200 batch-8 step at 9ed0fbb (bench/results/step_ab_h200_9ed0fbb.json) that made the GDN
+# output 18.4 us per launch against 11.1 + 1.7 for the product and a norm launch, the attention output 29.6 against
+# ~14.7, the shared down 7.1 against 6.8. Module-level so benchmarks can compare the two.
+GATED_ADD_IN_TILED = True
 
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
@@ -265,30 +266,6 @@ def gated_add(acc, routed, score, stride_score, toks, T, offsets, mask, out):
 
 
 @triton.jit
-def _input_tile(
-    x, x2, toks, tok_mask, cols, col_mask, stride_x, stride_x2, norm_w, eps,
-    INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Every token's input [BLOCK_T, BLOCK_K] at columns `cols` in x's dtype (`_position_input` of the whole
-    tile): the tiled kernel's operand. GATED_NORM groups of NORM_D columns lie whole in the tile."""
-    mask = tok_mask[:, None] & col_mask[None, :]
-    xv = tl.load(x + toks[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
-    tile = xv
-    if INPUT != PLAIN:
-        x2v = tl.load(x2 + toks[:, None].to(tl.int64) * stride_x2 + cols[None, :], mask=mask, other=0.0)
-        weights = x2v
-        inv_rms = tl.full([BLOCK_T, BLOCK_K], 1.0, tl.float32)
-        if INPUT == GATED_NORM:
-            weights = tl.load(norm_w + cols % NORM_D)[None, :]
-            squares = xv.to(tl.float32) * xv.to(tl.float32)
-            per_group = tl.sum(tl.reshape(squares, [BLOCK_T, BLOCK_K // NORM_D, NORM_D]), axis=2)
-            groups = tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, :, None], [BLOCK_T, BLOCK_K // NORM_D, NORM_D])
-            inv_rms = tl.reshape(groups, [BLOCK_T, BLOCK_K])
-        tile = _position_input(xv, x2v, weights, inv_rms, INPUT).to(xv.dtype)
-    return tile
-
-
-@triton.jit
 def _quantized_gemv_kernel(
     x,
     x2,
@@ -387,11 +364,7 @@ def _quantized_gemv_kernel(
 @triton.jit
 def _quantized_matmul_kernel(
     x,
-    x2,
     stride_x,
-    stride_x2,
-    norm_w,
-    eps,
     w,
     routed,
     score,
@@ -419,13 +392,11 @@ def _quantized_matmul_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     SPLIT: tl.constexpr,
-    INPUT: tl.constexpr,
-    NORM_D: tl.constexpr,
     EPILOGUE: tl.constexpr,
     DENSE: tl.constexpr,
 ):
-    """Programs (row block, token block, K split): a [BLOCK_M, BLOCK_N] tile of INPUT(x, x2) @ W^T over
-    K_BLOCKS_PER_SPLIT k tiles (`_input_tile`), stored, or with ADD_GATED added as routed + sigmoid(score) * rows.
+    """Programs (row block, token block, K split): a [BLOCK_M, BLOCK_N] tile of x @ W^T over
+    K_BLOCKS_PER_SPLIT k tiles, stored, or with ADD_GATED added as routed + sigmoid(score) * rows.
     One split stores its tile in `out`; with SPLIT, each stores its float32 tile in `partial` [SPLIT, T, N] and the
     last of a tile's programs to arrive (`arrivals`) sums the SPLIT tiles in split order into `out`. With DENSE,
     the row blocks from QUANTIZED_BLOCKS are `dense_w`'s (x's dtype, read as it is), into `dense_out`, their
@@ -435,6 +406,7 @@ def _quantized_matmul_kernel(
     pid_k = tl.program_id(2)
     toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok_mask = toks < T
+    x_rows = x + toks[:, None].to(tl.int64) * stride_x
     kb_begin = pid_k * K_BLOCKS_PER_SPLIT
     kb_end = tl.minimum(kb_begin + K_BLOCKS_PER_SPLIT, K_PAD // BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -444,7 +416,7 @@ def _quantized_matmul_kernel(
         row_mask = rows < n_rows
         for kb in range(kb_begin, kb_end):
             cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            xt = _input_tile(x, x2, toks, tok_mask, cols, cols < K, stride_x, stride_x2, norm_w, eps, INPUT, NORM_D, BLOCK_M, BLOCK_K)
+            xt = tl.load(x_rows + cols[None, :], mask=tok_mask[:, None] & (cols < K)[None, :], other=0.0)
             wt = tl.load(dense_w + rows[:, None] * K + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
             acc = _tile_dot(xt, wt, acc, IEEE)
     else:
@@ -454,7 +426,7 @@ def _quantized_matmul_kernel(
         for kb in range(kb_begin, kb_end):
             k0 = kb * BLOCK_K
             cols = k0 + tl.arange(0, BLOCK_K)
-            xt = _input_tile(x, x2, toks, tok_mask, cols, cols < K, stride_x, stride_x2, norm_w, eps, INPUT, NORM_D, BLOCK_M, BLOCK_K)
+            xt = tl.load(x_rows + cols[None, :], mask=tok_mask[:, None] & (cols < K)[None, :], other=0.0)
             wt = load_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
             acc = _tile_dot(xt, wt, acc, IEEE)
         if NVFP4:
@@ -708,26 +680,23 @@ def quantized_linear(
     eps: float = 0.0,
 ) -> torch.Tensor:
     """`input_op`(x [T, k], x2) @ W^T -> [T, n] in x's dtype, W given as its raw object bytes `data` on x's device;
-    with `routed` [T, n] and `score` [T, 1] given, routed + sigmoid(score) * rows (the shared expert). Up to
-    FUSED_MAX_TOKENS tokens the input step and the gated add run inside the product's launch (the matrix-vector
-    or the tiled kernel); above (prefill), as elementwise kernels around a cuBLAS product."""
+    with `routed` [T, n] and `score` [T, 1] given, routed + sigmoid(score) * rows (the shared expert). The
+    matrix-vector kernel computes the input step and the gated add inside its launch, the tiled kernel the gated add;
+    the rest (and prefill's, around a cuBLAS product) run as elementwise kernels."""
     t, k = x.shape
     if k != geometry.k:
         raise ValueError(f"input has {k} columns, weight expects {geometry.k}")
-    norm_d = 1 if norm_w is None else norm_w.numel()
-    g, n = TileGeometry.of(geometry), geometry.n
-    gemv = on_matrix_vector(n, t)
-    block_k = gemv_block_k(g.k_pad, gemv_tiles(n, t).block_k) if gemv else block_k_for(g.k_pad)
-    folds = t <= FUSED_MAX_TOKENS and (gemv or FOLD_IN_TILED) and _folds_input(x, x2, input_op, norm_d, block_k)
-    if not folds and (input_op != PLAIN or routed is not None):  # the steps around a plain product
-        y = quantized_linear(_unfolded_input(x, x2, input_op, norm_w, eps), data, geometry)
-        return y if routed is None else add_gated(routed, score, y)
     if t > FUSED_MAX_TOKENS:
-        return x @ dequantize_matrix(data, geometry, x.dtype).T
-    x = x.contiguous() if input_op == PLAIN else x  # the fused inputs read rows of contiguous columns where they lie
-    if gemv:
+        y = _unfolded_input(x, x2, input_op, norm_w, eps) @ dequantize_matrix(data, geometry, x.dtype).T
+        return y if routed is None else add_gated(routed, score, y)
+    n = geometry.n
+    if on_matrix_vector(n, t):
+        block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, gemv_tiles(n, t).block_k)
+        if not _folds_input(x, x2, input_op, 1 if norm_w is None else norm_w.numel(), block_k):
+            x, x2, input_op = _unfolded_input(x, x2, input_op, norm_w, eps), None, PLAIN
+        x = x.contiguous() if input_op == PLAIN else x  # the fused inputs read rows of contiguous columns where they lie
         return fused_gemv(x, data, geometry, x2, input_op, routed, score, norm_w, eps)
-    return _tiled_launch(x, data, geometry, x2, input_op, routed, score, norm_w, eps, norm_d)[0]
+    return _tiled_launch(_unfolded_input(x, x2, input_op, norm_w, eps).contiguous(), data, geometry, routed, score)[0]
 
 
 def paired_tiled(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, dense_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -740,14 +709,13 @@ def paired_tiled(x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, 
 
 
 def _tiled_launch(
-    x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, x2: torch.Tensor | None = None, input_op: tl.constexpr = PLAIN,
-    routed: torch.Tensor | None = None, score: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 0.0,
-    norm_d: int = 1, dense_w: torch.Tensor | None = None,
+    x: torch.Tensor, data: torch.Tensor, geometry: ObjectGeometry, routed: torch.Tensor | None = None, score: torch.Tensor | None = None,
+    dense_w: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of the tiled kernel (split-K across programs when the tiles alone would not fill the GPU), with
-    `dense_w`'s rows as more row blocks; returns (the rows, the dense rows or None)."""
+    `dense_w`'s rows as more row blocks; returns (the rows, or routed + sigmoid(score) * rows with `routed` given,
+    and the dense rows or None)."""
     t = x.shape[0]
-    x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
     n, dense_n = geometry.n, 0 if dense_w is None else dense_w.shape[0]
     block_m = 16 if t <= 16 else (32 if t <= 32 else 64)
@@ -769,20 +737,20 @@ def _tiled_launch(
     else:
         targets = [out, dense_out]
         partial = torch.empty(split * t * (n + dense_n), device=x.device, dtype=torch.float32) if split > 1 else out
-    add_after = summed_after and routed is not None  # the gated add needs the summed rows
+    add_after = routed is not None and (summed_after or not GATED_ADD_IN_TILED)  # summed after: the add needs the sums
     in_launch = routed is not None and not add_after
     fitting.launch(
         _quantized_matmul_kernel, (n_blocks, m_blocks, split),
-        x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data,
-        routed.contiguous() if in_launch else out, score if in_launch else out, score.stride(0) if in_launch else 0,
+        x, x.stride(0), data, routed.contiguous() if in_launch else out, score if in_launch else out, score.stride(0) if in_launch else 0,
         partial, targets[0], arrival_counts("quant_linear.split_k", x.device), x if dense_w is None else dense_w,
         out if dense_out is None else targets[1], t, n, geometry.k, dense_n, quantized_blocks,
         g.high_offset, g.scale_offset, g.divisor_offset, per_split, NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLIT=1 if summed_after else split,
-        INPUT=input_op.value, NORM_D=norm_d, EPILOGUE=(ADD_GATED if in_launch else STORE).value, DENSE=dense_w is not None,
+        EPILOGUE=(ADD_GATED if in_launch else STORE).value, DENSE=dense_w is not None,
         num_warps=DECODE_WARPS, num_stages=TILED_STAGES,
     )
-    if not summed_after:
-        return out, dense_out
-    y, dense_y = (sum_middle(rows.view(1, split, -1), x.dtype).view(t, -1) if rows.shape[2] else None for rows in targets)
-    return (add_gated(routed, score, y) if add_after else y), dense_y
+    if summed_after:
+        out, dense_out = (sum_middle(rows.view(1, split, -1), x.dtype).view(t, -1) if rows.shape[2] else None for rows in targets)
+    return (add_gated(routed, score, out) if add_after else out), dense_out
+
+

@@ -3,10 +3,10 @@
 Reference op: `ReferenceBackend.shared_expert(gate, up, down, routed, score)`. One token's shared
 expert usually runs inside the routed experts' down launch (`moe.routed_experts` with a
 `SharedExpert`, the same roundings); otherwise a quantized down matrix is one `quant_linear` launch
-up to its FUSED_MAX_TOKENS tokens (the matrix-vector or the tiled kernel): it computes SwiGLU of the
-gate/up columns as it reads them and adds the score-gated rows to the routed output where it stores
-them (no intermediate activation, no separate SwiGLU or gating launch). Prefill and dense weights run
-the two steps as elementwise kernels around the product (`elementwise`). Intermediate results are rounded
+up to its matrix-vector tokens: it computes SwiGLU of the gate/up columns as it reads them and adds the
+score-gated rows to the routed output where it stores them (no intermediate activation, no separate
+SwiGLU or gating launch). The tiled kernel (a few more tokens) adds the rows the same way after a SwiGLU
+launch; prefill and dense weights run both steps as elementwise kernels around the product (`elementwise`). Intermediate results are rounded
 to the activation dtype where the reference rounds them.
 """
 

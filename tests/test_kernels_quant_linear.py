@@ -64,7 +64,7 @@ def test_split_k_sums_in_the_launch_as_a_sum_launch_would(fmt, monkeypatch):
     assert int(arrival_counts("quant_linear.split_k", DEVICE).abs().sum()) == 0
     monkeypatch.setattr(quant_linear, "SUM_IN_PRODUCT", False)
     assert torch.equal(in_launch, quant_linear.quantized_linear(x, data, geometry))
-    assert _relative_error(in_launch, x.double() @ weight.double().T) < 1e-5
+    assert _relative_error(in_launch, x.double().cpu() @ weight.double().T) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", sorted(GROUPED_FORMATS))
@@ -193,40 +193,39 @@ def test_paired_tiled_product_is_both_products_in_one_launch(sum_in_product, mon
 
 
 @pytest.mark.parametrize("k,sum_in_product", [(256, True), (1024, True), (1024, False)])  # 1024: K split across programs
-def test_tiled_products_fold_their_inputs_and_gated_add(k, sum_in_product, monkeypatch):
-    """A batched step's small products (5-64 tokens: the tiled kernel) compute SwiGLU, the sigmoid gate and the
-    gated norm of their input as they read it and the shared expert's gated add where they store: what the
-    elementwise kernels around the product give (bit for bit, but the norm's statistic: its own sum order)."""
+def test_tiled_products_take_their_input_step_and_gated_add(k, sum_in_product, monkeypatch):
+    """A batched step's small products (5-64 tokens: the tiled kernel) with SwiGLU, the sigmoid gate or the gated
+    norm of their input (computed before the launch) and the shared expert's gated add (in the launch where it
+    stores, or an `add_gated` launch after it): the reference's input step, product and add."""
     from ninfer_offload.kernels import quant_linear
-    from ninfer_offload.kernels.quant_linear import GATED_NORM, SIGMOID_GATE, SWIGLU
+    from ninfer_offload.kernels.quant_linear import ADD_GATED, GATED_NORM, SIGMOID_GATE, STORE, SWIGLU
 
     monkeypatch.setattr(quant_linear, "SUM_IN_PRODUCT", sum_in_product)
     gen = torch.Generator().manual_seed(16)
     data, weight, geometry = _random_object("q5_g64_fp16", 40, k, seed=17)
-    wide = torch.randn(8, 3 * k, generator=gen).to(DEVICE)
-    x, x2 = wide[:, :k], wide[:, 2 * k :]  # column slices of one product, as a step's stacked outputs are
-    norm_w = (torch.rand(64, generator=gen) + 0.5).to(DEVICE)
-    routed, score = torch.randn(8, 40, generator=gen).to(DEVICE), torch.randn(8, 3, generator=gen).to(DEVICE)[:, 1:2]
+    wide = torch.randn(8, 3 * k, generator=gen)
+    norm_w, routed, score = torch.rand(64, generator=gen) + 0.5, torch.randn(8, 40, generator=gen), torch.randn(8, 3, generator=gen)[:, 1:2]
+    x, x2 = wide[:, :k].double(), wide[:, 2 * k :].double()
+    groups = x.reshape(8, -1, 64)
+    normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
+    inputs = {SWIGLU: torch.nn.functional.silu(x) * x2, SIGMOID_GATE: x * torch.sigmoid(x2),
+              GATED_NORM: (normed * torch.nn.functional.silu(x2.reshape(8, -1, 64))).reshape(8, k)}
+    wide, norm_w, routed, score = wide.to(DEVICE), norm_w.to(DEVICE), routed.to(DEVICE), score.to(DEVICE)
     assert not quant_linear.on_matrix_vector(geometry.n, 8)
+    for op, want in inputs.items():
+        got = quant_linear.quantized_linear(wide[:, :k], data, geometry, wide[:, 2 * k :], op, norm_w=norm_w, eps=1e-6)
+        assert _relative_error(got, want @ weight.double().T) < 1e-5, op
 
     tiled = quant_linear._quantized_matmul_kernel
-    calls = [(SWIGLU, {"routed": routed, "score": score}), (SIGMOID_GATE, {}), (GATED_NORM, {"norm_w": norm_w, "eps": 1e-6})]
-
-    def products(fold: bool):
-        outputs = []
-        for op, extra in calls:  # folded: each product is one tiled launch that reads its input through `op`
-            monkeypatch.setattr(quant_linear, "_quantized_matmul_kernel", LaunchedWith(tiled, INPUT=op.value) if fold else tiled)
-            outputs.append(quant_linear.quantized_linear(x, data, geometry, x2, op, **extra))
-        return outputs
-
-    folded = products(fold=True)
-    monkeypatch.setattr(quant_linear, "FOLD_IN_TILED", False)
-    apart = products(fold=False)
-    assert torch.equal(folded[0], apart[0])
-    for got, want in zip(folded[1:], apart[1:]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    gate = x.double().cpu() * torch.sigmoid(x2.double().cpu())
-    assert _relative_error(folded[1], gate @ weight.double().T) < 1e-5
+    shared = {}
+    for in_launch in (True, False):
+        monkeypatch.setattr(quant_linear, "GATED_ADD_IN_TILED", in_launch)
+        epilogue = ADD_GATED if in_launch and sum_in_product else STORE
+        monkeypatch.setattr(quant_linear, "_quantized_matmul_kernel", LaunchedWith(tiled, EPILOGUE=epilogue.value))
+        shared[in_launch] = quant_linear.quantized_linear(wide[:, :k], data, geometry, wide[:, 2 * k :], SWIGLU, routed, score)
+    want = routed.double().cpu() + torch.sigmoid(score.double().cpu()) * (inputs[SWIGLU] @ weight.double().T)
+    assert _relative_error(shared[True], want) < 1e-5
+    torch.testing.assert_close(shared[True], shared[False], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("tensor_cores", [False, True])
