@@ -117,11 +117,12 @@ BATCH_GEMV_TILES = Tiles(1, 8, 16, 4, 512, 4)
 # expert's pairs in one product, rows per program and k tile of MMA_DOWN_TILES), below it per token on CUDA cores.
 # H200 step A/B at 87d790d (random routing, ~60 experts per layer at 8 tokens): 25.9 us per layer at 8 tokens
 # against 35.9 per token (batch-8 step 6.13 against 6.46 ms); at 4 tokens 17.2 against 16.4 (the split kernel's
-# range now). 5-7 tokens unmeasured: the per-token kernel keeps them. 64 rows per program (its per-token sums in the
-# launch): 29.1 us per layer against 34.6 for 32 rows, 128-column k tiles against 256 (batch-8 step 5.61 / 5.77 /
-# 6.08 ms, bench/results/step_ab_h200_9ed0fbb.json).
+# range now). 5-7 tokens unmeasured: the per-token kernel keeps them. Rows per program (its per-token sums in the
+# launch), H200 batch-8 step: 32 / 64 rows 34.6 / 29.3 us per layer (5.77 / 5.61 ms, k tiles of 256: 6.08;
+# bench/results/step_ab_h200_9ed0fbb.json), 64 / 128 rows 29.3 / 26.7 us (5.23 / 5.17 ms, 64 rows on 8 warps 6.04;
+# step_ab_h200_bf29cbc.json).
 MMA_DOWN_MIN_TOKENS = 8
-MMA_DOWN_TILES = Tiles(1, 8, 64, 4, 128, 3)
+MMA_DOWN_TILES = Tiles(1, 8, 128, 4, 128, 3)
 # The gate/up product likewise (`_gate_up_swiglu_gemv_kernel` with MMA, columns per program and k tile of
 # MMA_GATE_UP_TILES). H200 step A/B at 442bc96: batch-8 step 5.56 ms with 32 columns per program against 6.03 per
 # token (16 columns: 6.05); a 3-draft verification on it 5.12 against 4.62, so not below 8 tokens.

@@ -693,7 +693,7 @@ def quantized_linear(
     if on_matrix_vector(n, t):
         block_k = gemv_block_k(TileGeometry.of(geometry).k_pad, gemv_tiles(n, t).block_k)
         if not _folds_input(x, x2, input_op, 1 if norm_w is None else norm_w.numel(), block_k):
-            x, x2, input_op = _unfolded_input(x, x2, input_op, norm_w, eps), None, PLAIN
+            x, x2, input_op, norm_w = _unfolded_input(x, x2, input_op, norm_w, eps), None, PLAIN, None
         x = x.contiguous() if input_op == PLAIN else x  # the fused inputs read rows of contiguous columns where they lie
         return fused_gemv(x, data, geometry, x2, input_op, routed, score, norm_w, eps)
     return _tiled_launch(_unfolded_input(x, x2, input_op, norm_w, eps).contiguous(), data, geometry, routed, score)[0]

@@ -168,6 +168,21 @@ def test_tensor_core_products_equal_the_cuda_core_ones(dtype, tol, monkeypatch):
     assert torch.equal(total, cuda_cores[2])  # the normed rows' statistic sums in the launch's own order
 
 
+def test_gated_norm_product_whose_groups_do_not_fit_the_tile():
+    """One token's GDN output product with heads of 24 columns (not whole words of the column tile): the gated norm
+    runs before the matrix-vector product (no fused input), with the reference's result."""
+    from ninfer_offload.kernels import quant_linear
+
+    gen = torch.Generator().manual_seed(21)
+    data, weight, geometry = _random_object("q8_g32_fp16", 40, 96, seed=22)
+    x, z = torch.randn(1, 4, 24, generator=gen, dtype=torch.float64), torch.randn(1, 4, 24, generator=gen, dtype=torch.float64)
+    norm_w = torch.rand(24, generator=gen, dtype=torch.float64) + 0.5
+    assert quant_linear.on_matrix_vector(geometry.n, 1)
+    got = quant_linear.gated_norm_linear(x.float().to(DEVICE), z.float().to(DEVICE), norm_w.float().to(DEVICE), 1e-6, data, geometry)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w * torch.nn.functional.silu(z)
+    assert _relative_error(got, normed.reshape(1, 96) @ weight.double().T) < 1e-5
+
+
 @pytest.mark.parametrize("sum_in_product", [True, False])
 def test_paired_tiled_product_is_both_products_in_one_launch(sum_in_product, monkeypatch):
     """Past the matrix-vector kernel's tokens, a quantized and a dense matrix of one input (the shared expert's
