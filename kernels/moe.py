@@ -58,7 +58,7 @@ from ninfer_offload.model.backend import SharedExpert
 from ninfer_offload.model.experts import count_uses
 from ninfer_offload.kernels import fitting, shared_expert
 from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts, last_to_arrive, rearm
-from ninfer_offload.kernels.nvfp4 import load_divisors
+from ninfer_offload.kernels.nvfp4 import row_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_token_positions
@@ -284,12 +284,12 @@ def _gate_up_tiles(
 
 
 @triton.jit
-def _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4: tl.constexpr):
-    """SwiGLU of gate and up accumulators [R, BLOCK_N] (float32): over their rows' divisors (nvfp4), each rounded
-    to the activations' dtype first."""
+def _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4: tl.constexpr):
+    """SwiGLU of gate and up accumulators [R, BLOCK_N] (float32): over their rows' divisors (nvfp4,
+    `row_divisors`), each rounded to the activations' dtype first."""
     if NVFP4:
-        acc_gate = acc_gate / load_divisors(record, cols_i, col_mask, divisor_offset)[None, :]
-        acc_up = acc_up / load_divisors(record, cols_i + I, col_mask, divisor_offset)[None, :]
+        acc_gate = acc_gate / gate_divisors[None, :]
+        acc_up = acc_up / up_divisors[None, :]
     gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
     up = acc_up.to(x.dtype.element_ty).to(tl.float32)
     return gate / (1.0 + tl.exp(-gate)) * up
@@ -336,6 +336,8 @@ def _gate_up_swiglu_gemv_kernel(
         record = arena + tl.multiple_of(tl.load(table + e), 256)
         cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
         col_mask = cols_i < I
+        gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
+        up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
         if MMA:
             rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1
             for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
@@ -352,7 +354,7 @@ def _gate_up_swiglu_gemv_kernel(
                     xs = split_token_positions(xt, MMA_ROWS, BLOCK_K)
                     acc_gate = mma_code_tile(g_codes, g_scales, xs, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE)
                     acc_up = mma_code_tile(u_codes, u_scales, xs, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE)
-                y = _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4)
+                y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
                 ptr = act + member.to(tl.int64)[:, None] * I + cols_i[None, :]
                 tl.store(ptr, y.to(act.dtype.element_ty), mask=live[:, None] & col_mask[None, :])
         else:
@@ -370,18 +372,18 @@ def _gate_up_swiglu_gemv_kernel(
                         up_part = dot_code_tile(u_codes, u_scales, xs, GROUP, BLOCK_N, BLOCK_K)
                         acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
                         acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
-            y = _swiglu_rows(acc_gate, acc_up, record, cols_i, col_mask, divisor_offset, I, x, NVFP4)
+            y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
             pair_act = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N)
             ptr = act + index.to(tl.int64)[:, None] * I + cols_i[None, :]
             tl.store(ptr, pair_act.to(act.dtype.element_ty), mask=uses[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4: tl.constexpr):
-    """A down product's float32 rows (`acc`, [BLOCK_N] or [R, BLOCK_N]) over its rows' divisors (nvfp4), rounded
-    to the activations' dtype."""
+def _rounded_down_rows(acc, divisors, act, NVFP4: tl.constexpr):
+    """A down product's float32 rows (`acc`, [BLOCK_N] or [R, BLOCK_N]) over its rows' divisors (nvfp4,
+    `row_divisors`), rounded to the activations' dtype."""
     if NVFP4:
-        acc = acc / load_divisors(down, rows, row_mask, divisor_offset)
+        acc = acc / divisors
     return acc.to(act.dtype.element_ty).to(tl.float32)
 
 
@@ -426,6 +428,7 @@ def _down_shared_gemv_kernel(
     row_mask = rows < H
     if owner:
         down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
+        divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
         if MMA:
             rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1  # of each pair among the expert's
             for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
@@ -439,7 +442,7 @@ def _down_shared_gemv_kernel(
                     at = act + member.to(tl.int64)[:, None] * I + cols[None, :]
                     xt = tl.load(at, mask=live[:, None] & (cols < I)[None, :], other=0.0)
                     acc = mma_code_tile(codes, scales, split_token_positions(xt, MMA_ROWS, BLOCK_K), acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
-                y = _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4)
+                y = _rounded_down_rows(acc, divisors, act, NVFP4)
                 w = tl.load(weights + member, mask=live, other=0.0).to(tl.float32)
                 ptr = weighted + member.to(tl.int64)[:, None] * H + rows[None, :]
                 tl.store(ptr, y * w[:, None], mask=live[:, None] & row_mask[None, :])
@@ -456,7 +459,7 @@ def _down_shared_gemv_kernel(
                         xs = load_positions(act + pair.to(tl.int64) * I, k0, I, BLOCK_K)
                         part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
                         acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
-            y = _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4)
+            y = _rounded_down_rows(acc, divisors, act, NVFP4)
             w = tl.load(weights + index, mask=uses, other=0.0).to(tl.float32)
             ptr = weighted + index.to(tl.int64)[:, None] * H + rows[None, :]
             out_rows = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N) * w[:, None]
@@ -480,11 +483,12 @@ def _routed_down_rows(
 ):
     """float32 [BLOCK_N]: rows `rows` of pair `pair`'s expert down product, rounded, times its routing weight."""
     down = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256) + down_offset
+    divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
         xs = load_positions(act + pair * I, k0, I, BLOCK_K)
         acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    return _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4) * tl.load(weights + pair).to(tl.float32)
+    return _rounded_down_rows(acc, divisors, act, NVFP4) * tl.load(weights + pair).to(tl.float32)
 
 
 @triton.jit
@@ -494,12 +498,13 @@ def _shared_expert_rows(
 ):
     """float32 [BLOCK_N]: rows `rows` of token `tok`'s shared expert, sigmoid(score) * SwiGLU(gate, up) @ down^T,
     rounded where `shared_expert.shared_expert` rounds (before the routed output is added)."""
+    divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
         xs = input_positions(gate, up, tok * stride_gate, tok * stride_up, k0, S, gate, 0.0, SWIGLU, 1, BLOCK_K, 1)
         acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     if NVFP4:
-        acc = acc / load_divisors(down, rows, row_mask, divisor_offset)
+        acc = acc / divisors
     sv = tl.load(score + tok * stride_score)
     gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
     return (gated * acc.to(sv.dtype).to(tl.float32)).to(sv.dtype).to(tl.float32)
@@ -640,6 +645,8 @@ def _gate_up_swiglu_kernel(
         toks = tl.where(pair_mask, pairs // TOP_K, 0)
         cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
         col_mask = cols_i < I
+        gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
+        up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
@@ -653,12 +660,7 @@ def _gate_up_swiglu_kernel(
             else:
                 acc_gate = tl.dot(xt, tl.trans(wg.to(xt.dtype)), acc_gate)
                 acc_up = tl.dot(xt, tl.trans(wu.to(xt.dtype)), acc_up)
-        if NVFP4:
-            acc_gate = acc_gate / load_divisors(record, cols_i, col_mask, divisor_offset)[None, :]
-            acc_up = acc_up / load_divisors(record, cols_i + I, col_mask, divisor_offset)[None, :]
-        gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(x.dtype.element_ty).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
+        y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
         tl.store(act + pairs[:, None] * I + cols_i[None, :], y.to(act.dtype.element_ty), mask=pair_mask[:, None] & col_mask[None, :])
 
 
@@ -699,6 +701,7 @@ def _down_kernel(
         safe_pairs = tl.where(pair_mask, pairs, 0)
         rows = program_rows(tl.program_id(1), BLOCK_N, NVFP4)
         row_mask = rows < H
+        divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -708,7 +711,7 @@ def _down_kernel(
                 acc = tl.dot(at, tl.trans(wd), acc, input_precision="ieee")
             else:
                 acc = tl.dot(at, tl.trans(wd.to(at.dtype)), acc)
-        y = _rounded_down_rows(acc, down, rows, row_mask, divisor_offset, act, NVFP4)
+        y = _rounded_down_rows(acc, divisors, act, NVFP4)
         w = tl.load(weights + safe_pairs, mask=pair_mask, other=0.0).to(tl.float32)
         tl.store(out + safe_pairs[:, None] * H + rows[None, :], y * w[:, None], mask=pair_mask[:, None] & row_mask[None, :])
 

@@ -8,7 +8,7 @@ memory. This is the layout of a row-split code tile with 16-element groups, so t
 matrix-vector kernels multiply it by x with the same `rowsplit.dot_code_tile`, and the tiled
 kernels read it interleaved into `e2m1(code) * e4m3fn(scale)` (`tiles.load_tile`).
 The FP32 divisor (one per 128-row tile in runtime form, §6.6) is applied to neither: kernels divide
-their fp32 accumulators by each output row's divisor (`load_divisors`). That split is the seam for
+their fp32 accumulators by each output row's divisor (`row_divisors`, loaded before their k loop). That split is the seam for
 a tensor-core FP4 path on sm_120, whose block-scaled MMA would consume the stored codes and
 (unswizzled) scales directly and keep the same divisor epilogue.
 
@@ -80,3 +80,16 @@ def load_nvfp4_code_tile(
 def load_divisors(obj, rows, row_mask, divisor_offset):
     """float32 [BLOCK_N]: the divisor of each row (one FP32 word per 128-row tile)."""
     return tl.load((obj + divisor_offset).to(tl.pointer_type(tl.float32)) + rows // 128, mask=row_mask, other=1.0)
+
+
+@triton.jit
+def row_divisors(obj, rows, row_mask, divisor_offset, NVFP4: tl.constexpr):
+    """float32 [BLOCK_N]: the rows' divisors of an nvfp4 object (`load_divisors`), ones for the row-split formats
+    (which have none; unused there). Kernels load them before their k loop: loaded where the accumulators need them,
+    after the loop, they were the program's last global read, a memory round trip (over PCIe for host records)
+    after all of its compute (the sm_90 cubins of the matrix-vector and tiled kernels)."""
+    if NVFP4:
+        divisors = load_divisors(obj, rows, row_mask, divisor_offset)
+    else:
+        divisors = tl.where(row_mask, 1.0, 1.0)
+    return divisors

@@ -46,7 +46,7 @@ from ninfer_offload.kernels.gdn import conv_rows
 from ninfer_offload.kernels.norm import (
     add_rmsnorm, add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum,
 )
-from ninfer_offload.kernels.nvfp4 import load_divisors
+from ninfer_offload.kernels.nvfp4 import load_divisors, row_divisors
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_positions, split_token_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile, program_rows
@@ -330,6 +330,7 @@ def _quantized_gemv_kernel(
     else:
         rows = program_rows(pid, BLOCK_N, NVFP4)
         row_mask = rows < N
+        divisors = row_divisors(w, rows, row_mask, divisor_offset, NVFP4)
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
@@ -351,7 +352,7 @@ def _quantized_gemv_kernel(
                             x + t * stride_x, x2 + t * stride_x2, total + t * K, normed + t * K, norm_w, K, eps, True, ROW_BLOCK
                         )
         if NVFP4:
-            acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
+            acc = acc / divisors[None, :]
         if EPILOGUE == CONV:
             acc = conv_rows(acc, toks, T, rows, row_mask, conv_states, conv_weight, slots, valid, CONV_C, TAPS, LOOP_T)
         offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
@@ -423,6 +424,7 @@ def _quantized_matmul_kernel(
         rows = program_rows(pid_n, BLOCK_N, NVFP4)
         n_rows, target, part = N, out, partial
         row_mask = rows < n_rows
+        divisors = row_divisors(w, rows, row_mask, divisor_offset, NVFP4)
         for kb in range(kb_begin, kb_end):
             k0 = kb * BLOCK_K
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -430,7 +432,7 @@ def _quantized_matmul_kernel(
             wt = load_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
             acc = _tile_dot(xt, wt, acc, IEEE)
         if NVFP4:
-            acc = acc / load_divisors(w, rows, row_mask, divisor_offset)[None, :]
+            acc = acc / divisors[None, :]
     tile = toks[:, None].to(tl.int64) * n_rows + rows[None, :]
     mask = tok_mask[:, None] & row_mask[None, :]
     if SPLIT > 1:
