@@ -481,14 +481,16 @@ def _routed_down_rows(
     act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
     NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """float32 [BLOCK_N]: rows `rows` of pair `pair`'s expert down product, rounded, times its routing weight."""
+    """float32 [BLOCK_N]: rows `rows` of pair `pair`'s expert down product, rounded, times its routing weight (read,
+    like the divisors, before the k loop: after it, a memory round trip after all of the program's compute)."""
     down = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256) + down_offset
+    weight = tl.load(weights + pair).to(tl.float32)
     divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
         xs = load_positions(act + pair * I, k0, I, BLOCK_K)
         acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    return _rounded_down_rows(acc, divisors, act, NVFP4) * tl.load(weights + pair).to(tl.float32)
+    return _rounded_down_rows(acc, divisors, act, NVFP4) * weight
 
 
 @triton.jit
@@ -498,6 +500,7 @@ def _shared_expert_rows(
 ):
     """float32 [BLOCK_N]: rows `rows` of token `tok`'s shared expert, sigmoid(score) * SwiGLU(gate, up) @ down^T,
     rounded where `shared_expert.shared_expert` rounds (before the routed output is added)."""
+    sv = tl.load(score + tok * stride_score)
     divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
@@ -505,7 +508,6 @@ def _shared_expert_rows(
         acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     if NVFP4:
         acc = acc / divisors
-    sv = tl.load(score + tok * stride_score)
     gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
     return (gated * acc.to(sv.dtype).to(tl.float32)).to(sv.dtype).to(tl.float32)
 
