@@ -647,8 +647,6 @@ def _gate_up_swiglu_kernel(
         toks = tl.where(pair_mask, pairs // TOP_K, 0)
         cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
         col_mask = cols_i < I
-        gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
-        up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
@@ -662,6 +660,10 @@ def _gate_up_swiglu_kernel(
             else:
                 acc_gate = tl.dot(xt, tl.trans(wg.to(xt.dtype)), acc_gate)
                 acc_up = tl.dot(xt, tl.trans(wu.to(xt.dtype)), acc_up)
+        # (the divisors after the k loop: a prefill program runs many k tiles, and held through them they cost
+        # registers: 168 against 128 per thread in the sm_90 cubin)
+        gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
+        up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
         y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
         tl.store(act + pairs[:, None] * I + cols_i[None, :], y.to(act.dtype.element_ty), mask=pair_mask[:, None] & col_mask[None, :])
 
@@ -703,7 +705,6 @@ def _down_kernel(
         safe_pairs = tl.where(pair_mask, pairs, 0)
         rows = program_rows(tl.program_id(1), BLOCK_N, NVFP4)
         row_mask = rows < H
-        divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -713,7 +714,7 @@ def _down_kernel(
                 acc = tl.dot(at, tl.trans(wd), acc, input_precision="ieee")
             else:
                 acc = tl.dot(at, tl.trans(wd.to(at.dtype)), acc)
-        y = _rounded_down_rows(acc, divisors, act, NVFP4)
+        y = _rounded_down_rows(acc, row_divisors(down, rows, row_mask, divisor_offset, NVFP4), act, NVFP4)  # after the loop, as above
         w = tl.load(weights + safe_pairs, mask=pair_mask, other=0.0).to(tl.float32)
         tl.store(out + safe_pairs[:, None] * H + rows[None, :], y * w[:, None], mask=pair_mask[:, None] & row_mask[None, :])
 
