@@ -47,8 +47,8 @@ def _reference(x, ids, w, weights):
     return out
 
 
-def _assert_matches_reference(records: tuple, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, **options) -> None:
-    """routed_experts over every expert's record (expert e in row e) equals the float64 evaluation."""
+def _assert_matches_reference(records: tuple, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, **options) -> torch.Tensor:
+    """routed_experts over every expert's record (expert e in row e) equals the float64 evaluation; returns it."""
     from ninfer_offload.kernels.moe import record_table, routed_experts
 
     layout, data, weights = records
@@ -56,6 +56,7 @@ def _assert_matches_reference(records: tuple, x: torch.Tensor, ids: torch.Tensor
     out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout, **options)
     ref = _reference(x, ids, w, weights)
     assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    return out
 
 
 @pytest.mark.parametrize("gate_up_fmt,down_fmt", [("q4_g64_fp16", "q5_g64_fp16"), ("q8_g32_fp16", "q6_g64_fp16")])
@@ -184,8 +185,7 @@ def test_several_tokens_product_on_tensor_cores(product, fmt, monkeypatch):
         w = torch.softmax(torch.randn(t, 3, generator=gen), dim=-1)
         w[0, 0] = 0.0
         product_on_tensor_cores(monkeypatch, product)
-        _assert_matches_reference(records, x, ids, w)
-        on_tensor_cores = moe.routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout)
+        on_tensor_cores = _assert_matches_reference(records, x, ids, w)
         monkeypatch.setattr(moe, threshold, moe.GEMV_MAX_TOKENS + 1)
         monkeypatch.setattr(moe, kernel, LaunchedWith(getattr(moe, kernel).kernel, MMA=False))
         per_token = moe.routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout)
@@ -257,6 +257,7 @@ def test_prefill_over_host_records_matches_reference():
     out = routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), arena, table, layout, host_records=True)
     ref = _reference(x, ids, w, weights)
     assert float((out.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    return out
 
 
 @pytest.mark.parametrize("host_records", [False, True])
