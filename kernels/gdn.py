@@ -220,7 +220,7 @@ FOLDED_CONV_TAPS = tl.constexpr(4)
 @triton.jit
 def conv_inputs(rows, row_mask, states, weight, slots, valid, T, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
     """What `conv_rows` reads, for the product to load before its k loop (read after it, where the conv needs
-    them, they were two dependent memory round trips after all of a program's compute): the taps' weights
+    them, they were three dependent memory round trips after all of a program's compute): the taps' weights
     [4, BLOCK_N] and each token's window [LOOP_T, 4, BLOCK_N] of channels `rows` (float32; rows from TAPS - 1 on,
     and channels from C on, zero), the windows' offsets in `states` and the tokens' valid counts [LOOP_T]."""
     tl.static_assert(TAPS <= FOLDED_CONV_TAPS, "a conv in the product's epilogue has at most FOLDED_CONV_TAPS taps")
