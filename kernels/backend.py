@@ -82,10 +82,7 @@ class TritonBackend(ReferenceBackend):
             return super().linear_pair(x, first, second, conv)
         # the conv in the epilogue for a single token: several sequences' windows are a per-token chain there
         # (H200 batch-8 step 9.36 ms folded, 8.90 unfolded; one token 2.27 against 2.43: bench/results/step_ab_h200_4a7f9f5.json)
-        folded = (
-            conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence and tokens == 1
-            and conv.weight.shape[0] <= gdn.FOLDED_CONV_TAPS.value
-        )
+        folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence and tokens == 1
         epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels) if folded else None
         if _fusable(x, quantized.n):  # both products read the normalised input the kernel computes
             yq, yd, x.total, x.normed = quant_linear.paired_gemv(

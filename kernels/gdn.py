@@ -213,60 +213,31 @@ def _conv_update_kernel(
 CONV_IN_PRODUCT = True
 
 
-# The most taps a conv in a product's epilogue reads (the model's conv has 4).
-FOLDED_CONV_TAPS = tl.constexpr(4)
-
-
 @triton.jit
-def conv_inputs(rows, row_mask, states, weight, slots, valid, T, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
-    """What `conv_rows` reads, for the product to load before its k loop (read after it, where the conv needs
-    them, they were three dependent memory round trips after all of a program's compute): the taps' weights
-    [4, BLOCK_N] and each token's window [LOOP_T, 4, BLOCK_N] of channels `rows` (float32; rows from TAPS - 1 on,
-    and channels from C on, zero), the windows' offsets in `states` and the tokens' valid counts [LOOP_T]."""
-    tl.static_assert(TAPS <= FOLDED_CONV_TAPS, "a conv in the product's epilogue has at most FOLDED_CONV_TAPS taps")
-    conv = (rows < C) & row_mask
-    taps = tl.arange(0, FOLDED_CONV_TAPS)
-    toks = tl.arange(0, LOOP_T)
-    weights = tl.load(weight + taps[:, None] * C + rows[None, :], mask=(taps < TAPS)[:, None] & conv[None, :], other=0.0)
-    offsets = tl.load(slots + toks, mask=toks < T, other=0).to(tl.int64) * (TAPS - 1) * C
-    mask = (toks < T)[:, None, None] & (taps < TAPS - 1)[None, :, None] & conv[None, None, :]
-    windows = tl.load(states + offsets[:, None, None] + taps[None, :, None] * C + rows[None, None, :], mask=mask, other=0.0)
-    return weights.to(tl.float32), windows.to(tl.float32), offsets, tl.load(valid + toks, mask=toks < T, other=0)
-
-
-@triton.jit
-def _tap(values, i):
-    """Row i [BLOCK_N] of a [FOLDED_CONV_TAPS, BLOCK_N] tensor (a sum of one value and zeros: exact)."""
-    return tl.sum(tl.where((tl.arange(0, FOLDED_CONV_TAPS) == i)[:, None], values, 0.0), axis=0)
-
-
-@triton.jit
-def conv_rows(
-    y, toks, T, rows, row_mask, states, weights, windows, offsets, valid, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr
-):
+def conv_rows(y, toks, T, rows, row_mask, states, weight, slots, valid, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
     """`conv_update` of one token per sequence, done by the product that computes its input: y [BLOCK_T,
     BLOCK_N] float32 holds token t's values of channels `rows` (a program's own rows: the conv is
-    depthwise, so no other program reads or writes their windows); token t continues its window (`conv_inputs`:
-    the taps' weights, the windows, their offsets in `states`, the valid counts; advanced when valid > 0).
-    Channels below C become silu(conv), rounded to the states' dtype as `conv_update` stores them; the others pass."""
+    depthwise, so no other program reads or writes their windows); token t continues the window
+    states[slots[t]] (advanced when valid[t] > 0). Channels below C become silu(conv), rounded to the
+    states' dtype as `conv_update` stores them; the others pass."""
     conv = (rows < C) & row_mask
     xr = y.to(states.dtype.element_ty).to(tl.float32)  # the projection as the conv reads it
-    of_token = tl.arange(0, LOOP_T)
     for t in tl.static_range(LOOP_T):
         if t < T:
+            window = states + tl.load(slots + t).to(tl.int64) * (TAPS - 1) * C + rows
             xt = tl.sum(tl.where(toks[:, None] == t, xr, 0.0), axis=0)
-            window = tl.sum(tl.where((of_token == t)[:, None, None], windows, 0.0), axis=0)
             acc = tl.zeros_like(xt)
             for i in tl.static_range(TAPS - 1):
-                acc += _tap(weights, i) * _tap(window, i)
-            acc += _tap(weights, TAPS - 1) * xt
+                acc += tl.load(weight + i * C + rows, mask=conv, other=0.0).to(tl.float32) * tl.load(
+                    window + i * C, mask=conv, other=0.0
+                ).to(tl.float32)
+            acc += tl.load(weight + (TAPS - 1) * C + rows, mask=conv, other=0.0).to(tl.float32) * xt
             act = (acc / (1.0 + tl.exp(-acc))).to(states.dtype.element_ty).to(tl.float32)
             y = tl.where((toks[:, None] == t) & conv[None, :], act[None, :], y)
-            if tl.sum(tl.where(of_token == t, valid, 0)) > 0:  # the window after the token: rows 1.. of the old one, then the token
-                dst = states + tl.sum(tl.where(of_token == t, offsets, 0)) + rows
+            if tl.load(valid + t) > 0:  # the window after the token: rows 1.. of the old one, then the token
                 for i in tl.static_range(TAPS - 2):
-                    tl.store(dst + i * C, _tap(window, i + 1).to(states.dtype.element_ty), mask=conv)
-                tl.store(dst + (TAPS - 2) * C, xt.to(states.dtype.element_ty), mask=conv)
+                    tl.store(window + i * C, tl.load(window + (i + 1) * C, mask=conv, other=0.0), mask=conv)
+                tl.store(window + (TAPS - 2) * C, xt.to(states.dtype.element_ty), mask=conv)
     return y
 
 

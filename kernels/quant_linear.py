@@ -42,7 +42,7 @@ from ninfer_offload.kernels import dense_linear, fitting
 from ninfer_offload.kernels.arrivals import arrival_counts, last_to_arrive, rearm
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.elementwise import add_gated, swiglu
-from ninfer_offload.kernels.gdn import FOLDED_CONV_TAPS, conv_inputs, conv_rows
+from ninfer_offload.kernels.gdn import conv_rows
 from ninfer_offload.kernels.norm import (
     add_rmsnorm, add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum,
 )
@@ -331,10 +331,6 @@ def _quantized_gemv_kernel(
         rows = program_rows(pid, BLOCK_N, NVFP4)
         row_mask = rows < N
         divisors = row_divisors(w, rows, row_mask, divisor_offset, NVFP4)
-        if EPILOGUE == CONV:
-            conv_w, windows, window_offsets, conv_valid = conv_inputs(
-                rows, row_mask, conv_states, conv_weight, slots, valid, T, CONV_C, TAPS, LOOP_T
-            )
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PAD, BLOCK_K):
@@ -358,7 +354,7 @@ def _quantized_gemv_kernel(
         if NVFP4:
             acc = acc / divisors[None, :]
         if EPILOGUE == CONV:
-            acc = conv_rows(acc, toks, T, rows, row_mask, conv_states, conv_w, windows, window_offsets, conv_valid, CONV_C, TAPS, LOOP_T)
+            acc = conv_rows(acc, toks, T, rows, row_mask, conv_states, conv_weight, slots, valid, CONV_C, TAPS, LOOP_T)
         offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
         mask = (toks < T)[:, None] & row_mask[None, :]
         if EPILOGUE == ADD_GATED:
@@ -610,8 +606,6 @@ def _launch_gemv(
     """One launch of the matrix-vector kernel (unused pointer arguments point at `out`); `conv` = (states,
     weight, slots, valid, channels) for the CONV epilogue."""
     t, k = x.shape
-    if conv is not None and conv[1].shape[0] > FOLDED_CONV_TAPS.value:
-        raise ValueError(f"a conv in the product's epilogue has at most {FOLDED_CONV_TAPS.value} taps, not {conv[1].shape[0]}")
     x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
     n = geometry.n
