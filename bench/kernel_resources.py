@@ -53,7 +53,8 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
     for kv, dtype in (("bf16", BF16), ("fp8", "*fp8e4nv")):
         out.append((f"attention decode, {kv} KV", attention._decode_partial_kernel, attend,
                     {"num_warps": 4, "num_stages": attention.DECODE_STAGES, "types": {"k_pool": dtype, "v_pool": dtype}}))
-    tiled = dict(K_PAD=HIDDEN, BLOCK_N=quant_linear.DECODE_BLOCK_N, BLOCK_K=256, IEEE=False, SPLIT=4, EPILOGUE=0, DENSE=False)
+    tiled = dict(K_PAD=HIDDEN, BLOCK_N=quant_linear.DECODE_BLOCK_N, BLOCK_K=256, IEEE=False, SPLIT=4, EPILOGUE=0, DENSE=False,
+                 SCALE_ORDER=quant_linear.TILED_SCALE_ORDER)
     for tokens in (16, 64):
         for name, fmt in (("Q8", Q8), ("NVFP4", NVFP4)):
             out.append((f"tiled product, {tokens} tokens, {name}", quant_linear._quantized_matmul_kernel,

@@ -1,6 +1,6 @@
 """Kernel microbenchmark at Qwen3.6-35B-A3B shapes: achieved HBM bandwidth of each decode kernel.
 
-Usage (on a CUDA machine): python bench/kernel_sweeps.py --out bench/results/kernels_<gpu>.json [--sweeps formats]
+Usage (on a CUDA machine): python bench/kernel_sweeps.py --out bench/results/kernels_<gpu>.json [--sweeps formats] [--set SETTING ...]
 
 `--sweeps formats` measures only the products the nvfp4 recipe stores as nvfp4 (the shared expert's gate/up and
 down, the routed experts), each in the official recipe's row-split formats and in nvfp4 at 1, 4 and 8 tokens, the
@@ -35,6 +35,7 @@ from ninfer_offload.artifact.formats import NVFP4, BlockScaleGeometry, RowSplitG
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels import attention, gdn, moe, quant_linear
 from provenance import gpu_report_header
+from kernel_settings import describe, kernel_modules, parse_setting
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
 COLD_BYTES = 4 << 28  # 1 GiB: 20x the H200's 50 MB L2
@@ -210,8 +211,14 @@ def start_run(doc: str, add_arguments=None) -> tuple[argparse.Namespace, float, 
 def main() -> None:
     def add_arguments(parser) -> None:
         parser.add_argument("--sweeps", choices=("all", "formats"), default="all", help="every kernel and launch shape, or formats only")
+        parser.add_argument("--set", nargs="+", default=[], metavar="SETTING",
+                            help="kernel settings MODULE.NAME=EXPRESSION for the whole run (bench/kernel_settings.py)")
 
     args, bandwidth, header = start_run(__doc__, add_arguments)
+    settings = [parse_setting(text, kernel_modules()) for text in args.set]
+    for module, attr, value in settings:
+        setattr(module, attr, value)
+    header["settings"] = describe(settings)
     results = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -9,7 +9,7 @@ Every variant, the baseline (`current`, the settings as shipped) first, is measu
 (`--batch` sequences of `--context` tokens; the first also steps alone and verifies): `step_ms` (one
 token), `verify_ms` (K + 1 tokens, then the commit of the first, as a rejected round pays),
 `batch_ms`, and their ratios to the variant's own one-token step; with `--profile`, each run's kernels by launch
-shape (which product a launch is: `profiling.kernels_by_launch`). A setting is `MODULE.NAME=EXPRESSION`,
+shape (which product a launch is: `profiling.kernels_by_launch`). A setting is `MODULE.NAME=EXPRESSION` (`kernel_settings`),
 MODULE one of `ninfer_offload.kernels`' modules, EXPRESSION evaluated with those modules in scope
 (e.g. `moe.BATCH_GEMV_TILES=moe.GEMV_TILES`); each is restored after its variant.
 """
@@ -17,7 +17,6 @@ MODULE one of `ninfer_offload.kernels`' modules, EXPRESSION evaluated with those
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import time
 from pathlib import Path
@@ -25,10 +24,9 @@ from pathlib import Path
 import torch
 
 from ninfer_offload.runtime.engine import Engine
+from kernel_settings import describe, kernel_modules, parse_setting
 from profiling import kernels_by_launch
 from provenance import gpu_report_header
-
-MODULES = ("attention", "dense_linear", "gdn", "moe", "norm", "quant_linear", "router", "shared_expert")
 
 
 def median_ms(run, steps: int, repeats: int = 3) -> float:
@@ -41,15 +39,6 @@ def median_ms(run, steps: int, repeats: int = 3) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - began) / steps)
     return sorted(times)[len(times) // 2] * 1e3
-
-
-def parse_setting(text: str, scope: dict) -> tuple[object, str, object]:
-    """(module, attribute, value) of `MODULE.NAME=EXPRESSION`."""
-    target, _, expression = text.partition("=")
-    module_name, _, name = target.strip().partition(".")
-    if module_name not in scope or not name or not expression or not hasattr(scope[module_name], name):
-        raise SystemExit(f"{text!r}: give MODULE.NAME=EXPRESSION with MODULE one of {', '.join(MODULES)} and an existing NAME")
-    return scope[module_name], name, eval(expression, dict(scope))  # a benchmark's own command line
 
 
 def main() -> None:
@@ -66,7 +55,7 @@ def main() -> None:
                         help="also record each variant's kernels by launch shape (profiling.kernels_by_launch)")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
-    scope = {name: importlib.import_module(f"ninfer_offload.kernels.{name}") for name in MODULES}
+    scope = kernel_modules()
     variants = [("current", [])] + [(v[0], [parse_setting(s, scope) for s in v[1:]]) for v in args.variant]
     report = {**gpu_report_header(args.commit), "context": args.context, "batch": args.batch, "draft_tokens": args.draft_tokens,
               "variants": []}
@@ -97,7 +86,7 @@ def main() -> None:
         engine.graphs.graphs.clear()  # recaptured with this variant's settings
         for run in (step, verify, batch):
             run()
-        point = {"variant": name, "settings": [f"{m.__name__.rsplit('.', 1)[-1]}.{a}={v!r}" for m, a, v in settings]}
+        point = {"variant": name, "settings": describe(settings)}
         point.update(step_ms=median_ms(step, args.steps), verify_ms=median_ms(verify, args.steps), batch_ms=median_ms(batch, args.steps))
         point["verify_step_ratio"] = point["verify_ms"] / point["step_ms"]
         point["batch_step_ratio"] = point["batch_ms"] / point["step_ms"]

@@ -143,6 +143,10 @@ PAIR_IN_TILED = True
 # output 18.4 us per launch against 11.1 + 1.7 for the product and a norm launch, the attention output 29.6 against
 # ~14.7, the shared down 7.1 against 6.8. Module-level so benchmarks can compare the two.
 GATED_ADD_IN_TILED = True
+# An nvfp4 tiled program takes its rows in `tiles.program_rows`' scale order (each scale tile's words of its rows
+# contiguous) or, turned off, BLOCK_N consecutive rows (scale words 16 bytes apart, the outputs contiguous).
+# Module-level so benchmarks can compare the two.
+TILED_SCALE_ORDER = True
 
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
@@ -395,13 +399,16 @@ def _quantized_matmul_kernel(
     SPLIT: tl.constexpr,
     EPILOGUE: tl.constexpr,
     DENSE: tl.constexpr,
+    SCALE_ORDER: tl.constexpr,
 ):
     """Programs (row block, token block, K split): a [BLOCK_M, BLOCK_N] tile of x @ W^T over
     K_BLOCKS_PER_SPLIT k tiles, stored, or with ADD_GATED added as routed + sigmoid(score) * rows.
     One split stores its tile in `out`; with SPLIT, each stores its float32 tile in `partial` [SPLIT, T, N] and the
     last of a tile's programs to arrive (`arrivals`) sums the SPLIT tiles in split order into `out`. With DENSE,
     the row blocks from QUANTIZED_BLOCKS are `dense_w`'s (x's dtype, read as it is), into `dense_out`, their
-    partial tiles after W's in `partial` (`paired_tiled`)."""
+    partial tiles after W's in `partial` (`paired_tiled`). With SCALE_ORDER an nvfp4 program takes its rows in
+    `program_rows`' scale order (contiguous scale words), else BLOCK_N consecutive rows; the split tiles in `partial`
+    are kept in program order either way (contiguous lanes: scattered rows made every partial store and load scalar)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -415,15 +422,17 @@ def _quantized_matmul_kernel(
         rows = ((pid_n - QUANTIZED_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         n_rows, target, part = DENSE_N, dense_out, partial + SPLIT * T * N
         row_mask = rows < n_rows
+        lanes = rows
         for kb in range(kb_begin, kb_end):
             cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             xt = tl.load(x_rows + cols[None, :], mask=tok_mask[:, None] & (cols < K)[None, :], other=0.0)
             wt = tl.load(dense_w + rows[:, None] * K + cols[None, :], mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
             acc = _tile_dot(xt, wt, acc, IEEE)
     else:
-        rows = program_rows(pid_n, BLOCK_N, NVFP4)
+        rows = program_rows(pid_n, BLOCK_N, NVFP4 and SCALE_ORDER)
         n_rows, target, part = N, out, partial
         row_mask = rows < n_rows
+        lanes = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # the rows in program order
         divisors = row_divisors(w, rows, row_mask, divisor_offset, NVFP4)
         for kb in range(kb_begin, kb_end):
             k0 = kb * BLOCK_K
@@ -436,12 +445,15 @@ def _quantized_matmul_kernel(
     tile = toks[:, None].to(tl.int64) * n_rows + rows[None, :]
     mask = tok_mask[:, None] & row_mask[None, :]
     if SPLIT > 1:
-        tl.store(part + pid_k.to(tl.int64) * T * n_rows + tile, acc, mask=mask)
+        lane_tile = toks[:, None].to(tl.int64) * n_rows + lanes[None, :]  # the split tiles in program order
+        # (lanes past the rows are rows past them: nvfp4 objects, the reordered ones, have whole 128-row tiles)
+        lane_mask = tok_mask[:, None] & (lanes < n_rows)[None, :]
+        tl.store(part + pid_k.to(tl.int64) * T * n_rows + lane_tile, acc, mask=lane_mask)
         count = arrivals + pid_m * tl.num_programs(0) + pid_n
         if last_to_arrive(count, SPLIT):
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT):  # read through L2: other programs wrote these rows
-                acc += tl.load(part + s * T * n_rows + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                acc += tl.load(part + s * T * n_rows + lane_tile, mask=lane_mask, other=0.0, cache_modifier=".cg")
             if EPILOGUE == ADD_GATED:
                 acc = gated_add(acc, routed, score, stride_score, toks, T, tile, mask, out)
             tl.store(target + tile, acc.to(out.dtype.element_ty), mask=mask)
@@ -748,7 +760,7 @@ def _tiled_launch(
         out if dense_out is None else targets[1], t, n, geometry.k, dense_n, quantized_blocks,
         g.high_offset, g.scale_offset, g.divisor_offset, per_split, NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLIT=1 if summed_after else split,
-        EPILOGUE=(ADD_GATED if in_launch else STORE).value, DENSE=dense_w is not None,
+        EPILOGUE=(ADD_GATED if in_launch else STORE).value, DENSE=dense_w is not None, SCALE_ORDER=TILED_SCALE_ORDER,
         num_warps=DECODE_WARPS, num_stages=TILED_STAGES,
     )
     if summed_after:

@@ -31,10 +31,13 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double().cpu() - ref).norm() / ref.norm())
 
 
+@pytest.mark.parametrize("scale_order", [True, False])
 @pytest.mark.parametrize("n,k", [(128, 64), (256, 320)])
-def test_linear_matches_codec_values(n, k):
+def test_linear_matches_codec_values(n, k, scale_order, monkeypatch):
+    from ninfer_offload.kernels import quant_linear
     from ninfer_offload.kernels.quant_linear import FUSED_MAX_TOKENS, dequantize_matrix, quantized_linear
 
+    monkeypatch.setattr(quant_linear, "TILED_SCALE_ORDER", scale_order)  # the tiled kernel's rows in either order
     data, weight = _matrix(n, k, divisors=n // 128, seed=n + k)
     geometry = runtime_geometry("nvfp4", n, k)
     assert torch.equal(dequantize_matrix(data, geometry, torch.float32).cpu(), weight)  # correctly rounded division
