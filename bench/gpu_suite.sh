@@ -16,7 +16,7 @@ if [ -n "$WHEELS" ]; then
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-COMMIT=${COMMIT:-unknown}
+COMMIT=${COMMIT:-unknown}  # pass it: a device copy's git metadata can be older than its tree
 RUN=$(mktemp -d)
 cp -r bench tests "$RUN"/ && cd "$RUN" || exit 1
 artifact() { [ -f /tmp/q36.ninfer ] || python3 bench/make_synthetic.py /tmp/q36.ninfer > "$OUT/synthetic.log" 2>&1; }

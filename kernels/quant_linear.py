@@ -144,9 +144,13 @@ PAIR_IN_TILED = True
 # ~14.7, the shared down 7.1 against 6.8. Module-level so benchmarks can compare the two.
 GATED_ADD_IN_TILED = True
 # An nvfp4 tiled program takes its rows in `tiles.program_rows`' scale order (each scale tile's words of its rows
-# contiguous) or, turned off, BLOCK_N consecutive rows (scale words 16 bytes apart, the outputs contiguous).
-# Module-level so benchmarks can compare the two.
-TILED_SCALE_ORDER = True
+# contiguous) or, turned off, BLOCK_N consecutive rows (scale words 16 bytes apart, the outputs contiguous). The
+# tiled kernel reads VRAM-resident matrices only (the shared expert's), where the sectors its scale reads leave are
+# L2 hits for the neighbouring programs. H200 at 159a093, 8 tokens, nvfp4 against Q4's bandwidth fraction
+# (bench/results/kernels_h200_formats{,_rows}_159a093.json): shared gate/up 95 % in scale order, 98 % in consecutive
+# rows; shared down 101 / 105 % (70 and 89 % before the split tiles were kept in program order). Module-level so
+# benchmarks can compare the two.
+TILED_SCALE_ORDER = False
 
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
