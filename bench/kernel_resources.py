@@ -95,6 +95,8 @@ def compile_for(kernel, constexprs: dict, options: dict, arch: int):
     """The kernel compiled for sm_`arch`, its pointers and integers taken as multiples of 16 (as a launch on the device
     specializes aligned ones; with every one aligned the pipeline stages the most: an upper bound)."""
     params = list(inspect.signature(kernel.fn).parameters)
+    if "PDL" in params:  # launched plainly (`launch.launch_options`): the same resources up to two instructions
+        constexprs = {"PDL": False, **constexprs}
     types = {**POINTERS, **options.get("types", {})}
     signature = {
         name: "constexpr" if name in constexprs else types.get(name, "fp32" if name in FLOATS else "i32") for name in params

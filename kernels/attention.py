@@ -21,6 +21,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ninfer_offload.kernels import fitting
+from ninfer_offload.kernels.launch import await_producer, launch_options
 
 # Cached positions per program in decode. H200 sweep at a 32K capacity (bench/sweep_decode.py):
 # 256 takes 10.6 / 12.8 / 34.6 us at 1K / 8K / 32K cached rows, 128 takes 9.5 / 16.2 / 52.9 (more
@@ -66,7 +67,9 @@ def _decode_partial_kernel(
     SPAN_SIZE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_producer(PDL)
     hkv = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
@@ -117,8 +120,9 @@ def _decode_partial_kernel(
 @triton.jit
 def _decode_merge_kernel(
     part_out, part_max, part_sum, lengths, out, NSPLIT, T,
-    HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, SPAN_SIZE: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, SPAN_SIZE: tl.constexpr, BLOCK_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_producer(PDL)
     # One (token row, query head): the partial softmaxes of the spans its length reaches, combined in a
     # fixed order (the first span of a token always holds its own row; later ones may be empty lanes).
     h = tl.program_id(0).to(tl.int64)
@@ -176,12 +180,12 @@ def attention_decode(
         q.contiguous(), k_pool, v_pool, slots, lengths, part_out, part_max, part_sum, d**-0.5, k_pool.stride(0), capacity,
         tokens_per_sequence, HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d),
         GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=span, BLOCK_S=64, IEEE=q.dtype == torch.float32,
-        num_stages=DECODE_STAGES,
+        num_stages=DECODE_STAGES, **launch_options(q.device),
     )
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(n * hq,)](
         part_out, part_max, part_sum, lengths, out, nsplit, tokens_per_sequence,
-        HQ=hq, D=d, D_PAD=triton.next_power_of_2(d), SPAN_SIZE=span, BLOCK_SPLIT=MERGE_BLOCK,
+        HQ=hq, D=d, D_PAD=triton.next_power_of_2(d), SPAN_SIZE=span, BLOCK_SPLIT=MERGE_BLOCK, **launch_options(q.device),
     )
     return out
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer_offload.kernels.launch import await_producer, launch_options
+
 
 @triton.jit
 def _gates(a_ptr, b_ptr, neg_rate, bias):
@@ -60,7 +62,10 @@ def _gdn_recurrent_kernel(
     DK_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     KEEP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """One (value head, column slice, sequence): its state slice, read while the kernel before this one finishes
+    (only this kernel writes the states; `launch.await_producer`), stepped through the sequence's valid tokens."""
     h = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     seq = tl.program_id(2)
@@ -76,6 +81,7 @@ def _gdn_recurrent_kernel(
     neg_rate = -tl.exp(tl.load(a_log + h).to(tl.float32))
     bias = tl.load(dt_bias + h).to(tl.float32)
     n = tl.load(valid + seq).to(tl.int32)
+    await_producer(PDL)
     for t in range(n):
         row = seq * T + t
         qt = tl.load(q + row * stride_q + hk * DK + dk, mask=kmask, other=0.0).to(tl.float32)
@@ -142,6 +148,7 @@ def gdn_decode(
         states if kept is None else kept, out, tokens_per_sequence, 0 if kept is None else kept.shape[1],
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v, KEEP=kept is not None,
+        **launch_options(v.device),
     )
     return out
 
@@ -176,7 +183,9 @@ def _conv_update_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     KEEP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_producer(PDL)
     # Window row w of sequence `seq` is state row w for w < TAPS-1, then input row seq*T + w - (TAPS-1);
     # token t reads window rows t..t+TAPS-1, and the window after it is rows t+1..t+TAPS-1. Only the
     # first token block (one, or BLOCK_T >= TAPS-1) reads state rows, so its program writes the new window.
@@ -271,7 +280,7 @@ def conv_update(
         x, slots, valid, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
         tokens_per_sequence, c, x.stride(0), out.stride(0), 0 if kept is None else kept.shape[1],
         TAPS=taps, PREV_PAD=triton.next_power_of_2(taps - 1), BLOCK_T=block_t,
-        BLOCK_C=block_c, KEEP=kept is not None,
+        BLOCK_C=block_c, KEEP=kept is not None, **launch_options(x.device),
     )
     return out
 

@@ -58,6 +58,7 @@ from ninfer_offload.model.backend import SharedExpert
 from ninfer_offload.model.experts import count_uses
 from ninfer_offload.kernels import fitting, shared_expert
 from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts, last_to_arrive, rearm
+from ninfer_offload.kernels.launch import await_producer, launch_options
 from ninfer_offload.kernels.nvfp4 import row_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
@@ -323,11 +324,13 @@ def _gate_up_swiglu_gemv_kernel(
     MMA: tl.constexpr,
     COUNT: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Gate and up columns of the expert of each first pair, decoded once, for every pair routed to it; SwiGLU
     of each pair into `act`. Per token on CUDA cores, or with MMA every pair of the expert at once on tensor
     cores (as `_down_shared_gemv_kernel` does). With COUNT, each pair's first program adds 1 to `use_counts` at
     its expert (`model.experts.count_uses`)."""
+    await_producer(PDL)
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
     if COUNT:
         if tl.program_id(1) == 0:
@@ -416,6 +419,7 @@ def _down_shared_gemv_kernel(
     MMA: tl.constexpr,
     IEEE: tl.constexpr,
     SUM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Several tokens: the expert of each first pair, decoded once, applied to every pair routed to it;
     each pair's weighted output row (float32) goes to `weighted` for the per-token sum. Per token on CUDA
@@ -423,6 +427,7 @@ def _down_shared_gemv_kernel(
     product: one product unless a token uses the expert in several slots; no per-token loop or reduction).
     With SUM, the last of a row slice's programs to arrive (`arrivals`; every pair's program arrives, owner
     or not) sums each token's TOP_K weighted rows in slot order into `out`."""
+    await_producer(PDL)
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
     rows = program_rows(tl.program_id(1), BLOCK_N, NVFP4)
     row_mask = rows < H
@@ -552,6 +557,7 @@ def _down_split_gemv_kernel(
     S_GROUP: tl.constexpr,
     S_K_PAD: tl.constexpr,
     S_BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """A program per (row slice, slot, token): its expert's down rows, rounded and weighted, into
     `partial` (float32); with SHARED_EXPERT a program per (row slice, token) more: the shared
@@ -559,6 +565,7 @@ def _down_split_gemv_kernel(
     sigmoid(score) as `shared_expert` rounds them. The last of a slice's programs to arrive
     (`arrivals`, zero between launches) sums the slice's TOP_K routed rows in slot order into `out`
     (plus the shared expert's rows after rounding the routed sum) and zeroes its count again."""
+    await_producer(PDL)
     block, j, tok = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = program_rows(block, BLOCK_N, NVFP4)
     row_mask = rows < H
@@ -896,7 +903,7 @@ def _routed_experts_gemv(
         gu.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter),
         BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n,
         BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, COUNT=uses is not None, IEEE=x.dtype == torch.float32,
-        num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages,
+        num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages, **launch_options(x.device),
     )
     weights = topk_weights.contiguous()
     blocks = triton.cdiv(hidden, SPLIT_DOWN_N)
@@ -915,7 +922,7 @@ def _routed_experts_gemv(
             gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
             GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), SHARED_EXPERT=fold,
             S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K),
-            num_warps=SPLIT_DOWN_WARPS, num_stages=tiles.stages,
+            num_warps=SPLIT_DOWN_WARPS, num_stages=tiles.stages, **launch_options(x.device),
         )
         return out if fold else _with_shared(out, shared)
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
@@ -929,7 +936,7 @@ def _routed_experts_gemv(
         layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs,
         NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=down_tiles.down_n,
         BLOCK_K=gemv_block_k(dn.k_pad, down_tiles.block_k), MMA=mma, IEEE=x.dtype == torch.float32, SUM=summed,
-        num_warps=down_tiles.warps, num_stages=down_tiles.stages,
+        num_warps=down_tiles.warps, num_stages=down_tiles.stages, **launch_options(x.device),
     )
     return _with_shared(out if summed else sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
 

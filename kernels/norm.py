@@ -7,9 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer_offload.kernels.launch import await_producer, launch_options
+
 
 @triton.jit
-def _rmsnorm_kernel(x, w, out, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rmsnorm_kernel(x, w, out, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    await_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -31,7 +34,9 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch
     out = torch.empty_like(xc)
     rows = xc.numel() // d
     if rows:
-        _rmsnorm_kernel[(rows,)](xc, w.contiguous(), out, d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d))
+        _rmsnorm_kernel[(rows,)](
+            xc, w.contiguous(), out, d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d), **launch_options(xc.device)
+        )
     return out
 
 
@@ -58,7 +63,8 @@ def residual_inv_rms(x, delta, D, eps, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
+def _add_rmsnorm_kernel(x, delta, total, out, w, D, eps, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    await_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     add_rmsnorm_row(x + row * D, delta + row * D, total + row * D, out + row * D, w, D, eps, OFFSET, BLOCK_D)
 
@@ -88,7 +94,9 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: floa
     total, out = torch.empty_like(xc), torch.empty_like(xc)
     rows = xc.numel() // d
     if rows:
-        _add_rmsnorm_kernel[(rows,)](xc, dc, total, out, w.contiguous(), d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d))
+        _add_rmsnorm_kernel[(rows,)](
+            xc, dc, total, out, w.contiguous(), d, eps, OFFSET=offset, BLOCK_D=triton.next_power_of_2(d), **launch_options(xc.device)
+        )
     return total, out
 
 

@@ -43,6 +43,7 @@ from ninfer_offload.kernels.arrivals import arrival_counts, last_to_arrive, rear
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.elementwise import add_gated, swiglu
 from ninfer_offload.kernels.gdn import conv_rows
+from ninfer_offload.kernels.launch import await_producer, launch_options
 from ninfer_offload.kernels.norm import (
     add_rmsnorm, add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum,
 )
@@ -274,6 +275,26 @@ def gated_add(acc, routed, score, stride_score, toks, T, offsets, mask, out):
 
 
 @triton.jit
+def _accumulate_tile(
+    acc, codes, scales, k0, x, x2, toks, T, stride_x, stride_x2, K, norm_w, eps,
+    INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, GROUP: tl.constexpr, MMA: tl.constexpr, IEEE: tl.constexpr,
+):
+    """acc [BLOCK_T, BLOCK_N] plus every token's product with one decoded weight tile (columns from k0): on tensor
+    cores for every token at once with MMA, else per token (rows past T repeat the last; they are never stored)."""
+    if MMA:
+        xs = _token_input_positions(x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K)
+        acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
+    else:
+        for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
+            token = tl.minimum(t, T - 1).to(tl.int64)
+            xs = input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
+            part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
+            acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _quantized_gemv_kernel(
     x,
     x2,
@@ -321,6 +342,7 @@ def _quantized_gemv_kernel(
     MMA: tl.constexpr,
     IEEE: tl.constexpr,
     TAPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
     W, per token on CUDA cores or, with MMA (BLOCK_T >= 16), for every token at once on tensor cores;
@@ -331,6 +353,7 @@ def _quantized_gemv_kernel(
     tl.static_assert(not (MMA and INPUT == ADD_NORM), "tensor-core products take the residual's norm from add_rmsnorm")
     pid = tl.program_id(0)
     if DENSE and pid >= QUANTIZED_PROGRAMS:
+        await_producer(PDL)
         dense_gemv_rows(
             pid - QUANTIZED_PROGRAMS, x, x2, stride_x, stride_x2, norm_w, eps, dense_w, dense_out, T, DENSE_N, K,
             LOOP_T, DENSE_BLOCK_N, DENSE_BLOCK_K, INPUT == ADD_NORM, ROW_BLOCK,
@@ -340,18 +363,19 @@ def _quantized_gemv_kernel(
         row_mask = rows < N
         divisors = row_divisors(w, rows, row_mask, divisor_offset, NVFP4)
         toks = tl.arange(0, BLOCK_T)
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K_PAD, BLOCK_K):
+        # the first weight tile is read while the kernel before this one finishes (`launch.await_producer`)
+        codes, scales = load_gemv_tile(w, rows, row_mask, 0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        await_producer(PDL)
+        acc = _accumulate_tile(
+            tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), codes, scales, 0, x, x2, toks, T, stride_x, stride_x2, K, norm_w, eps,
+            INPUT, NORM_D, BLOCK_T, BLOCK_N, BLOCK_K, ROW_BLOCK, GROUP, MMA, IEEE,
+        )
+        for k0 in range(BLOCK_K, K_PAD, BLOCK_K):
             codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-            if MMA:
-                xs = _token_input_positions(x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K)
-                acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
-            else:
-                for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
-                    token = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last (never stored)
-                    xs = input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
-                    part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
-                    acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
+            acc = _accumulate_tile(
+                acc, codes, scales, k0, x, x2, toks, T, stride_x, stride_x2, K, norm_w, eps,
+                INPUT, NORM_D, BLOCK_T, BLOCK_N, BLOCK_K, ROW_BLOCK, GROUP, MMA, IEEE,
+            )
         if INPUT == ADD_NORM:
             if pid == 0:
                 for t in tl.static_range(LOOP_T):
@@ -404,6 +428,7 @@ def _quantized_matmul_kernel(
     EPILOGUE: tl.constexpr,
     DENSE: tl.constexpr,
     SCALE_ORDER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Programs (row block, token block, K split): a [BLOCK_M, BLOCK_N] tile of x @ W^T over
     K_BLOCKS_PER_SPLIT k tiles, stored, or with ADD_GATED added as routed + sigmoid(score) * rows.
@@ -413,6 +438,7 @@ def _quantized_matmul_kernel(
     partial tiles after W's in `partial` (`paired_tiled`). With SCALE_ORDER an nvfp4 program takes its rows in
     `program_rows`' scale order (contiguous scale words), else BLOCK_N consecutive rows; the split tiles in `partial`
     are kept in program order either way (contiguous lanes: scattered rows made every partial store and load scalar)."""
+    await_producer(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -646,7 +672,7 @@ def _launch_gemv(
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
         conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
         TAPS=conv_weight.shape[0] if conv is not None else 1,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(x.device),
     )
 
 
@@ -765,7 +791,7 @@ def _tiled_launch(
         g.high_offset, g.scale_offset, g.divisor_offset, per_split, NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLIT=1 if summed_after else split,
         EPILOGUE=(ADD_GATED if in_launch else STORE).value, DENSE=dense_w is not None, SCALE_ORDER=TILED_SCALE_ORDER,
-        num_warps=DECODE_WARPS, num_stages=TILED_STAGES,
+        num_warps=DECODE_WARPS, num_stages=TILED_STAGES, **launch_options(x.device),
     )
     if summed_after:
         out, dense_out = (sum_middle(rows.view(1, split, -1), x.dtype).view(t, -1) if rows.shape[2] else None for rows in targets)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer_offload.kernels.launch import await_producer, launch_options
+
 
 @triton.jit
 def _norm_rotate(x, w, position, inv_freq, eps, D: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr):
@@ -53,8 +55,9 @@ def _qk_norm_rotary_kernel(
 @triton.jit
 def _attention_inputs_kernel(
     q, k, v, stride_q, stride_k, stride_v, q_norm, k_norm, positions, inv_freq, kv_rows, q_out, k_pool, v_pool, eps,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, D_PAD)
@@ -106,6 +109,6 @@ def attention_inputs(
         _attention_inputs_kernel[(t, hq + 2 * hkv)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), q_norm.contiguous(), k_norm.contiguous(), positions.contiguous(),
             inv_freq.contiguous(), kv_rows.contiguous(), out, k_pool, v_pool, eps,
-            HQ=hq, HKV=hkv, D=d, ROT=dim, D_PAD=triton.next_power_of_2(d),
+            HQ=hq, HKV=hkv, D=d, ROT=dim, D_PAD=triton.next_power_of_2(d), **launch_options(q.device),
         )
     return out

@@ -12,9 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer_offload.kernels.launch import await_producer, launch_options
+
 
 @triton.jit
-def _softmax_topk_kernel(logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+def _softmax_topk_kernel(
+    logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr
+):
+    await_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
@@ -49,5 +54,6 @@ def softmax_topk(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[
         _softmax_topk_kernel[(t,)](
             logits, ids, weights, e, logits.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e),
             num_warps=1,  # every reduction stays inside one warp (shuffles, no shared-memory round trip)
+            **launch_options(logits.device),
         )
     return ids, weights

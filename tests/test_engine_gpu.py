@@ -119,3 +119,32 @@ def test_cuda_batched_steps_on_device_tokens_equal_host_steps(tiny_artifact_offi
         queued = following
     got.append(queued.read())
     assert got == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs sm_90+")
+def test_dependent_launches_equal_plain_launches(tiny_artifact_official, monkeypatch):
+    """Kernels launched with programmatic dependent launch (`kernels.launch`, on by default on sm_90+) give the
+    logits of plain launches, bit for bit: one-token steps, a 4-token verification and a batched step, replayed
+    from CUDA graphs, resident and with experts read from pinned host memory."""
+    from ninfer_offload.kernels import launch
+
+    def run(experts: str) -> list[torch.Tensor]:
+        slots = {"num_slots": 3} if experts == "host" else {}
+        engine = Engine.load(tiny_artifact_official, device="cuda", max_sequences=3, spec="none", experts=experts, **slots)
+        assert engine.graphs is not None
+        sessions = [engine.session() for _ in range(3)]
+        for i, session in enumerate(sessions):
+            session.prefill(PROMPT[: 12 + 7 * i])
+        out = [sessions[0].step(token) for token in PROMPT[30:34]]
+        out.append(engine.step([sessions[1]], [PROMPT[20:24]]))
+        sessions[1].commit(2)
+        out.append(engine.step_batch(sessions, [5, 6, 7]))
+        return out
+
+    for experts in ("resident", "host"):
+        monkeypatch.setattr(launch, "ENABLED", True)
+        dependent = run(experts)
+        monkeypatch.setattr(launch, "ENABLED", False)
+        plain = run(experts)
+        for got, want in zip(dependent, plain):
+            assert torch.equal(got, want), experts
