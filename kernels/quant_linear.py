@@ -153,6 +153,10 @@ GATED_ADD_IN_TILED = True
 # benchmarks can compare the two.
 TILED_SCALE_ORDER = False
 
+# Matrix-vector products of one k tile read it before they wait for the kernel before them (`launch`): the
+# tile's loads overlap that kernel's tail. Not those of several tiles: held across the wait, the first tile
+# doubled the Q6 head's registers (201 against 123 at 1f34b74) and slowed it from 170 to 236 us.
+PREFETCH_ONE_TILE = True
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
 # x; silu(x) * x2; x * sigmoid(x2); rmsnorm(x) per NORM_D columns * norm_w * silu(x2);
@@ -343,13 +347,15 @@ def _quantized_gemv_kernel(
     IEEE: tl.constexpr,
     TAPS: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
     W, per token on CUDA cores or, with MMA (BLOCK_T >= 16), for every token at once on tensor cores;
     loops over the tokens themselves unroll LOOP_T (T's next power of two) times.
     With DENSE, the programs after them: DENSE_BLOCK_N rows each of the product with `dense_w`
     (`paired_gemv`). With ADD_NORM, program 0 also stores each token's x + x2 and its norm
-    (`add_rmsnorm`'s outputs) in `total` and `normed`, for the ops after this one."""
+    (`add_rmsnorm`'s outputs) in `total` and `normed`, for the ops after this one. With PREFETCH (PDL, a
+    product of one k tile) a program reads its weight tile before it waits for the kernel before this one."""
     tl.static_assert(not (MMA and INPUT == ADD_NORM), "tensor-core products take the residual's norm from add_rmsnorm")
     pid = tl.program_id(0)
     if DENSE and pid >= QUANTIZED_PROGRAMS:
@@ -363,19 +369,24 @@ def _quantized_gemv_kernel(
         row_mask = rows < N
         divisors = row_divisors(w, rows, row_mask, divisor_offset, NVFP4)
         toks = tl.arange(0, BLOCK_T)
-        # the first weight tile is read while the kernel before this one finishes (`launch.await_producer`)
-        codes, scales = load_gemv_tile(w, rows, row_mask, 0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-        await_producer(PDL)
-        acc = _accumulate_tile(
-            tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), codes, scales, 0, x, x2, toks, T, stride_x, stride_x2, K, norm_w, eps,
-            INPUT, NORM_D, BLOCK_T, BLOCK_N, BLOCK_K, ROW_BLOCK, GROUP, MMA, IEEE,
-        )
-        for k0 in range(BLOCK_K, K_PAD, BLOCK_K):
-            codes, scales = load_gemv_tile(w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        if PREFETCH:  # the one weight tile, read while the kernel before this one finishes (`launch.await_producer`)
+            codes, scales = load_gemv_tile(w, rows, row_mask, 0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+            await_producer(PDL)
             acc = _accumulate_tile(
-                acc, codes, scales, k0, x, x2, toks, T, stride_x, stride_x2, K, norm_w, eps,
+                acc, codes, scales, 0, x, x2, toks, T, stride_x, stride_x2, K, norm_w, eps,
                 INPUT, NORM_D, BLOCK_T, BLOCK_N, BLOCK_K, ROW_BLOCK, GROUP, MMA, IEEE,
             )
+        else:
+            await_producer(PDL)
+            for k0 in range(0, K_PAD, BLOCK_K):
+                codes, scales = load_gemv_tile(
+                    w, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+                )
+                acc = _accumulate_tile(
+                    acc, codes, scales, k0, x, x2, toks, T, stride_x, stride_x2, K, norm_w, eps,
+                    INPUT, NORM_D, BLOCK_T, BLOCK_N, BLOCK_K, ROW_BLOCK, GROUP, MMA, IEEE,
+                )
         if INPUT == ADD_NORM:
             if pid == 0:
                 for t in tl.static_range(LOOP_T):
@@ -659,20 +670,21 @@ def _launch_gemv(
     score = score if add_gated else out
     quantized_programs = triton.cdiv(n, tiles.block_n)
     dense_n = 0 if dense_w is None else dense_w.shape[0]
+    block_k, pdl = gemv_block_k(g.k_pad, tiles.block_k), launch_options(x.device)
     _quantized_gemv_kernel[(quantized_programs + triton.cdiv(dense_n, dense_linear.GEMV_BLOCK_N),)](
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
         out if total is None else total, out if normed is None else normed, out if dense_w is None else dense_w,
         out if dense_out is None else dense_out, t, n, k, dense_n, quantized_programs, g.high_offset, g.scale_offset, g.divisor_offset,
         NVFP4=g.nvfp4, BITS=g.bits, GROUP=g.group, K_PAD=g.k_pad, BLOCK_T=max(MMA_BLOCK_T, block_t) if mma else block_t,
         BLOCK_N=tiles.block_n,
-        BLOCK_K=gemv_block_k(g.k_pad, tiles.block_k), INPUT=input_op.value, NORM_D=norm_d,
+        BLOCK_K=block_k, INPUT=input_op.value, NORM_D=norm_d,
         EPILOGUE=(ADD_GATED if add_gated else CONV if conv is not None else STORE).value,
         ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
         conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
         TAPS=conv_weight.shape[0] if conv is not None else 1,
-        num_warps=tiles.warps, num_stages=tiles.stages, **launch_options(x.device),
+        num_warps=tiles.warps, num_stages=tiles.stages, PREFETCH=pdl["PDL"] and PREFETCH_ONE_TILE and block_k == g.k_pad, **pdl,
     )
 
 

@@ -130,7 +130,9 @@ def test_dependent_launches_equal_plain_launches(tiny_artifact_official, monkeyp
 
     def run(experts: str) -> list[torch.Tensor]:
         slots = {"num_slots": 3} if experts == "host" else {}
-        engine = Engine.load(tiny_artifact_official, device="cuda", max_sequences=3, spec="none", experts=experts, **slots)
+        engine = Engine.load(
+            tiny_artifact_official, device="cuda", max_sequences=3, spec="none", mtp=True, draft_tokens=3, experts=experts, **slots
+        )
         assert engine.graphs is not None
         sessions = [engine.session() for _ in range(3)]
         for i, session in enumerate(sessions):
