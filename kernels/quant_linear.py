@@ -153,10 +153,12 @@ GATED_ADD_IN_TILED = True
 # benchmarks can compare the two.
 TILED_SCALE_ORDER = False
 
-# Matrix-vector products of one k tile read it before they wait for the kernel before them (`launch`): the
-# tile's loads overlap that kernel's tail. Not those of several tiles: held across the wait, the first tile
-# doubled the Q6 head's registers (201 against 123 at 1f34b74) and slowed it from 170 to 236 us.
-PREFETCH_ONE_TILE = True
+# Matrix-vector products of one k tile and at least PREFETCH_MIN_TOKENS tokens read the tile before they wait for
+# the kernel before them (`launch`), so its loads overlap that kernel's tail. H200, step A/B at f5f1a7c: a 3-draft
+# verification 4.51 against 4.56 ms without it, but a one-token step 2.29 against 2.15 (held across the wait, the
+# tile raised the one-token q/k/v/z product from 80 to 182 registers: a third of the programs resident per SM).
+# Products of several tiles never do: the Q6 head's first tile took it from 123 to 201 registers, 170 to 236 us.
+PREFETCH_MIN_TOKENS = 2
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
 # x; silu(x) * x2; x * sigmoid(x2); rmsnorm(x) per NORM_D columns * norm_w * silu(x2);
@@ -355,7 +357,8 @@ def _quantized_gemv_kernel(
     With DENSE, the programs after them: DENSE_BLOCK_N rows each of the product with `dense_w`
     (`paired_gemv`). With ADD_NORM, program 0 also stores each token's x + x2 and its norm
     (`add_rmsnorm`'s outputs) in `total` and `normed`, for the ops after this one. With PREFETCH (PDL, a
-    product of one k tile) a program reads its weight tile before it waits for the kernel before this one."""
+    product of one k tile: `PREFETCH_MIN_TOKENS`) a program reads its weight tile before it waits for the kernel
+    before this one."""
     tl.static_assert(not (MMA and INPUT == ADD_NORM), "tensor-core products take the residual's norm from add_rmsnorm")
     pid = tl.program_id(0)
     if DENSE and pid >= QUANTIZED_PROGRAMS:
@@ -684,7 +687,7 @@ def _launch_gemv(
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
         conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
         TAPS=conv_weight.shape[0] if conv is not None else 1,
-        num_warps=tiles.warps, num_stages=tiles.stages, PREFETCH=pdl["PDL"] and PREFETCH_ONE_TILE and block_k == g.k_pad, **pdl,
+        num_warps=tiles.warps, num_stages=tiles.stages, PREFETCH=pdl["PDL"] and t >= PREFETCH_MIN_TOKENS and block_k == g.k_pad, **pdl,
     )
 
 

@@ -40,15 +40,18 @@ def test_cuda_bfloat16_reference_engine_is_close_to_cpu_float32(tiny_artifact):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_cuda_pinned_host_experts_equal_resident(tiny_artifact_official, backend):
-    resident = Engine.load(tiny_artifact_official, device="cuda", backend=backend, spec="none")
-    host = Engine.load(tiny_artifact_official, device="cuda", experts="host", num_slots=3, backend=backend, spec="none")
+    """Experts in pinned host memory give the resident logits: prefill and decode steps. In float32 and to its
+    rounding: the Triton prefill over host records takes 256-column k tiles (`moe.HOST_PREFILL_TILES`, rows read
+    over PCIe in long runs) where resident records take 64, so its sums are added in another order."""
+    resident = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend=backend, spec="none")
+    host = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", experts="host", num_slots=3, backend=backend, spec="none")
     assert host.store.host[0].is_pinned()
-    assert torch.equal(host.logits(PROMPT), resident.logits(PROMPT))
+    assert _relative(host.logits(PROMPT), resident.logits(PROMPT)) < 1e-5
     sessions = [resident.session(), host.session()]
     for session in sessions:
-        session.prefill(LONG_PROMPT[:140])  # longer than a prompt replayed in pieces: both prefills run the same kernels
+        session.prefill(LONG_PROMPT[:140])  # longer than a prompt replayed in pieces
     for token in LONG_PROMPT[140:146]:
-        assert torch.equal(*[session.step(token) for session in sessions])
+        assert _relative(*[session.step(token) for session in sessions]) < 1e-5
     assert host.store.stats.uses > host.store.stats.hits  # some experts were read from host memory
 
 
