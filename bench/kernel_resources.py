@@ -96,7 +96,8 @@ def compile_for(kernel, constexprs: dict, options: dict, arch: int):
     specializes aligned ones; with every one aligned the pipeline stages the most: an upper bound)."""
     params = list(inspect.signature(kernel.fn).parameters)
     if "PDL" in params:  # launched plainly (`launch.launch_options`): the same resources up to two instructions
-        constexprs = {"PDL": False, **({"PREFETCH": False} if "PREFETCH" in params else {}), **constexprs}
+        plain = {"PREFETCH": False, "L2_CODE_ROW": 1, "L2_CODE_LINES": 0, "L2_SCALE_ROW": 1, "L2_SCALE_LINES": 0}
+        constexprs = {"PDL": False, **{name: value for name, value in plain.items() if name in params}, **constexprs}
     types = {**POINTERS, **options.get("types", {})}
     signature = {
         name: "constexpr" if name in constexprs else types.get(name, "fp32" if name in FLOATS else "i32") for name in params

@@ -51,3 +51,14 @@ def await_producer(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_to_l2(start, NBYTES: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 for the NBYTES bytes from `start` (a uint8 pointer), one `prefetch.global.L2` per 128-byte line
+    (LINES >= NBYTES / 128; those past the end repeat the last line): a kernel's weights read into L2 before
+    `await_producer` without holding a register."""
+    offsets = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, NBYTES - 1)
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [start + offsets], dtype=tl.int32, is_pure=False, pack=1
+    )

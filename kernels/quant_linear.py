@@ -43,7 +43,7 @@ from ninfer_offload.kernels.arrivals import arrival_counts, last_to_arrive, rear
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.elementwise import add_gated, swiglu
 from ninfer_offload.kernels.gdn import conv_rows
-from ninfer_offload.kernels.launch import await_producer, launch_options
+from ninfer_offload.kernels.launch import await_producer, launch_options, prefetch_to_l2
 from ninfer_offload.kernels.norm import (
     add_rmsnorm, add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum,
 )
@@ -159,6 +159,9 @@ TILED_SCALE_ORDER = False
 # tile raised the one-token q/k/v/z product from 80 to 182 registers: a third of the programs resident per SM).
 # Products of several tiles never do: the Q6 head's first tile took it from 123 to 201 registers, 170 to 236 us.
 PREFETCH_MIN_TOKENS = 2
+# Products that do not read their tile before the wait ask L2 for their rows' row-split codes (the low plane) and
+# scales there instead (`launch.prefetch_to_l2`: no register held).
+L2_PREFETCH = False
 
 # What the matrix-vector kernel multiplies (INPUT) and what it does with its rows (EPILOGUE).
 # x; silu(x) * x2; x * sigmoid(x2); rmsnorm(x) per NORM_D columns * norm_w * silu(x2);
@@ -350,6 +353,10 @@ def _quantized_gemv_kernel(
     TAPS: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    L2_CODE_ROW: tl.constexpr,
+    L2_CODE_LINES: tl.constexpr,
+    L2_SCALE_ROW: tl.constexpr,
+    L2_SCALE_LINES: tl.constexpr,
 ):
     """Programs [0, QUANTIZED_PROGRAMS): BLOCK_N rows each of every token's product with the quantized
     W, per token on CUDA cores or, with MMA (BLOCK_T >= 16), for every token at once on tensor cores;
@@ -358,7 +365,8 @@ def _quantized_gemv_kernel(
     (`paired_gemv`). With ADD_NORM, program 0 also stores each token's x + x2 and its norm
     (`add_rmsnorm`'s outputs) in `total` and `normed`, for the ops after this one. With PREFETCH (PDL, a
     product of one k tile: `PREFETCH_MIN_TOKENS`) a program reads its weight tile before it waits for the kernel
-    before this one."""
+    before this one; with L2_CODE_LINES (PDL, row-split, `L2_PREFETCH`) it asks L2 for its rows' codes (bytes per row
+    L2_CODE_ROW) and scales (L2_SCALE_ROW) there instead."""
     tl.static_assert(not (MMA and INPUT == ADD_NORM), "tensor-core products take the residual's norm from add_rmsnorm")
     pid = tl.program_id(0)
     if DENSE and pid >= QUANTIZED_PROGRAMS:
@@ -381,6 +389,10 @@ def _quantized_gemv_kernel(
                 INPUT, NORM_D, BLOCK_T, BLOCK_N, BLOCK_K, ROW_BLOCK, GROUP, MMA, IEEE,
             )
         else:
+            if L2_CODE_LINES > 0:  # the rows' codes and scales into L2 while the kernel before this one finishes
+                first = pid.to(tl.int64) * BLOCK_N
+                prefetch_to_l2(w + first * L2_CODE_ROW, BLOCK_N * L2_CODE_ROW, L2_CODE_LINES)
+                prefetch_to_l2(w + scale_offset + first * L2_SCALE_ROW, BLOCK_N * L2_SCALE_ROW, L2_SCALE_LINES)
             await_producer(PDL)
             for k0 in range(0, K_PAD, BLOCK_K):
                 codes, scales = load_gemv_tile(
@@ -647,6 +659,15 @@ def paired_gemv(
     return (out, dense_out, *_launch_residual_gemv(x, delta, norm_w, eps, data, geometry, out, **paired))
 
 
+def _l2_prefetch(g: TileGeometry, block_n: int, on: bool) -> dict:
+    """The L2_* constexprs of a matrix-vector launch: a program's row-split code and scale bytes per row and the
+    128-byte lines of its rows, where `on` and L2_PREFETCH (else no lines)."""
+    code_row, scale_row = g.k_pad if g.bits == 8 else g.k_pad // 2, 2 * g.k_pad // g.group  # Q8: a byte per code
+    lines = [triton.next_power_of_2(triton.cdiv(block_n * row, 128)) if on and L2_PREFETCH and not g.nvfp4 else 0
+             for row in (code_row, scale_row)]
+    return {"L2_CODE_ROW": code_row, "L2_CODE_LINES": lines[0], "L2_SCALE_ROW": scale_row, "L2_SCALE_LINES": lines[1]}
+
+
 def _check_gemv_inputs(x: torch.Tensor, x2: torch.Tensor | None, geometry: ObjectGeometry) -> None:
     x2 = x if x2 is None else x2
     if x.shape[0] > GEMV_MAX_TOKENS or x.shape[1] != geometry.k or x2.shape != x.shape or x.stride(1) != 1 or x2.stride(1) != 1:
@@ -674,6 +695,7 @@ def _launch_gemv(
     quantized_programs = triton.cdiv(n, tiles.block_n)
     dense_n = 0 if dense_w is None else dense_w.shape[0]
     block_k, pdl = gemv_block_k(g.k_pad, tiles.block_k), launch_options(x.device)
+    prefetch = pdl["PDL"] and t >= PREFETCH_MIN_TOKENS and block_k == g.k_pad
     _quantized_gemv_kernel[(quantized_programs + triton.cdiv(dense_n, dense_linear.GEMV_BLOCK_N),)](
         x, x2, x.stride(0), x2.stride(0), x if norm_w is None else norm_w.contiguous(), eps, data, routed, score, score.stride(0), out,
         out if total is None else total, out if normed is None else normed, out if dense_w is None else dense_w,
@@ -687,7 +709,8 @@ def _launch_gemv(
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
         conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
         TAPS=conv_weight.shape[0] if conv is not None else 1,
-        num_warps=tiles.warps, num_stages=tiles.stages, PREFETCH=pdl["PDL"] and t >= PREFETCH_MIN_TOKENS and block_k == g.k_pad, **pdl,
+        num_warps=tiles.warps, num_stages=tiles.stages, PREFETCH=prefetch,
+        **_l2_prefetch(g, tiles.block_n, pdl["PDL"] and not prefetch), **pdl,
     )
 
 
