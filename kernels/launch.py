@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("NINFER_PDL", "1") != "0"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as Triton reads it when a kernel is defined
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,11 +36,8 @@ def _supported(device_index: int) -> bool:
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a launch on `device`: {"PDL": True, "launch_pdl": True} where PDL is on and the
     device supports it (CUDA sm_90+, not the Triton interpreter), else {"PDL": False}."""
-    on = (
-        ENABLED
-        and device.type == "cuda"
-        and os.environ.get("TRITON_INTERPRET", "0") != "1"
-        and _supported(device.index if device.index is not None else torch.cuda.current_device())
+    on = ENABLED and not _INTERPRETED and device.type == "cuda" and _supported(
+        torch.cuda.current_device() if device.index is None else device.index
     )
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
