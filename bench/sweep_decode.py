@@ -36,6 +36,9 @@ MOE_TILES = [moe.Tiles(1, 16, 16, 8, 2048, 3), moe.Tiles(1, 8, 8, 8, 2048, 3), m
 ATTENTION_CAPACITY = 32768
 ATTENTION_LENGTHS = (1024, 8192, 32768)
 ATTENTION_SPANS = (128, 256, 64)
+# Launch shapes swept at the default span: (cached rows per K/V tile, warps, pipeline stages, merge dimensions per program).
+ATTENTION_SHAPES = [(64, 4, 3, 256), (64, 4, 3, 64), (32, 4, 3, 64), (32, 4, 2, 64), (64, 8, 3, 64), (32, 8, 4, 64), (128, 8, 2, 64),
+                    (64, 4, 2, 64)]
 
 
 def replay_us(fn) -> float:
@@ -143,6 +146,18 @@ def sweep_attention(bandwidth: float, record) -> None:
             moved = 2 * length * 2 * 256 * 2  # K and V rows of both KV heads, bf16
             record(entry("attention_decode", us, moved, bandwidth, length=length, capacity=ATTENTION_CAPACITY, span=span))
     attention.SPAN = default
+    knobs = ("DECODE_BLOCK_S", "DECODE_WARPS", "DECODE_STAGES", "MERGE_DIMS")
+    defaults = [getattr(attention, knob) for knob in knobs]
+    for shape in ATTENTION_SHAPES:
+        for knob, value in zip(knobs, shape):
+            setattr(attention, knob, value)
+        for length in ATTENTION_LENGTHS:
+            lengths = torch.tensor([length], dtype=torch.int64, device="cuda")
+            us = replay_us(lambda: attention.attention_decode(q, k_pool, v_pool, slots, lengths, 1, ATTENTION_CAPACITY))
+            record(entry("attention_decode", us, 2 * length * 2 * 256 * 2, bandwidth, length=length, capacity=ATTENTION_CAPACITY,
+                         span=default, shape=dict(zip(knobs, shape))))
+    for knob, value in zip(knobs, defaults):
+        setattr(attention, knob, value)
 
 
 SWEEPS = {"linear": sweep_linear, "moe": sweep_moe, "attention": sweep_attention, "dense": sweep_dense, "paths": sweep_paths}
@@ -159,7 +174,7 @@ def main() -> None:
     def record(result: dict) -> None:
         report["results"].append(result)
         args.out.write_text(json.dumps(report, indent=1))
-        keys = ("tokens", "tile", "shared_down_min_tokens", "rows_per_program", "length", "span", "path")
+        keys = ("tokens", "tile", "shared_down_min_tokens", "rows_per_program", "length", "span", "path", "shape")
         shape = {k: result[k] for k in keys if k in result}
         print(f"{result['op']:18s} {json.dumps(shape):48s} {result['us']:9.1f} us ({100 * result['bandwidth_fraction']:5.1f}%)", flush=True)
 

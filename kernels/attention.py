@@ -34,8 +34,13 @@ SPAN = 256
 # spans now: 68 MB). The planner counts this much workspace
 # (`planner.memory.DECODE_PARTIAL_BYTES`, the same number).
 DECODE_PARTIAL_BYTES = 80 << 20
-# Spans the merge combines per step.
+# Spans the merge combines per step, and head dimensions per merge program (a head's dimensions in
+# ceil(D / MERGE_DIMS) programs: more programs read a long context's partials in parallel).
 MERGE_BLOCK = 16
+MERGE_DIMS = 256
+# Cached rows per K/V tile of the decode kernel and its warps. Module-level so benchmarks can sweep them.
+DECODE_BLOCK_S = 64
+DECODE_WARPS = 4
 # Pipeline stages of the decode kernel's K/V tile loads (Triton's default depth; 138 KB of shared memory for bf16
 # tiles of 64 rows x 256 dims; where the device has less, as the sm_120 cards, `fitting.launch` takes fewer).
 DECODE_STAGES = 3
@@ -120,16 +125,16 @@ def _decode_partial_kernel(
 @triton.jit
 def _decode_merge_kernel(
     part_out, part_max, part_sum, lengths, out, NSPLIT, T,
-    HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, SPAN_SIZE: tl.constexpr, BLOCK_SPLIT: tl.constexpr, PDL: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPAN_SIZE: tl.constexpr, BLOCK_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     await_producer(PDL)
-    # One (token row, query head): the partial softmaxes of the spans its length reaches, combined in a
-    # fixed order (the first span of a token always holds its own row; later ones may be empty lanes).
+    # One (token row, query head, BLOCK_D dimensions): the partial softmaxes of the spans its length reaches,
+    # combined in a fixed order (the first span of a token always holds its own row; later ones may be empty lanes).
     h = tl.program_id(0).to(tl.int64)
     row = h // HQ
     length = tl.load(lengths + row // T) - (T - 1 - row % T)
     spans = tl.minimum(tl.cdiv(length, SPAN_SIZE), NSPLIT)
-    dims = tl.arange(0, D_PAD)
+    dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = dims < D
     top = tl.full([BLOCK_SPLIT], float("-inf"), dtype=tl.float32)
     for s0 in range(0, spans, BLOCK_SPLIT):
@@ -137,7 +142,7 @@ def _decode_merge_kernel(
         top = tl.maximum(top, tl.load(part_max + h * NSPLIT + splits, mask=splits < spans, other=float("-inf")))
     m = tl.max(top)
     total = tl.zeros([BLOCK_SPLIT], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_SPLIT, D_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_SPLIT, BLOCK_D], dtype=tl.float32)
     for s0 in range(0, spans, BLOCK_SPLIT):
         splits = s0 + tl.arange(0, BLOCK_SPLIT)
         smask = splits < spans
@@ -179,13 +184,14 @@ def attention_decode(
         _decode_partial_kernel, (hkv, nsplit, n),
         q.contiguous(), k_pool, v_pool, slots, lengths, part_out, part_max, part_sum, d**-0.5, k_pool.stride(0), capacity,
         tokens_per_sequence, HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d),
-        GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=span, BLOCK_S=64, IEEE=q.dtype == torch.float32,
-        num_stages=DECODE_STAGES, **launch_options(q.device),
+        GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=span, BLOCK_S=DECODE_BLOCK_S, IEEE=q.dtype == torch.float32,
+        num_stages=DECODE_STAGES, num_warps=DECODE_WARPS, **launch_options(q.device),
     )
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
-    _decode_merge_kernel[(n * hq,)](
+    block_d = min(MERGE_DIMS, triton.next_power_of_2(d))
+    _decode_merge_kernel[(n * hq, triton.cdiv(d, block_d))](
         part_out, part_max, part_sum, lengths, out, nsplit, tokens_per_sequence,
-        HQ=hq, D=d, D_PAD=triton.next_power_of_2(d), SPAN_SIZE=span, BLOCK_SPLIT=MERGE_BLOCK, **launch_options(q.device),
+        HQ=hq, D=d, BLOCK_D=block_d, SPAN_SIZE=span, BLOCK_SPLIT=MERGE_BLOCK, **launch_options(q.device),
     )
     return out
 

@@ -376,6 +376,16 @@ def test_attention_decode_spans_grow_within_the_partial_budget(monkeypatch):
     _check_attention_decode(3, 3, [700, 0, 296], 1000, torch.float32, torch.float32, 1e-5, budget_rows=rows)
 
 
+def test_attention_decode_launch_shapes(monkeypatch):
+    """Other K/V tile rows, warps, and a merge split over the head dimensions (48 in programs of 16) give the
+    reference's result."""
+    from ninfer_offload.kernels import attention
+
+    for name, value in (("DECODE_BLOCK_S", 32), ("DECODE_WARPS", 8), ("MERGE_DIMS", 16)):
+        monkeypatch.setattr(attention, name, value)
+    _check_attention_decode(3, 2, [255, 0, 296], 300, torch.float32, torch.float32, 1e-5)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("kv_dtype,tol", [(torch.bfloat16, 2e-2), (torch.float8_e4m3fn, 2e-2)])
