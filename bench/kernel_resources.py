@@ -27,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ninfer_offload.kernels import attention, gdn, moe, quant_linear, router
+from ninfer_offload.kernels import attention, moe, quant_linear
 from provenance import gpu_report_header
 
 HIDDEN, INTER, HEAD_DIM, QUERY_HEADS, KV_HEADS = 2048, 512, 256, 16, 2
@@ -35,13 +35,11 @@ BF16 = "*bf16"
 # Pointer parameters by name (every other parameter not a constexpr is an i32, `eps`/`scale` an fp32).
 POINTERS = {
     **{name: BF16 for name in ("x", "x2", "norm_w", "routed", "score", "out", "total", "normed", "dense_w", "dense_out", "act",
-                               "conv_states", "conv_weight", "q", "k_pool", "v_pool", "gate", "up", "weights", "logits", "k", "v",
-                               "a", "b")},
-    **{name: "*u8" for name in ("w", "arena", "shared_down", "ahead")},
-    **{name: "*i64" for name in ("table", "block_expert", "block_pairs", "topk_ids", "slots", "lengths", "ids")},
+                               "conv_states", "conv_weight", "q", "k_pool", "v_pool", "gate", "up", "weights")},
+    **{name: "*u8" for name in ("w", "arena", "shared_down")},
+    **{name: "*i64" for name in ("table", "block_expert", "block_pairs", "topk_ids", "slots", "lengths")},
     **{name: "*i32" for name in ("arrivals", "deferred", "use_counts", "valid")},
-    **{name: "*fp32" for name in ("partial", "weighted", "part_out", "part_max", "part_sum", "a_log", "dt_bias", "states",
-                                  "kept")},
+    **{name: "*fp32" for name in ("partial", "weighted", "part_out", "part_max", "part_sum")},
 }
 FLOATS = {"eps", "scale"}
 Q8 = {"NVFP4": False, "BITS": 8, "GROUP": 32}
@@ -90,18 +88,6 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
                 {"TOP_K": 8, **Q8, "K_PAD": INTER, "BLOCK_N": moe.SPLIT_DOWN_N, "BLOCK_K": moe.SPLIT_DOWN_BLOCK_K, "SHARED_EXPERT": True,
                  "S_NVFP4": False, "S_BITS": 8, "S_GROUP": 32, "S_K_PAD": INTER, "S_BLOCK_K": moe.SPLIT_DOWN_BLOCK_K},
                 {"num_warps": moe.SPLIT_DOWN_WARPS, "num_stages": moe.GEMV_TILES.stages}))
-    out.append(("MoE split down with the shared expert, 4 tokens per program", moe._down_split_gemv_kernel,
-                {**out[-1][2], "GROUP_T": 4}, out[-1][3]))
-    tiles = moe.GEMV_TILES
-    out.append(("MoE gate/up matrix-vector, one token, asking L2 for the down weights", moe._gate_up_swiglu_gemv_kernel,
-                {"TOP_K": 8, "BLOCK_T": 1, "BLOCK_PAIRS": 8, "IEEE": False, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN,
-                 "BLOCK_N": tiles.gate_up_n, "BLOCK_K": tiles.block_k, "MMA": False, "COUNT": False, "DOWN_LINES": 256,
-                 "SHARED_LINES": 64}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
-    out.append(("router softmax/top-k, asking L2 for the chosen experts", router._softmax_topk_kernel,
-                {"TOP_K": 8, "K_PAD": 8, "BLOCK_E": 256, "LINES": router.PREFETCH_LINES}, {"num_warps": 1}))
-    out.append(("GDN recurrence, asking L2 for the next product", gdn._gdn_recurrent_kernel,
-                {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "DK_PAD": 128, "BLOCK_V": gdn.RECURRENT_BLOCK_V, "KEEP": False,
-                 "AHEAD_LINES": 1024}, {"num_warps": 4}))
     return out
 
 
@@ -110,8 +96,7 @@ def compile_for(kernel, constexprs: dict, options: dict, arch: int):
     specializes aligned ones; with every one aligned the pipeline stages the most: an upper bound)."""
     params = list(inspect.signature(kernel.fn).parameters)
     if "PDL" in params:  # launched plainly (`launch.launch_options`): the same resources up to two instructions
-        plain = {"PREFETCH": False, "L2_CODE_ROW": 1, "L2_CODE_LINES": 0, "L2_SCALE_ROW": 1, "L2_SCALE_LINES": 0, "DOWN_LINES": 0,
-                 "SHARED_LINES": 0, "LINES": 0, "AHEAD_LINES": 0, "GROUP_T": 1}
+        plain = {"PREFETCH": False, "L2_CODE_ROW": 1, "L2_CODE_LINES": 0, "L2_SCALE_ROW": 1, "L2_SCALE_LINES": 0}
         constexprs = {"PDL": False, **{name: value for name, value in plain.items() if name in params}, **constexprs}
     types = {**POINTERS, **options.get("types", {})}
     signature = {
