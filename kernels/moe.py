@@ -103,10 +103,6 @@ SUM_IN_PRODUCT = True
 # 32 rows (bench/results/step_ab_h200_split_tiles_05f867f.json, step_ab_h200_split_n16_05f867f.json); k tiles of
 # 256 / 128 (fewer registers, a k loop) 2.57 / 2.52, 4 warps 2.36, 64 rows / 4 warps 2.75.
 SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
-# Tokens per program of the split down kernel (2-4 tokens: a verification): one program reads its slot's expert
-# rows for each of them, so their reads overlap and a launch has fewer programs (at 4 tokens one per token made
-# 4,608 programs of a few KB each, ~6 waves of the same chain of dependent reads). Module-level for A/B.
-SPLIT_DOWN_GROUP_T = 1
 # One token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
@@ -547,7 +543,6 @@ def _down_split_gemv_kernel(
     partial,
     arrivals,
     out,
-    T,
     H,
     I,
     down_offset,
@@ -578,53 +573,46 @@ def _down_split_gemv_kernel(
     S_GROUP: tl.constexpr,
     S_K_PAD: tl.constexpr,
     S_BLOCK_K: tl.constexpr,
-    GROUP_T: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """A program per (row slice, slot, group of GROUP_T of the T tokens): for each of its tokens, its expert's
-    down rows, rounded and weighted, into `partial` (float32); with SHARED_EXPERT a program per (row slice,
-    group) more: the shared expert's down rows of SwiGLU(gate, up) (object `shared_down`, S columns), rounded and
-    scaled by sigmoid(score) as `shared_expert` rounds them. The last of a (slice, group)'s programs to arrive
-    (`arrivals`, zero between launches) sums each token's TOP_K routed rows in slot order into `out` (plus the
-    shared expert's rows after rounding the routed sum) and zeroes its count again."""
+    """A program per (row slice, slot, token): its expert's down rows, rounded and weighted, into
+    `partial` (float32); with SHARED_EXPERT a program per (row slice, token) more: the shared
+    expert's down rows of SwiGLU(gate, up) (object `shared_down`, S columns), rounded and scaled by
+    sigmoid(score) as `shared_expert` rounds them. The last of a slice's programs to arrive
+    (`arrivals`, zero between launches) sums the slice's TOP_K routed rows in slot order into `out`
+    (plus the shared expert's rows after rounding the routed sum) and zeroes its count again."""
     await_producer(PDL)
-    block, j, group = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    block, j, tok = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = program_rows(block, BLOCK_N, NVFP4)
     row_mask = rows < H
     slots: tl.constexpr = TOP_K + SHARED_EXPERT
-    for i in tl.static_range(GROUP_T):  # the group's tokens' rows are independent: their reads overlap
-        tok = group * GROUP_T + i
-        if tok < T:
-            pair = tok * TOP_K + j
-            if SHARED_EXPERT:
-                if j == TOP_K:
-                    y = _shared_expert_rows(
-                        gate, up, stride_gate, stride_up, shared_down, score, stride_score, S, s_high_offset, s_scale_offset,
-                        s_divisor_offset, tok, rows, row_mask, S_NVFP4, S_BITS, S_GROUP, S_K_PAD, BLOCK_N, S_BLOCK_K,
-                    )
-                else:
-                    y = _routed_down_rows(
-                        act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows,
-                        row_mask, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
-                    )
-            else:
-                y = _routed_down_rows(
-                    act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
-                    NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
-                )
-            tl.store(partial + (tok * slots + j) * H + rows, y, mask=row_mask)
-    count = arrivals + group * tl.num_programs(0) + block
+    pair = tok * TOP_K + j
+    if SHARED_EXPERT:
+        if j == TOP_K:
+            y = _shared_expert_rows(
+                gate, up, stride_gate, stride_up, shared_down, score, stride_score, S, s_high_offset, s_scale_offset, s_divisor_offset,
+                tok, rows, row_mask, S_NVFP4, S_BITS, S_GROUP, S_K_PAD, BLOCK_N, S_BLOCK_K,
+            )
+        else:
+            y = _routed_down_rows(
+                act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
+                NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
+            )
+    else:
+        y = _routed_down_rows(
+            act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
+            NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
+        )
+    tl.store(partial + (tok * slots + j) * H + rows, y, mask=row_mask)
+    count = arrivals + tok * tl.num_programs(0) + block
     if last_to_arrive(count, slots):
-        for i in tl.static_range(GROUP_T):
-            tok = group * GROUP_T + i
-            if tok < T:
-                total = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for s in tl.static_range(TOP_K):  # read through L2: other programs wrote these rows
-                    total += tl.load(partial + (tok * slots + s) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-                if SHARED_EXPERT:  # the routed output, rounded, plus the shared expert's rows (`shared_expert`'s order)
-                    shared = tl.load(partial + (tok * slots + TOP_K) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-                    total = total.to(out.dtype.element_ty).to(tl.float32) + shared
-                tl.store(out + tok * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(TOP_K):  # read through L2: other programs wrote these rows
+            total += tl.load(partial + (tok * slots + s) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+        if SHARED_EXPERT:  # the routed output, rounded, plus the shared expert's rows (`shared_expert`'s order)
+            shared = tl.load(partial + (tok * slots + TOP_K) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+            total = total.to(out.dtype.element_ty).to(tl.float32) + shared
+        tl.store(out + tok * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
         rearm(count)
 
 
@@ -956,14 +944,13 @@ def _routed_experts_gemv(
         partial = torch.empty(pairs + fold * t, hidden, device=x.device, dtype=torch.float32)
         gate, up, score = (shared.gate, shared.up, shared.score) if fold else (x, x, x)
         s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
-        group_t = min(SPLIT_DOWN_GROUP_T, t)
-        _down_split_gemv_kernel[(blocks, top_k + fold, triton.cdiv(t, group_t))](
-            act, arena, table, ids, weights, partial, arrival_counts("moe.down_split", x.device), out, t, hidden, inter, layout.down_offset,
+        _down_split_gemv_kernel[(blocks, top_k + fold, t)](
+            act, arena, table, ids, weights, partial, arrival_counts("moe.down_split", x.device), out, hidden, inter, layout.down_offset,
             dn.high_offset, dn.scale_offset, dn.divisor_offset, gate, up, gate.stride(0), up.stride(0), s_data, score, score.stride(0),
             gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
             GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), SHARED_EXPERT=fold,
             S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K),
-            GROUP_T=group_t, num_warps=SPLIT_DOWN_WARPS, num_stages=tiles.stages, **launch_options(x.device),
+            num_warps=SPLIT_DOWN_WARPS, num_stages=tiles.stages, **launch_options(x.device),
         )
         return out if fold else _with_shared(out, shared)
     weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)

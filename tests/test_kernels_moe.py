@@ -108,18 +108,6 @@ def test_the_shared_expert_with_the_routed_ones_equals_it_after_them(shared_fmt,
     assert got.shape == want.shape and float((got - want).double().norm() / want.double().norm()) < 1e-6
 
 
-@pytest.mark.parametrize("group_t", [2, 4])
-def test_split_down_token_groups_equal_a_program_per_token(group_t, monkeypatch):
-    """The split down kernel with several tokens per program (`moe.SPLIT_DOWN_GROUP_T`; 3 tokens: a last group
-    not full) computes every token's rows as with a program per token, bit for bit."""
-    from ninfer_offload.kernels import moe
-
-    layout, data, table, x, ids, w, shared = _with_shared_expert("q8_g32_fp16", 3)
-    one = moe.routed_experts(x, ids, w, data, table, layout, shared=shared)
-    monkeypatch.setattr(moe, "SPLIT_DOWN_GROUP_T", group_t)
-    assert torch.equal(one, moe.routed_experts(x, ids, w, data, table, layout, shared=shared))
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("tokens", [1, 4])
