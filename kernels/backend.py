@@ -178,11 +178,10 @@ class TritonBackend(ReferenceBackend):
 
     def gdn_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-        dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None, ahead: Weight | None = None,
+        dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
     ) -> torch.Tensor:
         return gdn.gdn_decode(
-            q, k, v, a, b, a_log, dt_bias, states, ctx.slots, ctx.valid, ctx.tokens_per_sequence, kept if ctx.keep_states else None,
-            None if ahead is None else ahead if isinstance(ahead, torch.Tensor) else ahead.data,
+            q, k, v, a, b, a_log, dt_bias, states, ctx.slots, ctx.valid, ctx.tokens_per_sequence, kept if ctx.keep_states else None
         )
 
     def gdn_prefill(self, q, k, v, g, beta, state) -> torch.Tensor:

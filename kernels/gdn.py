@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer_offload.kernels.launch import await_producer, launch_options, prefetch_share_to_l2, prefetch_shares
+from ninfer_offload.kernels.launch import await_producer, launch_options
 
 
 @triton.jit
@@ -55,8 +55,6 @@ def _gdn_recurrent_kernel(
     stride_v,
     stride_a,
     stride_b,
-    ahead,
-    ahead_bytes,
     HK: tl.constexpr,
     HV: tl.constexpr,
     DK: tl.constexpr,
@@ -64,16 +62,10 @@ def _gdn_recurrent_kernel(
     DK_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     KEEP: tl.constexpr,
-    AHEAD_LINES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One (value head, column slice, sequence): its state slice, read while the kernel before this one finishes
-    (only this kernel writes the states; `launch.await_producer`), stepped through the sequence's valid tokens.
-    With AHEAD_LINES, each program first asks L2 for its share of the `ahead_bytes` bytes at `ahead` (the weights
-    of the product after this kernel)."""
-    if AHEAD_LINES > 0:
-        part = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        prefetch_share_to_l2(ahead, ahead_bytes, part, AHEAD_LINES)
+    (only this kernel writes the states; `launch.await_producer`), stepped through the sequence's valid tokens."""
     h = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     seq = tl.program_id(2)
@@ -111,9 +103,6 @@ def _gdn_recurrent_kernel(
     tl.store(sptr, s, mask=smask)
 
 
-# The recurrent kernel asks L2 for the weights of the product after it (`gdn_decode`'s `ahead`: the layer's
-# output product) while it runs. Module-level for A/B.
-PREFETCH_AHEAD = False
 # Value columns of a state per program of the recurrent kernel: the H200 step's 32 heads x 128 columns run as 128
 # programs of [128, 32] states (3.9 us per layer at 3d2bcee, ~1 at the bandwidth). Module-level so benchmarks can
 # try narrower slices (more programs, a shorter chain per program).
@@ -136,14 +125,13 @@ def _check_kept(kept: torch.Tensor, live: torch.Tensor, tokens_per_sequence: int
 def gdn_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, tokens_per_sequence: int,
-    kept: torch.Tensor | None, ahead: torch.Tensor | None = None,
+    kept: torch.Tensor | None,
 ) -> torch.Tensor:
     """Delta rule token by token for the B = len(slots) sequences of T tokens in q, k [N, Hk, Dk], v [N, Hv, Dv],
     gated by the raw a, b [N, Hv] (rows may be strided) with a_log, dt_bias [Hv] as `gdn_gating` gates
     them, sequence b on states[slots[b]] of states [slots, Hv, Dk, Dv] fp32 (in place) over its first
     valid[b] tokens (the rest are padding: zero rows, no effect on the state). A `kept`
-    [slots, K, Hv, Dk, Dv] receives the state after each token but the last. `ahead`: the stored weights of the
-    product after this one, asked into L2 while the recurrence runs (PREFETCH_AHEAD). Returns [N, Hv, Dv]."""
+    [slots, K, Hv, Dk, Dv] receives the state after each token but the last. Returns [N, Hv, Dv]."""
     _, hk, dk = q.shape
     _, hv, dv = v.shape
     if states.dtype != torch.float32 or not states.is_contiguous():
@@ -155,14 +143,12 @@ def gdn_decode(
     q, k, v = _rows(q), _rows(k), _rows(v)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
-    grid = (hv, triton.cdiv(dv, block_v), slots.shape[0])
-    ahead, ahead_bytes, ahead_lines = prefetch_shares(ahead if PREFETCH_AHEAD else None, grid[0] * grid[1] * grid[2])
-    _gdn_recurrent_kernel[grid](
+    _gdn_recurrent_kernel[(hv, triton.cdiv(dv, block_v), slots.shape[0])](
         q, k, v, a, b, a_log.float().contiguous(), dt_bias.float().contiguous(), slots, valid, states,
         states if kept is None else kept, out, tokens_per_sequence, 0 if kept is None else kept.shape[1],
-        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), states if ahead is None else ahead, ahead_bytes,
+        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v, KEEP=kept is not None,
-        AHEAD_LINES=ahead_lines, **launch_options(v.device),
+        **launch_options(v.device),
     )
     return out
 

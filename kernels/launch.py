@@ -57,16 +57,6 @@ def await_producer(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def prefetch_shares(data: torch.Tensor | None, programs: int) -> tuple[torch.Tensor | None, int, int]:
-    """(data as bytes, its size, LINES) for `programs` programs to ask L2 for the stored bytes of `data` (a weight's
-    tensor, any dtype, contiguous) in equal shares (`prefetch_share_to_l2`); LINES 0 where there is nothing to ask for or
-    the kernels run interpreted."""
-    if data is None or not compiled(data.device) or not data.is_contiguous():
-        return data, 0, 0
-    raw = data.reshape(-1).view(torch.uint8)
-    return raw, raw.numel(), triton.next_power_of_2(triton.cdiv(raw.numel(), programs * 128))
-
-
 @triton.jit
 def prefetch_to_l2(start, nbytes, LINES: tl.constexpr):
     """Ask L2 for the `nbytes` bytes from `start` (a uint8 pointer; nbytes > 0), one `prefetch.global.L2` per

@@ -132,7 +132,7 @@ class Backend(Protocol):
     ) -> torch.Tensor: ...
     def gdn_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-        dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None, ahead: Weight | None = None,
+        dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
     ) -> torch.Tensor: ...
     def attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor: ...
     def attention_decode(
@@ -351,13 +351,12 @@ class ReferenceBackend:
 
     def gdn_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-        dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None, ahead: Weight | None = None,
+        dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
     ) -> torch.Tensor:
         """The same rule in recurrent form, token by token, for every sequence of `ctx` (rows grouped per
         sequence, T each) on its slot of states [slots, Hv, Dk, Dv] (fp32, in place), gated by the raw
         a, b [N, Hv] through `gdn_gating`. With `ctx.keep_states`, the state after each token but the
-        last goes to kept [slots, K, Hv, Dk, Dv]. `ahead`: the weights the product after this op reads (a
-        backend may start reading them; this one has nothing to start)."""
+        last goes to kept [slots, K, Hv, Dk, Dv]."""
         g, beta = self.gdn_gating(a, b, a_log, dt_bias)
         t = ctx.tokens_per_sequence
         outputs = []

@@ -74,7 +74,6 @@ class GatedDeltaNet:
             out = backend.gdn_prefill(q, k, v, g, beta, state.recurrent[self.key][slot])
         else:
             out = backend.gdn_decode(
-                q, k, v, a, b, self.a_log, self.dt_bias, state.recurrent[self.key], ctx, state.recurrent_snapshots.get(self.key),
-                ahead=self.output,
+                q, k, v, a, b, self.a_log, self.dt_bias, state.recurrent[self.key], ctx, state.recurrent_snapshots.get(self.key)
             )
         return backend.gated_norm_linear(out, z, self.norm, c.rms_norm_eps, self.output)
