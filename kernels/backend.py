@@ -138,10 +138,8 @@ class TritonBackend(ReferenceBackend):
     ) -> torch.Tensor:
         return shared_expert.shared_expert(gate, up, down, routed, score)
 
-    def route(
-        self, logits: torch.Tensor, top_k: int, dtype: torch.dtype, experts: ExpertBank | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return router.softmax_topk(logits, top_k, dtype, experts)
+    def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return router.softmax_topk(logits, top_k, dtype)
 
     def routed_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, shared: SharedExpert | None = None

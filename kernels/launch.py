@@ -62,13 +62,10 @@ def prefetch_to_l2(start, nbytes, LINES: tl.constexpr):
     """Ask L2 for the `nbytes` bytes from `start` (a uint8 pointer; nbytes > 0), one `prefetch.global.L2` per
     128-byte line (LINES >= nbytes / 128; those past the end repeat the last line), holding no register: a
     kernel's weights read into L2 before `await_producer`, or a later kernel's while this one runs."""
-    prefetch_lines(start + tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, nbytes - 1))
-
-
-@triton.jit
-def prefetch_lines(pointers):
-    """One `prefetch.global.L2` per element of the pointer tensor `pointers` (any shape): their lines into L2."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32, is_pure=False, pack=1)
+    offsets = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, nbytes - 1)
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [start + offsets], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit

@@ -133,22 +133,6 @@ def test_router_softmax_topk_model_shape():
     assert torch.equal(ids.cpu(), ref_ids) and _close(weights, ref_weights, 1e-6)
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("tokens", [1, 4])
-def test_router_asking_l2_for_the_chosen_experts_chooses_as_without(tokens):
-    """Given the bank the routed experts read next, the router's programs also ask L2 for shares of the chosen
-    experts' gate/up objects: the ids and weights are the reference's and those of a launch without the bank."""
-    layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", 2048, 512)
-    bank = ExpertBank.of_records(layout, torch.zeros(256, layout.nbytes, dtype=torch.uint8, device=DEVICE))
-    logits = torch.randn(tokens, 256, generator=_gen(7)) * 3
-    ids, weights = _backend().route(logits.to(DEVICE), 8, torch.float32, bank)
-    plain_ids, plain_weights = _backend().route(logits.to(DEVICE), 8, torch.float32)
-    ref_ids, ref_weights = REF.route(logits, 8, torch.float32)
-    assert torch.equal(ids, plain_ids) and torch.equal(weights, plain_weights)
-    assert torch.equal(ids.cpu(), ref_ids) and _close(weights, ref_weights, 1e-6)
-
-
 def test_routed_experts_through_bank_slots():
     hidden, inter = 136, 40
     layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", hidden, inter)

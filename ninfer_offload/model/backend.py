@@ -110,9 +110,7 @@ class Backend(Protocol):
     def shared_expert(
         self, gate: torch.Tensor, up: torch.Tensor, down: Weight, routed: torch.Tensor, score: torch.Tensor
     ) -> torch.Tensor: ...
-    def route(
-        self, logits: torch.Tensor, top_k: int, dtype: torch.dtype, experts: ExpertBank | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
     def routed_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, shared: SharedExpert | None = None
     ) -> torch.Tensor: ...
@@ -234,12 +232,8 @@ class ReferenceBackend:
         product [T, S] each, scaled by its score [T, 1], added to the routed output [T, H]."""
         return routed + torch.sigmoid(score) * self.linear(F.silu(gate) * up, down)
 
-    def route(
-        self, logits: torch.Tensor, top_k: int, dtype: torch.dtype, experts: ExpertBank | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 softmax over expert logits, top-k, renormalised: (ids int64 [T, k], weights [T, k] in `dtype`).
-        `experts`: the bank the routed experts read next, where the GPU reads it (a backend may start reading the
-        chosen experts' records; this one has nothing to start)."""
+    def route(self, logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 softmax over expert logits, top-k, renormalised: (ids int64 [T, k], weights [T, k] in `dtype`)."""
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)

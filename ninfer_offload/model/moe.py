@@ -10,7 +10,6 @@ import torch
 
 from ninfer_offload.model.backend import Backend, Input, SharedExpert
 from ninfer_offload.model.config import ModelConfig
-from ninfer_offload.model.experts import ExpertBank
 from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.weights import Weight, WeightReader
 
@@ -23,10 +22,6 @@ class RoutedExperts(Protocol):
         shared: SharedExpert | None = None,
     ) -> torch.Tensor:
         """The routed experts' output [T, H], plus `shared`'s rows when given."""
-
-    def routing_bank(self, layer: int) -> ExpertBank | None:
-        """The bank of records whose experts `routed` reads next for `layer` on the device, for the router to start
-        reading the chosen ones; None where it reads other experts than the router chooses, or not there."""
 
 
 @dataclass
@@ -54,5 +49,5 @@ class SparseMoe:
     def __call__(self, backend: Backend, x: Input) -> torch.Tensor:
         (logits, score), (gate, up) = both(backend, self.gates, self.shared_in, x)
         x = backend.resolve(x)  # the normalised input: computed by the products above where they could
-        topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype, self.experts.routing_bank(self.layer))
+        topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
         return self.experts.routed(backend, self.layer, x, topk_ids, topk_weights, SharedExpert(gate, up, self.shared_down, score))

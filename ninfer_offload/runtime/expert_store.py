@@ -293,12 +293,6 @@ class ExpertStore:
     def bank(self, layer: int, uses: torch.Tensor | None = None) -> ExpertBank:
         return ExpertBank(self.layouts[layer], self.arena, self.table[layer], self.host[layer] if self.offloaded else None, uses)
 
-    def routing_bank(self, layer: int) -> ExpertBank | None:
-        """`bank(layer)` where `routed` reads the router's choice from it on the device: not with a replayed routing,
-        a prompt's staged records or the CPU miss path."""
-        cpu = self.cpu_path is not None and self.cpu_path.active
-        return None if self.replayed is not None or self.prefilling or cpu else self.bank(layer)
-
     def routed(
         self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared: SharedExpert | None = None
     ) -> torch.Tensor:
