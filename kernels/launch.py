@@ -33,16 +33,10 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def compiled(device: torch.device) -> bool:
-    """Whether kernels launched on `device` run compiled on a GPU (inline PTX such as `prefetch_to_l2` can run there,
-    not under the Triton interpreter)."""
-    return device.type == "cuda" and not _INTERPRETED
-
-
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a launch on `device`: {"PDL": True, "launch_pdl": True} where PDL is on and the
     device supports it (CUDA sm_90+, not the Triton interpreter), else {"PDL": False}."""
-    on = ENABLED and compiled(device) and _supported(
+    on = ENABLED and not _INTERPRETED and device.type == "cuda" and _supported(
         torch.cuda.current_device() if device.index is None else device.index
     )
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
@@ -58,20 +52,11 @@ def await_producer(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_to_l2(start, nbytes, LINES: tl.constexpr):
-    """Ask L2 for the `nbytes` bytes from `start` (a uint8 pointer; nbytes > 0), one `prefetch.global.L2` per
-    128-byte line (LINES >= nbytes / 128; those past the end repeat the last line), holding no register: a
-    kernel's weights read into L2 before `await_producer`, or a later kernel's while this one runs."""
-    offsets = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, nbytes - 1)
+def prefetch_to_l2(start, NBYTES: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 for the NBYTES bytes from `start` (a uint8 pointer), one `prefetch.global.L2` per 128-byte line
+    (LINES >= NBYTES / 128; those past the end repeat the last line): a kernel's weights read into L2 before
+    `await_producer` without holding a register."""
+    offsets = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, NBYTES - 1)
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [start + offsets], dtype=tl.int32, is_pure=False, pack=1
     )
-
-
-@triton.jit
-def prefetch_share_to_l2(start, nbytes, part, LINES: tl.constexpr):
-    """Share `part` of the `nbytes` bytes from `start` into L2 (`prefetch_to_l2`): the LINES 128-byte lines from
-    part * LINES * 128, those past the end skipped (nothing where the share starts past it)."""
-    first = part.to(tl.int64) * (LINES * 128)
-    if first < nbytes:
-        prefetch_to_l2(start + first, nbytes - first, LINES)

@@ -58,7 +58,7 @@ from ninfer_offload.model.backend import SharedExpert
 from ninfer_offload.model.experts import count_uses
 from ninfer_offload.kernels import fitting, shared_expert
 from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts, last_to_arrive, rearm
-from ninfer_offload.kernels.launch import await_producer, compiled, launch_options, prefetch_share_to_l2
+from ninfer_offload.kernels.launch import await_producer, launch_options
 from ninfer_offload.kernels.nvfp4 import row_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
@@ -106,10 +106,6 @@ SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
 # One token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
-# The matrix-vector gate/up kernel asks L2 for the down product's weights while it computes (each program a share
-# of its expert's down object, every program a share of the shared expert's down matrix; `launch.prefetch_to_l2`),
-# so the down kernel after it reads them from L2. Compiled kernels only. Module-level for A/B.
-PREFETCH_DOWN = True
 GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
 # Several tokens: the gate/up kernel keeps its decoded gate and up tiles live across the token loop, so
 # the one-token tiles spill at 8 tokens (255 registers and 368 bytes of stack per thread in the sm_90
@@ -315,10 +311,6 @@ def _gate_up_swiglu_gemv_kernel(
     high_offset,
     scale_offset,
     divisor_offset,
-    down_offset,
-    down_bytes,
-    shared_down,
-    shared_down_bytes,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_PAIRS: tl.constexpr,
@@ -332,18 +324,12 @@ def _gate_up_swiglu_gemv_kernel(
     MMA: tl.constexpr,
     COUNT: tl.constexpr,
     IEEE: tl.constexpr,
-    DOWN_LINES: tl.constexpr,
-    SHARED_LINES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Gate and up columns of the expert of each first pair, decoded once, for every pair routed to it; SwiGLU
     of each pair into `act`. Per token on CUDA cores, or with MMA every pair of the expert at once on tensor
     cores (as `_down_shared_gemv_kernel` does). With COUNT, each pair's first program adds 1 to `use_counts` at
-    its expert (`model.experts.count_uses`). With DOWN_LINES / SHARED_LINES, each program asks L2 for its share
-    of its expert's down object (`down_bytes` from `down_offset` in the record) / of `shared_down`, which the
-    down kernel after this one reads (`PREFETCH_DOWN`)."""
-    if SHARED_LINES > 0:  # weights no kernel writes: before the wait
-        prefetch_share_to_l2(shared_down, shared_down_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SHARED_LINES)
+    its expert (`model.experts.count_uses`)."""
     await_producer(PDL)
     e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
     if COUNT:
@@ -351,8 +337,6 @@ def _gate_up_swiglu_gemv_kernel(
             tl.atomic_add(use_counts + e, 1, sem="relaxed")
     if owner:
         record = arena + tl.multiple_of(tl.load(table + e), 256)
-        if DOWN_LINES > 0:
-            prefetch_share_to_l2(record + down_offset, down_bytes, tl.program_id(1), DOWN_LINES)
         cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
         col_mask = cols_i < I
         gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
@@ -894,11 +878,6 @@ def _on_tensor_cores(tokens: int, min_tokens: int, geometry: TileGeometry, tiles
     return tokens >= min_tokens and gemv_block_k(geometry.k_pad, tiles.block_k) >= 128
 
 
-def _prefetch_lines(nbytes: int, programs: int) -> int:
-    """128-byte lines per program (a power of two) for `programs` programs to prefetch `nbytes` bytes between them."""
-    return triton.next_power_of_2(triton.cdiv(nbytes, programs * 128))
-
-
 def _routed_experts_gemv(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -919,19 +898,12 @@ def _routed_experts_gemv(
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     mma = _on_tensor_cores(t, MMA_GATE_UP_MIN_TOKENS, gu, MMA_GATE_UP_TILES)
     gate_up_tiles = MMA_GATE_UP_TILES if mma else tiles
-    columns = triton.cdiv(inter, gate_up_tiles.gate_up_n)
-    shared_down = shared.down.data if shared is not None and not isinstance(shared.down, torch.Tensor) else None
-    prefetch = PREFETCH_DOWN and compiled(x.device)
-    down_lines = _prefetch_lines(layout.down.encoded_size, columns) if prefetch else 0
-    shared_lines = _prefetch_lines(shared_down.numel(), pairs * columns) if prefetch and shared_down is not None else 0
-    _gate_up_swiglu_gemv_kernel[(pairs, columns)](
+    _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, gate_up_tiles.gate_up_n))](
         x, arena, table, ids, act, act if uses is None else uses, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset,
-        gu.divisor_offset, layout.down_offset, layout.down.encoded_size, arena if shared_down is None else shared_down,
-        0 if shared_down is None else shared_down.numel(), TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4,
-        WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n,
+        gu.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter),
+        BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n,
         BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, COUNT=uses is not None, IEEE=x.dtype == torch.float32,
-        DOWN_LINES=down_lines, SHARED_LINES=shared_lines, num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages,
-        **launch_options(x.device),
+        num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages, **launch_options(x.device),
     )
     weights = topk_weights.contiguous()
     blocks = triton.cdiv(hidden, SPLIT_DOWN_N)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels_support import DEVICE, TENSOR_CORE_PRODUCTS, LaunchedWith, needs_cuda, needs_triton_device, product_on_tensor_cores
+from kernels_support import DEVICE, TENSOR_CORE_PRODUCTS, LaunchedWith, needs_triton_device, product_on_tensor_cores
 from ninfer_offload.artifact.codecs import decode_row_split_values, encode_row_split
 from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels.arrivals import arrival_counts
@@ -71,9 +71,15 @@ def test_routed_experts_match_reference(gate_up_fmt, down_fmt):
         _assert_matches_reference(records, x, ids, w)
 
 
-def _with_shared_expert(shared_fmt: str, tokens: int):
-    """(records layout, records, table, x, ids, w, SharedExpert) of `tokens` tokens on the device."""
-    from ninfer_offload.kernels.moe import record_table
+@pytest.mark.parametrize("shared_fmt", ["q8_g32_fp16", "q6_g64_fp16"])
+@pytest.mark.parametrize("tokens", [1, 2, 30])
+def test_the_shared_expert_with_the_routed_ones_equals_it_after_them(shared_fmt, tokens):
+    """With the MoE block's shared expert given, routed_experts returns the block's output: one token's
+    shared rows come from programs of the routed down launch (the last arriving program adds them to the
+    rounded routed sum), more tokens' from `shared_expert` after the routed experts; both equal the
+    routed output followed by `shared_expert` (the shared rows reduced by other programs: to rounding)."""
+    from ninfer_offload.kernels.moe import record_table, routed_experts
+    from ninfer_offload.kernels.shared_expert import shared_expert
     from ninfer_offload.artifact.formats import GROUPED_FORMATS
     from ninfer_offload.model.backend import SharedExpert
     from ninfer_offload.model.quant import QuantizedMatrix
@@ -89,36 +95,9 @@ def _with_shared_expert(shared_fmt: str, tokens: int):
     w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1).to(DEVICE)
     stacked = torch.randn(tokens, 2 * width + 7, generator=gen).to(DEVICE)  # gate and up: column slices of one product
     gate, up, score = stacked[:, :width], stacked[:, width : 2 * width], stacked[:, 2 * width + 3 : 2 * width + 4]
-    return layout, data, table, x, ids, w, SharedExpert(gate, up, down, score)
-
-
-@pytest.mark.parametrize("shared_fmt", ["q8_g32_fp16", "q6_g64_fp16"])
-@pytest.mark.parametrize("tokens", [1, 2, 30])
-def test_the_shared_expert_with_the_routed_ones_equals_it_after_them(shared_fmt, tokens):
-    """With the MoE block's shared expert given, routed_experts returns the block's output: one token's
-    shared rows come from programs of the routed down launch (the last arriving program adds them to the
-    rounded routed sum), more tokens' from `shared_expert` after the routed experts; both equal the
-    routed output followed by `shared_expert` (the shared rows reduced by other programs: to rounding)."""
-    from ninfer_offload.kernels.moe import routed_experts
-    from ninfer_offload.kernels.shared_expert import shared_expert
-
-    layout, data, table, x, ids, w, shared = _with_shared_expert(shared_fmt, tokens)
-    got = routed_experts(x, ids, w, data, table, layout, shared=shared)
-    want = shared_expert(shared.gate, shared.up, shared.down, routed_experts(x, ids, w, data, table, layout), shared.score)
+    got = routed_experts(x, ids, w, data, table, layout, shared=SharedExpert(gate, up, down, score))
+    want = shared_expert(gate, up, down, routed_experts(x, ids, w, data, table, layout), score)
     assert got.shape == want.shape and float((got - want).double().norm() / want.double().norm()) < 1e-6
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("tokens", [1, 4])
-def test_prefetching_the_down_weights_changes_no_value(tokens, monkeypatch):
-    """The gate/up kernel's L2 prefetch of the down weights (`moe.PREFETCH_DOWN`) leaves the output bit for bit."""
-    from ninfer_offload.kernels import moe
-
-    layout, data, table, x, ids, w, shared = _with_shared_expert("q8_g32_fp16", tokens)
-    with_prefetch = moe.routed_experts(x, ids, w, data, table, layout, shared=shared)
-    monkeypatch.setattr(moe, "PREFETCH_DOWN", False)
-    assert torch.equal(with_prefetch, moe.routed_experts(x, ids, w, data, table, layout, shared=shared))
 
 
 def test_tokens_sharing_every_expert():
