@@ -35,10 +35,14 @@ SPAN = 256
 # (`planner.memory.DECODE_PARTIAL_BYTES`, the same number).
 DECODE_PARTIAL_BYTES = 80 << 20
 # Spans the merge combines per step, and head dimensions per merge program (a head's dimensions in
-# ceil(D / MERGE_DIMS) programs: more programs read a long context's partials in parallel).
+# ceil(D / MERGE_DIMS) programs: more programs read a long context's partials in parallel). H100 sweep at a 32K
+# capacity (bench/results/sweeps/attention_shapes_h100_a948e1b.json): 64 dimensions per program 9.2 / 10.7 / 33.5 us
+# at 1K / 8K / 32K cached rows against 9.5 / 12.0 / 39.9 for a program per head.
 MERGE_BLOCK = 16
-MERGE_DIMS = 256
-# Cached rows per K/V tile of the decode kernel and its warps. Module-level so benchmarks can sweep them.
+MERGE_DIMS = 64
+# Cached rows per K/V tile of the decode kernel and its warps. Module-level so benchmarks can sweep them. Same
+# sweep (merge over 64 dimensions): tiles of 32 rows 13.0 / 13.6 / 32.0 us, 8 warps 10.1 / 11.5 / 33.9, 64 rows
+# in two stages 10.4 / 13.7 / 32.2.
 DECODE_BLOCK_S = 64
 DECODE_WARPS = 4
 # Pipeline stages of the decode kernel's K/V tile loads (Triton's default depth; 138 KB of shared memory for bf16
