@@ -8,7 +8,8 @@ batched step, with module-level kernel settings changed per variant (graphs reca
 Every variant, the baseline (`current`, the settings as shipped) first, is measured on the same sessions
 (`--batch` sequences of `--context` tokens; the first also steps alone and verifies): `step_ms` (one
 token), `verify_ms` (K + 1 tokens, then the commit of the first, as a rejected round pays),
-`batch_ms`, and their ratios to the variant's own one-token step; with `--profile`, each run's kernels by launch
+`batch_ms` (each the median of `--repeats` timed runs, all of them in `step_ms_runs` etc.: their spread is the noise
+a difference must exceed), and their ratios to the variant's own one-token step; with `--profile`, each run's kernels by launch
 shape (which product a launch is: `profiling.kernels_by_launch`). A setting is `MODULE.NAME=EXPRESSION` (`kernel_settings`),
 MODULE one of `ninfer_offload.kernels`' modules, EXPRESSION evaluated with those modules in scope
 (e.g. `moe.BATCH_GEMV_TILES=moe.GEMV_TILES`); each is restored after its variant.
@@ -29,7 +30,8 @@ from profiling import kernels_by_launch
 from provenance import gpu_report_header
 
 
-def median_ms(run, steps: int, repeats: int = 3) -> float:
+def run_ms(run, steps: int, repeats: int) -> list[float]:
+    """Milliseconds per call of `run`, averaged over `steps` calls, for each of `repeats` timed runs."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -37,8 +39,8 @@ def median_ms(run, steps: int, repeats: int = 3) -> float:
         for _ in range(steps):
             run()
         torch.cuda.synchronize()
-        times.append((time.perf_counter() - began) / steps)
-    return sorted(times)[len(times) // 2] * 1e3
+        times.append((time.perf_counter() - began) / steps * 1e3)
+    return times
 
 
 def main() -> None:
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--draft-tokens", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of --steps calls each; the median is reported, all in *_runs")
     parser.add_argument("--profile", action="store_true",
                         help="also record each variant's kernels by launch shape (profiling.kernels_by_launch)")
     parser.add_argument("--commit", default=None)
@@ -60,7 +63,7 @@ def main() -> None:
     report = {**gpu_report_header(args.commit), "context": args.context, "batch": args.batch, "draft_tokens": args.draft_tokens,
               "variants": []}
     profiled = 5 if args.profile else 0  # runs of each kind under the profiler
-    grown = len(variants) * 3 * (3 * args.steps + 1 + profiled)  # tokens the variants add to the first session (one per run)
+    grown = len(variants) * 3 * (args.repeats * args.steps + 1 + profiled)  # tokens the variants add to the first session (one per run)
     engine = Engine.load(args.artifact, device="cuda", max_context=args.context + grown + 64, max_sequences=args.batch,
                          mtp=True, draft_tokens=args.draft_tokens, spec="none")
     vocab = engine.config.vocab_size
@@ -87,7 +90,9 @@ def main() -> None:
         for run in (step, verify, batch):
             run()
         point = {"variant": name, "settings": describe(settings)}
-        point.update(step_ms=median_ms(step, args.steps), verify_ms=median_ms(verify, args.steps), batch_ms=median_ms(batch, args.steps))
+        for kind, run in (("step", step), ("verify", verify), ("batch", batch)):
+            runs = run_ms(run, args.steps, args.repeats)
+            point[f"{kind}_ms"], point[f"{kind}_ms_runs"] = sorted(runs)[len(runs) // 2], runs
         point["verify_step_ratio"] = point["verify_ms"] / point["step_ms"]
         point["batch_step_ratio"] = point["batch_ms"] / point["step_ms"]
         if args.profile:
@@ -95,7 +100,7 @@ def main() -> None:
             point["kernels"] = {name: kernels_by_launch(run, profiled) for name, run in runs}
         report["variants"].append(point)
         args.out.write_text(json.dumps(report, indent=1))
-        print(json.dumps({key: value for key, value in point.items() if key != "kernels"}), flush=True)
+        print(json.dumps({key: value for key, value in point.items() if key != "kernels" and not key.endswith("_runs")}), flush=True)
         for module, attr, value in saved:
             setattr(module, attr, value)
 
