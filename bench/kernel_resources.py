@@ -49,10 +49,12 @@ NVFP4 = {"NVFP4": True, "BITS": 4, "GROUP": 16}
 def configurations() -> list[tuple[str, object, dict, dict]]:
     """(name, kernel, constexprs, launch options) of the launches to compile."""
     out = []
-    attend = dict(HQ=QUERY_HEADS, HKV=KV_HEADS, D=HEAD_DIM, D_PAD=HEAD_DIM, GROUP_PAD=16, SPAN_SIZE=attention.SPAN, BLOCK_S=64, IEEE=False)
+    attend = dict(HQ=QUERY_HEADS, HKV=KV_HEADS, D=HEAD_DIM, D_PAD=HEAD_DIM, GROUP_PAD=16, SPAN_SIZE=attention.SPAN,
+                  BLOCK_S=attention.DECODE_BLOCK_S, IEEE=False)
     for kv, dtype in (("bf16", BF16), ("fp8", "*fp8e4nv")):
         out.append((f"attention decode, {kv} KV", attention._decode_partial_kernel, attend,
-                    {"num_warps": 4, "num_stages": attention.DECODE_STAGES, "types": {"k_pool": dtype, "v_pool": dtype}}))
+                    {"num_warps": attention.DECODE_WARPS, "num_stages": attention.DECODE_STAGES,
+                     "types": {"k_pool": dtype, "v_pool": dtype}}))
     tiled = dict(K_PAD=HIDDEN, BLOCK_N=quant_linear.DECODE_BLOCK_N, BLOCK_K=256, IEEE=False, SPLIT=4, EPILOGUE=0, DENSE=False,
                  SCALE_ORDER=quant_linear.TILED_SCALE_ORDER)
     for tokens in (16, 64):

@@ -99,12 +99,17 @@ def bench_linear(name: str, fmt: str, n: int, k: int, tokens: int, bandwidth: fl
             "GBps": moved / ms / 1e6, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth, "TFLOPs": flops / ms / 1e9}
 
 
-def bench_moe(tokens: int, down_fmt: str, bandwidth: float, gate_up_fmt: str = "q4_g64_fp16") -> dict:
+def expert_bank(gate_up_fmt: str, down_fmt: str) -> tuple[ExpertRecordLayout, torch.Tensor, torch.Tensor]:
+    """(layout, records [EXPERTS, nbytes], offset table) of a bank of EXPERTS valid random expert records."""
     layout = ExpertRecordLayout.create(gate_up_fmt, down_fmt, HIDDEN, INTER)
     records = torch.randint(0, 256, (EXPERTS, layout.nbytes), dtype=torch.uint8, device="cuda")
     records[:, : layout.gate_up.encoded_size] = quantized_object(gate_up_fmt, 2 * INTER, HIDDEN, EXPERTS)[0]
     records[:, layout.down_offset : layout.down_offset + layout.down.encoded_size] = quantized_object(down_fmt, HIDDEN, INTER, EXPERTS)[0]
-    table = moe.record_table(torch.arange(EXPERTS, device="cuda"), layout.nbytes)
+    return layout, records, moe.record_table(torch.arange(EXPERTS, device="cuda"), layout.nbytes)
+
+
+def bench_moe(tokens: int, down_fmt: str, bandwidth: float, gate_up_fmt: str = "q4_g64_fp16") -> dict:
+    layout, records, table = expert_bank(gate_up_fmt, down_fmt)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     graph = tokens <= 8
     copies = cold_copies(TOP_K * layout.nbytes, graph)  # routings of one bank: 460 MB, each reads its own experts

@@ -19,9 +19,8 @@ import triton
 import triton.language as tl
 
 from ninfer_offload.artifact.formats import runtime_geometry
-from ninfer_offload.artifact.records import ExpertRecordLayout
 from ninfer_offload.kernels import launch, moe, quant_linear
-from kernel_sweeps import EXPERTS, HIDDEN, INTER, TOP_K, cold_copies, median_ms, quantized_object, start_run
+from kernel_sweeps import EXPERTS, HIDDEN, INTER, TOP_K, cold_copies, expert_bank, median_ms, quantized_object, start_run
 
 PRODUCTS = (  # name, format, rows, columns
     ("gdn_qkvz", "q8_g32_fp16", 12288, HIDDEN),
@@ -73,12 +72,7 @@ def main() -> None:
         row = {"op": name, "format": fmt, "shape": [n, k], "bytes": geometry.encoded_size, "hbm_us": 1e3 * cold, "l2_us": 1e3 * warm}
         results.append(row)
         print(json.dumps(row), flush=True)
-    layout = ExpertRecordLayout.create("q4_g64_fp16", "q5_g64_fp16", HIDDEN, INTER)
-    records = torch.randint(0, 256, (EXPERTS, layout.nbytes), dtype=torch.uint8, device="cuda")
-    records[:, : layout.gate_up.encoded_size] = quantized_object("q4_g64_fp16", 2 * INTER, HIDDEN, EXPERTS)[0]
-    down = quantized_object("q5_g64_fp16", HIDDEN, INTER, EXPERTS)[0]
-    records[:, layout.down_offset : layout.down_offset + layout.down.encoded_size] = down
-    table = moe.record_table(torch.arange(EXPERTS, device="cuda"), layout.nbytes)
+    layout, records, table = expert_bank("q4_g64_fp16", "q5_g64_fp16")
     x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     w = torch.softmax(torch.randn(1, TOP_K, device="cuda"), -1).to(torch.bfloat16)
     copies = EXPERTS // TOP_K

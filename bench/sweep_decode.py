@@ -137,28 +137,27 @@ def sweep_attention(bandwidth: float, record) -> None:
     v_pool = torch.randn(ATTENTION_CAPACITY, 2, 256, device="cuda").to(torch.bfloat16)
     q = torch.randn(1, 16, 256, device="cuda", dtype=torch.bfloat16)
     slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    default = attention.SPAN
-    for span in ATTENTION_SPANS:
-        attention.SPAN = span
+
+    def measure(**fields) -> None:
         for length in ATTENTION_LENGTHS:
             lengths = torch.tensor([length], dtype=torch.int64, device="cuda")
             us = replay_us(lambda: attention.attention_decode(q, k_pool, v_pool, slots, lengths, 1, ATTENTION_CAPACITY))
             moved = 2 * length * 2 * 256 * 2  # K and V rows of both KV heads, bf16
-            record(entry("attention_decode", us, moved, bandwidth, length=length, capacity=ATTENTION_CAPACITY, span=span))
+            record(entry("attention_decode", us, moved, bandwidth, length=length, capacity=ATTENTION_CAPACITY, **fields))
+
+    default = attention.SPAN
+    for span in ATTENTION_SPANS:
+        attention.SPAN = span
+        measure(span=span)
     attention.SPAN = default
     knobs = ("DECODE_BLOCK_S", "DECODE_WARPS", "DECODE_STAGES", "MERGE_DIMS")
     defaults = [getattr(attention, knob) for knob in knobs]
     for shape in ATTENTION_SHAPES:
         for knob, value in zip(knobs, shape):
             setattr(attention, knob, value)
-        for length in ATTENTION_LENGTHS:
-            lengths = torch.tensor([length], dtype=torch.int64, device="cuda")
-            us = replay_us(lambda: attention.attention_decode(q, k_pool, v_pool, slots, lengths, 1, ATTENTION_CAPACITY))
-            record(entry("attention_decode", us, 2 * length * 2 * 256 * 2, bandwidth, length=length, capacity=ATTENTION_CAPACITY,
-                         span=default, shape=dict(zip(knobs, shape))))
+        measure(span=default, shape=dict(zip(knobs, shape)))
     for knob, value in zip(knobs, defaults):
         setattr(attention, knob, value)
-
 
 SWEEPS = {"linear": sweep_linear, "moe": sweep_moe, "attention": sweep_attention, "dense": sweep_dense, "paths": sweep_paths}
 
