@@ -4,7 +4,7 @@
 # Installs the project (and the wheels in $WHEELS, if set, for a machine without a package index),
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
-# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, paths (matrix-vector vs tensor-core tiles, 1-16 tokens), kernels, serve, spec (options in SPEC_ARGS), short_prompts, kernel_formats (nvfp4 against row-split per product), l2 (each decode product from HBM against L2-resident), attention (attention decode's spans and launch shapes), nvfp4_pair (the official and nvfp4 artifacts resident and at 15 GiB in one run), offload_kernels (both artifacts at 15 GiB with their decode kernels by launch shape), offload (15 GiB and
+# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, paths (matrix-vector vs tensor-core tiles, 1-16 tokens), kernels, serve, spec (options in SPEC_ARGS), short_prompts, warm_up (kernels a served engine first launches after its warm-up), kernel_formats (nvfp4 against row-split per product), l2 (each decode product from HBM against L2-resident), attention (attention decode's spans and launch shapes), nvfp4_pair (the official and nvfp4 artifacts resident and at 15 GiB in one run), offload_kernels (both artifacts at 15 GiB with their decode kernels by launch shape), offload (15 GiB and
 # the accelerate floor), offload_sweep (five budgets, ~7 min), offload_cpu (15 GiB, the three miss paths), offload_all (15, 12, 20, 24 GiB and the three miss paths, one load each, ~6 min), offload_prefill (at PREFILL_BUDGET GiB, default 15), nvfp4, pinning, ab (bench/step_ab.py with the variants in AB_ARGS)), their
 # JSON and logs under $OUT. One device call runs at most 10 minutes: offload_sweep and the floor (~3 min more) do not fit in one.
 set -o pipefail
@@ -43,6 +43,7 @@ for bench in $BENCHES; do
     serve) artifact && python3 bench/serve.py /tmp/q36.ninfer --out "$OUT/serve.json" --clients 1 8 --max-tokens 96 --commit "$COMMIT" 2>&1 | tail -12 ;;
     spec) artifact && python3 bench/spec.py /tmp/q36.ninfer --out "$OUT/spec.json" --commit "$COMMIT" $SPEC_ARGS 2>&1 | tail -12 ;;
     short_prompts) artifact && python3 bench/short_prompts.py /tmp/q36.ninfer --out "$OUT/short_prompts.json" --commit "$COMMIT" 2>&1 | tail -14 ;;
+    warm_up) artifact && python3 bench/warm_up_coverage.py /tmp/q36.ninfer --out "$OUT/warm_up_coverage.json" --commit "$COMMIT" 2>&1 | tail -10 ;;
     offload) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload.json" --budgets 15 --tokens 128 --warmup 128 \
       --commit "$COMMIT" 2>&1 | tail -12 ;;
     offload_sweep) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_sweep.json" --budgets 15 12 18 20 24 \
