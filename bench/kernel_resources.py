@@ -49,7 +49,7 @@ NVFP4 = {"NVFP4": True, "BITS": 4, "GROUP": 16}
 def configurations() -> list[tuple[str, object, dict, dict]]:
     """(name, kernel, constexprs, launch options) of the launches to compile."""
     out = []
-    attend = dict(HQ=QUERY_HEADS, HKV=KV_HEADS, D=HEAD_DIM, D_PAD=HEAD_DIM, GROUP_PAD=16, SPAN_SIZE=attention.SPAN,
+    attend = dict(HQ=QUERY_HEADS, HKV=KV_HEADS, D=HEAD_DIM, D_PAD=HEAD_DIM, GROUP_PAD=16,
                   BLOCK_S=attention.DECODE_BLOCK_S, IEEE=False)
     for kv, dtype in (("bf16", BF16), ("fp8", "*fp8e4nv")):
         out.append((f"attention decode, {kv} KV", attention._decode_partial_kernel, attend,

@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--commit")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--shapes", nargs="*", default=["5x40", "4x16", "8x64", "6x23", "4x57"], help="batched prefills, SEQUENCESxTOKENS")
+    parser.add_argument("--shapes", nargs="*", default=["4x16", "5x16", "8x32", "6x64", "7x32"], help="batched prefills, SEQUENCESxTOKENS")
     args = parser.parse_args()
 
     began = time.perf_counter()

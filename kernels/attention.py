@@ -68,12 +68,12 @@ def _decode_partial_kernel(
     stride_kv,
     capacity,
     T,
+    span,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     GROUP_PAD: tl.constexpr,
-    SPAN_SIZE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
@@ -98,8 +98,8 @@ def _decode_partial_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    start = split * SPAN_SIZE
-    for s0 in range(start, tl.minimum(start + SPAN_SIZE, length), BLOCK_S):
+    start = split * span
+    for s0 in range(start, tl.minimum(start + span, length), BLOCK_S):
         pos = s0 + tl.arange(0, BLOCK_S)
         pmask = pos < length
         off = pos[:, None].to(tl.int64) * stride_kv + hkv * D + dims[None, :]
@@ -128,8 +128,8 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out, part_max, part_sum, lengths, out, NSPLIT, T,
-    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPAN_SIZE: tl.constexpr, BLOCK_SPLIT: tl.constexpr, PDL: tl.constexpr,
+    part_out, part_max, part_sum, lengths, out, NSPLIT, T, span,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     await_producer(PDL)
     # One (token row, query head, BLOCK_D dimensions): the partial softmaxes of the spans its length reaches,
@@ -137,7 +137,7 @@ def _decode_merge_kernel(
     h = tl.program_id(0).to(tl.int64)
     row = h // HQ
     length = tl.load(lengths + row // T) - (T - 1 - row % T)
-    spans = tl.minimum(tl.cdiv(length, SPAN_SIZE), NSPLIT)
+    spans = tl.minimum(tl.cdiv(length, span), NSPLIT)
     dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = dims < D
     top = tl.full([BLOCK_SPLIT], float("-inf"), dtype=tl.float32)
@@ -187,15 +187,15 @@ def attention_decode(
     fitting.launch(
         _decode_partial_kernel, (hkv, nsplit, n),
         q.contiguous(), k_pool, v_pool, slots, lengths, part_out, part_max, part_sum, d**-0.5, k_pool.stride(0), capacity,
-        tokens_per_sequence, HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d),
-        GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), SPAN_SIZE=span, BLOCK_S=DECODE_BLOCK_S, IEEE=q.dtype == torch.float32,
+        tokens_per_sequence, span, HQ=hq, HKV=hkv, D=d, D_PAD=triton.next_power_of_2(d),
+        GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_S=DECODE_BLOCK_S, IEEE=q.dtype == torch.float32,
         num_stages=DECODE_STAGES, num_warps=DECODE_WARPS, **launch_options(q.device),
     )
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     block_d = min(MERGE_DIMS, triton.next_power_of_2(d))
     _decode_merge_kernel[(n * hq, triton.cdiv(d, block_d))](
-        part_out, part_max, part_sum, lengths, out, nsplit, tokens_per_sequence,
-        HQ=hq, D=d, BLOCK_D=block_d, SPAN_SIZE=span, BLOCK_SPLIT=MERGE_BLOCK, **launch_options(q.device),
+        part_out, part_max, part_sum, lengths, out, nsplit, tokens_per_sequence, span,
+        HQ=hq, D=d, BLOCK_D=block_d, BLOCK_SPLIT=MERGE_BLOCK, **launch_options(q.device),
     )
     return out
 

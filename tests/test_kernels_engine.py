@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels_support import HAS_CUDA, needs_cuda, needs_triton_device
-from ninfer_offload.runtime.engine import Engine
+from ninfer_offload.runtime.engine import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS, Engine
 
 PROMPT = [5, 17, 300, 42, 7, 99, 123]
 STEPS = [11, 250, 3]
@@ -115,6 +115,34 @@ def test_warm_up_captures_every_step_before_the_first_request(tiny_artifact_offi
     engine.step_batch(sessions[:2], [8, 9])
     engine.step(sessions, [[1, 2, 3]] * 3)
     assert engine.graphs.graphs == captured
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_warm_up_compiles_every_batched_prefill_a_server_runs(tiny_artifact_official):
+    """After `warm_up`, batched prefills of each warmed piece on 4 to all sequences (a server admitting a burst of
+    requests) launch no kernel that Triton has not loaded: no request compiles."""
+    from triton import knobs
+
+    engine = Engine.load(tiny_artifact_official, device="cuda", max_sequences=6)
+    engine.warm_up(40)
+    first_launches: list[str] = []
+
+    def record(*args, **kwargs) -> bool:
+        first_launches.append(kwargs["fn"].name)
+        return False  # compile it
+
+    knobs.runtime.jit_cache_hook = record
+    try:
+        for sequences in range(BATCHED_PREFILL_MIN_SEQUENCES, 7):
+            for tokens in BATCHED_PREFILL_TOKENS:
+                batch = [engine.session() for _ in range(sequences)]
+                engine.prefill_batch(batch, [[(7 * i + s) % 500 + 1 for i in range(tokens)] for s in range(sequences)])
+                for session in batch:
+                    session.close()
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    assert first_launches == []
 
 
 @needs_triton_device

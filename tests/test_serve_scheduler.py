@@ -108,8 +108,9 @@ def test_prefill_chunks_interleave_with_decode_and_outputs_match_solo(engine):
 
 
 def test_newcomers_short_prompts_are_prefilled_together_and_outputs_match_solo(engine):
-    """Five requests arrive at once: the four short prompts' common 20 tokens go through one forward, what is
-    left of the longer two and the 80-token prompt are prefilled alone; every output is the solo one."""
+    """Five requests arrive at once: a piece of 16 tokens of each prompt (the largest warmed-up piece within the
+    shortest, 20 tokens) goes through one forward, what is left of each is prefilled alone; every output is the
+    solo one."""
     recording = RecordingEngine(engine)
     prompts = [[(13 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((20, 24, 20, 80, 33))]
 
@@ -125,8 +126,8 @@ def test_newcomers_short_prompts_are_prefilled_together_and_outputs_match_solo(e
     outputs = asyncio.run(run())
     assert outputs == [solo(engine, p, 6) for p in prompts]
     prefills = [call for call in recording.calls if call[0] in ("together", "prefill")]
-    assert prefills[0] == ("together", (1, 2, 3, 5), 20)
-    assert sorted(prefills[1:]) == [("prefill", 2, 4), ("prefill", 4, 80), ("prefill", 5, 13)]
+    assert prefills[0] == ("together", (1, 2, 3, 4, 5), 16)
+    assert sorted(prefills[1:]) == [("prefill", 1, 4), ("prefill", 2, 8), ("prefill", 3, 4), ("prefill", 4, 64), ("prefill", 5, 17)]
     assert recording.open_sessions == 0
 
 

@@ -46,10 +46,13 @@ DEFAULT_MAX_CONTEXT = 32768
 # pairs (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles
 # (or loads from Triton's disk cache) its kernels inside the first request that has it.
 WARM_UP_PREFILLS = (1, 2, 3, 5, 12, 17, 24, 32, 33, 100)
-# Tokens per sequence of the batched prefills (`prefill_batch`: a server admitting several short prompts at once,
-# experts in VRAM) run on two scratch sequences: per-sequence token counts T past the verify steps', odd and a
-# multiple of 16.
-WARM_UP_BATCHED_PREFILLS = (16, 33)
+# Batched prefills (`prefill_batch`: a server admitting several prompts at once, experts in VRAM) take pieces of
+# these many tokens per sequence (`batched_prefill_piece`) over at least BATCHED_PREFILL_MIN_SEQUENCES sequences, the
+# shapes the warm-up compiles: per-sequence token blocks of 16, 32 and 64 with each T a multiple of 16, and 64 rows
+# (the tiled products) or more (dequantized tiles and cuBLAS). A piece of at most 64 tokens: the delta rule runs
+# token by token there.
+BATCHED_PREFILL_TOKENS = (16, 32, 64)
+BATCHED_PREFILL_MIN_SEQUENCES = 4
 # Prompts of up to this many tokens replay the largest captured prefill in pieces rather than run one eager
 # chunk (bound by ~900 launches of host time at these lengths). H200, prefill + head + token read
 # (bench/results/short_prompts_h200_e012db3.json): 40 tokens 21.0 ms in pieces against 48.2 as one eager chunk,
@@ -323,6 +326,24 @@ class Engine:
             session.commit(t)
         return self.logits_of(hidden.view(len(sessions), t, -1)[:, -1])
 
+    def batched_prefill_piece(self, unprefilled: int) -> int:
+        """Tokens per sequence of a batched prefill of sequences with at least `unprefilled` tokens left: the largest of
+        BATCHED_PREFILL_TOKENS that fits (what `warm_up` compiled), 0 if none does or the experts are offloaded."""
+        if self.store.offloaded:
+            return 0
+        return max((t for t in BATCHED_PREFILL_TOKENS if t <= unprefilled), default=0)
+
+    def _scratch_batched_prefill(self, sequences: int, tokens: int) -> None:
+        """`prefill_batch` of `tokens` tokens on `sequences` scratch sequences (warm-up), where the context has room."""
+        if tokens >= self.max_context:
+            return
+        scratch = [self.session() for _ in range(sequences)]
+        try:
+            self.prefill_batch(scratch, [[(i + s) % self.config.vocab_size for i in range(tokens)] for s in range(sequences)])
+        finally:
+            for session in scratch:
+                session.close()
+
     def _captured_prefill(self, start: int, tokens: int) -> bool:
         """Whether a prompt chunk of `tokens` tokens after `start` replays a captured prefill: graphs, all
         experts in VRAM (an offloaded prefill stages host experts), and its padded rows within the context."""
@@ -466,7 +487,8 @@ class Engine:
         prefills of each length in WARM_UP_PREFILLS and of `longest_prefill` tokens (default: a whole
         chunk) on a scratch sequence (and, where the context allows, a second chunk after a full one:
         attention over cached rows; the short ones capture the padded prefills of every bucket on a
-        resident load), batched prefills of WARM_UP_BATCHED_PREFILLS tokens on two, then the step graph
+        resident load), batched prefills of each BATCHED_PREFILL_TOKENS on BATCHED_PREFILL_MIN_SEQUENCES and one more
+        sequences (resident loads of that many sequences), then the step graph
         of every batch bucket (with speculation also the verify steps and the MTP steps). Returns the
         seconds of the two phases."""
         began = time.perf_counter()
@@ -481,14 +503,10 @@ class Engine:
                     session.prefill([i % self.config.vocab_size for i in range(min(length, self.max_context - 1))])
                 finally:
                     session.close()
-            if self.state.sequences >= 2 and not self.store.offloaded and sum(WARM_UP_BATCHED_PREFILLS) < self.max_context:
-                pair = [self.session(), self.session()]
-                try:
-                    for length in WARM_UP_BATCHED_PREFILLS:
-                        self.prefill_batch(pair, [[i % self.config.vocab_size for i in range(length)]] * 2)
-                finally:
-                    for session in pair:
-                        session.close()
+            if not self.store.offloaded:
+                for sequences in range(BATCHED_PREFILL_MIN_SEQUENCES, min(self.state.sequences, BATCHED_PREFILL_MIN_SEQUENCES + 1) + 1):
+                    for tokens in BATCHED_PREFILL_TOKENS:
+                        self._scratch_batched_prefill(sequences, tokens)
         prefilled = time.perf_counter()
         if self.graphs is not None:
             for bucket in self.graphs.buckets:

@@ -2,7 +2,7 @@
 
 One thread owns the engine. Each iteration it (1) admits waiting requests up to `max_concurrency`
 active sequences, (2) frees the sessions of cancelled requests, (3) runs one prefill: the common
-piece of several plainly decoding newcomers' short prompts in one forward (`Engine.prefill_batch`,
+piece of several plainly decoding newcomers' prompts in one forward (`Engine.prefill_batch`,
 experts in VRAM), else one chunk of one newcomer, (4) runs one batched decode step over every
 sequence that is decoding. When every plainly decoding sequence is greedy without penalties, grammar
 or logprobs (its next token is the argmax of its logits), the step runs one ahead of the host: it
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ninfer_offload.runtime.engine import BATCHED_PREFILL_MIN_SEQUENCES
 from ninfer_offload.runtime.generate import QueuedTokens, queue_greedy_step
 from ninfer_offload.runtime.speculative import MtpSpeculator, draft_together
 from ninfer_offload.runtime.step_inputs import upload
@@ -40,15 +41,13 @@ from ninfer_offload.runtime.step_inputs import upload
 log = logging.getLogger("ninfer.serve")
 
 SHUTTING_DOWN = "the server is shutting down"
-# Short prompts prefilled together: one eager forward of the decode kernels over several newcomers' prompts
+# Newcomers' prompts prefilled together: one eager forward of the decode kernels over several sequences
 # (`Engine.prefill_batch`) against a prefill each. H200 at e012db3 (bench/results/short_prompts_h200_e012db3.json):
 # prompts of up to 32 tokens replay a captured prefill (7.9-14.4 ms with the head and the token read), a 40-128
 # token one took 21-51 ms in replayed pieces, and one eager forward 48-80 ms whatever its rows, so prefilling
-# together should pay from about four newcomers with a common piece of 16+ tokens (an estimate from those numbers,
-# not yet measured). A piece of each is at most PREFILL_TOGETHER_TOKENS tokens: the delta rule runs token by token
-# there, as a prompt chunk takes it up to `model.gdn.RECURRENT_PREFILL_TOKENS`; what is left of a longer or
-# unequal prompt is prefilled alone.
-PREFILL_TOGETHER_MIN, PREFILL_TOGETHER_MIN_TOKENS, PREFILL_TOGETHER_TOKENS = 4, 16, 64
+# together pays from about four newcomers (`engine.BATCHED_PREFILL_MIN_SEQUENCES`). Each gives the same piece of
+# `Engine.batched_prefill_piece` tokens (16, 32 or 64: the shapes the warm-up compiled); what is left of a prompt is
+# prefilled alone.
 
 
 class QueueFullError(Exception):
@@ -289,13 +288,15 @@ class Scheduler:
             self._finish(sequence, "cancelled")
 
     def _prefill(self) -> None:
-        """The common piece of several newcomers' short prompts in one forward when it pays (PREFILL_TOGETHER_*),
-        else one chunk of the first newcomer's prompt."""
+        """A piece of several plainly decoding newcomers' prompts in one forward when there are enough of them
+        (`BATCHED_PREFILL_MIN_SEQUENCES`, a piece of `Engine.batched_prefill_piece` tokens each), else one chunk of the
+        first newcomer's prompt."""
         waiting = [s for s in self._active if s.unprefilled]
-        short = [s for s in waiting if s.speculator is None and len(s.unprefilled) <= PREFILL_TOGETHER_TOKENS]
-        tokens = min((len(s.unprefilled) for s in short), default=0)
-        together = short[: self.prefill_chunk // max(1, tokens)]
-        if len(together) >= PREFILL_TOGETHER_MIN and tokens >= PREFILL_TOGETHER_MIN_TOKENS and not self.engine.store.offloaded:
+        piece = self.engine.batched_prefill_piece
+        plain = [s for s in waiting if s.speculator is None and piece(len(s.unprefilled))]
+        tokens = piece(min((len(s.unprefilled) for s in plain), default=0))
+        together = plain[: self.prefill_chunk // max(1, tokens)]
+        if tokens and len(together) >= BATCHED_PREFILL_MIN_SEQUENCES:
             self._prefill_together(together, tokens)
         elif waiting:
             self._prefill_one(waiting[0])
