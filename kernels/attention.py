@@ -54,7 +54,7 @@ DECODE_STAGES = 3
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["span"])
 def _decode_partial_kernel(
     q,
     k_pool,
@@ -126,7 +126,7 @@ def _decode_partial_kernel(
     tl.store(part_out + base[:, None] * D + dims[None, :], acc, mask=used[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT", "span"])  # a batched prefill's rows change both: no new compile
 def _decode_merge_kernel(
     part_out, part_max, part_sum, lengths, out, NSPLIT, T, span,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLIT: tl.constexpr, PDL: tl.constexpr,
