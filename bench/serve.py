@@ -14,9 +14,10 @@ steady). Per client: time to first token (first content chunk) and decode tok/s 
 first over the time after the first chunk). Reported per level: mean per-client tok/s, aggregate
 tok/s (all tokens over the wall time from the first concurrent request to the last end), TTFT p50
 and p95, and the server's own log line of each request (`server_requests`: time queued, its TTFT and
-decode rate as the engine thread saw them). Extra server options (`--serve-arg`, repeatable)
-are passed through, e.g. `--serve-arg=--vram-budget=15GiB`. Both decode plainly (`--spec none`)
-unless such an option says otherwise (`--serve-arg=--spec=mtp`).
+decode rate as the engine thread saw them; `server_ttft_p50_s` / `_p95_s` of the N concurrent ones: the
+first token, where the client's TTFT waits for the first text, which random weights may not give at once).
+Extra server options (`--serve-arg`, repeatable) are passed through, e.g. `--serve-arg=--vram-budget=15GiB`.
+Both decode plainly (`--spec none`) unless such an option says otherwise (`--serve-arg=--spec=mtp`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from provenance import gpu_report_header
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 NEW_PROMPT = PROMPT + " The bottle is green, the message is old, and the storm has not ended yet."
 WARM_UP = re.compile(r"warm-up .* took ([0-9.]+)s: prefills ([0-9.]+)s, decode step captures ([0-9.]+)s")
+SERVER_TTFT = re.compile(r" ttft=([0-9.]+)s ")
 
 
 def free_port() -> int:
@@ -130,6 +132,8 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
     steady = stream_once(server.url, max_tokens)  # one more request alone, for the first request's comparison
     new = stream_once(server.url, max_tokens, NEW_PROMPT)
     warm_up = next((m.groups() for line in server.log if (m := WARM_UP.search(line))), (None, None, None))
+    requests = [line.split(" ninfer ", 1)[-1].strip() for line in server.log if " prompt=" in line]
+    server_ttfts = [float(m.group(1)) for line in requests[1 : 1 + clients] if (m := SERVER_TTFT.search(line))]  # logged as they end
     return {
         "clients": clients,
         "server_warm_up_s": warm_up[0] and float(warm_up[0]),
@@ -146,7 +150,9 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p95_s": percentile(ttfts, 0.95),
         "tokens": [r["tokens"] for r in results],
-        "server_requests": [line.split(" ninfer ", 1)[-1].strip() for line in server.log if " prompt=" in line],
+        "server_ttft_p50_s": percentile(server_ttfts, 0.5) if server_ttfts else None,
+        "server_ttft_p95_s": percentile(server_ttfts, 0.95) if server_ttfts else None,
+        "server_requests": requests,
     }
 
 
