@@ -35,7 +35,8 @@ BF16 = "*bf16"
 # Pointer parameters by name (every other parameter not a constexpr is an i32, `eps`/`scale` an fp32).
 POINTERS = {
     **{name: BF16 for name in ("x", "x2", "norm_w", "routed", "score", "out", "total", "normed", "dense_w", "dense_out", "act",
-                               "conv_states", "conv_weight", "q", "k_pool", "v_pool", "gate", "up", "weights")},
+                               "conv_states", "conv_weight", "q", "k_pool", "v_pool", "gate", "up", "weights", "logits",
+                               "topk_weights")},
     **{name: "*u8" for name in ("w", "arena", "shared_down")},
     **{name: "*i64" for name in ("table", "block_expert", "block_pairs", "topk_ids", "slots", "lengths")},
     **{name: "*i32" for name in ("arrivals", "deferred", "use_counts", "valid")},
@@ -78,10 +79,17 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
             out.append((f"MoE down, {name}, {fmt_name}", moe._down_kernel,
                         {**common, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER)}, options))
     pairs = dict(TOP_K=8, BLOCK_T=8, BLOCK_PAIRS=64, IEEE=False)
-    for name, tiles, mma in (("8 tokens, tensor cores", moe.MMA_GATE_UP_TILES, True), ("several tokens", moe.BATCH_GEMV_TILES, False)):
+    one = dict(TOP_K=8, BLOCK_T=1, BLOCK_PAIRS=8, IEEE=False)
+    for name, tokens, tiles, mma, route in (
+        ("8 tokens, tensor cores", pairs, moe.MMA_GATE_UP_TILES, True, False),
+        ("several tokens", pairs, moe.BATCH_GEMV_TILES, False, False),
+        ("one token", one, moe.GEMV_TILES, False, False), ("one token, routing in the launch", one, moe.GEMV_TILES, False, True),
+        ("8 tokens, routing in the launch", pairs, moe.MMA_GATE_UP_TILES, True, True),
+    ):
         out.append((f"MoE gate/up matrix-vector, {name}", moe._gate_up_swiglu_gemv_kernel,
-                    {**pairs, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": tiles.gate_up_n, "BLOCK_K": tiles.block_k,
-                     "MMA": mma, "COUNT": False}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
+                    {**tokens, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": tiles.gate_up_n, "BLOCK_K": tiles.block_k,
+                     "MMA": mma, "COUNT": False, "ROUTE": route, "TOPK_PAD": 8, "BLOCK_E": 256 if route else 1},
+                    {"num_warps": tiles.warps, "num_stages": tiles.stages}))
     for name, tiles, mma in (("8 tokens, tensor cores", moe.MMA_DOWN_TILES, True), ("several tokens", moe.BATCH_GEMV_TILES, False)):
         out.append((f"MoE down matrix-vector, {name}", moe._down_shared_gemv_kernel,
                     {**pairs, **Q8, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER), "MMA": mma,
