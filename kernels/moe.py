@@ -104,10 +104,15 @@ SUM_IN_PRODUCT = True
 # 32 rows (bench/results/step_ab_h200_split_tiles_05f867f.json, step_ab_h200_split_n16_05f867f.json); k tiles of
 # 256 / 128 (fewer registers, a k loop) 2.57 / 2.52, 4 warps 2.36, 64 rows / 4 warps 2.75.
 SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
-# The matrix-vector path takes the routing (softmax, top-k, renormalised weights) from the router's logits in its
-# gate/up launch (`routed_experts_from_logits`; every program computes it, each pair's first stores it for the
-# down launch) instead of a routing launch before it. Module-level so benchmarks can compare the two.
+# The matrix-vector path of up to ROUTE_MAX_TOKENS tokens takes the routing (softmax, top-k, renormalised weights)
+# from the router's logits in its gate/up launch (`routed_experts_from_logits`; every program computes it, each
+# pair's first stores it for the down launch) instead of a routing launch before it. Each program's top-k is
+# TOP_K rounds of a max over the experts per token, on the critical path before its weight loads: one token's
+# 8 rounds against the routing launch it saves (2.66-2.75 us on the H200 at bf29cbc); more tokens' rounds add
+# up (the routing launch takes each token in a program of its own). Not yet measured on a GPU. Module-level so
+# benchmarks can compare the settings.
 ROUTE_IN_GATE_UP = True
+ROUTE_MAX_TOKENS = 1
 # One token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
@@ -826,8 +831,8 @@ def routed_experts(
 
 def routes_in_gate_up(tokens: int, top_k: int) -> bool:
     """Whether `routed_experts_from_logits` takes the routing into the gate/up launch for `tokens` tokens (the
-    matrix-vector path, ROUTE_IN_GATE_UP)."""
-    return ROUTE_IN_GATE_UP and tokens <= GEMV_MAX_TOKENS and tokens * top_k <= GEMV_MAX_PAIRS
+    matrix-vector path, ROUTE_IN_GATE_UP, up to ROUTE_MAX_TOKENS)."""
+    return ROUTE_IN_GATE_UP and tokens <= min(ROUTE_MAX_TOKENS, GEMV_MAX_TOKENS) and tokens * top_k <= GEMV_MAX_PAIRS
 
 
 def routed_experts_from_logits(
@@ -844,7 +849,7 @@ def routed_experts_from_logits(
     routing of the router `logits` [T, E], taken in the gate/up launch (`routes_in_gate_up` must hold)."""
     t, hidden = x.shape
     if not routes_in_gate_up(t, top_k):
-        raise ValueError(f"routing in the gate/up launch takes up to {GEMV_MAX_TOKENS} tokens and {GEMV_MAX_PAIRS} pairs")
+        raise ValueError(f"routing in the gate/up launch takes up to {min(ROUTE_MAX_TOKENS, GEMV_MAX_TOKENS)} tokens, now off")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     gu, dn = _geometries(layout, hidden)

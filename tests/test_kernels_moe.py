@@ -215,11 +215,13 @@ def test_the_kernels_count_each_assignment():
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 5, 8])
-def test_routing_in_the_gate_up_launch_equals_a_routing_launch_before_it(tokens):
+def test_routing_in_the_gate_up_launch_equals_a_routing_launch_before_it(tokens, monkeypatch):
     """`routed_experts_from_logits` (the router's softmax and top-k in every gate/up program) chooses the experts
     and weights `softmax_topk` chooses and gives `routed_experts`' output over them, shared expert and use counts
-    included, on the one-token, per-token-down and shared-down kernels; logits strided as the router's product
-    gives them (a column slice beside the shared score)."""
+    included, on the one-token, per-token-down and shared-down kernels (more than one token where
+    `ROUTE_MAX_TOKENS` allows it); logits strided as the router's product gives them (a column slice beside the
+    shared score)."""
+    from ninfer_offload.kernels import moe
     from ninfer_offload.artifact.formats import GROUPED_FORMATS
     from ninfer_offload.kernels.moe import record_table, routed_experts, routed_experts_from_logits
     from ninfer_offload.kernels.router import softmax_topk
@@ -239,6 +241,7 @@ def test_routing_in_the_gate_up_launch_equals_a_routing_launch_before_it(tokens)
     stacked = torch.randn(tokens, 2 * width, generator=gen).to(DEVICE)
     shared = SharedExpert(stacked[:, :width], stacked[:, width:], down, score)
     uses, counted = torch.zeros(EXPERTS, dtype=torch.int32, device=DEVICE), torch.zeros(EXPERTS, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(moe, "ROUTE_MAX_TOKENS", tokens)
     got, ids, weights = routed_experts_from_logits(x, logits, 3, data, table, layout, shared, uses)
     want_ids, want_weights = softmax_topk(logits, 3, x.dtype)
     want = routed_experts(x, want_ids, want_weights, data, table, layout, shared=shared, uses=counted)
