@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -118,6 +119,11 @@ def serve(
         "warm-up (kernels compiled, decode steps captured) took %.1fs: prefills %.1fs, decode step captures %.1fs",
         warm_up.seconds, warm_up.prefills, warm_up.captures,
     )
+    # The loaded engine's ~450,000 Python objects out of the garbage collector's reach for the process's life: a full
+    # collection over them took 120-150 ms on an H100 machine's host, a pause inside whichever request triggered it
+    # (a server's first request waited 0.10 s for its first token, later ones 0.02 s).
+    gc.collect()
+    gc.freeze()
     name = served_model_name or artifact.name.removesuffix(".ninfer")
     app = create_app(
         engine, frontend, name, engine.max_context,

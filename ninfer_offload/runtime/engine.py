@@ -11,7 +11,6 @@ CUDA with a capturable backend and store replay CUDA graphs (`runtime.graphs`).
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 from collections.abc import Iterable
@@ -60,15 +59,6 @@ BATCHED_PREFILL_MIN_SEQUENCES = 4
 # 64: 25.6 / 51.7, 100: 44.6 / 77.1, 128: 51.4 / 80.4; 200 tokens, one eager chunk, 78.4.
 GRAPHED_PROMPT_MAX = 128
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def _settle_heap() -> None:
-    """Collect the garbage, then move every object left (a loaded engine's ~450,000: Triton's kernels, graphs,
-    weights' views) out of the collector's reach (`gc.freeze`). A full collection over them took 120-150 ms on an
-    H100 machine's host after a full-size load, a pause that fell inside whichever request triggered it (the
-    first request after a server's start took 0.10 s to its first token against 0.02 s later ones)."""
-    gc.collect()
-    gc.freeze()
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -500,7 +490,7 @@ class Engine:
         resident load), batched prefills of each BATCHED_PREFILL_TOKENS on BATCHED_PREFILL_MIN_SEQUENCES and one more
         sequences (resident loads of that many sequences), then the step graph
         of every batch bucket (with speculation also the verify steps and the MTP steps). Returns the
-        seconds of the two phases; the objects left are out of the garbage collector's reach (`_settle_heap`)."""
+        seconds of the two phases."""
         began = time.perf_counter()
         if self.device.type == "cuda":
             longest_prefill = self.prefill_chunk if longest_prefill is None else longest_prefill
@@ -527,7 +517,6 @@ class Engine:
             for t in range(2, self.spec_tokens + 2):  # the MTP layer catching up after a round
                 self.graphs.capture("mtp", 1, t)
             torch.cuda.synchronize(self.device)
-        _settle_heap()
         return WarmUpTimes(prefilled - began, time.perf_counter() - prefilled)
 
     def close(self) -> None:
