@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one go, on a CUDA machine, from the repository root:
 #   OUT=results COMMIT=$(git rev-parse --short HEAD) TESTS="test_kernels_quant_linear.py" BENCHES="resident sweep" bench/gpu_suite.sh
+# (TESTS_K="a or b": a pytest -k expression over those files)
 # Installs the project (and the wheels in $WHEELS, if set, for a machine without a package index),
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
@@ -23,7 +24,9 @@ artifact() { [ -f /tmp/q36.ninfer ] || python3 bench/make_synthetic.py /tmp/q36.
 nvfp4_artifact() { [ -f /tmp/q36_nvfp4.ninfer ] || python3 bench/make_synthetic.py /tmp/q36_nvfp4.ninfer --recipe nvfp4 > "$OUT/synthetic_nvfp4.log" 2>&1; }
 if [ -n "$TESTS" ]; then
   # SIGINT at the limit: pytest stops and still prints which tests passed and failed
-  (cd tests && timeout -s INT -k 30 "${TEST_TIMEOUT:-600}" python3 -m pytest -q -rfE -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -15)
+  # TESTS_K: a -k expression (spaces kept), e.g. TESTS_K="warm_up or attention"
+  (cd tests && timeout -s INT -k 30 "${TEST_TIMEOUT:-600}" python3 -m pytest -q -rfE -p no:cacheprovider $TESTS ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | tee "$OUT/tests.log" | tail -15)
 fi
 for bench in $BENCHES; do
   echo "== $bench"
