@@ -849,8 +849,10 @@ def routed_experts_from_logits(
     routing of the router `logits` [T, E], taken in the gate/up launch (`routes_in_gate_up` must hold)."""
     t, hidden = x.shape
     if not routes_in_gate_up(t, top_k):
-        limit = min(ROUTE_MAX_TOKENS, GEMV_MAX_TOKENS) if ROUTE_IN_GATE_UP else 0
-        raise ValueError(f"routing in the gate/up launch takes up to {limit} tokens of {GEMV_MAX_PAIRS // top_k} at most, got {t}")
+        if not ROUTE_IN_GATE_UP:
+            raise ValueError("routing in the gate/up launch is off")
+        limit = min(ROUTE_MAX_TOKENS, GEMV_MAX_TOKENS, GEMV_MAX_PAIRS // top_k)
+        raise ValueError(f"routing in the gate/up launch takes up to {limit} tokens, got {t}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     gu, dn = _geometries(layout, hidden)
