@@ -63,12 +63,19 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
             out.append((f"tiled product, {tokens} tokens, {name}", quant_linear._quantized_matmul_kernel,
                         {**tiled, **fmt, "BLOCK_M": tokens}, {"num_warps": quant_linear.DECODE_WARPS}))
     gemv = dict(K_PAD=HIDDEN, INPUT=0, NORM_D=1, EPILOGUE=0, ROW_BLOCK=1, DENSE=False, DENSE_BLOCK_N=2, DENSE_BLOCK_K=HIDDEN,
-                CONV_C=0, IEEE=False, TAPS=1)
+                CONV_C=0, IEEE=False, TAPS=1, CONV_FIRST=False)
     for name, tiles, mma in (("one token", quant_linear.GEMV_TILES, False), ("tensor cores", quant_linear.MMA_GEMV_TILES, True),
                              ("head, tensor cores", quant_linear.WIDE_MMA_GEMV_TILES, True)):
         out.append((f"matrix-vector product, {name}", quant_linear._quantized_gemv_kernel,
                     {**gemv, **Q8, "BLOCK_T": 16 if mma else 1, "LOOP_T": 8 if mma else 1, "BLOCK_N": tiles.block_n,
                      "BLOCK_K": tiles.block_k, "MMA": mma}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
+    tiles = quant_linear.GEMV_TILES  # a layer's first product in a one-token step: GDN q/k/v/z beside a/b, its conv in the epilogue
+    for first in (False, True):
+        out.append((f"matrix-vector product, one token, GDN q/k/v/z (norm, dense a/b, conv{', its reads first' if first else ''})",
+                    quant_linear._quantized_gemv_kernel,
+                    {**gemv, **Q8, "INPUT": 4, "EPILOGUE": 2, "ROW_BLOCK": HIDDEN, "DENSE": True, "TAPS": 4, "CONV_FIRST": first,
+                     "BLOCK_T": 1, "LOOP_T": 1, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "MMA": False},
+                    {"num_warps": tiles.warps, "num_stages": tiles.stages}))
     for name, tiles in (("prefill", moe.PREFILL_TILES), ("prefill over host records", moe.HOST_PREFILL_TILES), ("batch", moe.DECODE_TILES)):
         for fmt_name, fmt in (("Q8", Q8), ("NVFP4", NVFP4)):
             common = {**fmt, "BLOCK_M": tiles.block_m, "IEEE": False, "PASS": 0, "WHERE": 0}
