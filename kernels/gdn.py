@@ -225,9 +225,10 @@ CONV_IN_PRODUCT = True
 @triton.jit
 def conv_windows(rows, row_mask, states, weight, slots, T, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
     """What `conv_rows` reads besides the product, for a product's program to read before its own work (the
-    windows are its rows' alone, written by earlier steps; the taps are fixed), as float32: each token's window
-    states[slots[t]] of channels `rows` [LOOP_T, TAPS_PAD, BLOCK_N] (slots past TAPS - 1 zero) and the taps
-    weight[:, rows] [TAPS_PAD, BLOCK_N], TAPS_PAD being TAPS rounded up to a power of two."""
+    windows are its rows' alone, written by earlier steps; the taps are fixed): each token's window offset in
+    `states` (int64 [LOOP_T]), its window of channels `rows` as float32 [LOOP_T, TAPS_PAD, BLOCK_N] (slots past
+    TAPS - 1 zero) and the taps weight[:, rows] as float32 [TAPS_PAD, BLOCK_N], TAPS_PAD being TAPS rounded up to a
+    power of two."""
     TAPS_PAD: tl.constexpr = triton.next_power_of_2(TAPS)
     conv = (rows < C) & row_mask
     toks = tl.arange(0, LOOP_T)
@@ -236,7 +237,7 @@ def conv_windows(rows, row_mask, states, weight, slots, T, C, TAPS: tl.constexpr
     past = (toks < T)[:, None, None] & (taps < TAPS - 1)[None, :, None] & conv[None, None, :]
     windows = tl.load(states + first[:, None, None] + taps[None, :, None] * C + rows[None, None, :], mask=past, other=0.0)
     weights = tl.load(weight + taps[:, None] * C + rows[None, :], mask=(taps < TAPS)[:, None] & conv[None, :], other=0.0)
-    return windows.to(tl.float32), weights.to(tl.float32)
+    return first, windows.to(tl.float32), weights.to(tl.float32)
 
 
 @triton.jit
@@ -247,11 +248,11 @@ def _tap(values, i, TAPS_PAD: tl.constexpr):
 
 
 @triton.jit
-def conv_rows(y, toks, T, rows, row_mask, states, windows, weights, slots, valid, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
+def conv_rows(y, toks, T, rows, row_mask, states, window_at, windows, weights, valid, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
     """`conv_update` of one token per sequence, done by the product that computes its input: y [BLOCK_T,
     BLOCK_N] float32 holds token t's values of channels `rows` (a program's own rows: the conv is
     depthwise, so no other program reads or writes their windows); token t continues its window (`conv_windows`:
-    `windows`, `weights`, read earlier), whose states[slots[t]] are advanced when valid[t] > 0. Channels below C
+    `window_at`, `windows`, `weights`, read earlier), which is advanced in `states` when valid[t] > 0. Channels below C
     become silu(conv), rounded to the states' dtype as `conv_update` stores them; the others pass."""
     TAPS_PAD: tl.constexpr = triton.next_power_of_2(TAPS)
     conv = (rows < C) & row_mask
@@ -259,7 +260,7 @@ def conv_rows(y, toks, T, rows, row_mask, states, windows, weights, slots, valid
     order = tl.arange(0, LOOP_T)
     for t in tl.static_range(LOOP_T):
         if t < T:
-            window = states + tl.load(slots + t).to(tl.int64) * (TAPS - 1) * C + rows
+            window = states + tl.sum(tl.where(order == t, window_at, 0)) + rows
             past = tl.sum(tl.where((order == t)[:, None, None], windows, 0.0), axis=0)  # [TAPS_PAD, BLOCK_N]
             xt = tl.sum(tl.where(toks[:, None] == t, xr, 0.0), axis=0)
             acc = tl.zeros_like(xt)

@@ -849,10 +849,7 @@ def routed_experts_from_logits(
     routing of the router `logits` [T, E], taken in the gate/up launch (`routes_in_gate_up` must hold)."""
     t, hidden = x.shape
     if not routes_in_gate_up(t, top_k):
-        if not ROUTE_IN_GATE_UP:
-            raise ValueError("routing in the gate/up launch is off")
-        limit = min(ROUTE_MAX_TOKENS, GEMV_MAX_TOKENS, GEMV_MAX_PAIRS // top_k)
-        raise ValueError(f"routing in the gate/up launch takes up to {limit} tokens, got {t}")
+        raise ValueError(f"routing in the gate/up launch is off or does not take {t} tokens of top-{top_k} (routes_in_gate_up)")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     gu, dn = _geometries(layout, hidden)

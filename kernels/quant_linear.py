@@ -385,7 +385,7 @@ def _quantized_gemv_kernel(
         rows = program_rows(pid, BLOCK_N, NVFP4)
         row_mask = rows < N
         if EPILOGUE == CONV and CONV_FIRST:  # the rows' conv windows (this program's alone, written by earlier steps) and taps
-            windows, taps = conv_windows(rows, row_mask, conv_states, conv_weight, slots, T, CONV_C, TAPS, LOOP_T)
+            window_at, windows, taps = conv_windows(rows, row_mask, conv_states, conv_weight, slots, T, CONV_C, TAPS, LOOP_T)
         divisors = row_divisors(w, rows, row_mask, divisor_offset, NVFP4)
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -421,8 +421,8 @@ def _quantized_gemv_kernel(
             acc = acc / divisors[None, :]
         if EPILOGUE == CONV:
             if not CONV_FIRST:
-                windows, taps = conv_windows(rows, row_mask, conv_states, conv_weight, slots, T, CONV_C, TAPS, LOOP_T)
-            acc = conv_rows(acc, toks, T, rows, row_mask, conv_states, windows, taps, slots, valid, CONV_C, TAPS, LOOP_T)
+                window_at, windows, taps = conv_windows(rows, row_mask, conv_states, conv_weight, slots, T, CONV_C, TAPS, LOOP_T)
+            acc = conv_rows(acc, toks, T, rows, row_mask, conv_states, window_at, windows, taps, valid, CONV_C, TAPS, LOOP_T)
         offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
         mask = (toks < T)[:, None] & row_mask[None, :]
         if EPILOGUE == ADD_GATED:
