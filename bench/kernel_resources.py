@@ -35,8 +35,7 @@ BF16 = "*bf16"
 # Pointer parameters by name (every other parameter not a constexpr is an i32, `eps`/`scale` an fp32).
 POINTERS = {
     **{name: BF16 for name in ("x", "x2", "norm_w", "routed", "score", "out", "total", "normed", "dense_w", "dense_out", "act",
-                               "conv_states", "conv_weight", "q", "k_pool", "v_pool", "gate", "up", "weights", "logits",
-                               "topk_weights")},
+                               "conv_states", "conv_weight", "q", "k_pool", "v_pool", "gate", "up", "weights")},
     **{name: "*u8" for name in ("w", "arena", "shared_down")},
     **{name: "*i64" for name in ("table", "block_expert", "block_pairs", "topk_ids", "slots", "lengths")},
     **{name: "*i32" for name in ("arrivals", "deferred", "use_counts", "valid")},
@@ -63,19 +62,12 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
             out.append((f"tiled product, {tokens} tokens, {name}", quant_linear._quantized_matmul_kernel,
                         {**tiled, **fmt, "BLOCK_M": tokens}, {"num_warps": quant_linear.DECODE_WARPS}))
     gemv = dict(K_PAD=HIDDEN, INPUT=0, NORM_D=1, EPILOGUE=0, ROW_BLOCK=1, DENSE=False, DENSE_BLOCK_N=2, DENSE_BLOCK_K=HIDDEN,
-                CONV_C=0, IEEE=False, TAPS=1, CONV_FIRST=False)
+                CONV_C=0, IEEE=False, TAPS=1)
     for name, tiles, mma in (("one token", quant_linear.GEMV_TILES, False), ("tensor cores", quant_linear.MMA_GEMV_TILES, True),
                              ("head, tensor cores", quant_linear.WIDE_MMA_GEMV_TILES, True)):
         out.append((f"matrix-vector product, {name}", quant_linear._quantized_gemv_kernel,
                     {**gemv, **Q8, "BLOCK_T": 16 if mma else 1, "LOOP_T": 8 if mma else 1, "BLOCK_N": tiles.block_n,
                      "BLOCK_K": tiles.block_k, "MMA": mma}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
-    tiles = quant_linear.GEMV_TILES  # a layer's first product in a one-token step: GDN q/k/v/z beside a/b, its conv in the epilogue
-    for first in (False, True):
-        out.append((f"matrix-vector product, one token, GDN q/k/v/z (norm, dense a/b, conv{', its reads first' if first else ''})",
-                    quant_linear._quantized_gemv_kernel,
-                    {**gemv, **Q8, "INPUT": 4, "EPILOGUE": 2, "ROW_BLOCK": HIDDEN, "DENSE": True, "TAPS": 4, "CONV_FIRST": first,
-                     "BLOCK_T": 1, "LOOP_T": 1, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "MMA": False},
-                    {"num_warps": tiles.warps, "num_stages": tiles.stages}))
     for name, tiles in (("prefill", moe.PREFILL_TILES), ("prefill over host records", moe.HOST_PREFILL_TILES), ("batch", moe.DECODE_TILES)):
         for fmt_name, fmt in (("Q8", Q8), ("NVFP4", NVFP4)):
             common = {**fmt, "BLOCK_M": tiles.block_m, "IEEE": False, "PASS": 0, "WHERE": 0}
@@ -86,17 +78,10 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
             out.append((f"MoE down, {name}, {fmt_name}", moe._down_kernel,
                         {**common, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER)}, options))
     pairs = dict(TOP_K=8, BLOCK_T=8, BLOCK_PAIRS=64, IEEE=False)
-    one = dict(TOP_K=8, BLOCK_T=1, BLOCK_PAIRS=8, IEEE=False)
-    for name, tokens, tiles, mma, route in (
-        ("8 tokens, tensor cores", pairs, moe.MMA_GATE_UP_TILES, True, False),
-        ("several tokens", pairs, moe.BATCH_GEMV_TILES, False, False),
-        ("one token", one, moe.GEMV_TILES, False, False), ("one token, routing in the launch", one, moe.GEMV_TILES, False, True),
-        ("8 tokens, routing in the launch", pairs, moe.MMA_GATE_UP_TILES, True, True),
-    ):
+    for name, tiles, mma in (("8 tokens, tensor cores", moe.MMA_GATE_UP_TILES, True), ("several tokens", moe.BATCH_GEMV_TILES, False)):
         out.append((f"MoE gate/up matrix-vector, {name}", moe._gate_up_swiglu_gemv_kernel,
-                    {**tokens, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": tiles.gate_up_n, "BLOCK_K": tiles.block_k,
-                     "MMA": mma, "COUNT": False, "ROUTE": route, "TOPK_PAD": 8, "BLOCK_E": 256 if route else 1},
-                    {"num_warps": tiles.warps, "num_stages": tiles.stages}))
+                    {**pairs, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": tiles.gate_up_n, "BLOCK_K": tiles.block_k,
+                     "MMA": mma, "COUNT": False}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
     for name, tiles, mma in (("8 tokens, tensor cores", moe.MMA_DOWN_TILES, True), ("several tokens", moe.BATCH_GEMV_TILES, False)):
         out.append((f"MoE down matrix-vector, {name}", moe._down_shared_gemv_kernel,
                     {**pairs, **Q8, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER), "MMA": mma,

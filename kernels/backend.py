@@ -151,13 +151,6 @@ class TritonBackend(ReferenceBackend):
             uses=experts.uses,
         )
 
-    def routed_experts_from_logits(
-        self, x: torch.Tensor, logits: torch.Tensor, top_k: int, experts: ExpertBank, shared: SharedExpert | None = None
-    ) -> torch.Tensor:
-        if not isinstance(experts.layout, ExpertRecordLayout) or not moe.routes_in_gate_up(x.shape[0], top_k):
-            return super().routed_experts_from_logits(x, logits, top_k, experts, shared)
-        return moe.routed_experts_from_logits(x, logits, top_k, experts.arena, experts.offsets, experts.layout, shared, experts.uses)[0]
-
     def routed_experts_split(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, later: torch.Tensor,
         wait: Callable[[], None],

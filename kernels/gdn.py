@@ -223,55 +223,29 @@ CONV_IN_PRODUCT = True
 
 
 @triton.jit
-def conv_windows(rows, row_mask, states, weight, slots, T, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
-    """What `conv_rows` reads besides the product, for a product's program to read before its own work (the
-    windows are its rows' alone, written by earlier steps; the taps are fixed): each token's window offset in
-    `states` (int64 [LOOP_T]), its window of channels `rows` as float32 [LOOP_T, TAPS_PAD, BLOCK_N] (slots past
-    TAPS - 1 zero) and the taps weight[:, rows] as float32 [TAPS_PAD, BLOCK_N], TAPS_PAD being TAPS rounded up to a
-    power of two."""
-    TAPS_PAD: tl.constexpr = triton.next_power_of_2(TAPS)
-    conv = (rows < C) & row_mask
-    toks = tl.arange(0, LOOP_T)
-    taps = tl.arange(0, TAPS_PAD)
-    first = tl.load(slots + toks, mask=toks < T, other=0).to(tl.int64) * (TAPS - 1) * C
-    past = (toks < T)[:, None, None] & (taps < TAPS - 1)[None, :, None] & conv[None, None, :]
-    windows = tl.load(states + first[:, None, None] + taps[None, :, None] * C + rows[None, None, :], mask=past, other=0.0)
-    weights = tl.load(weight + taps[:, None] * C + rows[None, :], mask=(taps < TAPS)[:, None] & conv[None, :], other=0.0)
-    return first, windows.to(tl.float32), weights.to(tl.float32)
-
-
-@triton.jit
-def _tap(values, i, TAPS_PAD: tl.constexpr):
-    """Tap slot i of values [..., TAPS_PAD, BLOCK_N] (the axis before the last), exactly."""
-    taps = tl.arange(0, TAPS_PAD)
-    return tl.sum(tl.where(taps[:, None] == i, values, 0.0), axis=0)
-
-
-@triton.jit
-def conv_rows(y, toks, T, rows, row_mask, states, window_at, windows, weights, valid, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
+def conv_rows(y, toks, T, rows, row_mask, states, weight, slots, valid, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
     """`conv_update` of one token per sequence, done by the product that computes its input: y [BLOCK_T,
     BLOCK_N] float32 holds token t's values of channels `rows` (a program's own rows: the conv is
-    depthwise, so no other program reads or writes their windows); token t continues its window (`conv_windows`:
-    `window_at`, `windows`, `weights`, read earlier), which is advanced in `states` when valid[t] > 0. Channels below C
-    become silu(conv), rounded to the states' dtype as `conv_update` stores them; the others pass."""
-    TAPS_PAD: tl.constexpr = triton.next_power_of_2(TAPS)
+    depthwise, so no other program reads or writes their windows); token t continues the window
+    states[slots[t]] (advanced when valid[t] > 0). Channels below C become silu(conv), rounded to the
+    states' dtype as `conv_update` stores them; the others pass."""
     conv = (rows < C) & row_mask
     xr = y.to(states.dtype.element_ty).to(tl.float32)  # the projection as the conv reads it
-    order = tl.arange(0, LOOP_T)
     for t in tl.static_range(LOOP_T):
         if t < T:
-            window = states + tl.sum(tl.where(order == t, window_at, 0)) + rows
-            past = tl.sum(tl.where((order == t)[:, None, None], windows, 0.0), axis=0)  # [TAPS_PAD, BLOCK_N]
+            window = states + tl.load(slots + t).to(tl.int64) * (TAPS - 1) * C + rows
             xt = tl.sum(tl.where(toks[:, None] == t, xr, 0.0), axis=0)
             acc = tl.zeros_like(xt)
             for i in tl.static_range(TAPS - 1):
-                acc += _tap(weights, i, TAPS_PAD) * _tap(past, i, TAPS_PAD)
-            acc += _tap(weights, TAPS - 1, TAPS_PAD) * xt
+                acc += tl.load(weight + i * C + rows, mask=conv, other=0.0).to(tl.float32) * tl.load(
+                    window + i * C, mask=conv, other=0.0
+                ).to(tl.float32)
+            acc += tl.load(weight + (TAPS - 1) * C + rows, mask=conv, other=0.0).to(tl.float32) * xt
             act = (acc / (1.0 + tl.exp(-acc))).to(states.dtype.element_ty).to(tl.float32)
             y = tl.where((toks[:, None] == t) & conv[None, :], act[None, :], y)
-            if tl.load(valid + t) > 0:  # the window after the token: taps 1.. of the old one, then the token
+            if tl.load(valid + t) > 0:  # the window after the token: rows 1.. of the old one, then the token
                 for i in tl.static_range(TAPS - 2):
-                    tl.store(window + i * C, _tap(past, i + 1, TAPS_PAD).to(states.dtype.element_ty), mask=conv)
+                    tl.store(window + i * C, tl.load(window + (i + 1) * C, mask=conv, other=0.0), mask=conv)
                 tl.store(window + (TAPS - 2) * C, xt.to(states.dtype.element_ty), mask=conv)
     return y
 

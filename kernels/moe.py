@@ -62,7 +62,6 @@ from ninfer_offload.kernels.launch import await_producer, launch_options
 from ninfer_offload.kernels.nvfp4 import row_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.router import top_k_row
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_token_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile, program_rows
 
@@ -104,15 +103,6 @@ SUM_IN_PRODUCT = True
 # 32 rows (bench/results/step_ab_h200_split_tiles_05f867f.json, step_ab_h200_split_n16_05f867f.json); k tiles of
 # 256 / 128 (fewer registers, a k loop) 2.57 / 2.52, 4 warps 2.36, 64 rows / 4 warps 2.75.
 SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
-# The matrix-vector path of up to ROUTE_MAX_TOKENS tokens takes the routing (softmax, top-k, renormalised weights)
-# from the router's logits in its gate/up launch (`routed_experts_from_logits`; every program computes it, each
-# pair's first stores it for the down launch) instead of a routing launch before it. Each program's top-k is
-# TOP_K rounds of a max over the experts per token, on the critical path before its weight loads: one token's
-# 8 rounds against the routing launch it saves (2.66-2.75 us on the H200 at bf29cbc); more tokens' rounds add
-# up (the routing launch takes each token in a program of its own). Not yet measured on a GPU. Module-level so
-# benchmarks can compare the settings.
-ROUTE_IN_GATE_UP = True
-ROUTE_MAX_TOKENS = 1
 # One token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
@@ -251,38 +241,11 @@ def _expert_tokens(topk_ids, pair, pairs, TOP_K: tl.constexpr, BLOCK_PAIRS: tl.c
     of them use the expert, their tokens): a program per pair does the work of every pair of its
     expert, so each expert's weights are read and decoded once per step."""
     index = tl.arange(0, BLOCK_PAIRS)
-    return _expert_tokens_of(tl.load(topk_ids + index, mask=index < pairs, other=-1), pair, TOP_K, BLOCK_PAIRS)
-
-
-@triton.jit
-def _expert_tokens_of(ids, pair, TOP_K: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
-    """`_expert_tokens` of the pairs' expert ids [BLOCK_PAIRS] (-1 past the pairs)."""
-    index = tl.arange(0, BLOCK_PAIRS)
-    e = tl.sum(tl.where(index == pair, ids, 0))
+    ids = tl.load(topk_ids + index, mask=index < pairs, other=-1)
+    e = tl.load(topk_ids + pair)
     uses = ids == e
     first = tl.min(tl.where(uses, index, BLOCK_PAIRS))
     return e, first == pair, index, uses, index // TOP_K
-
-
-@triton.jit
-def _routing_pairs(
-    logits, stride_logits, pairs, E,
-    TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
-):
-    """(expert ids int64, weights float32) [BLOCK_PAIRS] of every (token, slot) pair from the tokens' router logits
-    (`router.top_k_row`; -1 and 0 past the pairs)."""
-    index = tl.arange(0, BLOCK_PAIRS)
-    ids = tl.full([BLOCK_PAIRS], -1, dtype=tl.int64)
-    weights = tl.zeros([BLOCK_PAIRS], dtype=tl.float32)
-    slots = tl.arange(0, TOPK_PAD)
-    for t in tl.static_range(BLOCK_T):
-        if t * TOP_K < pairs:
-            row_ids, row_weights = top_k_row(logits + t * stride_logits, E, TOP_K, TOPK_PAD, BLOCK_E)
-            at = (index[:, None] == t * TOP_K + slots[None, :]) & (slots < TOP_K)[None, :]
-            mine = tl.max(at.to(tl.int32), axis=1) > 0
-            ids = tl.where(mine, tl.sum(tl.where(at, row_ids[None, :], 0), axis=1), ids)
-            weights = tl.where(mine, tl.sum(tl.where(at, row_weights[None, :], 0.0), axis=1), weights)
-    return ids, weights
 
 
 @triton.jit
@@ -348,10 +311,6 @@ def _gate_up_swiglu_gemv_kernel(
     high_offset,
     scale_offset,
     divisor_offset,
-    logits,
-    stride_logits,
-    E,
-    topk_weights,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_PAIRS: tl.constexpr,
@@ -365,27 +324,14 @@ def _gate_up_swiglu_gemv_kernel(
     MMA: tl.constexpr,
     COUNT: tl.constexpr,
     IEEE: tl.constexpr,
-    ROUTE: tl.constexpr,
-    TOPK_PAD: tl.constexpr,
-    BLOCK_E: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Gate and up columns of the expert of each first pair, decoded once, for every pair routed to it; SwiGLU
     of each pair into `act`. Per token on CUDA cores, or with MMA every pair of the expert at once on tensor
     cores (as `_down_shared_gemv_kernel` does). With COUNT, each pair's first program adds 1 to `use_counts` at
-    its expert (`model.experts.count_uses`). With ROUTE, every program takes the routing from the tokens' router
-    logits (E per token; `router.softmax_topk`'s choice) and each pair's first program stores its expert and
-    weight in `topk_ids` / `topk_weights` for the down kernel: no routing launch before this one."""
+    its expert (`model.experts.count_uses`)."""
     await_producer(PDL)
-    pair = tl.program_id(0)
-    if ROUTE:
-        ids, weights = _routing_pairs(logits, stride_logits, pairs, E, TOP_K, TOPK_PAD, BLOCK_E, BLOCK_T, BLOCK_PAIRS)
-        e, owner, index, uses, token_of = _expert_tokens_of(ids, pair, TOP_K, BLOCK_PAIRS)
-        if tl.program_id(1) == 0:
-            tl.store(topk_ids + pair, e)
-            tl.store(topk_weights + pair, tl.sum(tl.where(index == pair, weights, 0.0)).to(topk_weights.dtype.element_ty))
-    else:
-        e, owner, index, uses, token_of = _expert_tokens(topk_ids, pair, pairs, TOP_K, BLOCK_PAIRS)
+    e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
     if COUNT:
         if tl.program_id(1) == 0:
             tl.atomic_add(use_counts + e, 1, sem="relaxed")
@@ -829,36 +775,6 @@ def routed_experts(
     return _with_shared(sum_middle(weighted.view(t, -1, hidden), x.dtype), shared)
 
 
-def routes_in_gate_up(tokens: int, top_k: int) -> bool:
-    """Whether `routed_experts_from_logits` takes the routing into the gate/up launch for `tokens` tokens (the
-    matrix-vector path, ROUTE_IN_GATE_UP, up to ROUTE_MAX_TOKENS)."""
-    return ROUTE_IN_GATE_UP and tokens <= min(ROUTE_MAX_TOKENS, GEMV_MAX_TOKENS) and tokens * top_k <= GEMV_MAX_PAIRS
-
-
-def routed_experts_from_logits(
-    x: torch.Tensor,
-    logits: torch.Tensor,
-    top_k: int,
-    arena: torch.Tensor,
-    table: torch.Tensor,
-    layout: ExpertRecordLayout,
-    shared: SharedExpert | None = None,
-    uses: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(`routed_experts` output, topk ids [T, k], topk weights [T, k] in x's dtype) of `router.softmax_topk`'s
-    routing of the router `logits` [T, E], taken in the gate/up launch (`routes_in_gate_up` must hold)."""
-    t, hidden = x.shape
-    if not routes_in_gate_up(t, top_k):
-        raise ValueError(f"routing in the gate/up launch is off or does not take {t} tokens of top-{top_k} (routes_in_gate_up)")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    gu, dn = _geometries(layout, hidden)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
-    weights = torch.empty(t, top_k, dtype=x.dtype, device=x.device)
-    out = _routed_experts_gemv(x.contiguous(), ids, weights, arena, table, layout, gu, dn, shared, uses, logits)
-    return out, ids, weights
-
-
 def _with_shared(routed: torch.Tensor, shared: SharedExpert | None) -> torch.Tensor:
     """The routed output plus the shared expert's rows (`shared_expert`), if any."""
     return routed if shared is None else shared_expert.shared_expert(shared.gate, shared.up, shared.down, routed, shared.score)
@@ -973,13 +889,10 @@ def _routed_experts_gemv(
     dn: TileGeometry,
     shared: SharedExpert | None,
     uses: torch.Tensor | None,
-    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The matrix-vector path of `routed_experts` (few pairs); the gate/up launch counts `uses`. With the router's
-    `logits` [T, E] (columns contiguous), the gate/up launch routes and fills `topk_ids` / `topk_weights`."""
+    """The matrix-vector path of `routed_experts` (few pairs); the gate/up launch counts `uses`."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
     ids, tiles = topk_ids.contiguous(), GEMV_TILES if t == 1 else BATCH_GEMV_TILES
-    route = logits is not None
     pairs = t * top_k
     block_t, block_pairs = triton.next_power_of_2(t), triton.next_power_of_2(pairs)
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
@@ -987,11 +900,9 @@ def _routed_experts_gemv(
     gate_up_tiles = MMA_GATE_UP_TILES if mma else tiles
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, gate_up_tiles.gate_up_n))](
         x, arena, table, ids, act, act if uses is None else uses, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset,
-        gu.divisor_offset, logits if route else x, logits.stride(0) if route else 0, logits.shape[1] if route else 0, topk_weights,
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter),
+        gu.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter),
         BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n,
         BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, COUNT=uses is not None, IEEE=x.dtype == torch.float32,
-        ROUTE=route, TOPK_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(logits.shape[1]) if route else 1,
         num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages, **launch_options(x.device),
     )
     weights = topk_weights.contiguous()

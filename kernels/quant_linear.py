@@ -42,7 +42,7 @@ from ninfer_offload.kernels import dense_linear, fitting
 from ninfer_offload.kernels.arrivals import arrival_counts, last_to_arrive, rearm
 from ninfer_offload.kernels.dense_linear import dense_gemv_rows
 from ninfer_offload.kernels.elementwise import add_gated, swiglu
-from ninfer_offload.kernels.gdn import conv_rows, conv_windows
+from ninfer_offload.kernels.gdn import conv_rows
 from ninfer_offload.kernels.launch import await_producer, launch_options, prefetch_to_l2
 from ninfer_offload.kernels.norm import (
     add_rmsnorm, add_rmsnorm_row, gated_rmsnorm, offset_normed, residual_inv_rms, residual_sum,
@@ -159,11 +159,6 @@ TILED_SCALE_ORDER = False
 # tile raised the one-token q/k/v/z product from 80 to 182 registers: a third of the programs resident per SM).
 # Products of several tiles never do: the Q6 head's first tile took it from 123 to 201 registers, 170 to 236 us.
 PREFETCH_MIN_TOKENS = 2
-# The conv epilogue's programs read their rows' conv windows and taps (`gdn.conv_windows`) before anything else,
-# before the wait for the kernel before them, rather than after the product: the reads leave the epilogue's
-# chain of loads, at a few registers more (sm_90 q/k/v/z cubin: 94 against 89). Not yet measured on a GPU; off
-# until it is. Module-level so benchmarks can compare the two.
-CONV_WINDOWS_FIRST = False
 # Products that do not read their tile before the wait ask L2 for their rows' row-split codes (the low plane) and
 # scales there instead (`launch.prefetch_to_l2`: no register held).
 L2_PREFETCH = False
@@ -356,7 +351,6 @@ def _quantized_gemv_kernel(
     MMA: tl.constexpr,
     IEEE: tl.constexpr,
     TAPS: tl.constexpr,
-    CONV_FIRST: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     L2_CODE_ROW: tl.constexpr,
@@ -384,8 +378,6 @@ def _quantized_gemv_kernel(
     else:
         rows = program_rows(pid, BLOCK_N, NVFP4)
         row_mask = rows < N
-        if EPILOGUE == CONV and CONV_FIRST:  # the rows' conv windows (this program's alone, written by earlier steps) and taps
-            window_at, windows, taps = conv_windows(rows, row_mask, conv_states, conv_weight, slots, T, CONV_C, TAPS, LOOP_T)
         divisors = row_divisors(w, rows, row_mask, divisor_offset, NVFP4)
         toks = tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -420,9 +412,7 @@ def _quantized_gemv_kernel(
         if NVFP4:
             acc = acc / divisors[None, :]
         if EPILOGUE == CONV:
-            if not CONV_FIRST:
-                window_at, windows, taps = conv_windows(rows, row_mask, conv_states, conv_weight, slots, T, CONV_C, TAPS, LOOP_T)
-            acc = conv_rows(acc, toks, T, rows, row_mask, conv_states, window_at, windows, taps, valid, CONV_C, TAPS, LOOP_T)
+            acc = conv_rows(acc, toks, T, rows, row_mask, conv_states, conv_weight, slots, valid, CONV_C, TAPS, LOOP_T)
         offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
         mask = (toks < T)[:, None] & row_mask[None, :]
         if EPILOGUE == ADD_GATED:
@@ -718,7 +708,7 @@ def _launch_gemv(
         DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
         conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
-        TAPS=conv_weight.shape[0] if conv is not None else 1, CONV_FIRST=CONV_WINDOWS_FIRST,
+        TAPS=conv_weight.shape[0] if conv is not None else 1,
         num_warps=tiles.warps, num_stages=tiles.stages, PREFETCH=prefetch,
         **_l2_prefetch(g, tiles.block_n, pdl["PDL"] and not prefetch), **pdl,
     )

@@ -16,12 +16,14 @@ from ninfer_offload.kernels.launch import await_producer, launch_options
 
 
 @triton.jit
-def top_k_row(row, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(ids int64 [K_PAD], renormalised float32 weights [K_PAD]; slots past TOP_K: 0) of one token's logits at
-    `row` (E of them): fp32 softmax, then TOP_K rounds of one max."""
+def _softmax_topk_kernel(
+    logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr
+):
+    await_producer(PDL)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
-    z = tl.load(row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    z = tl.load(logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z))
     p = p / tl.sum(p)
     # One int64 key per expert: the probability's bits (non-negative floats order as their bits) over
@@ -36,21 +38,8 @@ def top_k_row(row, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.cons
         key = tl.where(key == best, -1, key)
     keep = slots < TOP_K
     chosen_p = tl.where(keep, (chosen >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    ids = tl.where(keep, BLOCK_E - 1 - (chosen & 0xFFFFFFFF), 0)
-    return ids, chosen_p / tl.sum(chosen_p)
-
-
-@triton.jit
-def _softmax_topk_kernel(
-    logits, ids, weights, E, stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr
-):
-    await_producer(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chosen, w = top_k_row(logits + row * stride, E, TOP_K, K_PAD, BLOCK_E)
-    slots = tl.arange(0, K_PAD)
-    keep = slots < TOP_K
-    tl.store(ids + row * TOP_K + slots, chosen, mask=keep)
-    tl.store(weights + row * TOP_K + slots, w.to(weights.dtype.element_ty), mask=keep)
+    tl.store(ids + row * TOP_K + slots, BLOCK_E - 1 - (chosen & 0xFFFFFFFF), mask=keep)
+    tl.store(weights + row * TOP_K + slots, (chosen_p / tl.sum(chosen_p)).to(weights.dtype.element_ty), mask=keep)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

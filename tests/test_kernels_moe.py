@@ -214,43 +214,6 @@ def test_the_kernels_count_each_assignment():
         assert torch.equal(counted, routed_experts(x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout))
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 5, 8])
-def test_routing_in_the_gate_up_launch_equals_a_routing_launch_before_it(tokens, monkeypatch):
-    """`routed_experts_from_logits` (the router's softmax and top-k in every gate/up program) chooses the experts
-    and weights `softmax_topk` chooses and gives `routed_experts`' output over them, shared expert and use counts
-    included, on the one-token, per-token-down and shared-down kernels (more than one token where
-    `ROUTE_MAX_TOKENS` allows it); logits strided as the router's product gives them (a column slice beside the
-    shared score)."""
-    from ninfer_offload.kernels import moe
-    from ninfer_offload.artifact.formats import GROUPED_FORMATS
-    from ninfer_offload.kernels.moe import record_table, routed_experts, routed_experts_from_logits
-    from ninfer_offload.kernels.router import softmax_topk
-    from ninfer_offload.model.backend import SharedExpert
-    from ninfer_offload.model.quant import QuantizedMatrix
-
-    layout, data, _ = _records("q4_g64_fp16", "q5_g64_fp16", seed=9)
-    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
-    gen = torch.Generator().manual_seed(10)
-    width = 64
-    values = np.random.default_rng(11).standard_normal((HIDDEN, width)).astype(np.float32) / width**0.5
-    codes = torch.from_numpy(encode_row_split(values, "q8_g32_fp16")).to(DEVICE)
-    down = QuantizedMatrix(GROUPED_FORMATS["q8_g32_fp16"], HIDDEN, width, codes)
-    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
-    product = torch.randn(tokens, EXPERTS + 1, generator=gen).to(DEVICE)  # router logits and the shared score
-    logits, score = product[:, :EXPERTS], product[:, EXPERTS:]
-    stacked = torch.randn(tokens, 2 * width, generator=gen).to(DEVICE)
-    shared = SharedExpert(stacked[:, :width], stacked[:, width:], down, score)
-    uses, counted = torch.zeros(EXPERTS, dtype=torch.int32, device=DEVICE), torch.zeros(EXPERTS, dtype=torch.int32, device=DEVICE)
-    monkeypatch.setattr(moe, "ROUTE_MAX_TOKENS", tokens)
-    got, ids, weights = routed_experts_from_logits(x, logits, 3, data, table, layout, shared, uses)
-    want_ids, want_weights = softmax_topk(logits, 3, x.dtype)
-    want = routed_experts(x, want_ids, want_weights, data, table, layout, shared=shared, uses=counted)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert torch.equal(uses, counted)
-
-
 @pytest.mark.parametrize("tokens", [1, 3, 30])
 def test_a_token_repeating_an_expert(tokens):
     """A token may use one expert in two slots (the host-miss path gives host-computed slots a

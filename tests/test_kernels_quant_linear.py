@@ -243,17 +243,14 @@ def test_tiled_products_take_their_input_step_and_gated_add(k, sum_in_product, m
     torch.testing.assert_close(shared[True], shared[False], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("windows_first", [False, True])
 @pytest.mark.parametrize("tensor_cores", [False, True])
-def test_paired_product_runs_the_conv_of_its_first_channels(tensor_cores, windows_first, monkeypatch):
+def test_paired_product_runs_the_conv_of_its_first_channels(tensor_cores, monkeypatch):
     """GDN's q/k/v/z product with the conv in its epilogue (one token per sequence): the first channels
     come out as `conv_update` gives them after the plain product, its windows advanced alike (a token
-    with valid 0 leaves its window), the other channels and the dense rows as the plain product's; with the
-    windows read before the product (`CONV_WINDOWS_FIRST`) or after it."""
+    with valid 0 leaves its window), the other channels and the dense rows as the plain product's."""
     from ninfer_offload.kernels import gdn, quant_linear
 
     monkeypatch.setattr(quant_linear, "MMA_MIN_ROWS", 1 if tensor_cores else quant_linear.MMA_MIN_ROWS)
-    monkeypatch.setattr(quant_linear, "CONV_WINDOWS_FIRST", windows_first)
     gen = torch.Generator().manual_seed(14)
     data, _, geometry = _random_object("q8_g32_fp16", 48, 256, seed=15)
     dense = torch.randn(5, 256, generator=gen).to(DEVICE)

@@ -114,9 +114,6 @@ class Backend(Protocol):
     def routed_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, shared: SharedExpert | None = None
     ) -> torch.Tensor: ...
-    def routed_experts_from_logits(
-        self, x: torch.Tensor, logits: torch.Tensor, top_k: int, experts: ExpertBank, shared: SharedExpert | None = None
-    ) -> torch.Tensor: ...
     def routed_experts_split(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, later: torch.Tensor,
         wait: Callable[[], None],
@@ -241,14 +238,6 @@ class ReferenceBackend:
         weights, ids = torch.topk(probs, top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights.to(dtype)
-
-    def routed_experts_from_logits(
-        self, x: torch.Tensor, logits: torch.Tensor, top_k: int, experts: ExpertBank, shared: SharedExpert | None = None
-    ) -> torch.Tensor:
-        """`routed_experts` of the routing `route` gives the router `logits` [T, E] (a backend may take the two
-        in fewer launches)."""
-        topk_ids, topk_weights = self.route(logits, top_k, x.dtype)
-        return self.routed_experts(x, topk_ids, topk_weights, experts, shared)
 
     def routed_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertBank, shared: SharedExpert | None = None

@@ -17,11 +17,11 @@ from ninfer_offload.model.weights import Weight, WeightReader
 class RoutedExperts(Protocol):
     """What the MoE block needs from the expert store."""
 
-    def routed_from_logits(
-        self, backend: Backend, layer: int, x: torch.Tensor, logits: torch.Tensor, top_k: int, shared: SharedExpert | None = None
+    def routed(
+        self, backend: Backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        shared: SharedExpert | None = None,
     ) -> torch.Tensor:
-        """The routed experts' output [T, H] for the routing `backend.route` gives the router `logits`, plus `shared`'s
-        rows when given."""
+        """The routed experts' output [T, H], plus `shared`'s rows when given."""
 
 
 @dataclass
@@ -49,5 +49,5 @@ class SparseMoe:
     def __call__(self, backend: Backend, x: Input) -> torch.Tensor:
         (logits, score), (gate, up) = both(backend, self.gates, self.shared_in, x)
         x = backend.resolve(x)  # the normalised input: computed by the products above where they could
-        shared = SharedExpert(gate, up, self.shared_down, score)
-        return self.experts.routed_from_logits(backend, self.layer, x, logits, self.top_k, shared)
+        topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
+        return self.experts.routed(backend, self.layer, x, topk_ids, topk_weights, SharedExpert(gate, up, self.shared_down, score))

@@ -314,16 +314,6 @@ class ExpertStore:
             return out if shared is None else shared.added_to(backend, out)
         return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer, uses), shared)
 
-    def routed_from_logits(
-        self, backend, layer: int, x: torch.Tensor, logits: torch.Tensor, top_k: int, shared: SharedExpert | None = None
-    ) -> torch.Tensor:
-        """`routed` of the router's choice from its `logits` [T, E]: with every expert in VRAM and the routing not
-        replayed, the backend may route inside its expert kernels (`routed_experts_from_logits`)."""
-        if not self.offloaded and self.replayed is None:
-            return backend.routed_experts_from_logits(x, logits, top_k, self.bank(layer), shared)
-        topk_ids, topk_weights = backend.route(logits, top_k, x.dtype)
-        return self.routed(backend, layer, x, topk_ids, topk_weights, shared)
-
     def replay_routing(self, ids: torch.Tensor) -> None:
         """Benchmarks and tests: route the next forwards' tokens to `ids` [layers, tokens, top_k] (int64)
         instead of the router's choice (the router's weights stay). Updated in place, so a captured step
