@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import socket
 import threading
 import time
@@ -496,6 +497,23 @@ def test_api_key_enforced(guarded):
     assert response.usage.completion_tokens >= 1
     assert guarded.post("/v1/completions", b"{bad").status_code == 401  # the key is checked first
     assert httpx.get(f"{guarded.url}/health").status_code == 200
+
+
+def test_rehearsal_goes_through_the_routes_and_guards_quietly(tiny_artifact, frontend, oracle, caplog):
+    """A server that rehearses (`serve.rehearsal`, what CUDA servers do) sends its requests through the API
+    key and body guards before it listens: none is refused or left active, none is logged as a client's,
+    and the first client request then gets the engine's greedy text and its own log line."""
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4, spec="none")
+    app = create_app(engine, frontend, MODEL, CONTEXT, api_key="sekret", max_body_bytes=2048, rehearse_routes=True)
+    with caplog.at_level(logging.INFO, logger="ninfer.serve"), LiveServer(app) as live:
+        messages = [record.getMessage() for record in caplog.records]
+        assert any(message.startswith("serving path rehearsed") and "(3 requests)" in message for message in messages)
+        assert not [message for message in messages if "warning" in message or " prompt=" in message]
+        assert live.health()["active"] == 0
+        prompt = frontend.encode("The lighthouse keeper")
+        text = live.client("sekret").completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+        assert text == frontend.decode(oracle(prompt, 8)[0], skip_special_tokens=True)
+    assert any(" prompt=%d " % len(prompt) in record.getMessage() for record in caplog.records)
 
 
 def test_body_limit_413(guarded):

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_cuda_server_rehearses_its_serving_path_before_it_listens(tiny_artifact, frontend, caplog):
-    """Before it listens, a CUDA server runs greedy and sampled requests through its own scheduler
+    """Before it listens, a CUDA server sends greedy and sampled requests through its own routes
     (`serve.rehearsal`); they leave nothing behind: every slot is free for two requests side by side,
     whose greedy outputs equal the engine's own generation of one sequence at a time."""
     engine = Engine.load(tiny_artifact, device="cuda", max_sequences=2, spec="none")

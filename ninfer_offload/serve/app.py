@@ -35,20 +35,26 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = 16 * 1024 * 1024,
     allowed_hosts: Collection[str] | None = None,
+    rehearse_routes: bool | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`; its scheduler thread runs while the app is up.
-    `allowed_hosts`: the Host header names accepted (any port); None accepts any."""
+    `allowed_hosts`: the Host header names accepted (any port); None accepts any. `rehearse_routes`: send
+    requests through the routes at startup (`serve.rehearsal`); None does on CUDA."""
     if api_key is not None and not api_key.strip():
         raise NinferError("the API key is empty: give a key, or none to serve without one")
     scheduler = Scheduler(engine, Sampler, max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk)
     ctx = ServeContext(frontend, scheduler, model_name, max_context)
     created = int(time.time())
 
+    rehearsing = engine.device.type == "cuda" if rehearse_routes is None else rehearse_routes
+
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(served: FastAPI):
         scheduler.start()
-        if engine.device.type == "cuda":
-            log.info("serving path rehearsed in %.2fs", await rehearse(scheduler, engine.config.vocab_size, max_context))
+        if rehearsing:
+            side_by_side = min(2, max_concurrency)
+            sent, seconds = await rehearse(served, model_name, api_key, engine.config.vocab_size, max_context, side_by_side)
+            log.info("serving path rehearsed in %.2fs (%d requests)", seconds, sent)
         try:
             yield
         finally:
