@@ -4,13 +4,15 @@ same artifact and options as the single-stream reference.
     python bench/serve.py /tmp/q36.ninfer --device cuda --clients 1 2 4 8 --out bench/results/serve_h200.json
 
 Each level starts one server (`--max-concurrency` = the number of clients) and sends it a first
-request alone (`first_request_ttft_s`: what a user meets right after startup; the server compiles
-and captures at startup, `server_warm_up_s` from its log), then N clients each stream one greedy
+request alone (`first_request_ttft_s`: what a user meets right after startup; the server compiles,
+captures and rehearses at startup, `server_warm_up_s` from its log), then N clients each stream one greedy
 `/v1/completions` request of `--max-tokens` tokens at once (`stream_options.include_usage` gives
 the token count), then one more request alone (`steady_ttft_s`; `first_ttft_ratio` = first /
 steady), then one alone with a longer prompt the server has not seen (`new_prompt_ttft_s`: what a
 kernel or plan built per prompt length costs every new length; `new_prompt_ttft_ratio` = it /
-steady). Per client: time to first token (first content chunk) and decode tok/s (tokens after the
+steady; each client's httpx connection pool is made before the clocks start, as an application makes
+its client once; `first_request_server_ttft_s` / `steady_server_ttft_s`: the same two as the server logged
+them, from arrival at the scheduler). Per client: time to first token (first content chunk) and decode tok/s (tokens after the
 first over the time after the first chunk). Reported per level: mean per-client tok/s, aggregate
 tok/s (all tokens over the wall time from the first concurrent request to the last end), TTFT p50
 and p95, and the server's own log line of each request (`server_requests`: time queued, its TTFT and
@@ -90,8 +92,9 @@ class Server:
                 self.process.kill()
 
 
-def stream_once(url: str, max_tokens: int, prompt: str = PROMPT) -> dict:
-    """One streaming greedy completion: {ttft_s, tokens, decode_tok_s, end}."""
+def stream_once(client: httpx.Client, url: str, max_tokens: int, prompt: str = PROMPT) -> dict:
+    """One streaming greedy completion by `client` (made beforehand, as an application makes its client once):
+    {ttft_s, tokens, decode_tok_s, end}."""
     body = {
         "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True},
@@ -99,7 +102,7 @@ def stream_once(url: str, max_tokens: int, prompt: str = PROMPT) -> dict:
     began = time.perf_counter()
     first = None
     tokens = 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as response:
+    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -115,11 +118,12 @@ def stream_once(url: str, max_tokens: int, prompt: str = PROMPT) -> dict:
 
 
 def level(server: Server, clients: int, max_tokens: int) -> dict:
-    first = stream_once(server.url, max_tokens)  # the server's first request: what a user meets after startup
+    sessions = [httpx.Client() for _ in range(clients)]  # each client's connection pool, made before any clock starts
+    first = stream_once(sessions[0], server.url, max_tokens)  # the server's first request: what a user meets after startup
     results: list[dict] = [{} for _ in range(clients)]
 
     def client(i: int) -> None:
-        results[i] = stream_once(server.url, max_tokens)
+        results[i] = stream_once(sessions[i], server.url, max_tokens)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     began = time.perf_counter()
@@ -129,11 +133,16 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
         thread.join()
     wall = max(r["end"] for r in results) - began
     ttfts = [r["ttft_s"] for r in results]
-    steady = stream_once(server.url, max_tokens)  # one more request alone, for the first request's comparison
-    new = stream_once(server.url, max_tokens, NEW_PROMPT)
+    steady = stream_once(sessions[0], server.url, max_tokens)  # one more request alone, for the first request's comparison
+    new = stream_once(sessions[0], server.url, max_tokens, NEW_PROMPT)
+    for session in sessions:
+        session.close()
+    time.sleep(0.2)  # the last request's log line
     warm_up = next((m.groups() for line in server.log if (m := WARM_UP.search(line))), (None, None, None))
-    requests = [line.split(" ninfer ", 1)[-1].strip() for line in server.log if " prompt=" in line]
-    server_ttfts = [float(m.group(1)) for line in requests[1 : 1 + clients] if (m := SERVER_TTFT.search(line))]  # logged as they end
+    listening = next(i for i, line in enumerate(server.log) if "Uvicorn running" in line)
+    requests = [line.split(" ninfer ", 1)[-1].strip() for line in server.log[listening:] if " prompt=" in line]
+    logged = [float(m.group(1)) if (m := SERVER_TTFT.search(line)) else None for line in requests]
+    server_ttfts = [t for t in logged[1 : 1 + clients] if t is not None]  # logged as they end
     return {
         "clients": clients,
         "server_warm_up_s": warm_up[0] and float(warm_up[0]),
@@ -143,6 +152,8 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
         "first_request_tok_s": first["decode_tok_s"],
         "steady_ttft_s": steady["ttft_s"],
         "first_ttft_ratio": first["ttft_s"] / steady["ttft_s"],
+        "first_request_server_ttft_s": logged[0] if logged else None,
+        "steady_server_ttft_s": logged[1 + clients] if len(logged) > 1 + clients else None,
         "new_prompt_ttft_s": new["ttft_s"],
         "new_prompt_ttft_ratio": new["ttft_s"] / steady["ttft_s"],
         "per_client_tok_s": sum(r["decode_tok_s"] for r in results) / clients,
