@@ -3,7 +3,8 @@ what a later one does. `Engine.warm_up` compiles the kernels and captures the st
 the ASGI middleware stack, body parsing and tokenization on the request worker, the scheduler's host work
 (greedy steps queued one ahead and read behind, a batch's token indexing, the sampler's penalties, filters and
 draws, the pinned copies of picked tokens), the streamed and the whole responses, and every module those load
-lazily (an H100 server's first request waited 0.08 s for them, holding the engine thread off the GIL)."""
+lazily (on an H100 a server's first streamed response imported anyio's task group modules for 0.05 s while the
+engine thread waited for the GIL: its first token came 0.09 s later than a later request's)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ async def rehearse(app: App, model: str, api_key: str | None, vocab_size: int, m
 
 
 async def _post(app: App, path: str, body: dict, headers: list[tuple[bytes, bytes]]) -> None:
-    """POST `body` as JSON to `app` over ASGI, as a loopback client would; a status other than 200 is logged."""
+    """POST `body` as JSON to `app` over ASGI, as uvicorn hands it a loopback client's request (HTTP spec 2.3: a
+    streamed response also listens for the client's disconnect, in a task group whose modules load lazily); a status
+    other than 200 is logged."""
     payload = json.dumps(body).encode()
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1", "method": "POST",
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
         "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
         "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
         "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
