@@ -115,9 +115,10 @@ def test_batched_multi_token_steps_commit_per_sequence(engine):
 
 
 def test_batched_prefill_equals_each_prompt_prefilled_alone(engine):
-    """Three sequences (one fresh, two already holding tokens) take 21 tokens each in one forward: each one's
-    logits, KV rows and GDN state are those of its own prefill, and decoding on from there agrees."""
-    starts = [0, 9, 25]
+    """Three sequences (one fresh, two already holding tokens) take 21, 9 and 14 tokens in one forward, each padded
+    to 24: each one's logits, KV rows and GDN state are those of its own prefill (the padding leaves no trace),
+    and decoding on from there agrees."""
+    starts, counts = [0, 9, 25], [21, 9, 14]
     batched = [engine.session() for _ in starts]
     single = [engine.session() for _ in starts]
     try:
@@ -125,8 +126,8 @@ def test_batched_prefill_equals_each_prompt_prefilled_alone(engine):
             if n:
                 b.prefill(PROMPT[:n])
                 s.prefill(PROMPT[:n])
-        rows = [PROMPT[n : n + 21] for n in starts]
-        logits = engine.prefill_batch(batched, rows)
+        rows = [PROMPT[n : n + count] for n, count in zip(starts, counts)]
+        logits = engine.prefill_batch(batched, rows, 24)
         assert logits.shape == (3, engine.config.vocab_size)
         for i, (b, s, row) in enumerate(zip(batched, single, rows)):
             expected = s.prefill(row)
@@ -138,8 +139,10 @@ def test_batched_prefill_equals_each_prompt_prefilled_alone(engine):
         step = engine.step_batch(batched, [5, 6, 7])
         expected = torch.stack([s.step(tok) for s, tok in zip(single, [5, 6, 7])])
         assert torch.allclose(step, expected, atol=1e-4 * expected.abs().max().item())
-        with pytest.raises(NinferError, match="same number of tokens"):
-            engine.prefill_batch(batched[:2], [[1, 2], [3]])
+        with pytest.raises(NinferError, match="adds 1 to 2 tokens"):
+            engine.prefill_batch(batched[:2], [[1, 2], []])
+        with pytest.raises(NinferError, match="adds 1 to 1 tokens"):
+            engine.prefill_batch(batched[:2], [[1, 2], [3]], 1)
         with pytest.raises(NinferError, match="same session twice"):
             engine.prefill_batch([batched[0], batched[0]], [[1], [2]])
     finally:

@@ -199,18 +199,19 @@ def test_batched_steps_equal_single_sequence_steps_on_the_gpu(tiny_artifact_offi
 @needs_cuda
 def test_batched_prefill_on_the_triton_backend_equals_prefills_alone(tiny_artifact_official):
     """Several sequences' prompt tokens in one forward of the decode kernels (the server's admission of several
-    requests) against each prompt prefilled alone, and the next step after it. On CUDA only: under the interpreter
-    it took 147 s of CI, and the reference engine's test checks the same equality on the CPU."""
+    requests), each padded to 16 tokens, against each prompt prefilled alone, and the next step after it (the
+    padding leaves no GDN state behind). On CUDA only: under the interpreter it took 147 s of CI, and the reference
+    engine's test checks the same equality on the CPU."""
     engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", backend="triton", max_sequences=4, spec="none")
-    rows = [PROMPT, STEPS + PROMPT[:4]]
+    rows = [PROMPT, STEPS + PROMPT[:4], PROMPT[:3]]
     batched, single = [engine.session() for _ in rows], [engine.session() for _ in rows]
     batched[1].prefill(PROMPT[:2])  # one sequence starts empty, the other holds tokens
     single[1].prefill(PROMPT[:2])
-    got = engine.prefill_batch(batched, rows)
+    got = engine.prefill_batch(batched, rows, 16)
     expected = torch.stack([s.prefill(row) for s, row in zip(single, rows)])
     assert _relative(got.cpu(), expected.cpu()) < 1e-4
-    step = engine.step_batch(batched, [4, 5])
-    assert _relative(step.cpu(), torch.stack([s.step(t) for s, t in zip(single, [4, 5])]).cpu()) < 1e-4
+    step = engine.step_batch(batched, [4, 5, 6])
+    assert _relative(step.cpu(), torch.stack([s.step(t) for s, t in zip(single, [4, 5, 6])]).cpu()) < 1e-4
 
 
 @pytest.mark.gpu

@@ -20,6 +20,10 @@ class RecordingSession:
     def __init__(self, owner: RecordingEngine, inner, tag: int) -> None:
         self.owner, self.inner, self.tag = owner, inner, tag
 
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
     def prefill(self, token_ids):
         self.owner.calls.append(("prefill", self.tag, len(token_ids)))
         return self.inner.prefill(token_ids)
@@ -46,9 +50,9 @@ class RecordingEngine:
         self.created += 1
         return RecordingSession(self, self.engine.session(), self.created)
 
-    def prefill_batch(self, sessions, token_ids):
-        self.calls.append(("together", tuple(s.tag for s in sessions), len(token_ids[0])))
-        return self.engine.prefill_batch([s.inner for s in sessions], token_ids)
+    def prefill_batch(self, sessions, token_ids, tokens_per_sequence=None):
+        self.calls.append(("together", tuple(s.tag for s in sessions), tuple(map(len, token_ids)), tokens_per_sequence))
+        return self.engine.prefill_batch([s.inner for s in sessions], token_ids, tokens_per_sequence)
 
     def step_batch(self, sessions, token_ids):
         self.calls.append(("decode", tuple(s.tag for s in sessions)))
@@ -108,9 +112,9 @@ def test_prefill_chunks_interleave_with_decode_and_outputs_match_solo(engine):
 
 
 def test_newcomers_short_prompts_are_prefilled_together_and_outputs_match_solo(engine):
-    """Five requests arrive at once: a piece of 16 tokens of each prompt (the largest warmed-up piece within the
-    shortest, 20 tokens) goes through one forward, what is left of each is prefilled alone; every output is the
-    solo one."""
+    """Five requests arrive at once: up to 64 tokens of each prompt (the largest warmed-up piece: the longest has 80),
+    each padded to 64, go through one forward; the 16 tokens left of the longest are prefilled alone; every output
+    is the solo one."""
     recording = RecordingEngine(engine)
     prompts = [[(13 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((20, 24, 20, 80, 33))]
 
@@ -126,8 +130,7 @@ def test_newcomers_short_prompts_are_prefilled_together_and_outputs_match_solo(e
     outputs = asyncio.run(run())
     assert outputs == [solo(engine, p, 6) for p in prompts]
     prefills = [call for call in recording.calls if call[0] in ("together", "prefill")]
-    assert prefills[0] == ("together", (1, 2, 3, 4, 5), 16)
-    assert sorted(prefills[1:]) == [("prefill", 1, 4), ("prefill", 2, 8), ("prefill", 3, 4), ("prefill", 4, 64), ("prefill", 5, 17)]
+    assert prefills == [("together", (1, 2, 3, 4, 5), (20, 24, 20, 64, 33), 64), ("prefill", 4, 16)]
     assert recording.open_sessions == 0
 
 

@@ -283,18 +283,19 @@ class ReferenceBackend:
         """silu(causal depthwise conv) of x [N, C] with taps weight [W, C], per sequence of `ctx`, in `out`
         ([N, C], x itself allowed) when given, else in a new tensor.
 
-        conv_states [slots, W-1, C] holds each slot's previous W-1 inputs and is advanced in place;
-        with `ctx.keep_states`, the window after each token but the last goes to kept [slots, K, W-1, C].
+        conv_states [slots, W-1, C] holds each slot's previous W-1 inputs and is advanced in place over the
+        sequence's `ctx.valid` tokens (the rows after them are padding: computed, not kept); with
+        `ctx.keep_states`, the window after each token but the last goes to kept [slots, K, W-1, C].
         """
         taps, t = weight.shape[0], ctx.tokens_per_sequence
         rows = []
-        for b, slot in enumerate(ctx.host_view()[0]):
+        for b, (slot, n) in enumerate(zip(ctx.host_view()[0], ctx.valid.tolist())):
             window = torch.cat([conv_states[slot], x[b * t : (b + 1) * t]], dim=0)  # [W-1+T, C]
             rows.append(F.silu(sum(weight[i].float() * window[i : i + t].float() for i in range(taps))).to(x.dtype))
             if ctx.keep_states:
                 for i in range(t - 1):
                     kept[slot, i].copy_(window[i + 1 : i + taps])
-            conv_states[slot].copy_(window[t:])
+            conv_states[slot].copy_(window[n : n + taps - 1])
         result = rows[0] if len(rows) == 1 else torch.cat(rows)
         return result if out is None else out.copy_(result)
 
@@ -348,13 +349,13 @@ class ReferenceBackend:
         dt_bias: torch.Tensor, states: torch.Tensor, ctx: StepContext, kept: torch.Tensor | None,
     ) -> torch.Tensor:
         """The same rule in recurrent form, token by token, for every sequence of `ctx` (rows grouped per
-        sequence, T each) on its slot of states [slots, Hv, Dk, Dv] (fp32, in place), gated by the raw
-        a, b [N, Hv] through `gdn_gating`. With `ctx.keep_states`, the state after each token but the
-        last goes to kept [slots, K, Hv, Dk, Dv]."""
+        sequence, T each) on its slot of states [slots, Hv, Dk, Dv] (fp32, in place: the state after the
+        sequence's `ctx.valid` tokens), gated by the raw a, b [N, Hv] through `gdn_gating`. With
+        `ctx.keep_states`, the state after each token but the last goes to kept [slots, K, Hv, Dk, Dv]."""
         g, beta = self.gdn_gating(a, b, a_log, dt_bias)
         t = ctx.tokens_per_sequence
         outputs = []
-        for seq, slot in enumerate(ctx.host_view()[0]):
+        for seq, (slot, n) in enumerate(zip(ctx.host_view()[0], ctx.valid.tolist())):
             rows = slice(seq * t, (seq + 1) * t)
             qs, ks, vf, gs, bs = self._gdn_inputs(q[rows], k[rows], v[rows], g[rows], beta[rows])
             s = states[slot].float()
@@ -366,7 +367,8 @@ class ReferenceBackend:
                 outputs.append(torch.einsum("hk,hkv->hv", qs[:, i], s))
                 if ctx.keep_states and i < t - 1:
                     kept[slot, i].copy_(s)
-            states[slot].copy_(s)
+                if i == n - 1:
+                    states[slot].copy_(s)
         return torch.stack(outputs, dim=1).transpose(0, 1).to(v.dtype)
 
     # ------------------------------------------------------------------ attention

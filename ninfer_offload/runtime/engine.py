@@ -46,8 +46,8 @@ DEFAULT_MAX_CONTEXT = 32768
 # pairs (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles
 # (or loads from Triton's disk cache) its kernels inside the first request that has it.
 WARM_UP_PREFILLS = (1, 2, 3, 5, 12, 17, 24, 32, 33, 100)
-# Batched prefills (`prefill_batch`: a server admitting several prompts at once, experts in VRAM) take pieces of
-# these many tokens per sequence (`batched_prefill_piece`) over at least BATCHED_PREFILL_MIN_SEQUENCES sequences, the
+# Batched prefills (`prefill_batch`: a server admitting several prompts at once, experts in VRAM) pad each prompt's
+# next piece to these many tokens per sequence (`batched_prefill_piece`) over at least BATCHED_PREFILL_MIN_SEQUENCES sequences, the
 # shapes the warm-up compiles: per-sequence token blocks of 16, 32 and 64 with each T a multiple of 16, and 64 rows
 # (the tiled products) or more (dequantized tiles and cuBLAS). A piece of at most 64 tokens: the delta rule runs
 # token by token there.
@@ -306,32 +306,38 @@ class Engine:
             session.commit(len(chunk))
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
-    def prefill_batch(self, sessions: list[Session], token_ids: list[list[int]]) -> torch.Tensor:
-        """Append token_ids[i] (the same number of tokens for every session) to sessions[i] in one forward over all
-        of them, each sequence's rows attending to its own cache (the decode step's kernels, run eagerly): logits
-        [B, vocab] of each one's last token. Several prompts cost about one forward's launches instead of one
-        prefill each (a server admitting several requests at once)."""
+    def prefill_batch(self, sessions: list[Session], token_ids: list[list[int]], tokens_per_sequence: int | None = None) -> torch.Tensor:
+        """Append token_ids[i] to sessions[i] in one forward over all of them, each sequence's rows attending to its
+        own cache (the decode step's kernels, run eagerly): logits [B, vocab] of each one's last token. Each row is
+        padded to `tokens_per_sequence` tokens (default: the longest row's), padding computed but not kept, so
+        prompts of several lengths share one forward (each sequence needs room for the padded row). Several
+        prompts cost about one forward's launches instead of one prefill each (a server admitting several
+        requests at once)."""
         if len(sessions) != len(token_ids) or not sessions:
             raise NinferError("a batched prefill needs one token list per session and at least one session")
-        t = len(token_ids[0])
-        if any(len(row) != t for row in token_ids):
-            raise NinferError("a batched prefill adds the same number of tokens to every sequence")
-        flat = self._token_list([token for row in token_ids for token in row])
+        t = tokens_per_sequence or max(len(row) for row in token_ids)
+        if any(not 1 <= len(row) <= t for row in token_ids):
+            raise NinferError(f"a batched prefill adds 1 to {t} tokens to each sequence")
+        valid = [len(row) for row in token_ids]
+        flat = self._token_list([token for row in token_ids for token in row + [0] * (t - len(row))])
         slots = self._live_slots(sessions, t)
-        tokens, ctx = step_inputs(flat, slots, [s.length for s in sessions], t, self.max_context, self.device)
+        tokens, ctx = step_inputs(flat, slots, [s.length for s in sessions], t, self.max_context, self.device, valid=valid)
         with torch.no_grad(), self.store.forward(tokens=len(flat)):
             hidden = self.text.hidden(self.backend, tokens, ctx, self.state)
-        for session in sessions:
-            session.pending = t
-            session.commit(t)
-        return self.logits_of(hidden.view(len(sessions), t, -1)[:, -1])
+        for session, n in zip(sessions, valid):
+            session.pending = n
+            session.commit(n)
+        last = torch.tensor([b * t + n - 1 for b, n in enumerate(valid)], device=hidden.device)
+        return self.logits_of(hidden[last])
 
     def batched_prefill_piece(self, unprefilled: int) -> int:
-        """Tokens per sequence of a batched prefill of sequences with at least `unprefilled` tokens left: the largest of
-        BATCHED_PREFILL_TOKENS that fits (what `warm_up` compiled), 0 if none does or the experts are offloaded."""
-        if self.store.offloaded:
+        """Tokens per sequence of a batched prefill whose longest prompt has `unprefilled` tokens left: the smallest
+        of BATCHED_PREFILL_TOKENS (what `warm_up` compiled) that holds them, else the largest; 0 if none fits the
+        context or the experts are offloaded."""
+        pieces = [t for t in BATCHED_PREFILL_TOKENS if t < self.max_context]
+        if self.store.offloaded or not pieces:
             return 0
-        return max((t for t in BATCHED_PREFILL_TOKENS if t <= unprefilled), default=0)
+        return next((t for t in pieces if t >= unprefilled), pieces[-1])
 
     def _scratch_batched_prefill(self, sequences: int, tokens: int) -> None:
         """`prefill_batch` of `tokens` tokens on `sequences` scratch sequences (warm-up), where the context has room."""

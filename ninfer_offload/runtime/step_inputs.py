@@ -66,9 +66,10 @@ def step_inputs(
     device: torch.device,
     prefill: bool = False,
     keep_states: bool = False,
+    valid: list[int] | None = None,
 ) -> tuple[torch.Tensor, StepContext]:
-    """Token ids and context of an eager step, on `device` with one copy."""
-    packed = pack_inputs(tokens, slots, starts, tokens_per_sequence, capacity, pinned=device.type == "cuda")
+    """Token ids and context of an eager step, on `device` with one copy (`valid`: as `pack_inputs`)."""
+    packed = pack_inputs(tokens, slots, starts, tokens_per_sequence, capacity, pinned=device.type == "cuda", valid=valid)
     packed = packed.to(device, non_blocking=True)
     return unpack_inputs(packed, len(slots), tokens_per_sequence, prefill, keep_states, (tuple(slots), tuple(starts)))
 

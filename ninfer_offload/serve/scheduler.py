@@ -1,8 +1,8 @@
 """The engine thread: admits queued requests, interleaves prefill chunks with batched decode.
 
 One thread owns the engine. Each iteration it (1) admits waiting requests up to `max_concurrency`
-active sequences, (2) frees the sessions of cancelled requests, (3) runs one prefill: the common
-piece of several plainly decoding newcomers' prompts in one forward (`Engine.prefill_batch`,
+active sequences, (2) frees the sessions of cancelled requests, (3) runs one prefill: the next
+piece of several plainly decoding newcomers' prompts in one padded forward (`Engine.prefill_batch`,
 experts in VRAM), else one chunk of one newcomer, (4) runs one batched decode step over every
 sequence that is decoding. When every plainly decoding sequence is greedy without penalties, grammar
 or logprobs (its next token is the argmax of its logits), the step runs one ahead of the host: it
@@ -45,9 +45,10 @@ SHUTTING_DOWN = "the server is shutting down"
 # (`Engine.prefill_batch`) against a prefill each. H200 at e012db3 (bench/results/short_prompts_h200_e012db3.json):
 # prompts of up to 32 tokens replay a captured prefill (7.9-14.4 ms with the head and the token read), a 40-128
 # token one took 21-51 ms in replayed pieces, and one eager forward 48-80 ms whatever its rows, so prefilling
-# together pays from about four newcomers (`engine.BATCHED_PREFILL_MIN_SEQUENCES`). Each gives the same piece of
-# `Engine.batched_prefill_piece` tokens (16, 32 or 64: the shapes the warm-up compiled); what is left of a prompt is
-# prefilled alone.
+# together pays from about four newcomers (`engine.BATCHED_PREFILL_MIN_SEQUENCES`). Each gives its next tokens
+# padded to one piece of `Engine.batched_prefill_piece` tokens (16, 32 or 64: the shapes the warm-up compiled, the
+# smallest that holds the longest), so prompts of up to 64 tokens take one forward whatever their lengths (at a3c1de7
+# the piece was the shortest prompt's and the rest of each prompt was prefilled alone, one after another).
 
 
 class QueueFullError(Exception):
@@ -288,23 +289,23 @@ class Scheduler:
             self._finish(sequence, "cancelled")
 
     def _prefill(self) -> None:
-        """A piece of several plainly decoding newcomers' prompts in one forward when there are enough of them
-        (`BATCHED_PREFILL_MIN_SEQUENCES`, a piece of `Engine.batched_prefill_piece` tokens each), else one chunk of the
-        first newcomer's prompt."""
+        """The next piece of several plainly decoding newcomers' prompts in one forward when there are enough of them
+        (`BATCHED_PREFILL_MIN_SEQUENCES`; each piece padded to `Engine.batched_prefill_piece` tokens, the smallest
+        warmed-up size that holds the longest), else one chunk of the first newcomer's prompt."""
         waiting = [s for s in self._active if s.unprefilled]
         piece = self.engine.batched_prefill_piece
-        plain = [s for s in waiting if s.speculator is None and piece(len(s.unprefilled))]
-        tokens = piece(min((len(s.unprefilled) for s in plain), default=0))
-        together = plain[: self.prefill_chunk // max(1, tokens)]
+        tokens = piece(max((len(s.unprefilled) for s in waiting if s.speculator is None), default=0))
+        room = self.engine.max_context - tokens  # a padded piece writes KV rows up to its full length
+        together = [s for s in waiting if s.speculator is None and s.session.length <= room][: self.prefill_chunk // max(1, tokens)]
         if tokens and len(together) >= BATCHED_PREFILL_MIN_SEQUENCES:
-            self._prefill_together(together, tokens)
+            self._prefill_together(together, piece(max(len(s.unprefilled) for s in together)))
         elif waiting:
             self._prefill_one(waiting[0])
 
     def _prefill_together(self, sequences: list[_Sequence], tokens: int) -> None:
-        """The first `tokens` tokens of each one's prompt in one forward."""
+        """Up to `tokens` tokens of each one's prompt in one forward, each padded to `tokens`."""
         try:
-            logits = self.engine.prefill_batch([s.session for s in sequences], [s.unprefilled[:tokens] for s in sequences])
+            logits = self.engine.prefill_batch([s.session for s in sequences], [s.unprefilled[:tokens] for s in sequences], tokens)
         except Exception as exc:  # noqa: BLE001
             log.exception("prefill of %d requests together failed", len(sequences))
             for sequence in sequences:
