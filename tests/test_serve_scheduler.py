@@ -20,10 +20,6 @@ class RecordingSession:
     def __init__(self, owner: RecordingEngine, inner, tag: int) -> None:
         self.owner, self.inner, self.tag = owner, inner, tag
 
-    @property
-    def length(self) -> int:
-        return self.inner.length
-
     def prefill(self, token_ids):
         self.owner.calls.append(("prefill", self.tag, len(token_ids)))
         return self.inner.prefill(token_ids)

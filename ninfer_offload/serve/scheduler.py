@@ -149,6 +149,11 @@ class _Sequence:
     started: bool = False  # the speculator knows the first generated token
 
     @property
+    def prefilled(self) -> int:
+        """Prompt tokens its session holds so far."""
+        return len(self.prompt) - len(self.unprefilled)
+
+    @property
     def picks_argmax(self) -> bool:
         """Whether its next token is the argmax of its logits (greedy, no penalties, grammar, logprobs or drafts)."""
         request = self.handle.request
@@ -296,7 +301,7 @@ class Scheduler:
         piece = self.engine.batched_prefill_piece
         tokens = piece(max((len(s.unprefilled) for s in waiting if s.speculator is None), default=0))
         room = self.engine.max_context - tokens  # a padded piece writes KV rows up to its full length
-        together = [s for s in waiting if s.speculator is None and s.session.length <= room][: self.prefill_chunk // max(1, tokens)]
+        together = [s for s in waiting if s.speculator is None and s.prefilled <= room][: self.prefill_chunk // max(1, tokens)]
         if tokens and len(together) >= BATCHED_PREFILL_MIN_SEQUENCES:
             self._prefill_together(together, piece(max(len(s.unprefilled) for s in together)))
         elif waiting:
