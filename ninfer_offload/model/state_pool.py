@@ -4,7 +4,8 @@ Attention layers keep K and V as flat row pools `[slots * capacity + scratch row
 owns rows [s * capacity, (s + 1) * capacity). Gated DeltaNet layers keep their conv window
 `[slots + 1, W - 1, C]` and FP32 recurrent state `[slots + 1, Hv, Dk, Dv]`, plus, when the engine
 can roll back multi-token steps, the state after each token but the last
-(`[slots + 1, draft_tokens, ...]`). Slot `slots` is a scratch slot: padded rows of a captured
+(`[slots + 1, draft_tokens, ...]`); each of these four is a view of one tensor over the GDN layers, so a
+slot's reset (a new sequence) and restore (a rollback) are one copy per kind. Slot `slots` is a scratch slot: padded rows of a captured
 batch write there (its KV rows are the last rows of the pool: as many as the longest captured step writes,
 `scratch_rows` or the step tokens if more), so padding never touches a live sequence. Buffers never move, so
 captured steps stay valid.
@@ -38,25 +39,24 @@ class StatePool:
         self.scratch_rows = scratch_rows
         self.scratch_slot = sequences
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.conv: dict[int, torch.Tensor] = {}
-        self.recurrent: dict[int, torch.Tensor] = {}
-        self.conv_snapshots: dict[int, torch.Tensor] = {}
-        self.recurrent_snapshots: dict[int, torch.Tensor] = {}
         slots = sequences + 1
+        gdn = [key for key, kind in layer_kinds.items() if kind != FULL_ATTENTION]
         conv_shape = (config.linear_conv_kernel - 1, config.conv_channels)
         recurrent_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        # Each kind of GDN state is one tensor over the layers ([layers, slots, ...]; a layer's is a contiguous view),
+        # so a slot is reset or restored in one launch per kind rather than one per layer.
+        self._conv = torch.zeros(len(gdn), slots, *conv_shape, device=device, dtype=dtype)
+        self._recurrent = torch.zeros(len(gdn), slots, *recurrent_shape, device=device, dtype=torch.float32)
+        self._conv_snapshots = torch.zeros(len(gdn), slots, draft_tokens, *conv_shape, device=device, dtype=dtype)
+        self._recurrent_snapshots = torch.zeros(len(gdn), slots, draft_tokens, *recurrent_shape, device=device, dtype=torch.float32)
+        self.conv = {key: self._conv[i] for i, key in enumerate(gdn)}
+        self.recurrent = {key: self._recurrent[i] for i, key in enumerate(gdn)}
+        self.conv_snapshots = {key: self._conv_snapshots[i] for i, key in enumerate(gdn)} if draft_tokens else {}
+        self.recurrent_snapshots = {key: self._recurrent_snapshots[i] for i, key in enumerate(gdn)} if draft_tokens else {}
         for key, kind in layer_kinds.items():
             if kind == FULL_ATTENTION:
                 rows = (sequences * capacity + max(scratch_rows, self.step_tokens), config.num_kv_heads, config.head_dim)
                 self.kv[key] = (torch.zeros(rows, device=device, dtype=kv_dtype), torch.zeros(rows, device=device, dtype=kv_dtype))
-                continue
-            self.conv[key] = torch.zeros(slots, *conv_shape, device=device, dtype=dtype)
-            self.recurrent[key] = torch.zeros(slots, *recurrent_shape, device=device, dtype=torch.float32)
-            if draft_tokens:
-                self.conv_snapshots[key] = torch.zeros(slots, draft_tokens, *conv_shape, device=device, dtype=dtype)
-                self.recurrent_snapshots[key] = torch.zeros(
-                    slots, draft_tokens, *recurrent_shape, device=device, dtype=torch.float32
-                )
 
     @property
     def step_tokens(self) -> int:
@@ -85,12 +85,10 @@ class StatePool:
 
     def reset(self, slot: int) -> None:
         """Zero the GDN state of `slot` (a new sequence starts from zero state; its KV rows need no reset)."""
-        for group in (self.conv, self.recurrent):
-            for tensor in group.values():
-                tensor[slot].zero_()
+        self._conv[:, slot].zero_()
+        self._recurrent[:, slot].zero_()
 
     def restore(self, slot: int, token: int) -> None:
         """Make the GDN state of `slot` the state kept after token `token` of the last multi-token step."""
-        for live, kept in ((self.conv, self.conv_snapshots), (self.recurrent, self.recurrent_snapshots)):
-            for key, tensor in live.items():
-                tensor[slot].copy_(kept[key][slot, token])
+        self._conv[:, slot].copy_(self._conv_snapshots[:, slot, token])
+        self._recurrent[:, slot].copy_(self._recurrent_snapshots[:, slot, token])
