@@ -48,7 +48,7 @@ from ninfer_offload.runtime.speculative import MtpSpeculator
 from profiling import kernel_breakdown
 from provenance import gpu_report_header
 
-KERNELS_KEPT = 15  # costliest kernels recorded per step
+KERNELS_KEPT = 40  # costliest kernels recorded per step (a verify step has ~30 kinds)
 MAX_DRAFTS = 5  # K = 1..MAX_DRAFTS
 
 PROMPT = list(range(1, 65))
