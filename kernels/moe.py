@@ -29,7 +29,8 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
   sum, as `shared_expert` would after it: one launch fewer per layer. For more tokens, the down kernel
   shares each expert as kernel 1 does (per token on CUDA cores, or from `MMA_DOWN_MIN_TOKENS` tokens all of
   an expert's pairs in one tensor-core product) and the k weighted rows of each token are summed in the
-  same fixed order by the last program of each row slice to arrive (`SUM_IN_PRODUCT`).
+  same fixed order by the last program of each row slice to arrive (`SUM_IN_PRODUCT`). With ONE_TOKEN_FUSED,
+  one token's two kernels are one persistent launch (`_one_token_moe_kernel`, work items in dependency order).
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
   own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
