@@ -130,6 +130,26 @@ def test_newcomers_short_prompts_are_prefilled_together_and_outputs_match_solo(e
     assert recording.open_sessions == 0
 
 
+def test_newcomers_prompts_under_a_piece_are_prefilled_alone(engine):
+    """Five requests arrive at once, four with prompts shorter than the smallest batched piece (they replay a captured
+    prefill alone, which costs less than one eager batched forward): nothing is prefilled together."""
+    recording = RecordingEngine(engine)
+    prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 15, 3, 40, 9))]
+
+    async def run() -> list[list[int]]:
+        scheduler = Scheduler(recording, Sampler, max_concurrency=5, max_queue=4)
+        loop = asyncio.get_running_loop()
+        handles = [scheduler.submit(GenerationRequest(p, 4, GREEDY), loop) for p in prompts]
+        scheduler.start()
+        outputs = await asyncio.gather(*(collect(h) for h in handles))
+        scheduler.stop()
+        return outputs
+
+    assert asyncio.run(run()) == [solo(engine, p, 4) for p in prompts]
+    prefills = [call for call in recording.calls if call[0] in ("together", "prefill")]
+    assert sorted(prefills) == [("prefill", i + 1, n) for i, n in enumerate((5, 15, 3, 40, 9))]
+
+
 def test_greedy_steps_run_ahead_of_the_host_and_mixed_batches_wait_for_it(engine):
     """Greedy sequences decode one step ahead of the host on the tokens the device picked; one ending on a stop
     id or its budget loses only the step queued after it. A sampled sequence joining them makes the steps wait

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ninfer_offload.runtime.engine import BATCHED_PREFILL_MIN_SEQUENCES
+from ninfer_offload.runtime.engine import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS
 from ninfer_offload.runtime.generate import QueuedTokens, queue_greedy_step
 from ninfer_offload.runtime.speculative import MtpSpeculator, draft_together
 from ninfer_offload.runtime.step_inputs import upload
@@ -295,13 +295,15 @@ class Scheduler:
 
     def _prefill(self) -> None:
         """The next piece of several plainly decoding newcomers' prompts in one forward when there are enough of them
-        (`BATCHED_PREFILL_MIN_SEQUENCES`; each piece padded to `Engine.batched_prefill_piece` tokens, the smallest
-        warmed-up size that holds the longest), else one chunk of the first newcomer's prompt."""
+        with BATCHED_PREFILL_TOKENS[0] or more tokens left (`BATCHED_PREFILL_MIN_SEQUENCES`; shorter prompts replay a
+        captured prefill alone; each piece padded to `Engine.batched_prefill_piece` tokens, the smallest warmed-up
+        size that holds the longest), else one chunk of the first newcomer's prompt."""
         waiting = [s for s in self._active if s.unprefilled]
+        plain = [s for s in waiting if s.speculator is None and len(s.unprefilled) >= BATCHED_PREFILL_TOKENS[0]]
         piece = self.engine.batched_prefill_piece
-        tokens = piece(max((len(s.unprefilled) for s in waiting if s.speculator is None), default=0))
+        tokens = piece(max((len(s.unprefilled) for s in plain), default=0))
         room = self.engine.max_context - tokens  # a padded piece writes KV rows up to its full length
-        together = [s for s in waiting if s.speculator is None and s.prefilled <= room][: self.prefill_chunk // max(1, tokens)]
+        together = [s for s in plain if s.prefilled <= room][: self.prefill_chunk // max(1, tokens)]
         if tokens and len(together) >= BATCHED_PREFILL_MIN_SEQUENCES:
             self._prefill_together(together, piece(max(len(s.unprefilled) for s in together)))
         elif waiting:
