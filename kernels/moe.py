@@ -528,6 +528,20 @@ def _shared_expert_rows(
 
 
 @triton.jit
+def _sum_slots(partial, out, H, rows, row_mask, TOP_K: tl.constexpr, SHARED_EXPERT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows `rows` of one token's output into `out`: its TOP_K weighted routed rows (`partial` [TOP_K (+ 1), H],
+    fp32) summed in slot order, rounded, plus with SHARED_EXPERT the shared expert's rows after them
+    (`shared_expert`'s order). Read through L2: other programs wrote them."""
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        total += tl.load(partial + s * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+    if SHARED_EXPERT:
+        shared = tl.load(partial + TOP_K * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+        total = total.to(out.dtype.element_ty).to(tl.float32) + shared
+    tl.store(out + rows, total.to(out.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
 def _down_split_gemv_kernel(
     act,
     arena,
@@ -600,13 +614,7 @@ def _down_split_gemv_kernel(
     tl.store(partial + (tok * slots + j) * H + rows, y, mask=row_mask)
     count = arrivals + tok * tl.num_programs(0) + block
     if last_to_arrive(count, slots):
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for s in tl.static_range(TOP_K):  # read through L2: other programs wrote these rows
-            total += tl.load(partial + (tok * slots + s) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-        if SHARED_EXPERT:  # the routed output, rounded, plus the shared expert's rows (`shared_expert`'s order)
-            shared = tl.load(partial + (tok * slots + TOP_K) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-            total = total.to(out.dtype.element_ty).to(tl.float32) + shared
-        tl.store(out + tok * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
+        _sum_slots(partial + tok * slots * H, out + tok * H, H, rows, row_mask, TOP_K, SHARED_EXPERT, BLOCK_N)
         rearm(count)
 
 
@@ -728,13 +736,7 @@ def _one_token_moe_kernel(
             tl.store(partial + slot * H + rows, y, mask=row_mask)
             count = counters + 2 + TOP_K + block
             if last_to_arrive(count, slots):
-                total = tl.zeros([DOWN_N], dtype=tl.float32)
-                for s in tl.static_range(TOP_K):  # read through L2: other programs wrote these rows
-                    total += tl.load(partial + s * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-                if SHARED_EXPERT:  # the routed output, rounded, plus the shared expert's rows (`shared_expert`'s order)
-                    shared = tl.load(partial + TOP_K * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-                    total = total.to(out.dtype.element_ty).to(tl.float32) + shared
-                tl.store(out + rows, total.to(out.dtype.element_ty), mask=row_mask)
+                _sum_slots(partial, out, H, rows, row_mask, TOP_K, SHARED_EXPERT, DOWN_N)
                 rearm(count)
         item = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
     if last_to_arrive(counters + 1, tl.num_programs(0)):  # every program has taken its last item
