@@ -25,7 +25,9 @@ Per mode (everything resident, then each VRAM budget in GiB planned with `--prof
   `--routing model` keeps the random weights' own routing;
 * `projected_speedup` at per-draft acceptance `a` (`--acceptance`, the chance that a draft is
   accepted given the previous one was): a round yields E = (1 - a^(K+1)) / (1 - a) tokens, so
-  speed-up = E * step_s / round_s (a rejected round costs about what a full one does).
+  speed-up = E * step_s / round_s (a rejected round costs about what a full one does);
+* `--proposal-head` drafts with the artifact's proposal head (`proposal/head` over `proposal/token_ids`)
+  instead of the full output head, `proposal_head` in the report.
 """
 
 from __future__ import annotations
@@ -226,6 +228,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="greedy tokens of the oracle generation")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--routing", choices=("trace", "model"), default="trace", help="route by the calibrated trace or by the weights")
+    parser.add_argument("--proposal-head", action="store_true", help="draft with the artifact's proposal head, not the full output head")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
     if args.tokens < MAX_DRAFTS + 3:
@@ -233,13 +236,17 @@ def main() -> None:
     report = {
         **gpu_report_header(args.commit),
         "routing": args.routing,
+        "proposal_head": args.proposal_head,
         "runs": [],
     }
     modes = [("resident", {"experts": "resident"})] + [
         (f"{budget:g} GiB", {"profile": args.profile, "vram_budget": int(budget * GiB)}) for budget in args.budgets
     ]
     for mode, options in modes:
-        engine = Engine.load(args.artifact, device=args.device, spec="mtp", draft_tokens=MAX_DRAFTS, max_sequences=2, **options)
+        engine = Engine.load(
+            args.artifact, device=args.device, spec="mtp", draft_tokens=MAX_DRAFTS, proposal_head=args.proposal_head, max_sequences=2,
+            **options,
+        )
         for run in measure(engine, args.repeats, args.acceptance, args.tokens, args.routing == "trace"):
             report["runs"].append({"mode": mode, **run})
         engine.close()

@@ -1,4 +1,4 @@
-"""bench/spec.py on the CPU (tiny model, float32): every draft count is measured, and the draft oracle's
+"""bench/spec.py on the CPU (tiny model, float32, drafting with the full output head or the proposal head): every draft count is
 drafts, the plain greedy continuation, are all accepted at the first attempt (greedy speculation equals
 plain greedy in float32)."""
 
@@ -9,16 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_spec_benchmark_runs_on_the_cpu(tiny_artifact_official, tmp_path):
+@pytest.mark.parametrize("artifact,flags", [("tiny_artifact_official", []), ("tiny_artifact_proposal", ["--proposal-head"])])
+def test_spec_benchmark_runs_on_the_cpu(artifact, flags, request, tmp_path):
+    """With the full output head, and drafting with the artifact's proposal head."""
     out = tmp_path / "spec.json"
-    command = [sys.executable, "bench/spec.py", str(tiny_artifact_official), "--out", str(out), "--device", "cpu", "--budgets",
-               "--repeats", "2", "--tokens", "20", "--routing", "model"]
+    command = [sys.executable, "bench/spec.py", str(request.getfixturevalue(artifact)), "--out", str(out), "--device", "cpu",
+               "--budgets", "--repeats", "2", "--tokens", "20", "--routing", "model", *flags]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
-    runs = json.loads(out.read_text())["runs"]
+    report = json.loads(out.read_text())
+    assert report["proposal_head"] == bool(flags)
+    runs = report["runs"]
     assert [run["draft_tokens"] for run in runs] == [1, 2, 3, 4, 5]
     for run in runs:
         assert run["oracle_attempts"] == 1 and run["oracle_acceptance"] == 1.0
