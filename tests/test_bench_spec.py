@@ -1,6 +1,6 @@
-"""bench/spec.py on the CPU (tiny model, float32, drafting with the full output head or the proposal head): every draft count is
-drafts, the plain greedy continuation, are all accepted at the first attempt (greedy speculation equals
-plain greedy in float32)."""
+"""bench/spec.py on the CPU (tiny model, float32; drafting with the full output head or the proposal head):
+every draft count is measured, and the draft oracle's drafts, the plain greedy continuation, are all
+accepted at the first attempt (greedy speculation equals plain greedy in float32)."""
 
 from __future__ import annotations
 
