@@ -120,8 +120,7 @@ def serve(
         warm_up.seconds, warm_up.prefills, warm_up.captures,
     )
     # The loaded engine's ~450,000 Python objects out of the garbage collector's reach for the process's life: a full
-    # collection over them took 120-150 ms on an H100 machine's host, a pause inside whichever request triggered it
-    # (a server's first request waited 0.10 s for its first token, later ones 0.02 s).
+    # collection over them took 120-150 ms on an H100 machine's host, a pause inside whichever request would trigger it.
     gc.collect()
     gc.freeze()
     name = served_model_name or artifact.name.removesuffix(".ninfer")
