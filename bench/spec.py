@@ -40,15 +40,12 @@ from pathlib import Path
 
 import torch
 
-import numpy as np
-
-from ninfer_offload.planner.routing import shipped_routing_stats
-from ninfer_offload.planner.trace import routing_trace
 from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 from ninfer_offload.runtime.speculative import MtpSpeculator
 from profiling import kernel_breakdown
 from provenance import gpu_report_header
+from trace_routing import TraceRouting
 
 KERNELS_KEPT = 40  # costliest kernels recorded per step (a verify step has ~30 kinds)
 MAX_DRAFTS = 5  # K = 1..MAX_DRAFTS
@@ -74,30 +71,6 @@ def median_seconds(run, repeats: int, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
-class TraceRouting:
-    """Routes each forward's positions as consecutive tokens of the calibrated routing trace (the
-    expert store's `replay_routing` benchmark hook); with `trace=False`, the model's own routing."""
-
-    def __init__(self, engine: Engine, tokens: int, trace: bool, seed: int = 0):
-        self.engine = engine
-        self.trace = None
-        if trace:
-            hits = np.array(shipped_routing_stats().hits)
-            ids = routing_trace(hits, engine.config.top_k, tokens, seed).astype(np.int64)
-            self.trace = torch.from_numpy(ids).to(engine.device)  # [tokens, layers, k]
-            self.route(0, len(PROMPT))  # the first call sizes the replay buffer: the prompt is the longest forward
-
-    def route(self, position: int, count: int) -> None:
-        """The next forward's `count` positions start at sequence position `position`."""
-        if self.trace is None:
-            return
-        routing = self.trace[position : position + count].transpose(0, 1)  # [layers, count, k]
-        extra = len(self.engine.store.layouts) - routing.shape[0]  # the MTP layer reuses the last layer's ids
-        if extra:
-            routing = torch.cat([routing, routing[-extra:]])
-        self.engine.store.replay_routing(routing)
-
-
 class OracleSpeculator(MtpSpeculator):
     """Drafts as usual (same MTP work), then replaces them with the target's greedy continuation. Greedy
     acceptance reads no draft distributions, so none are built (up to 11143c6 a one-hot row of the whole
@@ -113,7 +86,7 @@ class OracleSpeculator(MtpSpeculator):
 
 def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace: bool) -> list[dict]:
     device = engine.device
-    routing = TraceRouting(engine, len(PROMPT) + tokens + 64 * repeats * engine.state.step_tokens, trace)
+    routing = TraceRouting(engine, len(PROMPT) + tokens + 64 * repeats * engine.state.step_tokens, len(PROMPT), trace)
     session = engine.session()
     routing.route(0, len(PROMPT))
     session.prefill(PROMPT)

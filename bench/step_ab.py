@@ -12,7 +12,10 @@ token), `verify_ms` (K + 1 tokens, then the commit of the first, as a rejected r
 a difference must exceed), and their ratios to the variant's own one-token step; with `--profile`, each run's kernels by launch
 shape (which product a launch is: `profiling.kernels_by_launch`). A setting is `MODULE.NAME=EXPRESSION` (`kernel_settings`),
 MODULE one of `ninfer_offload.kernels`' modules, EXPRESSION evaluated with those modules in scope
-(e.g. `moe.BATCH_GEMV_TILES=moe.GEMV_TILES`); each is restored after its variant.
+(e.g. `moe.BATCH_GEMV_TILES=moe.GEMV_TILES`); each is restored after its variant. The verification feeds one token
+K + 1 times, so with the random weights' own routing its tokens share their experts; `--routing trace` routes every
+forward by the calibrated trace instead (`trace_routing.TraceRouting`, as `bench/spec.py` does: a verification then
+reads ~2.4x one token's experts, a batch's consecutive trace tokens reuse some).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ninfer_offload.runtime.engine import Engine
 from kernel_settings import describe, kernel_modules, parse_setting
 from profiling import kernels_by_launch
 from provenance import gpu_report_header
+from trace_routing import TraceRouting
 
 
 def run_ms(run, steps: int, repeats: int) -> list[float]:
@@ -56,12 +60,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of --steps calls each; the median is reported, all in *_runs")
     parser.add_argument("--profile", action="store_true",
                         help="also record each variant's kernels by launch shape (profiling.kernels_by_launch)")
+    parser.add_argument("--routing", choices=("model", "trace"), default="model",
+                        help="the random weights' own routing, or the calibrated trace's (consecutive positions, consecutive trace tokens)")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     scope = kernel_modules()
     variants = [("current", [])] + [(v[0], [parse_setting(s, scope) for s in v[1:]]) for v in args.variant]
     report = {**gpu_report_header(args.commit), "context": args.context, "batch": args.batch, "draft_tokens": args.draft_tokens,
-              "variants": []}
+              "routing": args.routing, "variants": []}
     profiled = 5 if args.profile else 0  # runs of each kind under the profiler
     grown = len(variants) * 3 * (args.repeats * args.steps + 1 + profiled)  # tokens the variants add to the first session (one per run)
     engine = Engine.load(args.artifact, device="cuda", max_context=args.context + grown + 64, max_sequences=args.batch,
@@ -71,15 +77,19 @@ def main() -> None:
     for i, session in enumerate(sessions):
         session.prefill(torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(i)).tolist())
     first, k = sessions[0], args.draft_tokens
+    routing = TraceRouting(engine, engine.max_context, max(args.batch, k + 1), args.routing == "trace")
 
     def step():
+        routing.route(first.length, 1)
         first.step(7)
 
     def verify():
+        routing.route(first.length, k + 1)
         engine.step([first], [[7] * (k + 1)])
         first.commit(1)
 
     def batch():
+        routing.route(sessions[-1].length, args.batch)
         engine.step_batch(sessions, [1] * args.batch)
 
     for name, settings in variants:
