@@ -118,12 +118,12 @@ def stream_once(client: httpx.Client, url: str, max_tokens: int, prompt: str = P
 
 
 def level(server: Server, clients: int, max_tokens: int) -> dict:
-    sessions = [httpx.Client() for _ in range(clients)]  # each client's connection pool, made before any clock starts
-    first = stream_once(sessions[0], server.url, max_tokens)  # the server's first request: what a user meets after startup
+    pools = [httpx.Client() for _ in range(clients)]  # each client's connection pool, made before any clock starts
+    first = stream_once(pools[0], server.url, max_tokens)  # the server's first request: what a user meets after startup
     results: list[dict] = [{} for _ in range(clients)]
 
     def client(i: int) -> None:
-        results[i] = stream_once(sessions[i], server.url, max_tokens)
+        results[i] = stream_once(pools[i], server.url, max_tokens)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     began = time.perf_counter()
@@ -133,10 +133,10 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
         thread.join()
     wall = max(r["end"] for r in results) - began
     ttfts = [r["ttft_s"] for r in results]
-    steady = stream_once(sessions[0], server.url, max_tokens)  # one more request alone, for the first request's comparison
-    new = stream_once(sessions[0], server.url, max_tokens, NEW_PROMPT)
-    for session in sessions:
-        session.close()
+    steady = stream_once(pools[0], server.url, max_tokens)  # one more request alone, for the first request's comparison
+    new = stream_once(pools[0], server.url, max_tokens, NEW_PROMPT)
+    for pool in pools:
+        pool.close()
     time.sleep(0.2)  # the last request's log line
     warm_up = next((m.groups() for line in server.log if (m := WARM_UP.search(line))), (None, None, None))
     listening = next(i for i, line in enumerate(server.log) if "Uvicorn running" in line)
