@@ -74,6 +74,21 @@ def solo(engine, prompt: list[int], max_tokens: int) -> list[int]:
     return list(generate(engine, prompt, max_tokens, GREEDY))
 
 
+def burst(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of `prompts` all submitted before the scheduler starts (all waiting at its first admission)."""
+
+    async def run() -> list[list[int]]:
+        scheduler = Scheduler(engine, Sampler, max_concurrency=len(prompts), max_queue=len(prompts))
+        loop = asyncio.get_running_loop()
+        handles = [scheduler.submit(GenerationRequest(p, max_tokens, GREEDY), loop) for p in prompts]
+        scheduler.start()
+        outputs = await asyncio.gather(*(collect(h) for h in handles))
+        scheduler.stop()
+        return outputs
+
+    return asyncio.run(run())
+
+
 def test_prefill_chunks_interleave_with_decode_and_outputs_match_solo(engine):
     recording = RecordingEngine(engine)
     short = [11, 12, 13]
@@ -113,18 +128,7 @@ def test_newcomers_short_prompts_are_prefilled_together_and_outputs_match_solo(e
     is the solo one."""
     recording = RecordingEngine(engine)
     prompts = [[(13 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((20, 24, 20, 80, 33))]
-
-    async def run() -> list[list[int]]:
-        scheduler = Scheduler(recording, Sampler, max_concurrency=5, max_queue=4)
-        loop = asyncio.get_running_loop()
-        handles = [scheduler.submit(GenerationRequest(p, 6, GREEDY), loop) for p in prompts]
-        scheduler.start()  # all five are waiting when the engine thread first admits
-        outputs = await asyncio.gather(*(collect(h) for h in handles))
-        scheduler.stop()
-        return outputs
-
-    outputs = asyncio.run(run())
-    assert outputs == [solo(engine, p, 6) for p in prompts]
+    assert burst(recording, prompts, 6) == [solo(engine, p, 6) for p in prompts]
     prefills = [call for call in recording.calls if call[0] in ("together", "prefill")]
     assert prefills == [("together", (1, 2, 3, 4, 5), (20, 24, 20, 64, 33), 64), ("prefill", 4, 16)]
     assert recording.open_sessions == 0
@@ -135,17 +139,7 @@ def test_newcomers_prompts_under_a_piece_are_prefilled_alone(engine):
     prefill alone, which costs less than one eager batched forward): nothing is prefilled together."""
     recording = RecordingEngine(engine)
     prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 15, 3, 40, 9))]
-
-    async def run() -> list[list[int]]:
-        scheduler = Scheduler(recording, Sampler, max_concurrency=5, max_queue=4)
-        loop = asyncio.get_running_loop()
-        handles = [scheduler.submit(GenerationRequest(p, 4, GREEDY), loop) for p in prompts]
-        scheduler.start()
-        outputs = await asyncio.gather(*(collect(h) for h in handles))
-        scheduler.stop()
-        return outputs
-
-    assert asyncio.run(run()) == [solo(engine, p, 4) for p in prompts]
+    assert burst(recording, prompts, 4) == [solo(engine, p, 4) for p in prompts]
     prefills = [call for call in recording.calls if call[0] in ("together", "prefill")]
     assert sorted(prefills) == [("prefill", i + 1, n) for i, n in enumerate((5, 15, 3, 40, 9))]
 
