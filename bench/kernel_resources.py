@@ -38,7 +38,7 @@ POINTERS = {
                                "conv_states", "conv_weight", "q", "k_pool", "v_pool", "gate", "up", "weights")},
     **{name: "*u8" for name in ("w", "arena", "shared_down")},
     **{name: "*i64" for name in ("table", "block_expert", "block_pairs", "topk_ids", "slots", "lengths")},
-    **{name: "*i32" for name in ("arrivals", "counters", "deferred", "use_counts", "valid")},
+    **{name: "*i32" for name in ("arrivals", "deferred", "use_counts", "valid")},
     **{name: "*fp32" for name in ("partial", "weighted", "part_out", "part_max", "part_sum")},
 }
 FLOATS = {"eps", "scale"}
@@ -90,12 +90,6 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
                 {"TOP_K": 8, **Q8, "K_PAD": INTER, "BLOCK_N": moe.SPLIT_DOWN_N, "BLOCK_K": moe.SPLIT_DOWN_BLOCK_K, "SHARED_EXPERT": True,
                  "S_NVFP4": False, "S_BITS": 8, "S_GROUP": 32, "S_K_PAD": INTER, "S_BLOCK_K": moe.SPLIT_DOWN_BLOCK_K},
                 {"num_warps": moe.SPLIT_DOWN_WARPS, "num_stages": moe.GEMV_TILES.stages}))
-    persistent, down_k = moe.PERSISTENT_TILES, min(moe.PERSISTENT_TILES.block_k, INTER)
-    out.append(("MoE of a few tokens in one launch, with the shared expert", moe._persistent_moe_kernel,
-                {"TOP_K": 8, "MAX_PAIRS": 32, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": persistent.gate_up_n,
-                 "BLOCK_K": min(persistent.block_k, HIDDEN), "D_NVFP4": False, "D_BITS": 8, "D_GROUP": 32, "D_K_PAD": INTER,
-                 "DOWN_N": persistent.down_n, "D_BLOCK_K": down_k, "SHARED_EXPERT": True, "S_NVFP4": False, "S_BITS": 8, "S_GROUP": 32,
-                 "S_K_PAD": INTER, "S_BLOCK_K": down_k, "COUNT": False}, {"num_warps": persistent.warps, "num_stages": persistent.stages}))
     return out
 
 

@@ -29,9 +29,7 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
   sum, as `shared_expert` would after it: one launch fewer per layer. For more tokens, the down kernel
   shares each expert as kernel 1 does (per token on CUDA cores, or from `MMA_DOWN_MIN_TOKENS` tokens all of
   an expert's pairs in one tensor-core product) and the k weighted rows of each token are summed in the
-  same fixed order by the last program of each row slice to arrive (`SUM_IN_PRODUCT`). Up to
-  PERSISTENT_MAX_TOKENS tokens the two kernels are one persistent launch (`_persistent_moe_kernel`, work items in
-  dependency order).
+  same fixed order by the last program of each row slice to arrive (`SUM_IN_PRODUCT`).
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
   own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
@@ -109,16 +107,6 @@ SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
 GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
-# Up to this many tokens (0: none), the routed experts (and with FOLD_SHARED_EXPERT the shared expert) run in one
-# persistent launch instead of the gate/up and split down launches (`_persistent_moe_kernel`): programs take work
-# items in order from a counter, every gate/up column slice first, then the shared expert's down rows, then each
-# pair's down rows, which wait (spinning on a per-pair count) until their pair's activations are stored; the slices'
-# sums as in the split down kernel. It removes one launch boundary per layer and lets a program's next item follow
-# its last one without a kernel's drain and ramp. Off until measured on a GPU (1: one-token steps, 4: also a 3-draft
-# verification); programs per SM, columns / rows per item, warps and k tiles.
-PERSISTENT_MAX_TOKENS = 0
-PERSISTENT_PROGRAMS_PER_SM = 2
-PERSISTENT_TILES = Tiles(1, 16, 16, 4, 1024, 3)
 # Several tokens: the gate/up kernel keeps its decoded gate and up tiles live across the token loop, so
 # the one-token tiles spill at 8 tokens (255 registers and 368 bytes of stack per thread in the sm_90
 # cubin); 8 rows x 512 columns x 4 warps keep them in 159 registers. H200, cold L2, 4 tokens
@@ -621,149 +609,6 @@ def _down_split_gemv_kernel(
 
 
 @triton.jit
-def _persistent_moe_kernel(
-    x,
-    arena,
-    table,
-    topk_ids,
-    weights,
-    act,
-    partial,
-    counters,
-    out,
-    use_counts,
-    tokens,
-    stride_x,
-    H,
-    I,
-    high_offset,
-    scale_offset,
-    divisor_offset,
-    down_offset,
-    d_high_offset,
-    d_scale_offset,
-    d_divisor_offset,
-    gate,
-    up,
-    stride_gate,
-    stride_up,
-    shared_down,
-    score,
-    stride_score,
-    S,
-    s_high_offset,
-    s_scale_offset,
-    s_divisor_offset,
-    TOP_K: tl.constexpr,
-    MAX_PAIRS: tl.constexpr,
-    NVFP4: tl.constexpr,
-    WHOLE_TILES: tl.constexpr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    D_NVFP4: tl.constexpr,
-    D_BITS: tl.constexpr,
-    D_GROUP: tl.constexpr,
-    D_K_PAD: tl.constexpr,
-    DOWN_N: tl.constexpr,
-    D_BLOCK_K: tl.constexpr,
-    SHARED_EXPERT: tl.constexpr,
-    S_NVFP4: tl.constexpr,
-    S_BITS: tl.constexpr,
-    S_GROUP: tl.constexpr,
-    S_K_PAD: tl.constexpr,
-    S_BLOCK_K: tl.constexpr,
-    COUNT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """A few tokens' routed experts (each token's TOP_K (token, slot) pairs; with SHARED_EXPERT its shared expert
-    too) into `out`, work items taken in order from counters[0]:
-    * gate/up items: a BLOCK_N column slice of one pair's SwiGLU into `act`, then 1 added to the pair's count
-      counters[2 + pair] (a pair computes its own, also where tokens share an expert);
-    * the shared expert's down items (a DOWN_N row slice of one token);
-    * the routed down items (a row slice of one pair, once its count reaches its gate/up items), each rounded and
-      weighted into `partial` as `_down_split_gemv_kernel` does; the last of a token's row slice to arrive
-      (counters[2 + MAX_PAIRS + ...]) sums it in slot order.
-    An item waits only for items taken before it, all held by running programs, so any number of programs
-    completes. The last program to finish zeroes the counters for the next launch."""
-    await_producer(PDL)
-    gate_up_slices = tl.cdiv(I, BLOCK_N)
-    down_slices = tl.cdiv(H, DOWN_N)
-    pairs = tokens * TOP_K
-    gate_up_items = pairs * gate_up_slices
-    shared_items = SHARED_EXPERT * tokens * down_slices
-    items = gate_up_items + shared_items + pairs * down_slices
-    slots: tl.constexpr = TOP_K + SHARED_EXPERT
-    item = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
-    while item < items:
-        if item < gate_up_items:
-            pair = item // gate_up_slices
-            e = tl.load(topk_ids + pair)
-            if COUNT:
-                if item % gate_up_slices == 0:
-                    tl.atomic_add(use_counts + e, 1, sem="relaxed")
-            record = arena + tl.multiple_of(tl.load(table + e), 256)
-            cols_i = program_rows(item % gate_up_slices, BLOCK_N, WHOLE_TILES)
-            col_mask = cols_i < I
-            gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
-            up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
-            acc_gate = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-            row = x + (pair // TOP_K).to(tl.int64) * stride_x
-            for k0 in range(0, K_PAD, BLOCK_K):
-                g_codes, g_scales, u_codes, u_scales = _gate_up_tiles(
-                    record, cols_i, col_mask, k0, I, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-                )
-                xs = load_positions(row, k0, H, BLOCK_K)
-                acc_gate += dot_code_tile(g_codes, g_scales, xs, GROUP, BLOCK_N, BLOCK_K)[None, :]
-                acc_up += dot_code_tile(u_codes, u_scales, xs, GROUP, BLOCK_N, BLOCK_K)[None, :]
-            swiglu = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
-            tl.store(act + pair.to(tl.int64) * I + cols_i[None, :], swiglu.to(act.dtype.element_ty), mask=col_mask[None, :])
-            tl.debug_barrier()  # every thread's stores before the count that releases them
-            tl.atomic_add(counters + 2 + pair, 1, sem="release", scope="gpu")
-        else:
-            down = item - gate_up_items
-            if down < shared_items:
-                tok = down // down_slices
-                slot = TOP_K
-                block = down % down_slices
-            else:
-                pair = (down - shared_items) // down_slices
-                tok = pair // TOP_K
-                slot = pair % TOP_K
-                block = (down - shared_items) % down_slices
-            rows = program_rows(block, DOWN_N, D_NVFP4)
-            row_mask = rows < H
-            if slot == TOP_K:
-                y = _shared_expert_rows(
-                    gate, up, stride_gate, stride_up, shared_down, score, stride_score, S, s_high_offset, s_scale_offset,
-                    s_divisor_offset, tok.to(tl.int64), rows, row_mask, S_NVFP4, S_BITS, S_GROUP, S_K_PAD, DOWN_N, S_BLOCK_K,
-                )
-            else:
-                while tl.atomic_add(counters + 2 + tok * TOP_K + slot, 0, sem="acquire", scope="gpu") < gate_up_slices:
-                    pass
-                tl.debug_barrier()  # the activations are read after the acquiring thread saw them complete
-                y = _routed_down_rows(
-                    act, arena, table, topk_ids, weights, I, down_offset, d_high_offset, d_scale_offset, d_divisor_offset,
-                    (tok * TOP_K + slot).to(tl.int64), rows, row_mask, D_NVFP4, D_BITS, D_GROUP, D_K_PAD, DOWN_N, D_BLOCK_K,
-                )
-            base = tok.to(tl.int64) * slots
-            tl.store(partial + (base + slot) * H + rows, y, mask=row_mask)
-            count = counters + 2 + MAX_PAIRS + tok * down_slices + block
-            if last_to_arrive(count, slots):
-                _sum_slots(partial + base * H, out + tok.to(tl.int64) * H, H, rows, row_mask, TOP_K, SHARED_EXPERT, DOWN_N)
-                rearm(count)
-        item = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
-    if last_to_arrive(counters + 1, tl.num_programs(0)):  # every program has taken its last item
-        index = tl.arange(0, MAX_PAIRS)
-        tl.store(counters + 2 + index, tl.zeros([MAX_PAIRS], dtype=tl.int32), mask=index < pairs)
-        rearm(counters)
-        rearm(counters + 1)
-
-
-@triton.jit
 def _runs(e, deferred, table, arena_bytes, PASS: tl.constexpr, WHERE: tl.constexpr):
     """Whether a tiled kernel's block of expert `e` (-1: an empty block) runs: PASS 0 every block, 1 those of
     experts not `deferred` ([E] bool or 0/1 ints), 2 those of deferred experts; WHERE 0 wherever the record is, 1 only
@@ -1056,8 +901,6 @@ def _routed_experts_gemv(
     """The matrix-vector path of `routed_experts` (few pairs); the gate/up launch counts `uses`."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
     ids, tiles = topk_ids.contiguous(), GEMV_TILES if t == 1 else BATCH_GEMV_TILES
-    if t <= PERSISTENT_MAX_TOKENS:
-        return _persistent_moe(x, ids, topk_weights.contiguous(), arena, table, layout, gu, dn, shared, uses)
     pairs = t * top_k
     block_t, block_pairs = triton.next_power_of_2(t), triton.next_power_of_2(pairs)
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
@@ -1110,44 +953,6 @@ def _foldable(shared: SharedExpert | None) -> bool:
         FOLD_SHARED_EXPERT and shared is not None and not isinstance(shared.down, torch.Tensor)
         and shared.gate.stride(1) == 1 and shared.up.stride(1) == 1
     )
-
-
-@lru_cache(maxsize=8)
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device (2 elsewhere: the interpreter runs programs one after another)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
-def _persistent_moe(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, arena: torch.Tensor, table: torch.Tensor, layout: ExpertRecordLayout,
-    gu: TileGeometry, dn: TileGeometry, shared: SharedExpert | None, uses: torch.Tensor | None,
-) -> torch.Tensor:
-    """A few tokens' routed experts (and their shared expert where `_foldable`) in one `_persistent_moe_kernel` launch."""
-    (t, hidden), top_k, inter = x.shape, ids.shape[1], layout.down.k
-    tiles, fold, max_pairs = PERSISTENT_TILES, _foldable(shared), triton.next_power_of_2(t * top_k)
-    down_slices = triton.cdiv(hidden, tiles.down_n)
-    if 2 + max_pairs + t * down_slices > ARRIVAL_COUNTS:
-        raise ValueError(f"the persistent experts launch counts {2 + max_pairs + t * down_slices} items, more than {ARRIVAL_COUNTS}")
-    act = torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
-    partial = torch.empty(t * (top_k + fold), hidden, device=x.device, dtype=torch.float32)
-    out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
-    items = t * top_k * triton.cdiv(inter, tiles.gate_up_n) + t * (top_k + fold) * down_slices
-    programs = min(items, _multiprocessors(x.device) * PERSISTENT_PROGRAMS_PER_SM)
-    gate, up, score = (shared.gate, shared.up, shared.score) if fold else (x, x, x)
-    s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
-    _persistent_moe_kernel[(programs,)](
-        x, arena, table, ids, weights, act, partial, arrival_counts("moe.persistent", x.device), out,
-        act if uses is None else uses, t, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset, gu.divisor_offset,
-        layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset, gate, up, gate.stride(0), up.stride(0), s_data,
-        score, score.stride(0), gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k,
-        MAX_PAIRS=max_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad,
-        BLOCK_N=tiles.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, tiles.block_k), D_NVFP4=dn.nvfp4, D_BITS=dn.bits,
-        D_GROUP=dn.group, D_K_PAD=dn.k_pad, DOWN_N=tiles.down_n, D_BLOCK_K=gemv_block_k(dn.k_pad, tiles.block_k),
-        SHARED_EXPERT=fold, S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad,
-        S_BLOCK_K=gemv_block_k(sg.k_pad, tiles.block_k), COUNT=uses is not None, num_warps=tiles.warps, num_stages=tiles.stages,
-        **launch_options(x.device),
-    )
-    return out if fold else _with_shared(out, shared)
 
 
 def record_table(slots: torch.Tensor, stride: int) -> torch.Tensor:

@@ -233,24 +233,3 @@ def test_rollback_on_the_gpu_equals_never_seeing_the_tokens(tiny_artifact_offici
             assert torch.allclose(tensor[a.slot], tensor[plain.slot], rtol=1e-4, atol=1e-5)
     expected = plain.step(42)
     assert _relative(a.step(42).cpu(), expected.cpu()) < 1e-4 and _relative(b.step(42).cpu(), expected.cpu()) < 1e-4
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_persistent_moe_launch_in_captured_steps_equals_the_two_launches(tiny_artifact_official, monkeypatch):
-    """Captured one-token steps, a captured 3-draft verification and a batched step with every MoE of up to 4 tokens
-    in the persistent launch, against the same engine with it off (the gate/up and down launches)."""
-    from ninfer_offload.kernels import moe
-
-    def run(max_tokens: int) -> torch.Tensor:
-        monkeypatch.setattr(moe, "PERSISTENT_MAX_TOKENS", max_tokens)
-        engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", max_sequences=3, draft_tokens=3)
-        a, b = engine.session(), engine.session()
-        rows = [a.prefill(PROMPT)[None], b.prefill(PROMPT[:4])[None]]
-        rows += [a.step(t)[None] for t in STEPS]
-        rows.append(engine.step([a], [[11, 250, 3, 9]])[0])
-        a.rollback(1)
-        rows.append(engine.step_batch([a, b], [4, 5]))
-        return torch.cat(rows).float().cpu()
-
-    assert _relative(run(4), run(0)) < 1e-5

@@ -193,49 +193,6 @@ def test_several_tokens_product_on_tensor_cores(product, fmt, monkeypatch):
         torch.testing.assert_close(on_tensor_cores, per_token, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("with_shared", [False, True])
-def test_few_tokens_in_one_launch_equal_the_two_launches(tokens, with_shared, monkeypatch):
-    """`PERSISTENT_MAX_TOKENS`: a few tokens' routed experts (and their shared expert) in one persistent launch, work
-    items taken from a counter, equal the gate/up and split down launches (to the last bits of the fp32 dot
-    products) and the float64 evaluation, count the same uses (a repeated expert twice), and leave every counter
-    zeroed, so a second launch gives the same bits."""
-    from ninfer_offload.artifact.formats import GROUPED_FORMATS
-    from ninfer_offload.kernels import moe
-    from ninfer_offload.model.backend import SharedExpert
-    from ninfer_offload.model.quant import QuantizedMatrix
-
-    records = _records("q4_g64_fp16", "q5_g64_fp16", seed=11)
-    layout, data, _ = records
-    table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
-    gen = torch.Generator().manual_seed(12 + tokens)
-    shared = None
-    if with_shared:
-        width = 128
-        values = np.random.default_rng(13).standard_normal((HIDDEN, width)).astype(np.float32) / width**0.5
-        codes = torch.from_numpy(encode_row_split(values, "q6_g64_fp16")).to(DEVICE)
-        down = QuantizedMatrix(GROUPED_FORMATS["q6_g64_fp16"], HIDDEN, width, codes)
-        stacked = torch.randn(tokens, 2 * width + 7, generator=gen).to(DEVICE)  # gate and up: column slices of one product
-        shared = SharedExpert(stacked[:, :width], stacked[:, width : 2 * width], down, stacked[:, 2 * width + 3 : 2 * width + 4])
-    for first in ([2, 4, 5], [3, 1, 3]):
-        ids = torch.stack([torch.tensor(first).roll(t) for t in range(tokens)])  # tokens sharing experts in other slots
-        x = torch.randn(tokens, HIDDEN, generator=gen)
-        w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1)
-        args = (x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), data, table, layout)
-        outputs, counted = [], []
-        for persistent in (0, tokens, tokens):
-            monkeypatch.setattr(moe, "PERSISTENT_MAX_TOKENS", persistent)
-            uses = torch.zeros(EXPERTS, dtype=torch.int32, device=DEVICE)
-            outputs.append(moe.routed_experts(*args, shared=shared, uses=uses))
-            counted.append(uses)
-        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
-        assert torch.equal(outputs[1], outputs[2])
-        assert torch.equal(counted[0], counted[1]) and torch.equal(counted[1], counted[2])
-        if not with_shared:
-            _assert_matches_reference(records, x, ids, w)
-    assert int(arrival_counts("moe.persistent", DEVICE).abs().sum()) == 0
-
-
 def test_the_kernels_count_each_assignment():
     """With `uses`, each (token, expert) assignment is counted as `count_uses` counts it (a token's repeated
     expert twice): in the matrix-vector path's gate/up launch, by `count_uses` on the tiled path."""

@@ -126,7 +126,7 @@ def _routed_gemv(ids, w, monkeypatch, seed: int, block_k: int = 64):
     float64 evaluation of the codec's values."""
     from ninfer_offload.kernels import moe
 
-    for tiles in ("GEMV_TILES", "BATCH_GEMV_TILES", "MMA_GATE_UP_TILES", "MMA_DOWN_TILES", "PERSISTENT_TILES"):
+    for tiles in ("GEMV_TILES", "BATCH_GEMV_TILES", "MMA_GATE_UP_TILES", "MMA_DOWN_TILES"):
         monkeypatch.setattr(moe, tiles, dataclasses.replace(getattr(moe, tiles), block_k=block_k))
     monkeypatch.setattr(moe, "_gate_up_swiglu_kernel", _NotLaunched())
     hidden, inter, experts = 128, 128, 4
@@ -144,17 +144,6 @@ def test_matrix_vector_routed_experts_tokens_sharing_experts(tokens, monkeypatch
     ids = torch.stack([torch.tensor([0, 2, 3]).roll(t) for t in range(tokens)])
     w = torch.softmax(torch.randn(tokens, 3, generator=torch.Generator().manual_seed(tokens)), dim=-1)
     _routed_gemv(ids, w, monkeypatch, seed=tokens)
-
-
-@pytest.mark.parametrize("ids", [[[0, 2, 3]], [[3, 1, 3]], [[0, 2, 3], [2, 3, 0]]])
-def test_few_tokens_in_one_launch_from_nvfp4_records(ids, monkeypatch):
-    """`moe.PERSISTENT_MAX_TOKENS`: experts in the persistent launch decode nvfp4 gate/up and down records (their codes,
-    block scales, row divisors and the scale swizzle's row order) as the two launches do, a repeated expert too."""
-    from ninfer_offload.kernels import moe
-
-    monkeypatch.setattr(moe, "PERSISTENT_MAX_TOKENS", 4)
-    w = torch.softmax(torch.randn(len(ids), 3, generator=torch.Generator().manual_seed(31)), dim=-1)
-    _routed_gemv(torch.tensor(ids), w, monkeypatch, seed=32)
 
 
 @pytest.mark.parametrize("product", sorted(TENSOR_CORE_PRODUCTS))
