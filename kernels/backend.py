@@ -80,13 +80,10 @@ class TritonBackend(ReferenceBackend):
         tiled = not quant_linear.on_matrix_vector(quantized.n, tokens)
         if tiled and not (quant_linear.PAIR_IN_TILED and tokens <= quant_linear.FUSED_MAX_TOKENS):
             return super().linear_pair(x, first, second, conv)
-        # the conv in the epilogue for one sequence's tokens: several sequences' windows were a per-token chain there
+        # the conv in the epilogue for a single token: several sequences' windows are a per-token chain there
         # (H200 batch-8 step 9.36 ms folded, 8.90 unfolded; one token 2.27 against 2.43: bench/results/step_ab_h200_4a7f9f5.json)
-        folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_sequence and not tiled
-        epilogue = None
-        if folded:
-            kept = conv.kept if conv.ctx.keep_states else None
-            epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels, kept)
+        folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence and tokens == 1
+        epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels) if folded else None
         if _fusable(x, quantized.n):  # both products read the normalised input the kernel computes
             yq, yd, x.total, x.normed = quant_linear.paired_gemv(
                 x.x, quantized.data, quantized.geometry, dense, residual=(x.delta, x.weight, x.eps), conv=epilogue

@@ -217,63 +217,36 @@ def _conv_update_kernel(
         tl.store(state + rows[:, None] * C + cols[None, :], final.to(states.dtype.element_ty), mask=rmask)
 
 
-# One sequence's tokens (a one-token step, a verification, a short prefill chunk): the conv runs in the epilogue of the
-# product that computes its input (`conv_rows`, through `quant_linear.paired_gemv`). Module-level so benchmarks can
-# compare the two.
+# One token per sequence: the conv runs in the epilogue of the product that computes its input
+# (`conv_rows`, through `quant_linear.paired_gemv`). Module-level so benchmarks can compare the two.
 CONV_IN_PRODUCT = True
 
 
 @triton.jit
-def _window_row(xr, toks, window, j: tl.constexpr, conv, C, PREV: tl.constexpr):
-    """Row j of a sequence's conv window over channels `rows` (`window` points at them): its previous inputs
-    (state rows 0..PREV-1), then the step's tokens (rows of xr [BLOCK_T, BLOCK_N])."""
-    if j < PREV:
-        return tl.load(window + j * C, mask=conv, other=0.0).to(tl.float32)
-    return tl.sum(tl.where(toks[:, None] == j - PREV, xr, 0.0), axis=0)
-
-
-@triton.jit
-def conv_rows(
-    y, toks, T, rows, row_mask, states, weight, slots, valid, kept, KEPT_TOKENS, C,
-    TAPS: tl.constexpr, LOOP_T: tl.constexpr, KEEP: tl.constexpr,
-):
-    """`conv_update` of one sequence's T tokens, done by the product that computes their input: y [BLOCK_T,
-    BLOCK_N] float32 holds token t's values of channels `rows` (a program's own rows: the conv is depthwise, so
-    no other program reads or writes their windows); the tokens continue the window states[slots[0]], which
-    advances over the first valid[0] of them; with KEEP, kept[slots[0], t] receives the window after each
-    token but the last. Channels below C become silu(conv), rounded to the states' dtype as `conv_update`
-    stores them; the others pass."""
-    PREV: tl.constexpr = TAPS - 1
+def conv_rows(y, toks, T, rows, row_mask, states, weight, slots, valid, C, TAPS: tl.constexpr, LOOP_T: tl.constexpr):
+    """`conv_update` of one token per sequence, done by the product that computes its input: y [BLOCK_T,
+    BLOCK_N] float32 holds token t's values of channels `rows` (a program's own rows: the conv is
+    depthwise, so no other program reads or writes their windows); token t continues the window
+    states[slots[t]] (advanced when valid[t] > 0). Channels below C become silu(conv), rounded to the
+    states' dtype as `conv_update` stores them; the others pass."""
     conv = (rows < C) & row_mask
-    slot = tl.load(slots).to(tl.int64)
-    window = states + slot * PREV * C + rows
     xr = y.to(states.dtype.element_ty).to(tl.float32)  # the projection as the conv reads it
     for t in tl.static_range(LOOP_T):
         if t < T:
-            acc = tl.zeros([y.shape[1]], dtype=tl.float32)
-            for i in tl.static_range(TAPS):
-                tap = tl.load(weight + i * C + rows, mask=conv, other=0.0).to(tl.float32)
-                acc += tap * _window_row(xr, toks, window, t + i, conv, C, PREV)
+            window = states + tl.load(slots + t).to(tl.int64) * (TAPS - 1) * C + rows
+            xt = tl.sum(tl.where(toks[:, None] == t, xr, 0.0), axis=0)
+            acc = tl.zeros_like(xt)
+            for i in tl.static_range(TAPS - 1):
+                acc += tl.load(weight + i * C + rows, mask=conv, other=0.0).to(tl.float32) * tl.load(
+                    window + i * C, mask=conv, other=0.0
+                ).to(tl.float32)
+            acc += tl.load(weight + (TAPS - 1) * C + rows, mask=conv, other=0.0).to(tl.float32) * xt
             act = (acc / (1.0 + tl.exp(-acc))).to(states.dtype.element_ty).to(tl.float32)
             y = tl.where((toks[:, None] == t) & conv[None, :], act[None, :], y)
-            if KEEP:
-                if t < T - 1:
-                    for i in tl.static_range(1, TAPS):
-                        dst = kept + ((slot * KEPT_TOKENS + t) * PREV + i - 1) * C + rows
-                        tl.store(dst, _window_row(xr, toks, window, t + i, conv, C, PREV).to(kept.dtype.element_ty), mask=conv)
-    # the window after the last real token (rows n..n+PREV-1 of the old window followed by the tokens), held in a
-    # tile of TAPS rows until every thread has read the old window
-    tl.static_assert(TAPS & (TAPS - 1) == 0, "the conv epilogue takes a power-of-two number of taps")
-    n = tl.load(valid).to(tl.int32)
-    after_rows = tl.arange(0, TAPS)
-    after = tl.zeros([TAPS, y.shape[1]], dtype=tl.float32)
-    for r in tl.static_range(PREV):
-        for j in tl.static_range(r, PREV + LOOP_T):
-            chosen = (after_rows[:, None] == r) & (n + r == j)
-            after = tl.where(chosen, _window_row(xr, toks, window, j, conv, C, PREV)[None, :], after)
-    tl.debug_barrier()
-    mask = (after_rows < PREV)[:, None] & conv[None, :]
-    tl.store(window[None, :] + after_rows[:, None] * C, after.to(states.dtype.element_ty), mask=mask)
+            if tl.load(valid + t) > 0:  # the window after the token: rows 1.. of the old one, then the token
+                for i in tl.static_range(TAPS - 2):
+                    tl.store(window + i * C, tl.load(window + (i + 1) * C, mask=conv, other=0.0), mask=conv)
+                tl.store(window + (TAPS - 2) * C, xt.to(states.dtype.element_ty), mask=conv)
     return y
 
 

@@ -347,10 +347,7 @@ def _quantized_gemv_kernel(
     conv_weight,
     slots,
     valid,
-    conv_kept,
-    CONV_KEPT_TOKENS,
     CONV_C,
-    CONV_KEEP: tl.constexpr,
     MMA: tl.constexpr,
     IEEE: tl.constexpr,
     TAPS: tl.constexpr,
@@ -415,10 +412,7 @@ def _quantized_gemv_kernel(
         if NVFP4:
             acc = acc / divisors[None, :]
         if EPILOGUE == CONV:
-            acc = conv_rows(
-                acc, toks, T, rows, row_mask, conv_states, conv_weight, slots, valid, conv_kept, CONV_KEPT_TOKENS, CONV_C,
-                TAPS, LOOP_T, CONV_KEEP,
-            )
+            acc = conv_rows(acc, toks, T, rows, row_mask, conv_states, conv_weight, slots, valid, CONV_C, TAPS, LOOP_T)
         offsets = toks[:, None].to(tl.int64) * N + rows[None, :]
         mask = (toks < T)[:, None] & row_mask[None, :]
         if EPILOGUE == ADD_GATED:
@@ -649,10 +643,9 @@ def paired_gemv(
     shared expert's gate/up with the dense router: one launch instead of two small ones. With
     `residual` = (delta, norm_w, eps) the input is (1 + norm_w) * rmsnorm(x + delta), computed as in
     `residual_norm_gemv`, and x + delta and the normed input follow the two products.
-    With `conv` = (states, weight, slots, valid, channels, kept), the rows being one sequence's consecutive
-    tokens, the first `channels` columns of x @ W^T come out through GDN's conv (`gdn.conv_update`'s result, its
-    window advanced, each token's window but the last's in `kept` where given), computed by the programs that own
-    those rows (`gdn.conv_rows`): no launch of its own."""
+    With `conv` = (states, weight, slots, valid, channels), each token being one sequence's, the first
+    `channels` columns of x @ W^T come out through GDN's conv (`gdn.conv_update`'s result, its windows
+    advanced), computed by the programs that own those rows (`gdn.conv_rows`): no launch of its own."""
     delta, norm_w, eps = (None, None, 0.0) if residual is None else residual
     _check_gemv_inputs(x, delta, geometry)
     if dense_w.shape[1] != x.shape[1]:
@@ -688,7 +681,7 @@ def _launch_gemv(
     dense_w: torch.Tensor | None = None, dense_out: torch.Tensor | None = None, conv: tuple | None = None,
 ) -> None:
     """One launch of the matrix-vector kernel (unused pointer arguments point at `out`); `conv` = (states,
-    weight, slots, valid, channels, kept) for the CONV epilogue."""
+    weight, slots, valid, channels) for the CONV epilogue."""
     t, k = x.shape
     x2 = x if x2 is None else x2
     g = TileGeometry.of(geometry)
@@ -696,7 +689,7 @@ def _launch_gemv(
     mma, block_t = on_tensor_cores(n, t), triton.next_power_of_2(t)
     tiles = gemv_tiles(n, t)
     add_gated = routed is not None
-    conv_states, conv_weight, slots, valid, channels, kept = conv if conv is not None else (out, out, out, out, 0, None)
+    conv_states, conv_weight, slots, valid, channels = conv if conv is not None else (out, out, out, out, 0)
     routed = routed.contiguous() if add_gated else out
     score = score if add_gated else out
     quantized_programs = triton.cdiv(n, tiles.block_n)
@@ -714,9 +707,7 @@ def _launch_gemv(
         ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, conv_kept=out if kept is None else kept,
-        CONV_KEPT_TOKENS=0 if kept is None else kept.shape[1], CONV_C=channels, CONV_KEEP=kept is not None,
-        MMA=mma, IEEE=x.dtype == torch.float32,
+        conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
         TAPS=conv_weight.shape[0] if conv is not None else 1,
         num_warps=tiles.warps, num_stages=tiles.stages, PREFETCH=prefetch,
         **_l2_prefetch(g, tiles.block_n, pdl["PDL"] and not prefetch), **pdl,

@@ -244,37 +244,30 @@ def test_tiled_products_take_their_input_step_and_gated_add(k, sum_in_product, m
 
 
 @pytest.mark.parametrize("tensor_cores", [False, True])
-@pytest.mark.parametrize("tokens,valid,keep", [(1, 1, False), (1, 0, False), (3, 3, True), (3, 1, True), (4, 4, False), (6, 4, False)])
-def test_paired_product_runs_the_conv_of_its_first_channels(tensor_cores, tokens, valid, keep, monkeypatch):
-    """GDN's q/k/v/z product with the conv in its epilogue (one sequence's tokens: a decode step, a verification,
-    a padded prefill chunk): the first channels come out as `conv_update` gives them after the plain product, the
-    sequence's window advanced alike over its valid tokens (the other slots' left alone), each token's window but
-    the last's kept where asked, the other channels and the dense rows as the plain product's."""
+def test_paired_product_runs_the_conv_of_its_first_channels(tensor_cores, monkeypatch):
+    """GDN's q/k/v/z product with the conv in its epilogue (one token per sequence): the first channels
+    come out as `conv_update` gives them after the plain product, its windows advanced alike (a token
+    with valid 0 leaves its window), the other channels and the dense rows as the plain product's."""
     from ninfer_offload.kernels import gdn, quant_linear
 
     monkeypatch.setattr(quant_linear, "MMA_MIN_ROWS", 1 if tensor_cores else quant_linear.MMA_MIN_ROWS)
     gen = torch.Generator().manual_seed(14)
     data, _, geometry = _random_object("q8_g32_fp16", 48, 256, seed=15)
     dense = torch.randn(5, 256, generator=gen).to(DEVICE)
-    x = torch.randn(tokens, 256, generator=gen).to(DEVICE)
+    x = torch.randn(3, 256, generator=gen).to(DEVICE)
     channels, taps = 32, 4
     weight = torch.randn(taps, channels, generator=gen).to(DEVICE)
     states = torch.randn(4, taps - 1, channels, generator=gen).to(DEVICE)
-    kept = torch.zeros(4, 5, taps - 1, channels).to(DEVICE) if keep else None
     before = states.clone()
-    slots, valid = torch.tensor([2], device=DEVICE), torch.tensor([valid], device=DEVICE)
+    slots, valid = torch.tensor([2, 0, 3], device=DEVICE), torch.tensor([1, 1, 0], device=DEVICE)
     plain, plain_dense = quant_linear.paired_gemv(x, data, geometry, dense)
-    want_states, want_kept = states.clone(), None if kept is None else kept.clone()
-    want_conv = gdn.conv_update(plain[:, :channels], want_states, weight, slots, valid, tokens, want_kept)
-    want = torch.cat([want_conv, plain[:, channels:]], dim=1)
-    got, got_dense = quant_linear.paired_gemv(x, data, geometry, dense, conv=(states, weight, slots, valid, channels, kept))
+    want_states = states.clone()
+    want = torch.cat([gdn.conv_update(plain[:, :channels], want_states, weight, slots, valid, 1, None), plain[:, channels:]], dim=1)
+    got, got_dense = quant_linear.paired_gemv(x, data, geometry, dense, conv=(states, weight, slots, valid, channels))
     assert torch.equal(got_dense, plain_dense) and torch.equal(got[:, channels:], plain[:, channels:])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(states, want_states, rtol=0, atol=0)
-    assert torch.equal(states[[0, 1, 3]], before[[0, 1, 3]]) and torch.equal(states[2], before[2]) == (int(valid) == 0)
-    if keep:
-        torch.testing.assert_close(kept, want_kept, rtol=0, atol=0)
-        assert kept[2, : tokens - 1].abs().sum() > 0
+    assert torch.equal(states[3], before[3]) and not torch.equal(states[2], before[2]) and torch.equal(states[1], before[1])
 
 
 def test_sum_middle_is_a_float32_sum_then_cast():

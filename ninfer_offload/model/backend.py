@@ -61,9 +61,9 @@ class DepthwiseConv:
     channels: int
 
     @property
-    def one_sequence(self) -> bool:
-        """A step of one sequence's tokens: what a product's epilogue can run."""
-        return self.ctx.batch == 1
+    def one_token_per_sequence(self) -> bool:
+        """A step of one token per sequence that keeps no per-token windows: what a product's epilogue can run."""
+        return self.ctx.tokens_per_sequence == 1 and not self.ctx.keep_states
 
     def apply(self, backend: "Backend", y: torch.Tensor) -> torch.Tensor:
         first = y[..., : self.channels]
