@@ -47,6 +47,38 @@ def test_greedy_with_mtp_equals_greedy_without(spec_engines, reprefill_greedy, k
     assert result.decode_tokens == spec["rounds"] + spec["accepted"]
 
 
+def test_greedy_drafts_picked_on_the_device_equal_argmaxes_read_one_by_one(tiny_artifact):
+    """Greedy drafts chained on the device (each MTP step fed the argmax before it there) are the drafts of
+    MTP steps fed each argmax through the host, for two sequences drafting together, and leave the MTP caches
+    alike."""
+    engine = Engine.load(tiny_artifact, spec="mtp", draft_tokens=3, max_sequences=4)
+    prompts = [GREEDY_PROMPT, GREEDY_PROMPT[:5]]
+    chained = [speculative.MtpSpeculator(engine.session(), Sampler(GREEDY), p, 3) for p in prompts]
+    stepped = [speculative.MtpSpeculator(engine.session(), Sampler(GREEDY), p, 3) for p in prompts]
+    histories = [[s.prefill()] for s in chained]
+    assert histories == [[s.prefill()] for s in stepped]
+    drafted = speculative.draft_together(chained, 3, histories)
+    for speculator, (drafts, probs) in zip(stepped, drafted):
+        want = [int(speculator._draft_logits.argmax())]
+        hidden = speculator._draft_hidden
+        for _ in range(2):
+            logits, hidden = engine.mtp_step([speculator.session], hidden, want[-1:])
+            want.append(int(logits[0].argmax()))
+        assert drafts == want and probs == [None] * 3
+    assert [s.session.mtp_length for s in chained] == [s.session.mtp_length for s in stepped]
+    engine.close()
+
+
+def test_a_device_mtp_step_takes_one_int64_token_per_session(spec_engines):
+    engine = spec_engines[1]
+    session = engine.session()
+    session.prefill(GREEDY_PROMPT)
+    hidden = torch.zeros(1, engine.config.hidden_size)
+    with pytest.raises(NinferError, match="one int64 token per session"):
+        engine.mtp_step_on_device([session], hidden, torch.tensor([3], dtype=torch.int32))
+    session.close()
+
+
 @pytest.mark.parametrize("wrong_at", [0, 1, 2, None])
 def test_forced_drafts_rejected_at_every_position(spec_engines, reprefill_greedy, monkeypatch, wrong_at):
     """Drafts are the true greedy continuation with one wrong token at `wrong_at` (None: all right):

@@ -445,10 +445,22 @@ class Engine:
         """T MTP positions for each of `sessions` at once (drafting, and following a verified round):
         hidden [B * T, H] and the T tokens after them each -> (draft logits [B * T, vocab], MTP hidden
         [B * T, H]); the decode kernels (a captured graph where the engine replays them), no host sync."""
+        return self._mtp_step(sessions, hidden, self._token_list(next_ids), None, tokens_per_sequence)
+
+    def mtp_step_on_device(self, sessions: list[Session], hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP position for each of `sessions` (`mtp_step` with T = 1) whose next tokens are `tokens` [B]
+        (int64, on the engine's device: ids this engine picked, such as the argmax of the draft logits before):
+        the host never reads them, so greedy drafts are queued one after another without waiting for the device."""
+        if tokens.shape != (len(sessions),) or tokens.dtype != torch.int64 or tokens.device.type != self.device.type or not sessions:
+            raise NinferError(f"a device MTP step takes one int64 token per session on {self.device}, got {tuple(tokens.shape)}")
+        return self._mtp_step(sessions, hidden, [0] * len(sessions), tokens, 1)
+
+    def _mtp_step(
+        self, sessions: list[Session], hidden: torch.Tensor, ids: list[int], device_tokens: torch.Tensor | None, t: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mtp_step` of the ids `ids` (those of `device_tokens` where given)."""
         if self.mtp is None:
             raise NinferError("the engine was loaded without the MTP module (Engine.load(..., mtp=True))")
-        t = tokens_per_sequence
-        ids = self._token_list(next_ids)
         slots = [s.live_slot() for s in sessions]
         if (
             len(ids) != len(sessions) * t or hidden.shape[0] != len(ids) or not 1 <= t <= self.state.step_tokens
@@ -461,9 +473,11 @@ class Engine:
         starts = [s.mtp_length for s in sessions]
         with torch.no_grad(), self.store.forward(tokens=len(ids)):
             if self.graphs is not None:
-                logits, out = self.graphs.run_mtp(hidden, ids, slots, starts, t)
+                logits, out = self.graphs.run_mtp(hidden, ids, slots, starts, t, device_tokens)
             else:
                 tokens, ctx = step_inputs(ids, slots, starts, t, self.max_context, self.device)
+                if device_tokens is not None:
+                    tokens.copy_(device_tokens)
                 logits, out = self.mtp_forward_step(hidden, tokens, ctx)
         for session in sessions:
             session.mtp_length += t

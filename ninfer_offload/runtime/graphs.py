@@ -60,11 +60,13 @@ class StepGraphs:
         return logits.clone(), hidden
 
     def run_mtp(
-        self, hidden: torch.Tensor, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int
+        self, hidden: torch.Tensor, tokens: list[int], slots: list[int], starts: list[int], tokens_per_sequence: int,
+        device_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft logits [B * T, vocab], MTP hidden states [B * T, H]) of one MTP step over target hidden
-        states `hidden` [B * T, H] and the tokens that follow them, by graph replay."""
-        logits, out = self._replay("mtp", tokens, slots, starts, tokens_per_sequence, hidden, None)
+        states `hidden` [B * T, H] and the tokens that follow them (the ids of `device_tokens` [B * T] on the
+        device where given), by graph replay."""
+        logits, out = self._replay("mtp", tokens, slots, starts, tokens_per_sequence, hidden, device_tokens)
         return logits.clone(), out.clone()
 
     def prefill(self, tokens: list[int], slot: int, start: int) -> torch.Tensor:

@@ -93,6 +93,8 @@ def draft_together(
     draft position."""
     for speculator in speculators:
         speculator._mtp_start = speculator.session.mtp_length
+    if speculators and all(s.sampler.params.picks_argmax for s in speculators):
+        return [(drafts, [None] * k) for drafts in _argmax_drafts(speculators, k)]
     drafts: list[list[int]] = [[] for _ in speculators]
     probs: list[list[torch.Tensor | None]] = [[] for _ in speculators]
     logits = [s._draft_logits for s in speculators]
@@ -112,6 +114,22 @@ def draft_together(
             step_logits, hidden = engine.mtp_step([s.session for s in speculators], hidden, [d[-1] for d in drafts])
             logits = list(step_logits)
     return list(zip(drafts, probs))
+
+
+def _argmax_drafts(speculators: list["MtpSpeculator"], k: int) -> list[list[int]]:
+    """`k` greedy drafts for each speculator, each the argmax of the draft logits before it, picked on the device
+    and fed to the next MTP step there (`Engine.mtp_step_on_device`): the steps are queued one after another and
+    the drafts read back once."""
+    if k == 0:
+        return [[] for _ in speculators]
+    picked = torch.stack([s._draft_logits for s in speculators]).argmax(dim=-1)
+    hidden = torch.cat([s._draft_hidden for s in speculators])
+    chain = [picked]
+    for _ in range(k - 1):
+        logits, hidden = speculators[0].engine.mtp_step_on_device([s.session for s in speculators], hidden, picked)
+        picked = logits.argmax(dim=-1)
+        chain.append(picked)
+    return torch.stack(chain, dim=1).tolist()
 
 
 class MtpSpeculator:
