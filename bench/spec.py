@@ -11,12 +11,14 @@ Per mode (everything resident, then each VRAM budget in GiB planned with `--prof
   verification step (`bench/profiling.py`), `step_kernels` / `verify_kernels` their costliest kernels;
 * per K = 1..5: `verify_step_ratio`, a (K + 1)-token verification step followed by the commit of
   its first token (the GDN state restore a rejected round pays) over `step_s`; `draft_s`, one MTP
-  step; `round_s`, a whole speculative round at full acceptance, measured in draft-oracle mode
-  (benchmark only: the MTP layer runs as usual but its drafts are replaced by the target's own
-  greedy continuation, so every draft is accepted; random weights accept almost nothing). In bf16 a
-  verification may break a near-tie of the random logits unlike a one-token step (other kernels,
-  equal to rounding): then the generation's own output becomes the drafts of the next attempt, until
-  the drafts reproduce it (`oracle_attempts`; `oracle_acceptance` of the timed generation);
+  step (`draft_stage_us` / `draft_kernels` its kernels, `draft_runtime` its CUDA runtime calls with
+  their host microseconds: where a draft's time goes besides its kernels); `round_s`, a whole
+  speculative round at full acceptance, measured in draft-oracle mode (benchmark only: the MTP layer
+  runs as usual but its drafts are replaced by the target's own greedy continuation, so every draft
+  is accepted; random weights accept almost nothing). In bf16 a verification may break a near-tie of
+  the random logits unlike a one-token step (other kernels, equal to rounding): then the generation's
+  own output becomes the drafts of the next attempt, until the drafts reproduce it
+  (`oracle_attempts`; `oracle_acceptance` of the timed generation);
 * the target's routing: random weights route each token to unrelated experts, so a K + 1 token
   verification would read about K + 1 times the experts one token reads; real routing reuses
   experts from token to token. By default (`--routing trace`) every forward is routed by the
@@ -114,6 +116,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
         verify_s = median_seconds(verify, repeats, device)
         draft_s = median_seconds(draft, repeats, device)
         verify_stages, verify_kernels, _ = kernel_breakdown(verify, 3) if device.type == "cuda" else ({}, [], {})
+        draft_stages, draft_kernels, draft_runtime = kernel_breakdown(draft, 3) if device.type == "cuda" else ({}, [], {})
         continuation, attempts = _oracle_continuation(engine, routing, k, plain, tokens)  # (compiles this K's kernels)
         round_s, rounds, _, stats = _oracle_rounds(engine, routing, k, continuation, tokens)
         expected = (1 - acceptance ** (k + 1)) / (1 - acceptance)
@@ -127,6 +130,9 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
             "verify_stage_us": verify_stages,
             "verify_kernels": verify_kernels[:KERNELS_KEPT],
             "draft_s": draft_s,
+            "draft_stage_us": draft_stages,
+            "draft_kernels": draft_kernels[:KERNELS_KEPT],
+            "draft_runtime": draft_runtime,
             "round_s": round_s,
             "oracle_tok_s": (k + 1) / round_s,
             "oracle_rounds": rounds,
