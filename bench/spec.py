@@ -25,9 +25,12 @@ Per mode (everything resident, then each VRAM budget in GiB planned with `--prof
   calibrated routing trace (`planner.trace.routing_trace`, 45 % next-token reuse, as
   `bench/offload.py` does), consecutive positions getting consecutive trace tokens;
   `--routing model` keeps the random weights' own routing;
+* `plain_s`: seconds per token of plain greedy decoding as `generate` runs it (each step queued on the
+  device argmax of the step before, `queue_greedy_step`, the host reading each token one step behind:
+  no wait between steps, unlike `step_s`);
 * `projected_speedup` at per-draft acceptance `a` (`--acceptance`, the chance that a draft is
   accepted given the previous one was): a round yields E = (1 - a^(K+1)) / (1 - a) tokens, so
-  speed-up = E * step_s / round_s (a rejected round costs about what a full one does);
+  speed-up = E * plain_s / round_s (a rejected round costs about what a full one does);
 * `--proposal-head` drafts with the artifact's proposal head (`proposal/head` over `proposal/token_ids`)
   instead of the full output head, `proposal_head` in the report.
 """
@@ -43,6 +46,7 @@ from pathlib import Path
 import torch
 
 from ninfer_offload.runtime.engine import Engine
+from ninfer_offload.runtime.generate import queue_greedy_step
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 from ninfer_offload.runtime.speculative import MtpSpeculator
 from profiling import kernel_breakdown
@@ -98,6 +102,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
         int(session.step(7).argmax())
 
     plain = _plain_greedy(engine, routing, tokens)  # first: it warms an offloaded load's expert cache as the verifications find it
+    plain_s = _plain_decode_s(engine, routing, tokens)
     step_s = median_seconds(step, repeats, device)
     step_stages, step_kernels, _ = kernel_breakdown(step, 3) if device.type == "cuda" else ({}, [], {})
     runs = []
@@ -123,6 +128,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
         runs.append({
             "draft_tokens": k,
             "step_s": step_s,
+            "plain_s": plain_s,
             "step_stage_us": step_stages,
             "step_kernels": step_kernels[:KERNELS_KEPT],
             "verify_s": verify_s,
@@ -140,7 +146,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
             "oracle_acceptance": stats.accepted / stats.drafted,
             "acceptance": acceptance,
             "expected_tokens_per_round": expected,
-            "projected_speedup": expected * step_s / round_s,
+            "projected_speedup": expected * plain_s / round_s,
         })
         print(json.dumps(runs[-1]), flush=True)
     session.close()
@@ -157,6 +163,27 @@ def _plain_greedy(engine: Engine, routing: TraceRouting, tokens: int) -> list[in
         output.append(int(session.step(output[-1]).argmax()))
     session.close()
     return output
+
+
+def _plain_decode_s(engine: Engine, routing: TraceRouting, tokens: int) -> float:
+    """Seconds per token of plain greedy decoding after PROMPT as `generate` runs it: each step queued on the device
+    argmax of the step before (`queue_greedy_step`) before the host reads the token of the step before it."""
+    session = engine.session()
+    routing.route(0, len(PROMPT))
+    picked = session.prefill(PROMPT).argmax().view(1)
+    synchronized(engine.device)
+    began = time.perf_counter()
+    routing.route(session.length, 1)
+    queued = queue_greedy_step(engine, [session], picked)
+    for _ in range(tokens - 1):
+        routing.route(session.length, 1)
+        following = queue_greedy_step(engine, [session], queued.device)
+        queued.read()
+        queued = following
+    queued.read()
+    elapsed = time.perf_counter() - began
+    session.close()
+    return elapsed / tokens
 
 
 ORACLE_ATTEMPTS = 8

@@ -28,4 +28,4 @@ def test_spec_benchmark_runs_on_the_cpu(artifact, flags, request, tmp_path):
     assert [run["draft_tokens"] for run in runs] == [1, 2, 3, 4, 5]
     for run in runs:
         assert run["oracle_attempts"] == 1 and run["oracle_acceptance"] == 1.0
-        assert run["verify_step_ratio"] > 0 and run["projected_speedup"] > 0
+        assert run["verify_step_ratio"] > 0 and run["projected_speedup"] > 0 and run["plain_s"] > 0
