@@ -123,6 +123,34 @@ def test_a_prefill_never_stages_the_mtp_layer(tiny_artifact_official):
     engine.close()
 
 
+def test_mtp_forwards_are_not_the_expert_stores_steps(tiny_artifact_official, monkeypatch):
+    """With host experts and speculation, only the target's forwards go through the expert store's step
+    bookkeeping (cache boundaries, count reads and promotions, the CPU miss path's tuner): each round's one
+    verification, never its MTP forwards (drafts, the round's follow-up, the prompt's); greedy output stays
+    the plain engine's."""
+    from ninfer_offload.runtime.expert_store import ExpertStore
+    from ninfer_offload.runtime.generate import generate
+    from ninfer_offload.runtime.sampling import SamplingParams
+
+    greedy = SamplingParams(greedy=True)
+    plain = Engine.load(tiny_artifact_official, experts="host", num_slots=5, spec="none")
+    want = generate(plain, PROMPT, max_tokens=12, sampling=greedy).run().token_ids
+    plain.close()
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, spec="mtp", draft_tokens=3)
+    steps = []
+    original = ExpertStore.forward
+
+    def counted(self, prefill=False, tokens=1):
+        steps.append(prefill)
+        return original(self, prefill, tokens)
+
+    monkeypatch.setattr(ExpertStore, "forward", counted)
+    result = generate(engine, PROMPT, max_tokens=12, sampling=greedy).run()
+    assert result.token_ids == want
+    assert steps.count(False) == result.speculation["rounds"] > 0 and steps.count(True) >= 1
+    engine.close()
+
+
 def test_a_prefill_stages_each_host_expert_once(tiny_artifact_official, resident_long):
     """A long prompt's chunks copy every expert they use that is not in VRAM into a staging slot once and
     read it there (ahead of each layer's routing): the only PCIe bytes of the prefill are the

@@ -434,7 +434,7 @@ class Engine:
         if len(ids) != hidden.shape[0] or session.mtp_length + len(ids) > self.max_context:
             raise NinferError(f"MTP needs one next token per hidden state within the context limit {self.max_context}")
         tokens, ctx = step_inputs(ids, [slot], [session.mtp_length], len(ids), self.max_context, self.device, prefill=True)
-        with torch.no_grad(), self.store.forward(tokens=len(ids)):
+        with torch.no_grad():  # no `store.forward`: see `_mtp_step`
             logits, out = self.mtp_forward_step(hidden, tokens, ctx)
         session.mtp_length += len(ids)
         return logits, out
@@ -471,7 +471,10 @@ class Engine:
                 f"context limit {self.max_context}"
             )
         starts = [s.mtp_length for s in sessions]
-        with torch.no_grad(), self.store.forward(tokens=len(ids)):
+        # The MTP layer's experts are pinned in VRAM, so its forwards are not the target's steps for the expert store
+        # (`ExpertStore.forward`: the cache's step boundaries, count reads and promotions, the CPU miss path's tuner,
+        # which times decode steps per token): each would add that host work to a draft that takes a fraction of a step.
+        with torch.no_grad():
             if self.graphs is not None:
                 logits, out = self.graphs.run_mtp(hidden, ids, slots, starts, t, device_tokens)
             else:
