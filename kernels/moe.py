@@ -391,6 +391,20 @@ def _rounded_down_rows(acc, divisors, act, NVFP4: tl.constexpr):
 
 
 @triton.jit
+def _sum_slots(partial, out, H, rows, row_mask, TOP_K: tl.constexpr, SHARED_EXPERT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows `rows` of one token's output into `out`: its TOP_K weighted routed rows (`partial` [TOP_K (+ 1), H],
+    fp32) summed in slot order, rounded, plus with SHARED_EXPERT the shared expert's rows after them
+    (`shared_expert`'s order). Read through L2: other programs wrote them."""
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        total += tl.load(partial + s * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+    if SHARED_EXPERT:
+        shared = tl.load(partial + TOP_K * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+        total = total.to(out.dtype.element_ty).to(tl.float32) + shared
+    tl.store(out + rows, total.to(out.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
 def _down_shared_gemv_kernel(
     act,
     arena,
@@ -474,10 +488,7 @@ def _down_shared_gemv_kernel(
         if last_to_arrive(count, pairs):
             for t in tl.static_range(BLOCK_T):
                 if t < pairs // TOP_K:
-                    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-                    for j in tl.static_range(TOP_K):  # read through L2: other programs wrote these rows
-                        total += tl.load(weighted + (t * TOP_K + j) * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-                    tl.store(out + t * H + rows, total.to(out.dtype.element_ty), mask=row_mask)
+                    _sum_slots(weighted + t * TOP_K * H, out + t * H, H, rows, row_mask, TOP_K, False, BLOCK_N)
             rearm(count)
 
 
@@ -515,20 +526,6 @@ def _shared_expert_rows(
         acc = acc / divisors
     gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
     return (gated * acc.to(sv.dtype).to(tl.float32)).to(sv.dtype).to(tl.float32)
-
-
-@triton.jit
-def _sum_slots(partial, out, H, rows, row_mask, TOP_K: tl.constexpr, SHARED_EXPERT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows `rows` of one token's output into `out`: its TOP_K weighted routed rows (`partial` [TOP_K (+ 1), H],
-    fp32) summed in slot order, rounded, plus with SHARED_EXPERT the shared expert's rows after them
-    (`shared_expert`'s order). Read through L2: other programs wrote them."""
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for s in tl.static_range(TOP_K):
-        total += tl.load(partial + s * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-    if SHARED_EXPERT:
-        shared = tl.load(partial + TOP_K * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-        total = total.to(out.dtype.element_ty).to(tl.float32) + shared
-    tl.store(out + rows, total.to(out.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
