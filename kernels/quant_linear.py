@@ -49,7 +49,7 @@ from ninfer_offload.kernels.norm import (
 )
 from ninfer_offload.kernels.nvfp4 import load_divisors, row_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_positions, split_token_positions
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, mma_form, split_positions, split_token_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile, program_rows
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
@@ -293,7 +293,7 @@ def _accumulate_tile(
     cores for every token at once with MMA, else per token (rows past T repeat the last; they are never stored)."""
     if MMA:
         xs = _token_input_positions(x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K)
-        acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
+        acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE, MMA)
     else:
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
             token = tl.minimum(t, T - 1).to(tl.int64)
@@ -707,7 +707,8 @@ def _launch_gemv(
         ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
+        conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma_form(mma),
+        IEEE=x.dtype == torch.float32,
         TAPS=conv_weight.shape[0] if conv is not None else 1,
         num_warps=tiles.warps, num_stages=tiles.stages, PREFETCH=prefetch,
         **_l2_prefetch(g, tiles.block_n, pdl["PDL"] and not prefetch), **pdl,

@@ -28,6 +28,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# How the tensor-core matrix-vector kernels multiply a decoded tile (their MMA constexpr; 0: per token on CUDA
+# cores): a product per position (eight of BLOCK_K // 8 columns, each through its own shared-memory layout
+# conversion: 35 barriers per k tile in the sm_90 cubin of the batch-8 down kernel) or the positions interleaved in
+# registers and one product (21 barriers, 255 registers against 251). Module-level so benchmarks can compare them.
+PER_POSITION, ONE_DOT = tl.constexpr(1), tl.constexpr(2)
+MMA_FORM = 1
+
+
+def mma_form(on_tensor_cores: bool) -> int:
+    """A launch's MMA constexpr: 0 on CUDA cores, else the tensor-core form (MMA_FORM)."""
+    return MMA_FORM if on_tensor_cores else 0
+
 
 @triton.jit
 def _positions_of_words(words):
@@ -171,16 +183,32 @@ def dot_code_tile(codes, scales, xs, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def mma_code_tile(codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _dot(x, weights, acc, IEEE: tl.constexpr):
+    """acc + x @ weights^T on tensor cores (IEEE: float32 without TF32 rounding)."""
+    if IEEE:
+        return tl.dot(x, tl.trans(weights), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(weights), acc)
+
+
+@triton.jit
+def mma_code_tile(
+    codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, FORM: tl.constexpr
+):
     """acc [BLOCK_T, BLOCK_N] plus the tile's product with several tokens on tensor cores: `xs` are their
     x columns as positions [BLOCK_T, BLOCK_K // 8] (BLOCK_T >= 16, rows past the tokens zero) in the
     activation dtype; each position's codes times their group's scale, rounded to that dtype as a
-    dequantized weight, is dotted with the matching x columns (IEEE: float32 without TF32 rounding)."""
+    dequantized weight, is dotted with the matching x columns: eight products of BLOCK_K // 8 columns
+    (FORM PER_POSITION), or the positions interleaved back into columns and one product (ONE_DOT)."""
     per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), [BLOCK_N, BLOCK_K // 8])
-    for i in tl.static_range(8):
-        weights = (codes[i] * per_word).to(xs[i].dtype)
-        if IEEE:
-            acc = tl.dot(xs[i], tl.trans(weights), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xs[i], tl.trans(weights), acc)
+    if FORM == ONE_DOT:
+        dtype = xs[0].dtype
+        scaled = (
+            (codes[0] * per_word).to(dtype), (codes[1] * per_word).to(dtype), (codes[2] * per_word).to(dtype),
+            (codes[3] * per_word).to(dtype), (codes[4] * per_word).to(dtype), (codes[5] * per_word).to(dtype),
+            (codes[6] * per_word).to(dtype), (codes[7] * per_word).to(dtype),
+        )
+        acc = _dot(interleave_positions(xs, xs[0].shape[0], BLOCK_K), interleave_positions(scaled, BLOCK_N, BLOCK_K), acc, IEEE)
+    else:
+        for i in tl.static_range(8):
+            acc = _dot(xs[i], (codes[i] * per_word).to(xs[i].dtype), acc, IEEE)
     return acc
