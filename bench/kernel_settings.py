@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("attention", "dense_linear", "gdn", "launch", "moe", "norm", "quant_linear", "router", "shared_expert")
+MODULES = ("attention", "dense_linear", "gdn", "launch", "moe", "norm", "quant_linear", "router", "rowsplit", "shared_expert")
 
 
 def kernel_modules() -> dict:
