@@ -27,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ninfer_offload.kernels import attention, moe, quant_linear, rowsplit
+from ninfer_offload.kernels import attention, moe, quant_linear
 from provenance import gpu_report_header
 
 HIDDEN, INTER, HEAD_DIM, QUERY_HEADS, KV_HEADS = 2048, 512, 256, 16, 2
@@ -67,7 +67,7 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
                              ("head, tensor cores", quant_linear.WIDE_MMA_GEMV_TILES, True)):
         out.append((f"matrix-vector product, {name}", quant_linear._quantized_gemv_kernel,
                     {**gemv, **Q8, "BLOCK_T": 16 if mma else 1, "LOOP_T": 8 if mma else 1, "BLOCK_N": tiles.block_n,
-                     "BLOCK_K": tiles.block_k, "MMA": rowsplit.mma_form(mma)}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
+                     "BLOCK_K": tiles.block_k, "MMA": mma}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
     for name, tiles in (("prefill", moe.PREFILL_TILES), ("prefill over host records", moe.HOST_PREFILL_TILES), ("batch", moe.DECODE_TILES)):
         for fmt_name, fmt in (("Q8", Q8), ("NVFP4", NVFP4)):
             common = {**fmt, "BLOCK_M": tiles.block_m, "IEEE": False, "PASS": 0, "WHERE": 0}
@@ -81,11 +81,10 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
     for name, tiles, mma in (("8 tokens, tensor cores", moe.MMA_GATE_UP_TILES, True), ("several tokens", moe.BATCH_GEMV_TILES, False)):
         out.append((f"MoE gate/up matrix-vector, {name}", moe._gate_up_swiglu_gemv_kernel,
                     {**pairs, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": tiles.gate_up_n, "BLOCK_K": tiles.block_k,
-                     "MMA": rowsplit.mma_form(mma), "COUNT": False}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
+                     "MMA": mma, "COUNT": False}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
     for name, tiles, mma in (("8 tokens, tensor cores", moe.MMA_DOWN_TILES, True), ("several tokens", moe.BATCH_GEMV_TILES, False)):
         out.append((f"MoE down matrix-vector, {name}", moe._down_shared_gemv_kernel,
-                    {**pairs, **Q8, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER),
-                     "MMA": rowsplit.mma_form(mma),
+                    {**pairs, **Q8, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER), "MMA": mma,
                      "SUM": True}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
     out.append(("MoE split down with the shared expert, one token", moe._down_split_gemv_kernel,
                 {"TOP_K": 8, **Q8, "K_PAD": INTER, "BLOCK_N": moe.SPLIT_DOWN_N, "BLOCK_K": moe.SPLIT_DOWN_BLOCK_K, "SHARED_EXPERT": True,

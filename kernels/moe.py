@@ -62,7 +62,7 @@ from ninfer_offload.kernels.launch import await_producer, launch_options
 from ninfer_offload.kernels.nvfp4 import row_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, mma_form, split_token_positions
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_token_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile, program_rows
 
 
@@ -355,8 +355,8 @@ def _gate_up_swiglu_gemv_kernel(
                     cols = k0 + tl.arange(0, BLOCK_K)
                     xt = tl.load(x + token[:, None] * stride_x + cols[None, :], mask=live[:, None] & (cols < H)[None, :], other=0.0)
                     xs = split_token_positions(xt, MMA_ROWS, BLOCK_K)
-                    acc_gate = mma_code_tile(g_codes, g_scales, xs, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE, MMA)
-                    acc_up = mma_code_tile(u_codes, u_scales, xs, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE, MMA)
+                    acc_gate = mma_code_tile(g_codes, g_scales, xs, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                    acc_up = mma_code_tile(u_codes, u_scales, xs, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE)
                 y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
                 ptr = act + member.to(tl.int64)[:, None] * I + cols_i[None, :]
                 tl.store(ptr, y.to(act.dtype.element_ty), mask=live[:, None] & col_mask[None, :])
@@ -460,8 +460,7 @@ def _down_shared_gemv_kernel(
                     cols = k0 + tl.arange(0, BLOCK_K)
                     at = act + member.to(tl.int64)[:, None] * I + cols[None, :]
                     xt = tl.load(at, mask=live[:, None] & (cols < I)[None, :], other=0.0)
-                    xs = split_token_positions(xt, MMA_ROWS, BLOCK_K)
-                    acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE, MMA)
+                    acc = mma_code_tile(codes, scales, split_token_positions(xt, MMA_ROWS, BLOCK_K), acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
                 y = _rounded_down_rows(acc, divisors, act, NVFP4)
                 w = tl.load(weights + member, mask=live, other=0.0).to(tl.float32)
                 ptr = weighted + member.to(tl.int64)[:, None] * H + rows[None, :]
@@ -908,7 +907,7 @@ def _routed_experts_gemv(
         x, arena, table, ids, act, act if uses is None else uses, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset,
         gu.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter),
         BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n,
-        BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma_form(mma), COUNT=uses is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, COUNT=uses is not None, IEEE=x.dtype == torch.float32,
         num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages, **launch_options(x.device),
     )
     weights = topk_weights.contiguous()
@@ -938,7 +937,7 @@ def _routed_experts_gemv(
         act, arena, table, ids, weights, weighted, out, arrival_counts("moe.down_shared", x.device), pairs, hidden, inter,
         layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs,
         NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=down_tiles.down_n,
-        BLOCK_K=gemv_block_k(dn.k_pad, down_tiles.block_k), MMA=mma_form(mma), IEEE=x.dtype == torch.float32, SUM=summed,
+        BLOCK_K=gemv_block_k(dn.k_pad, down_tiles.block_k), MMA=mma, IEEE=x.dtype == torch.float32, SUM=summed,
         num_warps=down_tiles.warps, num_stages=down_tiles.stages, **launch_options(x.device),
     )
     return _with_shared(out if summed else sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)

@@ -49,7 +49,7 @@ from ninfer_offload.kernels.norm import (
 )
 from ninfer_offload.kernels.nvfp4 import load_divisors, row_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, mma_form, split_positions, split_token_positions
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_positions, split_token_positions
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile, program_rows
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
@@ -76,6 +76,10 @@ class GemvTiles:
 # 32 x 256). In the one-token step at 05f867f (bench/results/step_ab_h200_split_tiles_05f867f.json) 32 rows per
 # program took 2.287 ms and 8 rows / 4 warps 2.351, against 2.242. Module-level so benchmarks can sweep them.
 GEMV_TILES = GemvTiles(16, 2048, 8, 3)
+# Up to this many tokens the products of fewer than FEW_ROWS rows take half the rows per program; a fused input
+# (SwiGLU, gate, gated norm) is computed per program and per token, so at several tokens more rows share it.
+# Module-level so benchmarks can compare them.
+HALVED_ROWS_MAX_TOKENS = 8
 WIDE_GEMV_TILES = GemvTiles(32, 512, 4, 3)
 WIDE_GEMV_MIN_ROWS = 65536
 FEW_ROWS = 8192
@@ -118,7 +122,7 @@ def gemv_tiles(n: int, tokens: int = 1) -> GemvTiles:
         return WIDE_MMA_GEMV_TILES if n >= WIDE_GEMV_MIN_ROWS else MMA_GEMV_TILES
     if n >= WIDE_GEMV_MIN_ROWS:
         return WIDE_GEMV_TILES
-    if n < FEW_ROWS:
+    if n < FEW_ROWS and tokens <= HALVED_ROWS_MAX_TOKENS:
         return dataclasses.replace(GEMV_TILES, block_n=max(1, GEMV_TILES.block_n // 2))
     return GEMV_TILES
 
@@ -293,7 +297,7 @@ def _accumulate_tile(
     cores for every token at once with MMA, else per token (rows past T repeat the last; they are never stored)."""
     if MMA:
         xs = _token_input_positions(x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K)
-        acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE, MMA)
+        acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
     else:
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
             token = tl.minimum(t, T - 1).to(tl.int64)
@@ -707,8 +711,7 @@ def _launch_gemv(
         ROW_BLOCK=triton.next_power_of_2(k) if input_op == ADD_NORM else 1,
         DENSE=dense_w is not None, LOOP_T=block_t, DENSE_BLOCK_N=dense_linear.GEMV_BLOCK_N,
         DENSE_BLOCK_K=min(dense_linear.GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma_form(mma),
-        IEEE=x.dtype == torch.float32,
+        conv_states=conv_states, conv_weight=conv_weight, slots=slots, valid=valid, CONV_C=channels, MMA=mma, IEEE=x.dtype == torch.float32,
         TAPS=conv_weight.shape[0] if conv is not None else 1,
         num_warps=tiles.warps, num_stages=tiles.stages, PREFETCH=prefetch,
         **_l2_prefetch(g, tiles.block_n, pdl["PDL"] and not prefetch), **pdl,

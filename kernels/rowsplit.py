@@ -17,9 +17,9 @@ on whole words keeps the integer work near one instruction per weight:
 
 The matrix-vector kernels multiply the positions by the matching x columns, loaded as positions too
 (`load_positions`, `dot_code_tile`; nvfp4 code tiles come in the same layout), or for several tokens
-at once dot each scaled position with the tokens' columns on tensor cores (`mma_code_tile`); the
-tiled `tl.dot` kernels interleave them into columns (`interleave_positions`) and scale them
-(`tiles.load_tile`). Nothing is dequantized in memory. `BLOCK_K` is a multiple of 128, so a tile
+at once interleave the scaled positions and the tokens' positions back into columns and multiply them on
+tensor cores (`mma_code_tile`); the tiled `tl.dot` kernels interleave them into columns
+(`interleave_positions`) and scale them (`tiles.load_tile`). Nothing is dequantized in memory. `BLOCK_K` is a multiple of 128, so a tile
 never crosses a row's padded end and padding lanes (code 0, scale 0) need no mask.
 """
 
@@ -27,18 +27,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-# How the tensor-core matrix-vector kernels multiply a decoded tile (their MMA constexpr; 0: per token on CUDA
-# cores): a product per position (eight of BLOCK_K // 8 columns, each through its own shared-memory layout
-# conversion: 35 barriers per k tile in the sm_90 cubin of the batch-8 down kernel) or the positions interleaved in
-# registers and one product (21 barriers, 255 registers against 251). Module-level so benchmarks can compare them.
-PER_POSITION, ONE_DOT = tl.constexpr(1), tl.constexpr(2)
-MMA_FORM = 1
-
-
-def mma_form(on_tensor_cores: bool) -> int:
-    """A launch's MMA constexpr: 0 on CUDA cores, else the tensor-core form (MMA_FORM)."""
-    return MMA_FORM if on_tensor_cores else 0
 
 
 @triton.jit
@@ -183,32 +171,25 @@ def dot_code_tile(codes, scales, xs, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _dot(x, weights, acc, IEEE: tl.constexpr):
-    """acc + x @ weights^T on tensor cores (IEEE: float32 without TF32 rounding)."""
-    if IEEE:
-        return tl.dot(x, tl.trans(weights), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(weights), acc)
-
-
-@triton.jit
-def mma_code_tile(
-    codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, FORM: tl.constexpr
-):
+def mma_code_tile(codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """acc [BLOCK_T, BLOCK_N] plus the tile's product with several tokens on tensor cores: `xs` are their
     x columns as positions [BLOCK_T, BLOCK_K // 8] (BLOCK_T >= 16, rows past the tokens zero) in the
-    activation dtype; each position's codes times their group's scale, rounded to that dtype as a
-    dequantized weight, is dotted with the matching x columns: eight products of BLOCK_K // 8 columns
-    (FORM PER_POSITION), or the positions interleaved back into columns and one product (ONE_DOT)."""
+    activation dtype; each position's codes times their group's scale is rounded to that dtype as a
+    dequantized weight, the positions of both operands are interleaved back into columns in registers,
+    and one product of BLOCK_K columns adds them up (IEEE: float32 without TF32 rounding).
+    A product per position (eight of BLOCK_K // 8 columns) measured slower: each operand passes its own
+    shared-memory layout conversion (the batch-8 down kernel's sm_90 cubin: 35 barriers per k tile
+    against 21); H100, trace routing, 3-draft verification 4.79 against 4.68 ms
+    (bench/results/step_ab_h100_one_dot_recurrent_v_39067de.json)."""
     per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), [BLOCK_N, BLOCK_K // 8])
-    if FORM == ONE_DOT:
-        dtype = xs[0].dtype
-        scaled = (
-            (codes[0] * per_word).to(dtype), (codes[1] * per_word).to(dtype), (codes[2] * per_word).to(dtype),
-            (codes[3] * per_word).to(dtype), (codes[4] * per_word).to(dtype), (codes[5] * per_word).to(dtype),
-            (codes[6] * per_word).to(dtype), (codes[7] * per_word).to(dtype),
-        )
-        acc = _dot(interleave_positions(xs, xs[0].shape[0], BLOCK_K), interleave_positions(scaled, BLOCK_N, BLOCK_K), acc, IEEE)
-    else:
-        for i in tl.static_range(8):
-            acc = _dot(xs[i], (codes[i] * per_word).to(xs[i].dtype), acc, IEEE)
-    return acc
+    dtype = xs[0].dtype
+    scaled = (
+        (codes[0] * per_word).to(dtype), (codes[1] * per_word).to(dtype), (codes[2] * per_word).to(dtype),
+        (codes[3] * per_word).to(dtype), (codes[4] * per_word).to(dtype), (codes[5] * per_word).to(dtype),
+        (codes[6] * per_word).to(dtype), (codes[7] * per_word).to(dtype),
+    )
+    x = interleave_positions(xs, xs[0].shape[0], BLOCK_K)
+    weights = tl.trans(interleave_positions(scaled, BLOCK_N, BLOCK_K))
+    if IEEE:
+        return tl.dot(x, weights, acc, input_precision="ieee")
+    return tl.dot(x, weights, acc)

@@ -50,9 +50,9 @@ TENSOR_CORE_PRODUCTS = {
 def product_on_tensor_cores(monkeypatch, product: str) -> None:
     """Make the routed experts' `product` run on tensor cores from 2 tokens (the down product of any token
     count on the several-token kernel), each launch checked to take that path."""
-    from ninfer_offload.kernels import moe, rowsplit
+    from ninfer_offload.kernels import moe
 
     threshold, kernel = TENSOR_CORE_PRODUCTS[product]
     monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", 1)
     monkeypatch.setattr(moe, threshold, 2)
-    monkeypatch.setattr(moe, kernel, LaunchedWith(getattr(moe, kernel), MMA=rowsplit.mma_form(True)))
+    monkeypatch.setattr(moe, kernel, LaunchedWith(getattr(moe, kernel), MMA=True))
