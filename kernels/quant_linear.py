@@ -74,12 +74,11 @@ class GemvTiles:
 # 4.3 vs 5.0 us, [1024, 2048] 2.3 vs 2.5); the output head (Q6, 248,320 rows) in 32 x 512 tiles
 # (bench/results/sweeps/decode_h200.json: 1 / 4 / 8 tokens 167 / 425 / 710 us, 181 / 415 / 740 in
 # 32 x 256). In the one-token step at 05f867f (bench/results/step_ab_h200_split_tiles_05f867f.json) 32 rows per
-# program took 2.287 ms and 8 rows / 4 warps 2.351, against 2.242. Module-level so benchmarks can sweep them.
+# program took 2.287 ms and 8 rows / 4 warps 2.351, against 2.242. The halved rows hold at 2-4 tokens too, where a
+# fused input (SwiGLU, gate, gated norm), computed per program and token, might favour more rows per program: H100,
+# trace routing, a 3-draft verification with 16 rows took 4.77-4.80 ms against 4.67-4.74
+# (bench/results/step_ab_h100_four_token_paths_fab2772.json). Module-level so benchmarks can sweep them.
 GEMV_TILES = GemvTiles(16, 2048, 8, 3)
-# Up to this many tokens the products of fewer than FEW_ROWS rows take half the rows per program; a fused input
-# (SwiGLU, gate, gated norm) is computed per program and per token, so at several tokens more rows share it.
-# Module-level so benchmarks can compare them.
-HALVED_ROWS_MAX_TOKENS = 8
 WIDE_GEMV_TILES = GemvTiles(32, 512, 4, 3)
 WIDE_GEMV_MIN_ROWS = 65536
 FEW_ROWS = 8192
@@ -122,7 +121,7 @@ def gemv_tiles(n: int, tokens: int = 1) -> GemvTiles:
         return WIDE_MMA_GEMV_TILES if n >= WIDE_GEMV_MIN_ROWS else MMA_GEMV_TILES
     if n >= WIDE_GEMV_MIN_ROWS:
         return WIDE_GEMV_TILES
-    if n < FEW_ROWS and tokens <= HALVED_ROWS_MAX_TOKENS:
+    if n < FEW_ROWS:
         return dataclasses.replace(GEMV_TILES, block_n=max(1, GEMV_TILES.block_n // 2))
     return GEMV_TILES
 
