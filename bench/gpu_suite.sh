@@ -6,7 +6,8 @@
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
 # BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, paths (matrix-vector vs tensor-core tiles, 1-16 tokens), kernels, serve, spec (options in SPEC_ARGS), short_prompts, warm_up (kernels a served engine first launches after its warm-up), kernel_formats (nvfp4 against row-split per product), l2 (each decode product from HBM against L2-resident), attention (attention decode's spans and launch shapes), nvfp4_pair (the official and nvfp4 artifacts resident and at 15 GiB in one run), offload_kernels (both artifacts at 15 GiB with their decode kernels by launch shape), offload (15 GiB and
-# the accelerate floor), offload_sweep (five budgets, ~7 min), offload_cpu (15 GiB, the three miss paths), offload_all (15, 12, 20, 24 GiB and the three miss paths, one load each, ~6 min), offload_prefill (at PREFILL_BUDGET GiB, default 15), nvfp4, pinning, ab (bench/step_ab.py with the variants in AB_ARGS)), their
+# the accelerate floor), offload_sweep (five budgets, ~7 min), offload_cpu (15 GiB, the three miss paths), offload_all (15, 12, 20, 24 GiB and the three miss paths, one load each, ~6 min), offload_prefill (at PREFILL_BUDGET GiB, default 15), nvfp4, pinning, ab (bench/step_ab.py with the variants in AB_ARGS), ncu (Nsight Compute
+# sections of bench/ncu_probe.py's launches, the cases in NCU_CASES)), their
 # JSON and logs under $OUT. One device call runs at most 10 minutes: offload_sweep and the floor (~3 min more) do not fit in one.
 set -o pipefail
 : "${OUT:?set OUT to the folder for the results}"
@@ -75,6 +76,11 @@ for bench in $BENCHES; do
     offload_all) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_all.json" --budgets 15 12 20 24 --tokens 128 --warmup 128 \
       --miss-paths pcie cpu auto --miss-path-loads 1 --skip-accelerate --commit "$COMMIT" 2>&1 | tail -10 ;;
     ab) artifact && python3 bench/step_ab.py /tmp/q36.ninfer --out "$OUT/step_ab.json" --commit "$COMMIT" $AB_ARGS 2>&1 | tail -12 ;;
+    ncu) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)  # NCU_CASES: bench/ncu_probe.py's cases
+      "$ncu" --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+        python3 bench/ncu_probe.py ${NCU_CASES:+--cases $NCU_CASES} > "$OUT/ncu.txt" 2>&1
+      python3 bench/ncu_probe.py --summarize "$OUT/ncu.txt" --out "$OUT/ncu.json" --commit "$COMMIT" && grep -c '"kernel"' "$OUT/ncu.json" ;;
     pinning) artifact && python3 bench/pinning.py /tmp/q36.ninfer --out "$OUT/pinning.json" --commit "$COMMIT" 2>&1 | tail -6 ;;
     offload_prefill) artifact && python3 bench/offload_prefill.py /tmp/q36.ninfer --budget "${PREFILL_BUDGET:-15}" --out "$OUT/offload_prefill.json" --commit "$COMMIT" 2>&1 | tail -6 ;;
     *) echo "unknown benchmark $bench" ;;
