@@ -247,15 +247,16 @@ def main() -> None:
             record(results, lambda: bench_linear(name, NVFP4, n, k, tokens, bandwidth), save)
     for tokens in (1, 4):
         record(results, lambda: bench_moe(tokens, NVFP4, bandwidth, gate_up_fmt=NVFP4), save)
-    defaults = quant_linear.GEMV_TILES, quant_linear.WIDE_GEMV_TILES
+    defaults = quant_linear.GEMV_TILES, quant_linear.SMALL_GEMV_TILES, quant_linear.WIDE_GEMV_TILES
     for tile in ((8, 2048, 8, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (8, 512, 4, 4), (8, 256, 4, 4),
                  (16, 256, 4, 5), (4, 512, 4, 4), (8, 512, 8, 5), (32, 256, 4, 4), (16, 1024, 8, 3), (2, 2048, 4, 3),
                  (16, 2048, 8, 3), (4, 2048, 4, 3), (8, 1024, 8, 4), (16, 512, 8, 4)):
-        quant_linear.GEMV_TILES = quant_linear.WIDE_GEMV_TILES = quant_linear.GemvTiles(*tile)  # one token, a 3-draft verification
+        # one token, a 3-draft verification; every product takes the tile as listed
+        quant_linear.GEMV_TILES = quant_linear.SMALL_GEMV_TILES = quant_linear.WIDE_GEMV_TILES = quant_linear.GemvTiles(*tile)
         for name, fmt, n, k in (shapes[0], shapes[2], shapes[4], shapes[5]):
             for tokens in (1, 4):
                 record(results, lambda: dict(bench_linear(name, fmt, n, k, tokens, bandwidth), tile=list(tile)), save)
-    quant_linear.GEMV_TILES, quant_linear.WIDE_GEMV_TILES = defaults
+    quant_linear.GEMV_TILES, quant_linear.SMALL_GEMV_TILES, quant_linear.WIDE_GEMV_TILES = defaults
     defaults = quant_linear.MMA_GEMV_TILES, quant_linear.WIDE_MMA_GEMV_TILES
     for tile in ((32, 256, 4, 4), (64, 256, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (16, 256, 2, 4), (16, 512, 4, 3)):
         quant_linear.MMA_GEMV_TILES = quant_linear.WIDE_MMA_GEMV_TILES = quant_linear.GemvTiles(*tile)  # tensor cores: a decode batch

@@ -30,7 +30,6 @@ dequantize path divides each weight (correctly rounded, as the reference).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +78,7 @@ class GemvTiles:
 # trace routing, a 3-draft verification with 16 rows took 4.77-4.80 ms against 4.67-4.74
 # (bench/results/step_ab_h100_four_token_paths_fab2772.json). Module-level so benchmarks can sweep them.
 GEMV_TILES = GemvTiles(16, 2048, 8, 3)
+SMALL_GEMV_TILES = GemvTiles(8, 2048, 8, 3)  # products of fewer than FEW_ROWS rows
 WIDE_GEMV_TILES = GemvTiles(32, 512, 4, 3)
 WIDE_GEMV_MIN_ROWS = 65536
 FEW_ROWS = 8192
@@ -122,7 +122,7 @@ def gemv_tiles(n: int, tokens: int = 1) -> GemvTiles:
     if n >= WIDE_GEMV_MIN_ROWS:
         return WIDE_GEMV_TILES
     if n < FEW_ROWS:
-        return dataclasses.replace(GEMV_TILES, block_n=max(1, GEMV_TILES.block_n // 2))
+        return SMALL_GEMV_TILES
     return GEMV_TILES
 
 

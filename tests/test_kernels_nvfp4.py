@@ -61,7 +61,7 @@ def test_matrix_vector_linear_matches_codec_values(n, k, block_k, monkeypatch):
     token's row is what it gets alone."""
     from ninfer_offload.kernels import quant_linear
 
-    monkeypatch.setattr(quant_linear, "GEMV_TILES", quant_linear.GemvTiles(16, block_k, 8, 3))
+    monkeypatch.setattr(quant_linear, "SMALL_GEMV_TILES", quant_linear.GemvTiles(8, block_k, 8, 3))  # n < FEW_ROWS
     monkeypatch.setattr(quant_linear, "_quantized_matmul_kernel", _NotLaunched())
     data, weight = _matrix(n, k, divisors=n // 128, seed=n + k + 1)
     geometry = runtime_geometry("nvfp4", n, k)
