@@ -17,10 +17,11 @@ on whole words keeps the integer work near one instruction per weight:
 
 The matrix-vector kernels multiply the positions by the matching x columns, loaded as positions too
 (`load_positions`, `dot_code_tile`; nvfp4 code tiles come in the same layout), or for several tokens
-at once interleave the scaled positions and the tokens' positions back into columns and multiply them on
-tensor cores (`mma_code_tile`); the tiled `tl.dot` kernels interleave them into columns
-(`interleave_positions`) and scale them (`tiles.load_tile`). Nothing is dequantized in memory. `BLOCK_K` is a multiple of 128, so a tile
-never crosses a row's padded end and padding lanes (code 0, scale 0) need no mask.
+at once interleave the scaled positions and the tokens' positions back into columns and multiply them
+on tensor cores (`mma_code_tile`); the tiled `tl.dot` kernels interleave them into columns
+(`interleave_positions`) and scale them (`tiles.load_tile`). Nothing is dequantized in memory.
+`BLOCK_K` is a multiple of 128, so a tile never crosses a row's padded end and padding lanes (code 0,
+scale 0) need no mask.
 """
 
 from __future__ import annotations
