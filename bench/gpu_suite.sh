@@ -80,7 +80,7 @@ for bench in $BENCHES; do
       "$ncu" --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
         python3 bench/ncu_probe.py ${NCU_CASES:+--cases $NCU_CASES} > "$OUT/ncu.txt" 2>&1
-      python3 bench/ncu_probe.py --summarize "$OUT/ncu.txt" --out "$OUT/ncu.json" --commit "$COMMIT" && grep -c '"kernel"' "$OUT/ncu.json" ;;
+      python3 bench/ncu_summary.py "$OUT/ncu.txt" --out "$OUT/ncu.json" --commit "$COMMIT" && grep -c '"kernel"' "$OUT/ncu.json" ;;
     pinning) artifact && python3 bench/pinning.py /tmp/q36.ninfer --out "$OUT/pinning.json" --commit "$COMMIT" 2>&1 | tail -6 ;;
     offload_prefill) artifact && python3 bench/offload_prefill.py /tmp/q36.ninfer --budget "${PREFILL_BUDGET:-15}" --out "$OUT/offload_prefill.json" --commit "$COMMIT" 2>&1 | tail -6 ;;
     *) echo "unknown benchmark $bench" ;;

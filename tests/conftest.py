@@ -12,6 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import kernels_support  # noqa: F401  (first: without CUDA it turns the Triton interpreter on before anything imports a kernel)
 import pytest
 import tiny_hf
 import torch

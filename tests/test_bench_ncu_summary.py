@@ -1,4 +1,4 @@
-"""bench/ncu_probe.py's summary of Nsight Compute's printed sections (an excerpt of an H100 probe run's output)."""
+"""bench/ncu_summary.py: the summary of Nsight Compute's printed sections (an excerpt of an H100 probe run's output)."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from ncu_probe import summarize  # noqa: E402
+from ncu_summary import summarize  # noqa: E402
 
 EXCERPT = """\
 ==PROF== Profiling "_gate_up_swiglu_gemv_kernel" - 0: 0%....50%....100% - 20 passes
