@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=120, help="compute capability as one number (90: H200, 120: the RTX 50 cards)")
     parser.add_argument("--shared-limit", type=int, default=101_376, help="shared memory per block of that architecture, bytes")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--commit", default=None, help="commit compiled (where the tree has no .git)")
     args = parser.parse_args()
     rows = []
     for name, kernel, constexprs, options in configurations():
@@ -137,7 +138,7 @@ def main() -> None:
         print(f"{name:58s} shared {row['shared_bytes']:7d}  registers {row['registers']:3d}  stack {row['stack_bytes']:4d}"
               f"{'' if row['fits'] else '  OVER THE LIMIT'}")
     if args.out:
-        report = {**gpu_report_header(), "arch": args.arch, "shared_limit": args.shared_limit, "triton": triton.__version__}
+        report = {**gpu_report_header(args.commit), "arch": args.arch, "shared_limit": args.shared_limit, "triton": triton.__version__}
         report["launches"] = rows
         args.out.write_text(json.dumps(report, indent=1) + "\n")
 
