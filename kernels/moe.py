@@ -60,9 +60,9 @@ from ninfer_offload.kernels import fitting, shared_expert
 from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts, last_to_arrive, rearm
 from ninfer_offload.kernels.launch import await_producer, launch_options
 from ninfer_offload.kernels.nvfp4 import row_divisors
-from ninfer_offload.kernels.quant_linear import SWIGLU, input_positions
+from ninfer_offload.kernels.quant_linear import SWIGLU, input_columns
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_token_positions
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_columns, mma_code_tile
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile, program_rows
 
 
@@ -354,9 +354,8 @@ def _gate_up_swiglu_gemv_kernel(
                     )
                     cols = k0 + tl.arange(0, BLOCK_K)
                     xt = tl.load(x + token[:, None] * stride_x + cols[None, :], mask=live[:, None] & (cols < H)[None, :], other=0.0)
-                    xs = split_token_positions(xt, MMA_ROWS, BLOCK_K)
-                    acc_gate = mma_code_tile(g_codes, g_scales, xs, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE)
-                    acc_up = mma_code_tile(u_codes, u_scales, xs, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                    acc_gate = mma_code_tile(g_codes, g_scales, xt, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                    acc_up = mma_code_tile(u_codes, u_scales, xt, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE)
                 y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
                 ptr = act + member.to(tl.int64)[:, None] * I + cols_i[None, :]
                 tl.store(ptr, y.to(act.dtype.element_ty), mask=live[:, None] & col_mask[None, :])
@@ -370,9 +369,9 @@ def _gate_up_swiglu_gemv_kernel(
                 )
                 for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
                     if tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0:
-                        xs = load_positions(x + t * stride_x, k0, H, BLOCK_K)
-                        gate_part = dot_code_tile(g_codes, g_scales, xs, GROUP, BLOCK_N, BLOCK_K)
-                        up_part = dot_code_tile(u_codes, u_scales, xs, GROUP, BLOCK_N, BLOCK_K)
+                        xt = load_columns(x + t * stride_x, k0, H, BLOCK_K)
+                        gate_part = dot_code_tile(g_codes, g_scales, xt, GROUP, BLOCK_N, BLOCK_K)
+                        up_part = dot_code_tile(u_codes, u_scales, xt, GROUP, BLOCK_N, BLOCK_K)
                         acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
                         acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
             y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
@@ -460,7 +459,7 @@ def _down_shared_gemv_kernel(
                     cols = k0 + tl.arange(0, BLOCK_K)
                     at = act + member.to(tl.int64)[:, None] * I + cols[None, :]
                     xt = tl.load(at, mask=live[:, None] & (cols < I)[None, :], other=0.0)
-                    acc = mma_code_tile(codes, scales, split_token_positions(xt, MMA_ROWS, BLOCK_K), acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
+                    acc = mma_code_tile(codes, scales, xt, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
                 y = _rounded_down_rows(acc, divisors, act, NVFP4)
                 w = tl.load(weights + member, mask=live, other=0.0).to(tl.float32)
                 ptr = weighted + member.to(tl.int64)[:, None] * H + rows[None, :]
@@ -475,8 +474,8 @@ def _down_shared_gemv_kernel(
                 for t in tl.static_range(BLOCK_T):
                     pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
                     if pair < BLOCK_PAIRS:
-                        xs = load_positions(act + pair.to(tl.int64) * I, k0, I, BLOCK_K)
-                        part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
+                        xt = load_columns(act + pair.to(tl.int64) * I, k0, I, BLOCK_K)
+                        part = dot_code_tile(codes, scales, xt, GROUP, BLOCK_N, BLOCK_K)
                         acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
             y = _rounded_down_rows(acc, divisors, act, NVFP4)
             w = tl.load(weights + index, mask=uses, other=0.0).to(tl.float32)
@@ -504,8 +503,8 @@ def _routed_down_rows(
     divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
-        xs = load_positions(act + pair * I, k0, I, BLOCK_K)
-        acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        xt = load_columns(act + pair * I, k0, I, BLOCK_K)
+        acc += gemv_tile(down, rows, row_mask, k0, xt, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     return _rounded_down_rows(acc, divisors, act, NVFP4) * weight
 
 
@@ -520,8 +519,8 @@ def _shared_expert_rows(
     divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
-        xs = input_positions(gate, up, tok * stride_gate, tok * stride_up, k0, S, gate, 0.0, SWIGLU, 1, BLOCK_K, 1)
-        acc += gemv_tile(down, rows, row_mask, k0, xs, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        xt = input_columns(gate, up, tok * stride_gate, tok * stride_up, k0, S, gate, 0.0, SWIGLU, 1, BLOCK_K, 1)
+        acc += gemv_tile(down, rows, row_mask, k0, xt, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     if NVFP4:
         acc = acc / divisors
     gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
@@ -879,7 +878,7 @@ def _whole_tiles(gu: TileGeometry, inter: int) -> bool:
 
 def _on_tensor_cores(tokens: int, min_tokens: int, geometry: TileGeometry, tiles: Tiles) -> bool:
     """Whether a matrix-vector product of `tokens` tokens runs on tensor cores: from `min_tokens`, and only with
-    k tiles of 128+ columns (each of a tile's eight positions a product of 16+ columns)."""
+    k tiles of 128+ columns (the tiles the tensor-core launches were measured with)."""
     return tokens >= min_tokens and gemv_block_k(geometry.k_pad, tiles.block_k) >= 128
 
 

@@ -48,7 +48,7 @@ from ninfer_offload.kernels.norm import (
 )
 from ninfer_offload.kernels.nvfp4 import load_divisors, row_divisors
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_positions, mma_code_tile, split_positions, split_token_positions
+from ninfer_offload.kernels.rowsplit import dot_code_tile, mma_code_tile
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, load_gemv_tile, load_tile, program_rows
 
 # Token counts up to this use the matrix-vector kernel, up to FUSED_MAX_TOKENS the tiled
@@ -176,11 +176,11 @@ STORE, ADD_GATED, CONV = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _position_input(xv, x2v, wv, inv_rms, INPUT: tl.constexpr):
-    """One position of a token's input from its x, x2 and norm-weight values there (their dtypes), as
-    float32 rounded to the activation dtype where the reference rounds: the plain x, silu(x) * x2,
-    x * sigmoid(x2), the gated RMSNorm of x (`ReferenceBackend.gated_rmsnorm`, gate x2; `inv_rms`
-    of each column's group), or the offset RMSNorm of x + x2 (`inv_rms` of the token's row)."""
+def _input_value(xv, x2v, wv, inv_rms, INPUT: tl.constexpr):
+    """A token's input from its x, x2 and norm-weight values (their dtypes, elementwise), as float32 rounded to the
+    activation dtype where the reference rounds: the plain x, silu(x) * x2, x * sigmoid(x2), the gated RMSNorm of
+    x (`ReferenceBackend.gated_rmsnorm`, gate x2; `inv_rms` of each column's group), or the offset RMSNorm of
+    x + x2 (`inv_rms` of the token's row)."""
     xf = xv.to(tl.float32)
     if INPUT == ADD_NORM:
         xf = offset_normed(residual_sum(xv, x2v), inv_rms, wv).to(xv.dtype).to(tl.float32)
@@ -200,79 +200,54 @@ def _position_input(xv, x2v, wv, inv_rms, INPUT: tl.constexpr):
 
 
 @triton.jit
-def input_positions(
+def input_columns(
     x, x2, row, row2, k0, K, norm_w, eps, INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr
 ):
-    """One token's input tile as the eight positions of `rowsplit.load_positions` (`_position_input`);
-    GATED_NORM groups of NORM_D columns (a multiple of 8) are whole words of positions; ADD_NORM reads
-    the token's whole rows (ROW_BLOCK >= K columns) for its statistic."""
-    W: tl.constexpr = BLOCK_K // 8
-    raw = load_positions(x + row, k0, K, BLOCK_K)
+    """One token's input tile, columns [k0, k0 + BLOCK_K) in order, float32 (`_input_value`; 0 past K);
+    GATED_NORM groups of NORM_D columns lie inside the tile; ADD_NORM reads the token's whole rows
+    (ROW_BLOCK >= K columns) for its statistic."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    raw = tl.load(x + row + cols, mask=cols < K, other=0.0)
     raw2 = raw  # x2 and the norm weights: read by the fused inputs only
     if INPUT != PLAIN:
-        raw2 = load_positions(x2 + row2, k0, K, BLOCK_K)
+        raw2 = tl.load(x2 + row2 + cols, mask=cols < K, other=0.0)
     weights = raw2
-    inv_rms = tl.full([W], 1.0, tl.float32)
+    inv_rms = tl.full([BLOCK_K], 1.0, tl.float32)
     if INPUT == GATED_NORM:
-        weights = split_positions(tl.load(norm_w + (k0 + tl.arange(0, BLOCK_K)) % NORM_D), BLOCK_K)
-        squares = raw[0].to(tl.float32) * raw[0].to(tl.float32)
-        for i in tl.static_range(1, 8):
-            squares += raw[i].to(tl.float32) * raw[i].to(tl.float32)
-        per_group = tl.sum(tl.reshape(squares, [BLOCK_K // NORM_D, NORM_D // 8]), axis=1)
-        inv_rms = tl.reshape(tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, None], [BLOCK_K // NORM_D, NORM_D // 8]), [W])
+        weights = tl.load(norm_w + cols % NORM_D)
+        squares = raw.to(tl.float32) * raw.to(tl.float32)
+        per_group = tl.sum(tl.reshape(squares, [BLOCK_K // NORM_D, NORM_D]), axis=1)
+        inv_rms = tl.reshape(tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, None], [BLOCK_K // NORM_D, NORM_D]), [BLOCK_K])
     if INPUT == ADD_NORM:
-        weights = load_positions(norm_w, k0, K, BLOCK_K)
-        inv_rms = tl.full([W], 1.0, tl.float32) * residual_inv_rms(x + row, x2 + row2, K, eps, ROW_BLOCK)
-    return (
-        _position_input(raw[0], raw2[0], weights[0], inv_rms, INPUT),
-        _position_input(raw[1], raw2[1], weights[1], inv_rms, INPUT),
-        _position_input(raw[2], raw2[2], weights[2], inv_rms, INPUT),
-        _position_input(raw[3], raw2[3], weights[3], inv_rms, INPUT),
-        _position_input(raw[4], raw2[4], weights[4], inv_rms, INPUT),
-        _position_input(raw[5], raw2[5], weights[5], inv_rms, INPUT),
-        _position_input(raw[6], raw2[6], weights[6], inv_rms, INPUT),
-        _position_input(raw[7], raw2[7], weights[7], inv_rms, INPUT),
-    )
+        weights = tl.load(norm_w + cols, mask=cols < K, other=0.0)
+        inv_rms = tl.full([BLOCK_K], 1.0, tl.float32) * residual_inv_rms(x + row, x2 + row2, K, eps, ROW_BLOCK)
+    return _input_value(raw, raw2, weights, inv_rms, INPUT)
 
 
 @triton.jit
-def _token_input_positions(
+def _token_input_columns(
     x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps,
     INPUT: tl.constexpr, NORM_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """`input_positions` of every token at once: eight positions [BLOCK_T, BLOCK_K // 8] in x's dtype
-    (tokens `toks` past T read zeros; their rows are never stored). Every input but ADD_NORM, whose
-    products take a normalised input on tensor cores (`residual_norm_gemv`)."""
-    W: tl.constexpr = BLOCK_K // 8
-    live = toks < T
+    """`input_columns` of every token at once, [BLOCK_T, BLOCK_K] in x's dtype (tokens `toks` past T read zeros;
+    their rows are never stored). Every input but ADD_NORM, whose products take a normalised input on tensor cores
+    (`residual_norm_gemv`)."""
     tok = toks[:, None].to(tl.int64)
     cols = k0 + tl.arange(0, BLOCK_K)[None, :]
-    mask = live[:, None] & (cols < K)
-    raw = split_token_positions(tl.load(x + tok * stride_x + cols, mask=mask, other=0.0), BLOCK_T, BLOCK_K)
+    mask = (toks < T)[:, None] & (cols < K)
+    raw = tl.load(x + tok * stride_x + cols, mask=mask, other=0.0)
     raw2 = raw
     if INPUT != PLAIN:
-        raw2 = split_token_positions(tl.load(x2 + tok * stride_x2 + cols, mask=mask, other=0.0), BLOCK_T, BLOCK_K)
+        raw2 = tl.load(x2 + tok * stride_x2 + cols, mask=mask, other=0.0)
     weights = raw2
-    inv_rms = tl.full([BLOCK_T, W], 1.0, tl.float32)
+    inv_rms = tl.full([BLOCK_T, BLOCK_K], 1.0, tl.float32)
     if INPUT == GATED_NORM:
-        weights = split_positions(tl.load(norm_w + (k0 + tl.arange(0, BLOCK_K)) % NORM_D), BLOCK_K)
-        squares = raw[0].to(tl.float32) * raw[0].to(tl.float32)
-        for i in tl.static_range(1, 8):
-            squares += raw[i].to(tl.float32) * raw[i].to(tl.float32)
-        per_group = tl.sum(tl.reshape(squares, [BLOCK_T, BLOCK_K // NORM_D, NORM_D // 8]), axis=2)
-        groups = tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, :, None], [BLOCK_T, BLOCK_K // NORM_D, NORM_D // 8])
-        inv_rms = tl.reshape(groups, [BLOCK_T, W])
-    dtype = x.dtype.element_ty
-    return (
-        _position_input(raw[0], raw2[0], weights[0], inv_rms, INPUT).to(dtype),
-        _position_input(raw[1], raw2[1], weights[1], inv_rms, INPUT).to(dtype),
-        _position_input(raw[2], raw2[2], weights[2], inv_rms, INPUT).to(dtype),
-        _position_input(raw[3], raw2[3], weights[3], inv_rms, INPUT).to(dtype),
-        _position_input(raw[4], raw2[4], weights[4], inv_rms, INPUT).to(dtype),
-        _position_input(raw[5], raw2[5], weights[5], inv_rms, INPUT).to(dtype),
-        _position_input(raw[6], raw2[6], weights[6], inv_rms, INPUT).to(dtype),
-        _position_input(raw[7], raw2[7], weights[7], inv_rms, INPUT).to(dtype),
-    )
+        weights = tl.load(norm_w + (k0 + tl.arange(0, BLOCK_K)) % NORM_D)[None, :]
+        squares = raw.to(tl.float32) * raw.to(tl.float32)
+        per_group = tl.sum(tl.reshape(squares, [BLOCK_T, BLOCK_K // NORM_D, NORM_D]), axis=2)
+        groups = tl.broadcast_to(tl.rsqrt(per_group / NORM_D + eps)[:, :, None], [BLOCK_T, BLOCK_K // NORM_D, NORM_D])
+        inv_rms = tl.reshape(groups, [BLOCK_T, BLOCK_K])
+    return _input_value(raw, raw2, weights, inv_rms, INPUT).to(x.dtype.element_ty)
 
 
 @triton.jit
@@ -295,13 +270,13 @@ def _accumulate_tile(
     """acc [BLOCK_T, BLOCK_N] plus every token's product with one decoded weight tile (columns from k0): on tensor
     cores for every token at once with MMA, else per token (rows past T repeat the last; they are never stored)."""
     if MMA:
-        xs = _token_input_positions(x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K)
-        acc = mma_code_tile(codes, scales, xs, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
+        xt = _token_input_columns(x, x2, toks, T, stride_x, stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_T, BLOCK_K)
+        acc = mma_code_tile(codes, scales, xt, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
     else:
         for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token
             token = tl.minimum(t, T - 1).to(tl.int64)
-            xs = input_positions(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
-            part = dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
+            xt = input_columns(x, x2, token * stride_x, token * stride_x2, k0, K, norm_w, eps, INPUT, NORM_D, BLOCK_K, ROW_BLOCK)
+            part = dot_code_tile(codes, scales, xt, GROUP, BLOCK_N, BLOCK_K)
             acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
     return acc
 

@@ -15,11 +15,11 @@ on whole words keeps the integer work near one instruction per weight:
   four bits with one shift and OR-ed in with one mask.
 * Q8 codes are read as 64-bit words (eight columns), one byte per position at bit 0 or 8.
 
-The matrix-vector kernels multiply the positions by the matching x columns, loaded as positions too
-(`load_positions`, `dot_code_tile`; nvfp4 code tiles come in the same layout), or for several tokens
-at once interleave the scaled positions and the tokens' positions back into columns and multiply them
-on tensor cores (`mma_code_tile`); the tiled `tl.dot` kernels interleave them into columns
-(`interleave_positions`) and scale them (`tiles.load_tile`). Nothing is dequantized in memory.
+Every kernel interleaves the positions back into columns in registers (`interleave_positions`: joins,
+no data movement between threads) and multiplies them with x's columns in order: the matrix-vector
+kernels per token on CUDA cores (`dot_code_tile`; nvfp4 code tiles come in the same layout), or
+scaled and rounded for several tokens at once on tensor cores (`mma_code_tile`, `scaled_columns`),
+the tiled `tl.dot` kernels likewise (`tiles.load_tile`). Nothing is dequantized in memory.
 `BLOCK_K` is a multiple of 128, so a tile never crosses a row's padded end and padding lanes (code 0,
 scale 0) need no mask.
 """
@@ -31,36 +31,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _positions_of_words(words):
-    """The eight positions of a tile reshaped to [..., BLOCK_K // 8, 2, 2, 2] (position i: the trailing indices spell i's bits)."""
-    even, odd = tl.split(words)
-    p04, p26 = tl.split(even)
-    p15, p37 = tl.split(odd)
-    x0, x4 = tl.split(p04)
-    x2, x6 = tl.split(p26)
-    x1, x5 = tl.split(p15)
-    x3, x7 = tl.split(p37)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def split_positions(xk, BLOCK_K: tl.constexpr):
-    """A tile's columns [BLOCK_K] -> its eight positions [BLOCK_K // 8] (position i = columns 8 j + i), in registers."""
-    return _positions_of_words(tl.reshape(xk, [BLOCK_K // 8, 2, 2, 2]))
-
-
-@triton.jit
-def split_token_positions(xk, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Several tokens' tiles [BLOCK_T, BLOCK_K] -> eight positions [BLOCK_T, BLOCK_K // 8], in registers."""
-    return _positions_of_words(tl.reshape(xk, [BLOCK_T, BLOCK_K // 8, 2, 2, 2]))
-
-
-@triton.jit
-def load_positions(ptr, k0, limit, BLOCK_K: tl.constexpr):
-    """A vector's tile of columns [k0, k0 + BLOCK_K) as its eight positions (its dtype, 0 past `limit`):
-    one contiguous load, split in registers (eight strided loads measured 1.6x slower on the H200)."""
+def load_columns(ptr, k0, limit, BLOCK_K: tl.constexpr):
+    """A vector's tile of columns [k0, k0 + BLOCK_K) in its dtype, 0 past `limit`."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    return split_positions(tl.load(ptr + cols, mask=cols < limit, other=0.0), BLOCK_K)
+    return tl.load(ptr + cols, mask=cols < limit, other=0.0)
 
 
 @triton.jit
@@ -160,36 +134,40 @@ def load_code_tile(
 
 
 @triton.jit
-def dot_code_tile(codes, scales, xs, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def scaled_columns(codes, scales, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N, BLOCK_K]: a tile's code positions interleaved into columns, times their group's scale."""
+    per_column = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP]), [BLOCK_N, BLOCK_K])
+    return interleave_positions(codes, BLOCK_N, BLOCK_K) * per_column
+
+
+@triton.jit
+def dot_code_tile(codes, scales, x, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N] float32: sum over a tile's columns of W[rows, k] * x[k] from `load_code_tile`'s output
-    (or `nvfp4.load_nvfp4_code_tile`'s, GROUP 16) and the tile's x columns as positions `xs`
-    (`load_positions`). Products are summed per scale group and only then scaled."""
-    products = codes[0] * xs[0].to(tl.float32)[None, :]
-    for i in tl.static_range(1, 8):
-        products += codes[i] * xs[i].to(tl.float32)[None, :]
-    per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), axis=2)
+    (or `nvfp4.load_nvfp4_code_tile`'s, GROUP 16) and the tile's x columns in order, [BLOCK_K]
+    (`load_columns`). The code positions are interleaved into columns in registers; products are summed
+    per scale group and only then scaled. Splitting x into positions instead cost a shared-memory layout
+    conversion per position: 20 barriers per token and k tile in the sm_90 cubin of a one-token
+    [2048, 4096] product, against 8."""
+    products = interleave_positions(codes, BLOCK_N, BLOCK_K) * x.to(tl.float32)[None, :]
+    per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
     return tl.sum(per_group * scales, axis=1)
 
 
 @triton.jit
-def mma_code_tile(codes, scales, xs, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """acc [BLOCK_T, BLOCK_N] plus the tile's product with several tokens on tensor cores: `xs` are their
-    x columns as positions [BLOCK_T, BLOCK_K // 8] (BLOCK_T >= 16, rows past the tokens zero) in the
-    activation dtype; each position's codes times their group's scale is rounded to that dtype as a
-    dequantized weight, the positions of both operands are interleaved back into columns in registers,
-    and one product of BLOCK_K columns adds them up (IEEE: float32 without TF32 rounding).
-    A product per position (eight of BLOCK_K // 8 columns) measured slower: each operand passes its own
-    shared-memory layout conversion (the batch-8 down kernel's sm_90 cubin: 35 barriers per k tile
-    against 21); H100, trace routing, 3-draft verification 4.79 against 4.68 ms
-    (bench/results/step_ab_h100_one_dot_recurrent_v_39067de.json)."""
+def mma_code_tile(codes, scales, x, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BLOCK_T, BLOCK_N] plus the tile's product with several tokens on tensor cores: `x` are their
+    columns in order [BLOCK_T, BLOCK_K] (BLOCK_T >= 16, rows past the tokens zero) in the activation dtype;
+    each code times its group's scale is rounded to that dtype as a dequantized weight, and one product of
+    BLOCK_K columns adds them up (IEEE: float32 without TF32 rounding). A product per position (eight of
+    BLOCK_K // 8 columns) measured slower: each operand passes its own shared-memory layout conversion (the
+    batch-8 down kernel's sm_90 cubin: 35 barriers per k tile against 21); H100, trace routing, 3-draft
+    verification 4.79 against 4.68 ms (bench/results/step_ab_h100_one_dot_recurrent_v_39067de.json)."""
     per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), [BLOCK_N, BLOCK_K // 8])
-    dtype = xs[0].dtype
     scaled = (
-        (codes[0] * per_word).to(dtype), (codes[1] * per_word).to(dtype), (codes[2] * per_word).to(dtype),
-        (codes[3] * per_word).to(dtype), (codes[4] * per_word).to(dtype), (codes[5] * per_word).to(dtype),
-        (codes[6] * per_word).to(dtype), (codes[7] * per_word).to(dtype),
+        (codes[0] * per_word).to(x.dtype), (codes[1] * per_word).to(x.dtype), (codes[2] * per_word).to(x.dtype),
+        (codes[3] * per_word).to(x.dtype), (codes[4] * per_word).to(x.dtype), (codes[5] * per_word).to(x.dtype),
+        (codes[6] * per_word).to(x.dtype), (codes[7] * per_word).to(x.dtype),
     )
-    x = interleave_positions(xs, xs[0].shape[0], BLOCK_K)
     weights = tl.trans(interleave_positions(scaled, BLOCK_N, BLOCK_K))
     if IEEE:
         return tl.dot(x, weights, acc, input_precision="ieee")

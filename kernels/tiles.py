@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ninfer_offload.artifact.formats import BlockScaleGeometry, ObjectGeometry
 from ninfer_offload.kernels.nvfp4 import load_nvfp4_code_tile
-from ninfer_offload.kernels.rowsplit import dot_code_tile, interleave_positions, load_code_tile
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_code_tile, scaled_columns
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,7 @@ def load_tile(
     interleaved (position i to columns 8 j + i) and times their group's scale (nvfp4: before the row
     divisor; its products carry at most 6 significant bits, so they are exact in bf16)."""
     codes, scales = load_gemv_tile(obj, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    codes = interleave_positions(codes, BLOCK_N, BLOCK_K)
-    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP]), [BLOCK_N, BLOCK_K])
-    return codes * scales
+    return scaled_columns(codes, scales, GROUP, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -129,7 +127,7 @@ def gemv_tile(
     rows,
     row_mask,
     k0,
-    xs,  # the tile's x columns as eight positions (`rowsplit.load_positions`)
+    x,  # the tile's x columns in order (`rowsplit.load_columns`)
     high_offset,
     scale_offset,
     NVFP4: tl.constexpr,
@@ -142,4 +140,4 @@ def gemv_tile(
     """[BLOCK_N] float32: sum over the tile's columns of W[rows, k] * x[k] (nvfp4: before the row divisor),
     W decoded in registers (the matrix-vector form of `load_tile` for one x; no tensor-core padding)."""
     codes, scales = load_gemv_tile(obj, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
-    return dot_code_tile(codes, scales, xs, GROUP, BLOCK_N, BLOCK_K)
+    return dot_code_tile(codes, scales, x, GROUP, BLOCK_N, BLOCK_K)
