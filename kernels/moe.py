@@ -249,6 +249,27 @@ def _expert_tokens(topk_ids, pair, pairs, TOP_K: tl.constexpr, BLOCK_PAIRS: tl.c
 
 
 @triton.jit
+def _token_bits(uses, token_of, BLOCK_T: tl.constexpr):
+    """int32 with bit t set where token t is routed to the expert (`_expert_tokens`' uses): computed once, before
+    the k loop, so the per-token branches inside it test a bit instead of reducing over the pairs per tile."""
+    toks = tl.arange(0, BLOCK_T)
+    routed = tl.max(tl.where(uses[:, None] & (token_of[:, None] == toks[None, :]), 1, 0), axis=0)
+    return tl.sum(routed << toks)
+
+
+PAIR_BITS = tl.constexpr(8)  # bits per token of `_token_first_pairs`: pair indices up to 127, and 128 for none
+
+
+@triton.jit
+def _token_first_pairs(uses, token_of, index, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+    """int64 holding, PAIR_BITS bits per token t, the index of token t's first pair routed to the expert
+    (BLOCK_PAIRS where none is): computed once, before the k loop (BLOCK_T * PAIR_BITS <= 64, BLOCK_PAIRS <= 128)."""
+    toks = tl.arange(0, BLOCK_T)
+    first = tl.min(tl.where(uses[:, None] & (token_of[:, None] == toks[None, :]), index[:, None], BLOCK_PAIRS), axis=0)
+    return tl.sum(first.to(tl.int64) << (toks.to(tl.int64) * PAIR_BITS))
+
+
+@triton.jit
 def pair_rows(y, token_of, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per-token rows y [BLOCK_T, BLOCK_N] -> one row per pair [BLOCK_PAIRS, BLOCK_N] (its token's):
     every pair of the expert gets its row, also a token's repeated uses of one expert."""
@@ -363,12 +384,13 @@ def _gate_up_swiglu_gemv_kernel(
             toks = tl.arange(0, BLOCK_T)
             acc_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            routed = _token_bits(uses, token_of, BLOCK_T)
             for k0 in range(0, K_PAD, BLOCK_K):
                 g_codes, g_scales, u_codes, u_scales = _gate_up_tiles(
                     record, cols_i, col_mask, k0, I, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
                 )
                 for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
-                    if tl.max(tl.where(uses & (token_of == t), 1, 0)) > 0:
+                    if (routed >> t) & 1:
                         xt = load_columns(x + t * stride_x, k0, H, BLOCK_K)
                         gate_part = dot_code_tile(g_codes, g_scales, xt, GROUP, BLOCK_N, BLOCK_K)
                         up_part = dot_code_tile(u_codes, u_scales, xt, GROUP, BLOCK_N, BLOCK_K)
@@ -467,12 +489,13 @@ def _down_shared_gemv_kernel(
         else:
             toks = tl.arange(0, BLOCK_T)
             acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            first_pairs = _token_first_pairs(uses, token_of, index, BLOCK_T, BLOCK_PAIRS)
             for k0 in range(0, K_PAD, BLOCK_K):
                 codes, scales = load_gemv_tile(
                     down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
                 )
                 for t in tl.static_range(BLOCK_T):
-                    pair = tl.min(tl.where(uses & (token_of == t), index, BLOCK_PAIRS))
+                    pair = (first_pairs >> (PAIR_BITS * t)) & (BLOCK_PAIRS * 2 - 1)
                     if pair < BLOCK_PAIRS:
                         xt = load_columns(act + pair.to(tl.int64) * I, k0, I, BLOCK_K)
                         part = dot_code_tile(codes, scales, xt, GROUP, BLOCK_N, BLOCK_K)
