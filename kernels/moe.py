@@ -107,6 +107,11 @@ SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
 GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
+# Up to this many tokens the gate/up product runs a program per pair on the one-token tiles (`PER_PAIR`: an expert
+# shared by several tokens read once per token, its repeats mostly from L2), above it a program per expert walking
+# its tokens (BATCH_GEMV_TILES, or tensor cores from MMA_GATE_UP_MIN_TOKENS). Module-level so benchmarks can
+# compare them; 0 (off) until measured.
+PAIR_GATE_UP_MAX_TOKENS = 0
 # Several tokens: the gate/up kernel keeps its decoded gate and up tiles live across the token loop, so
 # the one-token tiles spill at 8 tokens (255 registers and 368 bytes of stack per thread in the sm_90
 # cubin); 8 rows x 512 columns x 4 warps keep them in 159 registers. H200, cold L2, 4 tokens
@@ -343,16 +348,27 @@ def _gate_up_swiglu_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MMA: tl.constexpr,
+    PER_PAIR: tl.constexpr,
     COUNT: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Gate and up columns of the expert of each first pair, decoded once, for every pair routed to it; SwiGLU
     of each pair into `act`. Per token on CUDA cores, or with MMA every pair of the expert at once on tensor
-    cores (as `_down_shared_gemv_kernel` does). With COUNT, each pair's first program adds 1 to `use_counts` at
-    its expert (`model.experts.count_uses`)."""
+    cores (as `_down_shared_gemv_kernel` does). PER_PAIR (BLOCK_T 1): every pair's program does its own pair,
+    an expert shared by several tokens read once per token (its other reads mostly from L2). With COUNT, each
+    pair's first program adds 1 to `use_counts` at its expert (`model.experts.count_uses`)."""
     await_producer(PDL)
-    e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
+    if PER_PAIR:
+        index = tl.arange(0, BLOCK_PAIRS)
+        e = tl.load(topk_ids + tl.program_id(0))
+        owner = True
+        uses = index == tl.program_id(0)
+        token_of = tl.zeros([BLOCK_PAIRS], dtype=tl.int32)
+        x_rows = x + (tl.program_id(0) // TOP_K).to(tl.int64) * stride_x
+    else:
+        e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
+        x_rows = x
     if COUNT:
         if tl.program_id(1) == 0:
             tl.atomic_add(use_counts + e, 1, sem="relaxed")
@@ -391,7 +407,7 @@ def _gate_up_swiglu_gemv_kernel(
                 )
                 for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
                     if (routed >> t) & 1:
-                        xt = load_columns(x + t * stride_x, k0, H, BLOCK_K)
+                        xt = load_columns(x_rows + t * stride_x, k0, H, BLOCK_K)
                         gate_part = dot_code_tile(g_codes, g_scales, xt, GROUP, BLOCK_N, BLOCK_K)
                         up_part = dot_code_tile(u_codes, u_scales, xt, GROUP, BLOCK_N, BLOCK_K)
                         acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
@@ -924,12 +940,14 @@ def _routed_experts_gemv(
     block_t, block_pairs = triton.next_power_of_2(t), triton.next_power_of_2(pairs)
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     mma = _on_tensor_cores(t, MMA_GATE_UP_MIN_TOKENS, gu, MMA_GATE_UP_TILES)
-    gate_up_tiles = MMA_GATE_UP_TILES if mma else tiles
+    per_pair = not mma and t <= PAIR_GATE_UP_MAX_TOKENS
+    gate_up_tiles = MMA_GATE_UP_TILES if mma else GEMV_TILES if per_pair else tiles
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, gate_up_tiles.gate_up_n))](
         x, arena, table, ids, act, act if uses is None else uses, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset,
-        gu.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter),
-        BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n,
-        BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, COUNT=uses is not None, IEEE=x.dtype == torch.float32,
+        gu.divisor_offset, TOP_K=top_k, BLOCK_T=1 if per_pair else block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4,
+        WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n,
+        BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, PER_PAIR=per_pair, COUNT=uses is not None,
+        IEEE=x.dtype == torch.float32,
         num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages, **launch_options(x.device),
     )
     weights = topk_weights.contiguous()

@@ -133,6 +133,26 @@ def test_shared_and_per_token_down_products_agree(monkeypatch):
     assert int(arrival_counts("moe.down_split", x.device).abs().sum()) == 0
 
 
+def test_gate_up_per_pair_equals_per_expert(monkeypatch):
+    """The gate/up product of a few tokens runs a program per expert walking its tokens or a program per pair
+    (`PAIR_GATE_UP_MAX_TOKENS`): each token's dot products are summed in the same order, so the outputs are
+    equal bit for bit, with experts shared by tokens and repeated within a token; the uses are counted alike."""
+    from ninfer_offload.kernels import moe
+
+    records = _records("q4_g64_fp16", "q5_g64_fp16", seed=11)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(5, HIDDEN, generator=gen)
+    ids = torch.tensor([[2, 4, 5], [4, 2, 0], [5, 5, 1], [2, 4, 5], [3, 0, 1]])
+    w = torch.softmax(torch.randn(5, 3, generator=gen), dim=-1)
+    for tokens in (1, 2, 5):
+        outputs, counts = [], []
+        for limit in (0, moe.GEMV_MAX_TOKENS):
+            monkeypatch.setattr(moe, "PAIR_GATE_UP_MAX_TOKENS", limit)
+            counts.append(torch.zeros(EXPERTS, dtype=torch.int32, device=DEVICE))
+            outputs.append(_assert_matches_reference(records, x[:tokens], ids[:tokens], w[:tokens], uses=counts[-1]))
+        assert torch.equal(outputs[0], outputs[1]) and torch.equal(counts[0], counts[1])
+
+
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_shared_down_sums_in_the_launch_as_a_sum_launch_would(tensor_cores, monkeypatch):
     """Several tokens' down product: the last program of each row slice to arrive sums each token's weighted
