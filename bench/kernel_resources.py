@@ -77,16 +77,11 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
                          "BLOCK_K": min(tiles.block_k, HIDDEN)}, options))
             out.append((f"MoE down, {name}, {fmt_name}", moe._down_kernel,
                         {**common, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER)}, options))
-    pairs = dict(TOP_K=8, BLOCK_T=8, BLOCK_PAIRS=64, IEEE=False)
-    for name, tiles, mma in (("8 tokens, tensor cores", moe.MMA_GATE_UP_TILES, True), ("several tokens", moe.BATCH_GEMV_TILES, False)):
-        out.append((f"MoE gate/up matrix-vector, {name}", moe._gate_up_swiglu_gemv_kernel,
-                    {**pairs, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": tiles.gate_up_n, "BLOCK_K": tiles.block_k,
-                     "MMA": mma, "COUNT": False}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
-    for name, tiles, mma in (("8 tokens, tensor cores", moe.MMA_DOWN_TILES, True), ("several tokens", moe.BATCH_GEMV_TILES, False)):
-        out.append((f"MoE down matrix-vector, {name}", moe._down_shared_gemv_kernel,
-                    {**pairs, **Q8, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER), "MMA": mma,
-                     "SUM": True}, {"num_warps": tiles.warps, "num_stages": tiles.stages}))
-    out.append(("MoE split down with the shared expert, one token", moe._down_split_gemv_kernel,
+    out.append(("MoE gate/up matrix-vector, a program per pair", moe._gate_up_swiglu_gemv_kernel,
+                {"TOP_K": 8, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": moe.GEMV_TILES.gate_up_n,
+                 "BLOCK_K": moe.GEMV_TILES.block_k, "COUNT": False},
+                {"num_warps": moe.GEMV_TILES.warps, "num_stages": moe.GEMV_TILES.stages}))
+    out.append(("MoE split down with the shared expert", moe._down_split_gemv_kernel,
                 {"TOP_K": 8, **Q8, "K_PAD": INTER, "BLOCK_N": moe.SPLIT_DOWN_N, "BLOCK_K": moe.SPLIT_DOWN_BLOCK_K, "SHARED_EXPERT": True,
                  "S_NVFP4": False, "S_BITS": 8, "S_GROUP": 32, "S_K_PAD": INTER, "S_BLOCK_K": moe.SPLIT_DOWN_BLOCK_K},
                 {"num_warps": moe.SPLIT_DOWN_WARPS, "num_stages": moe.GEMV_TILES.stages}))

@@ -263,15 +263,15 @@ def main() -> None:
         for name, fmt, n, k in (shapes[0], shapes[2], shapes[3], shapes[5]):
             record(results, lambda: dict(bench_linear(name, fmt, n, k, quant_linear.MMA_MIN_TOKENS + 1, bandwidth), tile=list(tile)), save)
     quant_linear.MMA_GEMV_TILES, quant_linear.WIDE_MMA_GEMV_TILES = defaults
-    defaults = moe.GEMV_TILES, moe.BATCH_GEMV_TILES
+    defaults = moe.GEMV_TILES
     for tiles in (moe.Tiles(1, 16, 16, 8, 2048, 3), moe.Tiles(1, 16, 16, 4, 1024, 3), moe.Tiles(1, 8, 8, 4, 512, 4),
                   moe.Tiles(1, 16, 16, 4, 512, 4), moe.Tiles(1, 32, 32, 4, 256, 4), moe.Tiles(1, 16, 16, 4, 256, 5),
                   moe.Tiles(1, 8, 16, 2, 512, 3), moe.Tiles(1, 4, 8, 4, 2048, 3), moe.Tiles(1, 8, 8, 4, 2048, 3),
                   moe.Tiles(1, 32, 16, 8, 2048, 3), moe.Tiles(1, 16, 8, 8, 2048, 3)):
-        moe.GEMV_TILES = moe.BATCH_GEMV_TILES = tiles  # matrix-vector tile sweep: one token, a 3-draft verification, a batch of 8
+        moe.GEMV_TILES = tiles  # matrix-vector tile sweep: one token, a 3-draft verification, a batch of 8
         for tokens in (1, 4, 8):
             record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=list(dataclasses.astuple(tiles))), save)
-    moe.GEMV_TILES, moe.BATCH_GEMV_TILES = defaults
+    moe.GEMV_TILES = defaults
     defaults = moe.PREFILL_TILES
     for tiles in (moe.Tiles(64, 32, 64, 4, 256, 3), moe.Tiles(64, 64, 64, 4, 64, 3), moe.Tiles(64, 64, 64, 4, 64, 4),
                   moe.Tiles(128, 64, 64, 4, 64, 4), moe.Tiles(16, 64, 64, 4, 64, 4)):

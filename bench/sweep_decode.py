@@ -118,18 +118,15 @@ def sweep_moe(bandwidth: float, record) -> None:
         distinct = int(torch.unique(ids).numel())
         record(entry("routed_experts", us, distinct * per_expert, bandwidth, tokens=t, distinct_experts=distinct, **fields))
 
-    default = moe.GEMV_TILES, moe.BATCH_GEMV_TILES
+    default = moe.GEMV_TILES
     for tiles in MOE_TILES:
-        moe.GEMV_TILES = moe.BATCH_GEMV_TILES = tiles  # one token, several
+        moe.GEMV_TILES = tiles
         for t in TOKENS:
             measure(t, 0, tile=list(dataclasses.astuple(tiles)))
-    moe.GEMV_TILES, moe.BATCH_GEMV_TILES = default
-    default = moe.SHARED_DOWN_MIN_TOKENS
-    for threshold in (default, moe.GEMV_MAX_TOKENS + 1):  # several tokens: experts shared in the down product, or per token
-        moe.SHARED_DOWN_MIN_TOKENS = threshold
         for t in TOKENS[1:]:
-            measure(t, TOP_K // 2, shared_down_min_tokens=threshold)  # half shared, as consecutive tokens share them
-    moe.SHARED_DOWN_MIN_TOKENS = default
+            # half of each token's experts shared, as consecutive tokens share them
+            measure(t, TOP_K // 2, tile=list(dataclasses.astuple(tiles)), shared_experts=TOP_K // 2)
+    moe.GEMV_TILES = default
 
 
 def sweep_attention(bandwidth: float, record) -> None:

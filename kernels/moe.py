@@ -15,21 +15,15 @@ compiler prove alignment and issue 16-byte pipelined loads (raw int-to-pointer a
 compile to one-byte loads).
 
 Two paths, both free of host syncs (so they can be captured in a CUDA graph):
-* few (token, slot) pairs (decode, verification, small batches): matrix-vector kernels. A program
-  per (pair, column slice) works only if its pair is the first one routed to its expert, and then
-  for every token routed to that expert, decoding each weight tile once (`load_gemv_tile`):
-  kernel 1 computes gate and up rows and applies SwiGLU (per token on CUDA cores, or from
-  `MMA_GATE_UP_MIN_TOKENS` tokens all of an expert's pairs in one tensor-core product). For up to
-  `SHARED_DOWN_MIN_TOKENS - 1` tokens, kernel 2 runs a program per (slice of output rows, slot, token):
-  each writes its expert's rounded, weighted rows (fp32) and the last of a slice's k programs to arrive
-  sums them in slot order (an atomic count per slice, so no
-  reduction is launched and the k experts are read in parallel). Given the MoE block's shared expert
-  (`SharedExpert`), one more program per slice computes its down rows (SwiGLU of its gate/up, scaled
-  by sigmoid of its score) in the same launch and the last arriver adds them to the rounded routed
-  sum, as `shared_expert` would after it: one launch fewer per layer. For more tokens, the down kernel
-  shares each expert as kernel 1 does (per token on CUDA cores, or from `MMA_DOWN_MIN_TOKENS` tokens all of
-  an expert's pairs in one tensor-core product) and the k weighted rows of each token are summed in the
-  same fixed order by the last program of each row slice to arrive (`SUM_IN_PRODUCT`).
+* few (token, slot) pairs (decode, verification, small batches): matrix-vector kernels, a program per pair
+  and slice, decoding each weight tile in registers (`load_gemv_tile`). Kernel 1 computes a column slice of
+  the pair's gate and up rows and applies SwiGLU. Kernel 2 runs a program per (slice of output rows, slot,
+  token): each writes its expert's rounded, weighted rows (fp32) and the last of a slice's k programs to
+  arrive sums them in slot order (an atomic count per slice, so no reduction is launched and the k experts
+  are read in parallel). An expert that several tokens use is read once per token, its repeats mostly from
+  L2. Given the MoE block's shared expert (`SharedExpert`), one more program per slice and token computes
+  its down rows (SwiGLU of its gate/up, scaled by sigmoid of its score) in the same launch and the last
+  arriver adds them to the rounded routed sum, as `shared_expert` would after it: one launch fewer per layer.
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
   own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
@@ -62,7 +56,7 @@ from ninfer_offload.kernels.launch import await_producer, launch_options
 from ninfer_offload.kernels.nvfp4 import row_divisors
 from ninfer_offload.kernels.quant_linear import SWIGLU, input_columns
 from ninfer_offload.kernels.reduce import sum_middle
-from ninfer_offload.kernels.rowsplit import dot_code_tile, load_columns, mma_code_tile
+from ninfer_offload.kernels.rowsplit import dot_code_tile, load_columns
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile, program_rows
 
 
@@ -79,23 +73,19 @@ class Tiles:
     stages: int = 3
 
 
-# Up to this many (token, slot) pairs: the matrix-vector kernels (block_m unused;
-# widest column tile in block_k). H200 sweep (bench/kernel_sweeps.py): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide.
+# Up to this many (token, slot) pairs and tokens: the matrix-vector kernels, a program per pair (both products).
+# They replaced, at 2-8 tokens, kernels in which a program per expert walked the tokens routed to it (each expert
+# read and decoded once per step; from 8 tokens on tensor cores): H100, trace routing, on the columns-dot tree
+# (bench/results/step_ab_h100_pair_gate_up_a57736d.json), a 3-draft verification took 4.10-4.12 ms with a program
+# per pair against 4.45, a batch-8 step 5.33-5.34 against 6.21. The matrix-vector kernels' register tiles
+# bound the token count (a per-pair program holds one token's x tile), the split down kernel's arrival
+# counts the rows x tokens.
 GEMV_MAX_PAIRS = 64
-GEMV_MAX_TOKENS = 8  # the kernels unroll a loop over the tokens
-# From this many tokens the matrix-vector down product reads each expert once for all the tokens routed to
-# it (`_down_shared_gemv_kernel`: weighted rows per pair, then one fixed-order sum launch); below it a
-# program per (row slice, pair) reads its pair's expert and the last of a slice's k programs sums the
-# weighted rows (`_down_split_gemv_kernel`: an expert shared by several tokens is read once per token, no
-# sum launch). Both round, weight and sum the same way (on a GPU their fp32 dot products may differ in the
-# last bits: the two kernels reduce a row in different orders). Module-level so benchmarks can compare them.
-# H200 step A/B at 87d790d (bench/results/step_ab_h200_87d790d.json): a 3-draft verification (4 tokens) took
-# 4.69 ms with the per-token kernel against 4.74 with the shared one.
-SHARED_DOWN_MIN_TOKENS = 5
-# The shared down kernel's per-token sum of the k weighted rows: by the last program of each row slice to arrive
-# (an arrival count) or, turned off, by a `sum_middle` launch after it (40 launches, 91 us of the 5.3 ms batch-8
-# step at 01e649c). Module-level so benchmarks can compare the two.
-SUM_IN_PRODUCT = True
+GEMV_MAX_TOKENS = 8
+# The gate/up kernel's columns per program, warps and widest k tile (block_m and down_n unused). H200 sweep
+# (bench/kernel_sweeps.py, one token): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide. H100 step A/B at
+# a57736d: 1024 / 512 wide (a k loop) 5.45 / 5.58 ms per batch-8 step against 5.33; 8 columns on 4 warps 5.29.
+GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
 # Rows per program, warps and k tile of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
 # L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one
 # program per 16 rows walking the 8 experts (the kernel it replaced). In the step (with the shared expert folded
@@ -103,37 +93,9 @@ SUM_IN_PRODUCT = True
 # 32 rows (bench/results/step_ab_h200_split_tiles_05f867f.json, step_ab_h200_split_n16_05f867f.json); k tiles of
 # 256 / 128 (fewer registers, a k loop) 2.57 / 2.52, 4 warps 2.36, 64 rows / 4 warps 2.75.
 SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
-# One token's shared expert in the split down launch (its own launch after the routed experts otherwise).
+# Each token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
-GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
-# Up to this many tokens the gate/up product runs a program per pair on the one-token tiles (`PER_PAIR`: an expert
-# shared by several tokens read once per token, its repeats mostly from L2), above it a program per expert walking
-# its tokens (BATCH_GEMV_TILES, or tensor cores from MMA_GATE_UP_MIN_TOKENS). Module-level so benchmarks can
-# compare them; 0 (off) until measured.
-PAIR_GATE_UP_MAX_TOKENS = 0
-# Several tokens: the gate/up kernel keeps its decoded gate and up tiles live across the token loop, so
-# the one-token tiles spill at 8 tokens (255 registers and 368 bytes of stack per thread in the sm_90
-# cubin); 8 rows x 512 columns x 4 warps keep them in 159 registers. H200, cold L2, 4 tokens
-# (bench/results/kernels_h200_cold_cfce028.json): 58.8 us per layer against 69.0 (one token: 15.1 against 14.4).
-# 16 down rows per program: 31.0 us per layer at 8 tokens against 35.9 for 8 rows, 15.5 against 16.4 at 4
-# (step A/B at 87d790d, kernels by launch shape).
-BATCH_GEMV_TILES = Tiles(1, 8, 16, 4, 512, 4)
-# Several tokens' down product on tensor cores from this many tokens (`_down_shared_gemv_kernel` with MMA: each
-# expert's pairs in one product, rows per program and k tile of MMA_DOWN_TILES), below it per token on CUDA cores.
-# H200 step A/B at 87d790d (random routing, ~60 experts per layer at 8 tokens): 25.9 us per layer at 8 tokens
-# against 35.9 per token (batch-8 step 6.13 against 6.46 ms); at 4 tokens 17.2 against 16.4 (the split kernel's
-# range now). 5-7 tokens unmeasured: the per-token kernel keeps them. Rows per program (its per-token sums in the
-# launch), H200 batch-8 step: 32 / 64 rows 34.6 / 29.3 us per layer (5.77 / 5.61 ms, k tiles of 256: 6.08;
-# bench/results/step_ab_h200_9ed0fbb.json), 64 / 128 rows 29.3 / 26.7 us (5.23 / 5.17 ms, 64 rows on 8 warps 6.04;
-# step_ab_h200_bf29cbc.json).
-MMA_DOWN_MIN_TOKENS = 8
-MMA_DOWN_TILES = Tiles(1, 8, 128, 4, 128, 3)
-# The gate/up product likewise (`_gate_up_swiglu_gemv_kernel` with MMA, columns per program and k tile of
-# MMA_GATE_UP_TILES). H200 step A/B at 442bc96: batch-8 step 5.56 ms with 32 columns per program against 6.03 per
-# token (16 columns: 6.05); a 3-draft verification on it 5.12 against 4.62, so not below 8 tokens.
-MMA_GATE_UP_MIN_TOKENS = 8
-MMA_GATE_UP_TILES = Tiles(1, 32, 32, 4, 128, 3)  # sm_90 cubins: 242 registers at 64 pairs, no spill
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
@@ -241,70 +203,12 @@ def plan_work(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> WorkPla
 
 
 @triton.jit
-def _expert_tokens(topk_ids, pair, pairs, TOP_K: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
-    """(expert of `pair`, whether `pair` is its expert's first pair, the pair indices [BLOCK_PAIRS], which
-    of them use the expert, their tokens): a program per pair does the work of every pair of its
-    expert, so each expert's weights are read and decoded once per step."""
-    index = tl.arange(0, BLOCK_PAIRS)
-    ids = tl.load(topk_ids + index, mask=index < pairs, other=-1)
-    e = tl.load(topk_ids + pair)
-    uses = ids == e
-    first = tl.min(tl.where(uses, index, BLOCK_PAIRS))
-    return e, first == pair, index, uses, index // TOP_K
-
-
-@triton.jit
-def _token_bits(uses, token_of, BLOCK_T: tl.constexpr):
-    """int32 with bit t set where token t is routed to the expert (`_expert_tokens`' uses): computed once, before
-    the k loop, so the per-token branches inside it test a bit instead of reducing over the pairs per tile."""
-    toks = tl.arange(0, BLOCK_T)
-    routed = tl.max(tl.where(uses[:, None] & (token_of[:, None] == toks[None, :]), 1, 0), axis=0)
-    return tl.sum(routed << toks)
-
-
-PAIR_BITS = tl.constexpr(8)  # bits per token of `_token_first_pairs`: pair indices up to 127, and 128 for none
-
-
-@triton.jit
-def _token_first_pairs(uses, token_of, index, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
-    """int64 holding, PAIR_BITS bits per token t, the index of token t's first pair routed to the expert
-    (BLOCK_PAIRS where none is): computed once, before the k loop (BLOCK_T * PAIR_BITS <= 64, BLOCK_PAIRS <= 128)."""
-    toks = tl.arange(0, BLOCK_T)
-    first = tl.min(tl.where(uses[:, None] & (token_of[:, None] == toks[None, :]), index[:, None], BLOCK_PAIRS), axis=0)
-    return tl.sum(first.to(tl.int64) << (toks.to(tl.int64) * PAIR_BITS))
-
-
-@triton.jit
-def pair_rows(y, token_of, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Per-token rows y [BLOCK_T, BLOCK_N] -> one row per pair [BLOCK_PAIRS, BLOCK_N] (its token's):
-    every pair of the expert gets its row, also a token's repeated uses of one expert."""
-    toks = tl.arange(0, BLOCK_T)
-    out = tl.zeros([BLOCK_PAIRS, BLOCK_N], dtype=tl.float32)
-    for t in tl.static_range(BLOCK_T):
-        row = tl.sum(tl.where(toks[:, None] == t, y, 0.0), axis=0)
-        out = tl.where((token_of == t)[:, None], row[None, :], out)
-    return out
-
-
-MMA_ROWS = tl.constexpr(16)  # pairs of one expert per tensor-core product of the matrix-vector kernels
-
-
-@triton.jit
-def _expert_pair_rows(uses, rank, index, r0, BLOCK_PAIRS: tl.constexpr):
-    """(member, live) [MMA_ROWS]: row r of a tensor-core product is the expert's (r0 + r)-th pair (`rank`: of
-    each pair among the expert's), `live` where there is one."""
-    slot = r0 + tl.arange(0, MMA_ROWS)
-    member = tl.min(tl.where(uses[None, :] & (rank[None, :] == slot[:, None]), index[None, :], BLOCK_PAIRS), axis=1)
-    return member, member < BLOCK_PAIRS
-
-
-@triton.jit
 def _gate_up_tiles(
     record, cols_i, col_mask, k0, I, high_offset, scale_offset,
     NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """(gate codes, gate scales, up codes, up scales): the k tile at `k0` of an expert's gate rows `cols_i` and of
-    its up rows (I rows further on), for `dot_code_tile` / `mma_code_tile`."""
+    its up rows (I rows further on), for `dot_code_tile`."""
     gate = load_gemv_tile(record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     up = load_gemv_tile(record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     return gate[0], gate[1], up[0], up[1]
@@ -312,11 +216,11 @@ def _gate_up_tiles(
 
 @triton.jit
 def _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4: tl.constexpr):
-    """SwiGLU of gate and up accumulators [R, BLOCK_N] (float32): over their rows' divisors (nvfp4,
-    `row_divisors`), each rounded to the activations' dtype first."""
+    """SwiGLU of gate and up accumulators ([BLOCK_N] or [R, BLOCK_N], float32): over their rows' divisors
+    ([BLOCK_N]: nvfp4, `row_divisors`), each rounded to the activations' dtype first."""
     if NVFP4:
-        acc_gate = acc_gate / gate_divisors[None, :]
-        acc_up = acc_up / up_divisors[None, :]
+        acc_gate = acc_gate / gate_divisors
+        acc_up = acc_up / up_divisors
     gate = acc_gate.to(x.dtype.element_ty).to(tl.float32)
     up = acc_up.to(x.dtype.element_ty).to(tl.float32)
     return gate / (1.0 + tl.exp(-gate)) * up
@@ -331,15 +235,12 @@ def _gate_up_swiglu_gemv_kernel(
     act,
     use_counts,
     stride_x,
-    pairs,
     H,
     I,
     high_offset,
     scale_offset,
     divisor_offset,
     TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_PAIRS: tl.constexpr,
     NVFP4: tl.constexpr,
     WHOLE_TILES: tl.constexpr,
     BITS: tl.constexpr,
@@ -347,75 +248,36 @@ def _gate_up_swiglu_gemv_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr,
-    PER_PAIR: tl.constexpr,
     COUNT: tl.constexpr,
-    IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Gate and up columns of the expert of each first pair, decoded once, for every pair routed to it; SwiGLU
-    of each pair into `act`. Per token on CUDA cores, or with MMA every pair of the expert at once on tensor
-    cores (as `_down_shared_gemv_kernel` does). PER_PAIR (BLOCK_T 1): every pair's program does its own pair,
-    an expert shared by several tokens read once per token (its other reads mostly from L2). With COUNT, each
-    pair's first program adds 1 to `use_counts` at its expert (`model.experts.count_uses`)."""
+    """A program per (pair, column slice): the gate and up columns of the pair's expert times its token's x,
+    SwiGLU into the pair's row of `act`. An expert that several tokens use is read once per token (the
+    repeats mostly from L2, the programs of one column slice running together). With COUNT, each pair's
+    first program adds 1 to `use_counts` at its expert (`model.experts.count_uses`)."""
     await_producer(PDL)
-    if PER_PAIR:
-        index = tl.arange(0, BLOCK_PAIRS)
-        e = tl.load(topk_ids + tl.program_id(0))
-        owner = True
-        uses = index == tl.program_id(0)
-        token_of = tl.zeros([BLOCK_PAIRS], dtype=tl.int32)
-        x_rows = x + (tl.program_id(0) // TOP_K).to(tl.int64) * stride_x
-    else:
-        e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
-        x_rows = x
+    pair = tl.program_id(0)
+    e = tl.load(topk_ids + pair)
     if COUNT:
         if tl.program_id(1) == 0:
             tl.atomic_add(use_counts + e, 1, sem="relaxed")
-    if owner:
-        record = arena + tl.multiple_of(tl.load(table + e), 256)
-        cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
-        col_mask = cols_i < I
-        gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
-        up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
-        if MMA:
-            rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1
-            for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
-                member, live = _expert_pair_rows(uses, rank, index, r0, BLOCK_PAIRS)
-                token = tl.where(live, member // TOP_K, 0).to(tl.int64)
-                acc_gate = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
-                acc_up = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, K_PAD, BLOCK_K):
-                    g_codes, g_scales, u_codes, u_scales = _gate_up_tiles(
-                        record, cols_i, col_mask, k0, I, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-                    )
-                    cols = k0 + tl.arange(0, BLOCK_K)
-                    xt = tl.load(x + token[:, None] * stride_x + cols[None, :], mask=live[:, None] & (cols < H)[None, :], other=0.0)
-                    acc_gate = mma_code_tile(g_codes, g_scales, xt, acc_gate, GROUP, BLOCK_N, BLOCK_K, IEEE)
-                    acc_up = mma_code_tile(u_codes, u_scales, xt, acc_up, GROUP, BLOCK_N, BLOCK_K, IEEE)
-                y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
-                ptr = act + member.to(tl.int64)[:, None] * I + cols_i[None, :]
-                tl.store(ptr, y.to(act.dtype.element_ty), mask=live[:, None] & col_mask[None, :])
-        else:
-            toks = tl.arange(0, BLOCK_T)
-            acc_gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            routed = _token_bits(uses, token_of, BLOCK_T)
-            for k0 in range(0, K_PAD, BLOCK_K):
-                g_codes, g_scales, u_codes, u_scales = _gate_up_tiles(
-                    record, cols_i, col_mask, k0, I, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-                )
-                for t in tl.static_range(BLOCK_T):  # the tile is decoded once for every token routed to the expert
-                    if (routed >> t) & 1:
-                        xt = load_columns(x_rows + t * stride_x, k0, H, BLOCK_K)
-                        gate_part = dot_code_tile(g_codes, g_scales, xt, GROUP, BLOCK_N, BLOCK_K)
-                        up_part = dot_code_tile(u_codes, u_scales, xt, GROUP, BLOCK_N, BLOCK_K)
-                        acc_gate = tl.where(toks[:, None] == t, acc_gate + gate_part[None, :], acc_gate)
-                        acc_up = tl.where(toks[:, None] == t, acc_up + up_part[None, :], acc_up)
-            y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
-            pair_act = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N)
-            ptr = act + index.to(tl.int64)[:, None] * I + cols_i[None, :]
-            tl.store(ptr, pair_act.to(act.dtype.element_ty), mask=uses[:, None] & col_mask[None, :])
+    record = arena + tl.multiple_of(tl.load(table + e), 256)
+    cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
+    col_mask = cols_i < I
+    gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
+    up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
+    x_row = x + (pair // TOP_K).to(tl.int64) * stride_x
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        g_codes, g_scales, u_codes, u_scales = _gate_up_tiles(
+            record, cols_i, col_mask, k0, I, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
+        )
+        xt = load_columns(x_row, k0, H, BLOCK_K)
+        acc_gate += dot_code_tile(g_codes, g_scales, xt, GROUP, BLOCK_N, BLOCK_K)
+        acc_up += dot_code_tile(u_codes, u_scales, xt, GROUP, BLOCK_N, BLOCK_K)
+    y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)
+    tl.store(act + pair.to(tl.int64) * I + cols_i, y.to(act.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -439,95 +301,6 @@ def _sum_slots(partial, out, H, rows, row_mask, TOP_K: tl.constexpr, SHARED_EXPE
         shared = tl.load(partial + TOP_K * H + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
         total = total.to(out.dtype.element_ty).to(tl.float32) + shared
     tl.store(out + rows, total.to(out.dtype.element_ty), mask=row_mask)
-
-
-@triton.jit
-def _down_shared_gemv_kernel(
-    act,
-    arena,
-    table,
-    topk_ids,
-    weights,
-    weighted,
-    out,
-    arrivals,
-    pairs,
-    H,
-    I,
-    down_offset,
-    high_offset,
-    scale_offset,
-    divisor_offset,
-    TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_PAIRS: tl.constexpr,
-    NVFP4: tl.constexpr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr,
-    IEEE: tl.constexpr,
-    SUM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Several tokens: the expert of each first pair, decoded once, applied to every pair routed to it;
-    each pair's weighted output row (float32) goes to `weighted` for the per-token sum. Per token on CUDA
-    cores, or with MMA every pair of the expert at once on tensor cores (in index order, MMA_ROWS per
-    product: one product unless a token uses the expert in several slots; no per-token loop or reduction).
-    With SUM, the last of a row slice's programs to arrive (`arrivals`; every pair's program arrives, owner
-    or not) sums each token's TOP_K weighted rows in slot order into `out`."""
-    await_producer(PDL)
-    e, owner, index, uses, token_of = _expert_tokens(topk_ids, tl.program_id(0), pairs, TOP_K, BLOCK_PAIRS)
-    rows = program_rows(tl.program_id(1), BLOCK_N, NVFP4)
-    row_mask = rows < H
-    if owner:
-        down = arena + tl.multiple_of(tl.load(table + e), 256) + down_offset
-        divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
-        if MMA:
-            rank = tl.cumsum(uses.to(tl.int32), axis=0) - 1  # of each pair among the expert's
-            for r0 in range(0, tl.sum(uses.to(tl.int32)), MMA_ROWS):
-                member, live = _expert_pair_rows(uses, rank, index, r0, BLOCK_PAIRS)
-                acc = tl.zeros([MMA_ROWS, BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, K_PAD, BLOCK_K):
-                    codes, scales = load_gemv_tile(
-                        down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-                    )
-                    cols = k0 + tl.arange(0, BLOCK_K)
-                    at = act + member.to(tl.int64)[:, None] * I + cols[None, :]
-                    xt = tl.load(at, mask=live[:, None] & (cols < I)[None, :], other=0.0)
-                    acc = mma_code_tile(codes, scales, xt, acc, GROUP, BLOCK_N, BLOCK_K, IEEE)
-                y = _rounded_down_rows(acc, divisors, act, NVFP4)
-                w = tl.load(weights + member, mask=live, other=0.0).to(tl.float32)
-                ptr = weighted + member.to(tl.int64)[:, None] * H + rows[None, :]
-                tl.store(ptr, y * w[:, None], mask=live[:, None] & row_mask[None, :])
-        else:
-            toks = tl.arange(0, BLOCK_T)
-            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            first_pairs = _token_first_pairs(uses, token_of, index, BLOCK_T, BLOCK_PAIRS)
-            for k0 in range(0, K_PAD, BLOCK_K):
-                codes, scales = load_gemv_tile(
-                    down, rows, row_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K
-                )
-                for t in tl.static_range(BLOCK_T):
-                    pair = (first_pairs >> (PAIR_BITS * t)) & (BLOCK_PAIRS * 2 - 1)
-                    if pair < BLOCK_PAIRS:
-                        xt = load_columns(act + pair.to(tl.int64) * I, k0, I, BLOCK_K)
-                        part = dot_code_tile(codes, scales, xt, GROUP, BLOCK_N, BLOCK_K)
-                        acc = tl.where(toks[:, None] == t, acc + part[None, :], acc)
-            y = _rounded_down_rows(acc, divisors, act, NVFP4)
-            w = tl.load(weights + index, mask=uses, other=0.0).to(tl.float32)
-            ptr = weighted + index.to(tl.int64)[:, None] * H + rows[None, :]
-            out_rows = pair_rows(y, token_of, BLOCK_T, BLOCK_PAIRS, BLOCK_N) * w[:, None]
-            tl.store(ptr, out_rows, mask=uses[:, None] & row_mask[None, :])
-    if SUM:
-        count = arrivals + tl.program_id(1)
-        if last_to_arrive(count, pairs):
-            for t in tl.static_range(BLOCK_T):
-                if t < pairs // TOP_K:
-                    _sum_slots(weighted + t * TOP_K * H, out + t * H, H, rows, row_mask, TOP_K, False, BLOCK_N)
-            rearm(count)
 
 
 @triton.jit
@@ -800,7 +573,7 @@ def routed_experts(
     gu, dn = _geometries(layout, hidden)
     x = x.contiguous()
     pairs = t * topk_ids.shape[1]
-    if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS:
+    if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS and t * triton.cdiv(hidden, SPLIT_DOWN_N) <= ARRIVAL_COUNTS:
         return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared, uses)
     if uses is not None:
         count_uses(uses, topk_ids)
@@ -915,12 +688,6 @@ def _whole_tiles(gu: TileGeometry, inter: int) -> bool:
     return gu.nvfp4 and inter % 128 == 0
 
 
-def _on_tensor_cores(tokens: int, min_tokens: int, geometry: TileGeometry, tiles: Tiles) -> bool:
-    """Whether a matrix-vector product of `tokens` tokens runs on tensor cores: from `min_tokens`, and only with
-    k tiles of 128+ columns (the tiles the tensor-core launches were measured with)."""
-    return tokens >= min_tokens and gemv_block_k(geometry.k_pad, tiles.block_k) >= 128
-
-
 def _routed_experts_gemv(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -933,54 +700,31 @@ def _routed_experts_gemv(
     shared: SharedExpert | None,
     uses: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The matrix-vector path of `routed_experts` (few pairs); the gate/up launch counts `uses`."""
+    """The matrix-vector path of `routed_experts` (few pairs): a program per (pair, column slice) for gate/up (it
+    counts `uses`), a program per (row slice, slot, token) for down, the last of a slice's to arrive summing it."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
-    ids, tiles = topk_ids.contiguous(), GEMV_TILES if t == 1 else BATCH_GEMV_TILES
-    pairs = t * top_k
-    block_t, block_pairs = triton.next_power_of_2(t), triton.next_power_of_2(pairs)
+    ids, pairs = topk_ids.contiguous(), t * top_k
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
-    mma = _on_tensor_cores(t, MMA_GATE_UP_MIN_TOKENS, gu, MMA_GATE_UP_TILES)
-    per_pair = not mma and t <= PAIR_GATE_UP_MAX_TOKENS
-    gate_up_tiles = MMA_GATE_UP_TILES if mma else GEMV_TILES if per_pair else tiles
-    _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, gate_up_tiles.gate_up_n))](
-        x, arena, table, ids, act, act if uses is None else uses, x.stride(0), pairs, hidden, inter, gu.high_offset, gu.scale_offset,
-        gu.divisor_offset, TOP_K=top_k, BLOCK_T=1 if per_pair else block_t, BLOCK_PAIRS=block_pairs, NVFP4=gu.nvfp4,
-        WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=gate_up_tiles.gate_up_n,
-        BLOCK_K=gemv_block_k(gu.k_pad, gate_up_tiles.block_k), MMA=mma, PER_PAIR=per_pair, COUNT=uses is not None,
-        IEEE=x.dtype == torch.float32,
-        num_warps=gate_up_tiles.warps, num_stages=gate_up_tiles.stages, **launch_options(x.device),
+    _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, GEMV_TILES.gate_up_n))](
+        x, arena, table, ids, act, act if uses is None else uses, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
+        gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group,
+        K_PAD=gu.k_pad, BLOCK_N=GEMV_TILES.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, GEMV_TILES.block_k), COUNT=uses is not None,
+        num_warps=GEMV_TILES.warps, num_stages=GEMV_TILES.stages, **launch_options(x.device),
     )
-    weights = topk_weights.contiguous()
-    blocks = triton.cdiv(hidden, SPLIT_DOWN_N)
-    if t < SHARED_DOWN_MIN_TOKENS and t * blocks <= ARRIVAL_COUNTS:  # a program per (row slice, slot), no sum launch
-        fold = _foldable(shared)
-        out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
-        partial = torch.empty(pairs + fold * t, hidden, device=x.device, dtype=torch.float32)
-        gate, up, score = (shared.gate, shared.up, shared.score) if fold else (x, x, x)
-        s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
-        _down_split_gemv_kernel[(blocks, top_k + fold, t)](
-            act, arena, table, ids, weights, partial, arrival_counts("moe.down_split", x.device), out, hidden, inter, layout.down_offset,
-            dn.high_offset, dn.scale_offset, dn.divisor_offset, gate, up, gate.stride(0), up.stride(0), s_data, score, score.stride(0),
-            gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
-            GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), SHARED_EXPERT=fold,
-            S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K),
-            num_warps=SPLIT_DOWN_WARPS, num_stages=tiles.stages, **launch_options(x.device),
-        )
-        return out if fold else _with_shared(out, shared)
-    weighted = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
-    mma = _on_tensor_cores(t, MMA_DOWN_MIN_TOKENS, dn, MMA_DOWN_TILES)
-    down_tiles = MMA_DOWN_TILES if mma else tiles
-    slices = triton.cdiv(hidden, down_tiles.down_n)
-    summed = SUM_IN_PRODUCT and slices <= ARRIVAL_COUNTS
+    fold = _foldable(shared)
     out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
-    _down_shared_gemv_kernel[(pairs, slices)](
-        act, arena, table, ids, weights, weighted, out, arrival_counts("moe.down_shared", x.device), pairs, hidden, inter,
-        layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset, TOP_K=top_k, BLOCK_T=block_t, BLOCK_PAIRS=block_pairs,
-        NVFP4=dn.nvfp4, BITS=dn.bits, GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=down_tiles.down_n,
-        BLOCK_K=gemv_block_k(dn.k_pad, down_tiles.block_k), MMA=mma, IEEE=x.dtype == torch.float32, SUM=summed,
-        num_warps=down_tiles.warps, num_stages=down_tiles.stages, **launch_options(x.device),
+    partial = torch.empty(pairs + fold * t, hidden, device=x.device, dtype=torch.float32)
+    gate, up, score = (shared.gate, shared.up, shared.score) if fold else (x, x, x)
+    s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
+    _down_split_gemv_kernel[(triton.cdiv(hidden, SPLIT_DOWN_N), top_k + fold, t)](
+        act, arena, table, ids, topk_weights.contiguous(), partial, arrival_counts("moe.down_split", x.device), out, hidden, inter,
+        layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset, gate, up, gate.stride(0), up.stride(0), s_data, score,
+        score.stride(0), gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
+        GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), SHARED_EXPERT=fold,
+        S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K),
+        num_warps=SPLIT_DOWN_WARPS, num_stages=GEMV_TILES.stages, **launch_options(x.device),
     )
-    return _with_shared(out if summed else sum_middle(weighted.view(t, top_k, hidden), x.dtype), shared)
+    return out if fold else _with_shared(out, shared)
 
 
 def _foldable(shared: SharedExpert | None) -> bool:

@@ -38,21 +38,3 @@ class LaunchedWith:
             return launch(*args, **kwargs)
 
         return checked
-
-
-# Each routed-experts matrix-vector product with a tensor-core path: its threshold and its kernel (kernels/moe.py).
-TENSOR_CORE_PRODUCTS = {
-    "gate_up": ("MMA_GATE_UP_MIN_TOKENS", "_gate_up_swiglu_gemv_kernel"),
-    "down": ("MMA_DOWN_MIN_TOKENS", "_down_shared_gemv_kernel"),
-}
-
-
-def product_on_tensor_cores(monkeypatch, product: str) -> None:
-    """Make the routed experts' `product` run on tensor cores from 2 tokens (the down product of any token
-    count on the several-token kernel), each launch checked to take that path."""
-    from ninfer_offload.kernels import moe
-
-    threshold, kernel = TENSOR_CORE_PRODUCTS[product]
-    monkeypatch.setattr(moe, "SHARED_DOWN_MIN_TOKENS", 1)
-    monkeypatch.setattr(moe, threshold, 2)
-    monkeypatch.setattr(moe, kernel, LaunchedWith(getattr(moe, kernel), MMA=True))
