@@ -10,7 +10,10 @@ Per mode (everything resident, then each VRAM budget in GiB planned with `--prof
   `step_stage_us` / `verify_stage_us`: kernel microseconds by stage of that step and of each
   verification step (`bench/profiling.py`), `step_kernels` / `verify_kernels` their costliest kernels;
 * per K = 1..5: `verify_step_ratio`, a (K + 1)-token verification step followed by the commit of
-  its first token (the GDN state restore a rejected round pays) over `step_s`; `draft_s`, one MTP
+  its first token (the GDN state restore a rejected round pays) over a one-token step timed in turns with
+  it (`step_beside_verify_s`: both find an offloaded load's expert cache in the same state, which the
+  verifications' reads move; `verify_over_step_s` divides by `step_s` instead, as runs before 2026-12-06
+  did: their 15 GiB ratios swung by about 0.05 between runs); `draft_s`, one MTP
   step (`draft_stage_us` / `draft_kernels` its kernels, `draft_runtime` its CUDA runtime calls with
   their host microseconds: where a draft's time goes besides its kernels); `round_s`, a whole
   speculative round at full acceptance, measured in draft-oracle mode (benchmark only: the MTP layer
@@ -66,6 +69,20 @@ def synchronized(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def paired_median_seconds(first, second, repeats: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds of `first` and of `second`, timed in turns (first, second, first, ...), so both see the state
+    as it drifts (an offloaded load's expert cache)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for run, kept in zip((first, second), times):
+            synchronized(device)
+            began = time.perf_counter()
+            run()
+            synchronized(device)
+            kept.append(time.perf_counter() - began)
+    return sorted(times[0])[repeats // 2], sorted(times[1])[repeats // 2]
+
+
 def median_seconds(run, repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
@@ -118,7 +135,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
             engine.mtp_step([session], torch.zeros(1, engine.config.hidden_size, device=device), [7])
             session.forget_mtp(1)
 
-        verify_s = median_seconds(verify, repeats, device)
+        step_beside_s, verify_s = paired_median_seconds(step, verify, repeats, device)
         draft_s = median_seconds(draft, repeats, device)
         verify_stages, verify_kernels, _ = kernel_breakdown(verify, 3) if device.type == "cuda" else ({}, [], {})
         draft_stages, draft_kernels, draft_runtime = kernel_breakdown(draft, 3) if device.type == "cuda" else ({}, [], {})
@@ -132,7 +149,9 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
             "step_stage_us": step_stages,
             "step_kernels": step_kernels[:KERNELS_KEPT],
             "verify_s": verify_s,
-            "verify_step_ratio": verify_s / step_s,
+            "step_beside_verify_s": step_beside_s,
+            "verify_step_ratio": verify_s / step_beside_s,
+            "verify_over_step_s": verify_s / step_s,
             "verify_stage_us": verify_stages,
             "verify_kernels": verify_kernels[:KERNELS_KEPT],
             "draft_s": draft_s,

@@ -29,3 +29,4 @@ def test_spec_benchmark_runs_on_the_cpu(artifact, flags, request, tmp_path):
     for run in runs:
         assert run["oracle_attempts"] == 1 and run["oracle_acceptance"] == 1.0
         assert run["verify_step_ratio"] > 0 and run["projected_speedup"] > 0 and run["plain_s"] > 0
+        assert run["verify_step_ratio"] == pytest.approx(run["verify_s"] / run["step_beside_verify_s"])
