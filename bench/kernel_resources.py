@@ -78,7 +78,7 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
             out.append((f"MoE down, {name}, {fmt_name}", moe._down_kernel,
                         {**common, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER)}, options))
     out.append(("MoE gate/up matrix-vector, a program per pair", moe._gate_up_swiglu_gemv_kernel,
-                {"TOP_K": 8, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": moe.GEMV_TILES.gate_up_n,
+                {"TOP_K": 8, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": moe.GEMV_TILES.block_n,
                  "BLOCK_K": moe.GEMV_TILES.block_k, "COUNT": False},
                 {"num_warps": moe.GEMV_TILES.warps, "num_stages": moe.GEMV_TILES.stages}))
     out.append(("MoE split down with the shared expert", moe._down_split_gemv_kernel,

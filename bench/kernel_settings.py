@@ -1,6 +1,6 @@
 """Kernel settings from a benchmark's command line: `MODULE.NAME=EXPRESSION`, MODULE one of
 `ninfer_offload.kernels`' modules, EXPRESSION evaluated with those modules in scope (e.g.
-`moe.GEMV_TILES=moe.Tiles(1,8,16,4,2048,3)`, `quant_linear.TILED_SCALE_ORDER=False`)."""
+`moe.GEMV_TILES=quant_linear.GemvTiles(8,2048,4,3)`, `quant_linear.TILED_SCALE_ORDER=False`)."""
 
 from __future__ import annotations
 

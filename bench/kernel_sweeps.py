@@ -264,10 +264,9 @@ def main() -> None:
             record(results, lambda: dict(bench_linear(name, fmt, n, k, quant_linear.MMA_MIN_TOKENS + 1, bandwidth), tile=list(tile)), save)
     quant_linear.MMA_GEMV_TILES, quant_linear.WIDE_MMA_GEMV_TILES = defaults
     defaults = moe.GEMV_TILES
-    for tiles in (moe.Tiles(1, 16, 16, 8, 2048, 3), moe.Tiles(1, 16, 16, 4, 1024, 3), moe.Tiles(1, 8, 8, 4, 512, 4),
-                  moe.Tiles(1, 16, 16, 4, 512, 4), moe.Tiles(1, 32, 32, 4, 256, 4), moe.Tiles(1, 16, 16, 4, 256, 5),
-                  moe.Tiles(1, 8, 16, 2, 512, 3), moe.Tiles(1, 4, 8, 4, 2048, 3), moe.Tiles(1, 8, 8, 4, 2048, 3),
-                  moe.Tiles(1, 32, 16, 8, 2048, 3), moe.Tiles(1, 16, 8, 8, 2048, 3)):
+    for shape in ((16, 2048, 8, 3), (16, 1024, 4, 3), (8, 512, 4, 4), (16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 5),
+                  (8, 512, 2, 3), (4, 2048, 4, 3), (8, 2048, 4, 3), (32, 2048, 8, 3)):
+        tiles = quant_linear.GemvTiles(*shape)
         moe.GEMV_TILES = tiles  # matrix-vector tile sweep: one token, a 3-draft verification, a batch of 8
         for tokens in (1, 4, 8):
             record(results, lambda: dict(bench_moe(tokens, "q5_g64_fp16", bandwidth), tile=list(dataclasses.astuple(tiles))), save)

@@ -12,7 +12,7 @@ token), `verify_ms` (K + 1 tokens, then the commit of the first, as a rejected r
 a difference must exceed), and their ratios to the variant's own one-token step; with `--profile`, each run's kernels by launch
 shape (which product a launch is: `profiling.kernels_by_launch`). A setting is `MODULE.NAME=EXPRESSION` (`kernel_settings`),
 MODULE one of `ninfer_offload.kernels`' modules, EXPRESSION evaluated with those modules in scope
-(e.g. `moe.GEMV_TILES=moe.Tiles(1,8,16,4,2048,3)`); each is restored after its variant. The verification feeds one token
+(e.g. `moe.GEMV_TILES=quant_linear.GemvTiles(8,2048,4,3)`); each is restored after its variant. The verification feeds one token
 K + 1 times, so with the random weights' own routing its tokens share their experts; `--routing trace` routes every
 forward by the calibrated trace instead (`trace_routing.TraceRouting`, as `bench/spec.py` does: a verification then
 reads ~2.4x one token's experts, a batch's consecutive trace tokens reuse some).

@@ -31,8 +31,8 @@ LINEAR = [("gdn_qkvz", "q8_g32_fp16", 12288, 2048), ("attn_qkgv", "q8_g32_fp16",
 HEAD_TILES = [(32, 256, 4, 4), (64, 256, 8, 4), (16, 256, 4, 4), (32, 512, 4, 3), (16, 2048, 8, 3), (8, 2048, 8, 3), (32, 1024, 8, 3)]
 DENSE = [("router_score", 257, 2048), ("gdn_ab", 64, 2048)]
 DENSE_ROWS = (1, 2, 4, 8)
-MOE_TILES = [moe.Tiles(1, 16, 16, 8, 2048, 3), moe.Tiles(1, 8, 8, 8, 2048, 3), moe.Tiles(1, 16, 8, 4, 2048, 3),
-             moe.Tiles(1, 32, 16, 8, 2048, 3), moe.Tiles(1, 8, 16, 4, 2048, 3), moe.Tiles(1, 16, 16, 4, 1024, 3)]
+MOE_TILES = [quant_linear.GemvTiles(*tiles) for tiles in ((16, 2048, 8, 3), (8, 2048, 8, 3), (16, 2048, 4, 3), (32, 2048, 8, 3),
+                                                           (8, 2048, 4, 3), (16, 1024, 4, 3))]
 ATTENTION_CAPACITY = 32768
 ATTENTION_LENGTHS = (1024, 8192, 32768)
 ATTENTION_SPANS = (128, 256, 64)

@@ -54,7 +54,7 @@ from ninfer_offload.kernels import fitting, shared_expert
 from ninfer_offload.kernels.arrivals import ARRIVAL_COUNTS, arrival_counts, last_to_arrive, rearm
 from ninfer_offload.kernels.launch import await_producer, launch_options
 from ninfer_offload.kernels.nvfp4 import row_divisors
-from ninfer_offload.kernels.quant_linear import SWIGLU, input_columns
+from ninfer_offload.kernels.quant_linear import SWIGLU, GemvTiles, input_columns
 from ninfer_offload.kernels.reduce import sum_middle
 from ninfer_offload.kernels.rowsplit import dot_code_tile, load_columns
 from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k, gemv_tile, load_gemv_tile, load_tile, program_rows
@@ -62,8 +62,8 @@ from ninfer_offload.kernels.tiles import TileGeometry, block_k_for, gemv_block_k
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch shape of the two kernels: pairs per block, output columns per program, warps, and (tiled
-    kernels) the widest k tile and the software-pipeline depth."""
+    """Launch shape of the two tiled kernels: pairs per block, output columns per program of each, warps, the
+    widest k tile and the software-pipeline depth (the matrix-vector gate/up kernel takes a `GemvTiles`)."""
 
     block_m: int
     gate_up_n: int
@@ -82,10 +82,10 @@ class Tiles:
 # counts the rows x tokens.
 GEMV_MAX_PAIRS = 64
 GEMV_MAX_TOKENS = 8
-# The gate/up kernel's columns per program, warps and widest k tile (block_m and down_n unused). H200 sweep
+# The gate/up kernel's columns per program, widest k tile, warps and pipeline depth. H200 sweep
 # (bench/kernel_sweeps.py, one token): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide. H100 step A/B at
 # a57736d: 1024 / 512 wide (a k loop) 5.45 / 5.58 ms per batch-8 step against 5.33; 8 columns on 4 warps 5.29.
-GEMV_TILES = Tiles(1, 16, 16, 8, 2048, 3)
+GEMV_TILES = GemvTiles(16, 2048, 8, 3)
 # Rows per program, warps and k tile of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
 # L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one
 # program per 16 rows walking the 8 experts (the kernel it replaced). In the step (with the shared expert folded
@@ -705,10 +705,10 @@ def _routed_experts_gemv(
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
     ids, pairs = topk_ids.contiguous(), t * top_k
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
-    _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, GEMV_TILES.gate_up_n))](
+    _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, GEMV_TILES.block_n))](
         x, arena, table, ids, act, act if uses is None else uses, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
         gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group,
-        K_PAD=gu.k_pad, BLOCK_N=GEMV_TILES.gate_up_n, BLOCK_K=gemv_block_k(gu.k_pad, GEMV_TILES.block_k), COUNT=uses is not None,
+        K_PAD=gu.k_pad, BLOCK_N=GEMV_TILES.block_n, BLOCK_K=gemv_block_k(gu.k_pad, GEMV_TILES.block_k), COUNT=uses is not None,
         num_warps=GEMV_TILES.warps, num_stages=GEMV_TILES.stages, **launch_options(x.device),
     )
     fold = _foldable(shared)
