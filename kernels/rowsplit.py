@@ -157,18 +157,12 @@ def dot_code_tile(codes, scales, x, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, 
 def mma_code_tile(codes, scales, x, acc, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """acc [BLOCK_T, BLOCK_N] plus the tile's product with several tokens on tensor cores: `x` are their
     columns in order [BLOCK_T, BLOCK_K] (BLOCK_T >= 16, rows past the tokens zero) in the activation dtype;
-    each code times its group's scale is rounded to that dtype as a dequantized weight, and one product of
-    BLOCK_K columns adds them up (IEEE: float32 without TF32 rounding). A product per position (eight of
+    each code times its group's scale (`scaled_columns`) is rounded to that dtype as a dequantized weight, and
+    one product of BLOCK_K columns adds them up (IEEE: float32 without TF32 rounding). A product per position (eight of
     BLOCK_K // 8 columns) measured slower: each operand passes its own shared-memory layout conversion (the
     batch-8 down kernel's sm_90 cubin: 35 barriers per k tile against 21); H100, trace routing, 3-draft
     verification 4.79 against 4.68 ms (bench/results/step_ab_h100_one_dot_recurrent_v_39067de.json)."""
-    per_word = tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]), [BLOCK_N, BLOCK_K // 8])
-    scaled = (
-        (codes[0] * per_word).to(x.dtype), (codes[1] * per_word).to(x.dtype), (codes[2] * per_word).to(x.dtype),
-        (codes[3] * per_word).to(x.dtype), (codes[4] * per_word).to(x.dtype), (codes[5] * per_word).to(x.dtype),
-        (codes[6] * per_word).to(x.dtype), (codes[7] * per_word).to(x.dtype),
-    )
-    weights = tl.trans(interleave_positions(scaled, BLOCK_N, BLOCK_K))
+    weights = tl.trans(scaled_columns(codes, scales, GROUP, BLOCK_N, BLOCK_K).to(x.dtype))
     if IEEE:
         return tl.dot(x, weights, acc, input_precision="ieee")
     return tl.dot(x, weights, acc)
