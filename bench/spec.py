@@ -69,29 +69,18 @@ def synchronized(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def paired_median_seconds(first, second, repeats: int, device: torch.device) -> tuple[float, float]:
-    """Median seconds of `first` and of `second`, timed in turns (first, second, first, ...), so both see the state
-    as it drifts (an offloaded load's expert cache)."""
-    times: tuple[list[float], list[float]] = ([], [])
+def median_seconds(runs: list, repeats: int, device: torch.device) -> list[float]:
+    """Median seconds of each of `runs`, timed in turns (the first, the second, ..., the first again), so all see
+    the state as it drifts (an offloaded load's expert cache)."""
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        for run, kept in zip((first, second), times):
+        for run, kept in zip(runs, times):
             synchronized(device)
             began = time.perf_counter()
             run()
             synchronized(device)
             kept.append(time.perf_counter() - began)
-    return sorted(times[0])[repeats // 2], sorted(times[1])[repeats // 2]
-
-
-def median_seconds(run, repeats: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeats):
-        synchronized(device)
-        began = time.perf_counter()
-        run()
-        synchronized(device)
-        times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2]
+    return [sorted(kept)[repeats // 2] for kept in times]
 
 
 class OracleSpeculator(MtpSpeculator):
@@ -120,7 +109,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
 
     plain = _plain_greedy(engine, routing, tokens)  # first: it warms an offloaded load's expert cache as the verifications find it
     plain_s = _plain_decode_s(engine, routing, tokens)
-    step_s = median_seconds(step, repeats, device)
+    [step_s] = median_seconds([step], repeats, device)
     step_stages, step_kernels, _ = kernel_breakdown(step, 3) if device.type == "cuda" else ({}, [], {})
     runs = []
     for k in range(1, engine.state.step_tokens):
@@ -135,8 +124,8 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
             engine.mtp_step([session], torch.zeros(1, engine.config.hidden_size, device=device), [7])
             session.forget_mtp(1)
 
-        step_beside_s, verify_s = paired_median_seconds(step, verify, repeats, device)
-        draft_s = median_seconds(draft, repeats, device)
+        step_beside_s, verify_s = median_seconds([step, verify], repeats, device)
+        [draft_s] = median_seconds([draft], repeats, device)
         verify_stages, verify_kernels, _ = kernel_breakdown(verify, 3) if device.type == "cuda" else ({}, [], {})
         draft_stages, draft_kernels, draft_runtime = kernel_breakdown(draft, 3) if device.type == "cuda" else ({}, [], {})
         continuation, attempts = _oracle_continuation(engine, routing, k, plain, tokens)  # (compiles this K's kernels)
