@@ -208,7 +208,9 @@ def _gate_up_tiles(
     NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """(gate codes, gate scales, up codes, up scales): the k tile at `k0` of an expert's gate rows `cols_i` and of
-    its up rows (I rows further on), for `dot_code_tile`."""
+    its up rows (I rows further on), for `dot_code_tile`. Both tiles are read before either product: two
+    `tiles.gemv_tile` calls issue the up rows' loads after the gate product starts (sm_90 cubin, Q8: 12 of 21
+    global loads before the first multiply-add against 21, 79 registers against 102; not measured on a GPU)."""
     gate = load_gemv_tile(record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     up = load_gemv_tile(record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     return gate[0], gate[1], up[0], up[1]
