@@ -88,9 +88,9 @@ def gdn_state_bytes(shape: ModelShape, element_bytes: int = BF16) -> int:
     return shape.linear_layers * (recurrent + conv)
 
 
-# The scratch slot's KV rows (at least; the engine's state pool gets this): the longest captured step, a
-# padded prompt chunk of `runtime.graphs.PREFILL_BUCKETS[-1]` tokens, writes there.
-SCRATCH_KV_ROWS = 32
+# The scratch slot's KV rows (at least; the engine's state pool gets this): the most a captured step writes there
+# per entry, a padding entry of a batched admission of `runtime.engine.BATCHED_PREFILL_TOKENS[-1]` tokens.
+SCRATCH_KV_ROWS = 64
 
 
 def state_pool_bytes(

@@ -79,6 +79,32 @@ def test_captured_short_prefill_equals_the_eager_one(tiny_artifact_official):
     assert {key[2] for key in engines[0].graphs.graphs if key[0] == "prefill"} == {8, 32}
 
 
+def test_captured_batched_prefill_equals_the_eager_one(tiny_artifact_official):
+    """A server's admission of several prompts (`prefill_batch`, pieces of BATCHED_PREFILL_TOKENS) replays a captured
+    forward of its batch bucket, the batch padded with scratch entries and each row with padding tokens: its logits
+    and the state it leaves (the batched decode steps after it) match the eager batched prefill's, for 4 sequences
+    (a bucket of their own) and 5 (padded to 8)."""
+    from ninfer_offload.runtime.engine import BATCHED_PREFILL_TOKENS
+
+    engines = [
+        Engine.load(tiny_artifact_official, device="cuda", dtype="float32", spec="none", max_sequences=8, cuda_graphs=graphs)
+        for graphs in (True, False)
+    ]
+    for sequences, tokens in ((4, BATCHED_PREFILL_TOKENS[0]), (5, BATCHED_PREFILL_TOKENS[-1])):
+        outputs = []
+        for engine in engines:
+            sessions = [engine.session() for _ in range(sequences)]
+            rows = [LONG_PROMPT[i : tokens] for i in range(sequences)]  # tokens, tokens - 1, ... real tokens
+            logits = [engine.prefill_batch(sessions, rows, tokens)]
+            logits += [engine.step_batch(sessions, [LONG_PROMPT[100 + step + i] for i in range(sequences)]) for step in range(3)]
+            outputs.append(torch.stack(logits))
+            for session in sessions:
+                session.close()
+        assert _relative(*outputs) < 1e-4
+    captured = {key[1:3] for key in engines[0].graphs.graphs if key[0] == "prefill"}
+    assert captured == {(4, BATCHED_PREFILL_TOKENS[0]), (8, BATCHED_PREFILL_TOKENS[-1])}
+
+
 @pytest.mark.parametrize("backend,batch", [("reference", 2), ("triton", 2), ("triton", 8)])
 def test_cuda_step_batch_equals_single_steps(tiny_artifact_official, backend, batch, monkeypatch):
     """A batched step equals each sequence's own step, for mixed lengths; on the Triton backend the batch's

@@ -11,6 +11,7 @@ from ninfer_offload.errors import NinferError
 from ninfer_offload.artifact.contract import official_directory
 from ninfer_offload.planner import PLAN_SCHEMA, PlanOptions, RoutingStats, load_routing_stats, parse_size, plan
 from ninfer_offload.planner.cost import CPU_EXPERT_SHARE_OF_DRAM
+from ninfer_offload.planner.memory import SCRATCH_KV_ROWS
 from ninfer_offload.planner.routing import shipped_routing_stats
 from ninfer_offload.planner.schema import schema_errors
 from ninfer_offload.profiles import load_profile
@@ -35,8 +36,8 @@ def test_default_rtx5090_is_all_resident(inventory):
     }
     assert p.kv_capacity_tokens == 262144
     # fp8 KV: 10 full-attention layers + the MTP layer, K and V, 2 heads x 256, 1 byte each, for the
-    # context plus the scratch slot's 1 + 3 rows (padding of captured batches, see StatePool).
-    assert p.runtime["kv_cache"] == 11 * 2 * 2 * 256 * (262144 + 32)  # one sequence and the scratch rows
+    # context plus the scratch slot's rows (padding of captured batches, see StatePool).
+    assert p.runtime["kv_cache"] == 11 * 2 * 2 * 256 * (262144 + SCRATCH_KV_ROWS)  # one sequence and the scratch rows
     assert p.vram_used_bytes <= p.vram_budget_bytes
     assert p.predicted.decode_tok_s > 0 and p.predicted.decode_tok_s_mtp > 0 and p.predicted.prefill_tok_s > 0
 
@@ -121,11 +122,12 @@ def test_kv_dtype_and_context_scale_kv(inventory):
     profile = load_profile("rtxpro6000")
     row = 11 * 2 * 2 * 256  # fp8 K and V of one token in the 10 attention layers and the MTP layer
     base = plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000)).runtime["kv_cache"]
-    assert base == row * (1000 + 32)  # the context and the scratch slot's rows (a captured prompt chunk's)
+    assert base == row * (1000 + SCRATCH_KV_ROWS)  # the context and the scratch slot's rows
     assert plan(inventory, profile, PlanOptions(kv_dtype="bf16", max_context=1000)).runtime["kv_cache"] == 2 * base
-    assert plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000, concurrency=3)).runtime["kv_cache"] == row * (3000 + 32)
+    three = plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000, concurrency=3))
+    assert three.runtime["kv_cache"] == row * (3000 + SCRATCH_KV_ROWS)
     no_mtp = plan(inventory, profile, PlanOptions(kv_dtype="fp8", max_context=1000, speculative="none"))
-    assert no_mtp.runtime["kv_cache"] == row // 11 * 10 * (1000 + 32)
+    assert no_mtp.runtime["kv_cache"] == row // 11 * 10 * (1000 + SCRATCH_KV_ROWS)
     assert no_mtp.components["mtp"].placement == "unused" and no_mtp.predicted.decode_tok_s_mtp is None
 
 

@@ -6,9 +6,9 @@ owns rows [s * capacity, (s + 1) * capacity). Gated DeltaNet layers keep their c
 can roll back multi-token steps, the state after each token but the last
 (`[slots + 1, draft_tokens, ...]`); each of these four is a view of one tensor over the GDN layers, so a
 slot's reset (a new sequence) and restore (a rollback) are one copy per kind. Slot `slots` is a scratch slot: padded rows of a captured
-batch write there (its KV rows are the last rows of the pool: as many as the longest captured step writes,
-`scratch_rows` or the step tokens if more), so padding never touches a live sequence. Buffers never move, so
-captured steps stay valid.
+batch write there (its KV rows are the last rows of the pool: as many as the longest captured step writes
+per sequence, `scratch_rows` or the step tokens if more), so padding never touches a live sequence. Buffers
+never move, so captured steps stay valid.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ class StatePool:
         dtype: torch.dtype,
         kv_dtype: torch.dtype,
         scratch_rows: int,
+        prompt_rows: int,
     ):
         self.sequences = sequences
         self.capacity = capacity
         self.draft_tokens = draft_tokens
         self.scratch_rows = scratch_rows
+        self.prompt_rows = prompt_rows  # a captured prompt chunk's rows (one sequence's)
         self.scratch_slot = sequences
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         slots = sequences + 1
@@ -65,8 +67,9 @@ class StatePool:
 
     @property
     def attention_rows(self) -> int:
-        """Most token rows one step attends with: every sequence's step tokens, or a captured prompt chunk."""
-        return max(self.sequences * self.step_tokens, self.scratch_rows)
+        """Most token rows one step attends with: every sequence's step tokens, or a captured prompt chunk (the
+        decode attention's split follows it; a batched prefill of more rows splits by its own)."""
+        return max(self.sequences * self.step_tokens, self.prompt_rows)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer of the pool."""

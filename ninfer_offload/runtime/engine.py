@@ -242,7 +242,8 @@ class Engine:
             )
             kinds = dict(enumerate(config.layer_types)) | ({config.num_layers: FULL_ATTENTION} if mtp else {})
             state = StatePool(
-                config, kinds, max_sequences, capacity, draft_tokens, resolved, resolved_dtype, cache_dtype, SCRATCH_KV_ROWS
+                config, kinds, max_sequences, capacity, draft_tokens, resolved, resolved_dtype, cache_dtype, SCRATCH_KV_ROWS,
+                PREFILL_BUCKETS[-1],
             )
         except BaseException:
             artifact.close()
@@ -297,7 +298,9 @@ class Engine:
             chunk = ids[c0 : c0 + piece]
             with torch.no_grad():
                 if self._captured_prefill(session.length, len(chunk)):
-                    hidden.append(self.graphs.prefill(chunk, slot, session.length))
+                    t = prefill_bucket(len(chunk))
+                    padded = chunk + [0] * (t - len(chunk))
+                    hidden.append(self.graphs.prefill(padded, [slot], [session.length], t, [len(chunk)])[: len(chunk)].clone())
                 else:
                     tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
                     with self.store.forward(prefill=True, tokens=len(chunk)):
@@ -308,11 +311,12 @@ class Engine:
 
     def prefill_batch(self, sessions: list[Session], token_ids: list[list[int]], tokens_per_sequence: int | None = None) -> torch.Tensor:
         """Append token_ids[i] to sessions[i] in one forward over all of them, each sequence's rows attending to its
-        own cache (the decode step's kernels, run eagerly): logits [B, vocab] of each one's last token. Each row is
-        padded to `tokens_per_sequence` tokens (default: the longest row's), padding computed but not kept, so
-        prompts of several lengths share one forward (each sequence needs room for the padded row). Several
-        prompts cost about one forward's launches instead of one prefill each (a server admitting several
-        requests at once)."""
+        own cache (the decode step's kernels): logits [B, vocab] of each one's last token. Each row is padded to
+        `tokens_per_sequence` tokens (default: the longest row's), padding computed but not kept, so prompts of
+        several lengths share one forward (each sequence needs room for the padded row). Several prompts cost one
+        forward instead of one prefill each (a server admitting several requests at once); on a resident load with
+        graphs, pieces of BATCHED_PREFILL_TOKENS replay a captured forward of the batch's bucket (the batch padded
+        with scratch entries), which spares the host the forward's ~1,000 launches."""
         if len(sessions) != len(token_ids) or not sessions:
             raise NinferError("a batched prefill needs one token list per session and at least one session")
         t = tokens_per_sequence or max(len(row) for row in token_ids)
@@ -320,10 +324,14 @@ class Engine:
             raise NinferError(f"a batched prefill adds 1 to {t} tokens to each sequence")
         valid = [len(row) for row in token_ids]
         flat = self._token_list([token for row in token_ids for token in row + [0] * (t - len(row))])
-        slots = self._live_slots(sessions, t)
-        tokens, ctx = step_inputs(flat, slots, [s.length for s in sessions], t, self.max_context, self.device, valid=valid)
-        with torch.no_grad(), self.store.forward(tokens=len(flat)):
-            hidden = self.text.hidden(self.backend, tokens, ctx, self.state)
+        slots, starts = self._live_slots(sessions, t), [s.length for s in sessions]
+        with torch.no_grad():
+            if self._captured_batched_prefill(t):
+                hidden = self.graphs.prefill(flat, slots, starts, t, valid)
+            else:
+                tokens, ctx = step_inputs(flat, slots, starts, t, self.max_context, self.device, valid=valid)
+                with self.store.forward(tokens=len(flat)):
+                    hidden = self.text.hidden(self.backend, tokens, ctx, self.state)
         for session, n in zip(sessions, valid):
             session.pending = n
             session.commit(n)
@@ -354,6 +362,11 @@ class Engine:
         """Whether a prompt chunk of `tokens` tokens after `start` replays a captured prefill: graphs, all
         experts in VRAM (an offloaded prefill stages host experts), and its padded rows within the context."""
         return self._replays_prefills() and tokens <= PREFILL_BUCKETS[-1] and start + prefill_bucket(tokens) <= self.max_context
+
+    def _captured_batched_prefill(self, tokens: int) -> bool:
+        """Whether a batched prefill of `tokens` tokens per sequence replays a captured forward: graphs, all experts
+        in VRAM, a size the warm-up captures, and padding entries' rows within the scratch slot's."""
+        return self._replays_prefills() and tokens in BATCHED_PREFILL_TOKENS and tokens <= self.state.scratch_rows
 
     def _replays_prefills(self) -> bool:
         """Whether short prompt chunks replay captured prefills: graphs, and all experts in VRAM."""
@@ -511,8 +524,9 @@ class Engine:
         chunk) on a scratch sequence (and, where the context allows, a second chunk after a full one:
         attention over cached rows; the short ones capture the padded prefills of every bucket on a
         resident load), batched prefills of each BATCHED_PREFILL_TOKENS on BATCHED_PREFILL_MIN_SEQUENCES and one more
-        sequences (resident loads of that many sequences), then the step graph
-        of every batch bucket (with speculation also the verify steps and the MTP steps). Returns the
+        sequences (resident loads of that many sequences, where they are not captured), then the step graph
+        of every batch bucket (with speculation also the verify steps and the MTP steps) and, on a resident load, the
+        batched prefills of each bucket a batch of BATCHED_PREFILL_MIN_SEQUENCES or more pads to. Returns the
         seconds of the two phases."""
         began = time.perf_counter()
         if self.device.type == "cuda":
@@ -529,10 +543,14 @@ class Engine:
             if not self.store.offloaded:
                 for sequences in range(BATCHED_PREFILL_MIN_SEQUENCES, min(self.state.sequences, BATCHED_PREFILL_MIN_SEQUENCES + 1) + 1):
                     for tokens in BATCHED_PREFILL_TOKENS:
-                        self._scratch_batched_prefill(sequences, tokens)
+                        if not self._captured_batched_prefill(tokens):
+                            self._scratch_batched_prefill(sequences, tokens)
         prefilled = time.perf_counter()
         if self.graphs is not None:
             for bucket in self.graphs.buckets:
+                if bucket >= BATCHED_PREFILL_MIN_SEQUENCES:  # the buckets of the batches a server admits together
+                    for tokens in filter(self._captured_batched_prefill, BATCHED_PREFILL_TOKENS):
+                        self.graphs.capture("prefill", bucket, tokens)
                 self.graphs.capture("target", bucket, 1)
                 if self.spec_tokens:
                     self.graphs.capture("target", bucket, self.spec_tokens + 1)

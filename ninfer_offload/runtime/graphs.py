@@ -1,9 +1,11 @@
 """Decode steps as CUDA graphs: one per (model, batch bucket, tokens per sequence), captured once per
 engine on first use, all sharing one memory pool. The models are the target (`Engine.forward`), the
-MTP layer drafting (`Engine.mtp_forward_step`) and the target's hidden states alone for short prompt
-chunks (`prefill`: a chunk of up to PREFILL_BUCKETS[-1] tokens is padded to the smallest bucket that
-holds it; padding rows come after the real ones, their KV rows lie past the sequence's length and
-are overwritten by its next tokens, and they leave no GDN state behind: `StepContext.valid`).
+MTP layer drafting (`Engine.mtp_forward_step`) and the target's hidden states alone for prompt pieces
+(`prefill`: a short prompt chunk padded to the smallest of PREFILL_BUCKETS that holds it, or the next
+pieces of several newcomers' prompts that a server admits together, each padded to one of
+`Engine`'s BATCHED_PREFILL_TOKENS; padding rows come after the real ones, their KV rows lie past the
+sequence's length and are overwritten by its next tokens, and they leave no GDN state behind:
+`StepContext.valid`).
 
 A graph reads its inputs (token ids and the step context) from one static packed buffer
 (`step_inputs`), the MTP layer also the target hidden states from a static buffer, and writes its
@@ -69,16 +71,22 @@ class StepGraphs:
         logits, out = self._replay("mtp", tokens, slots, starts, tokens_per_sequence, hidden, device_tokens)
         return logits.clone(), out.clone()
 
-    def prefill(self, tokens: list[int], slot: int, start: int) -> torch.Tensor:
-        """Final-normed hidden states [n, H] of a prompt chunk of n <= PREFILL_BUCKETS[-1] tokens appended to
-        the sequence in `slot` that holds `start` tokens, by replaying the padded prefill of its bucket."""
-        n = len(tokens)
-        t = prefill_bucket(n)
-        graph, packed, _, hidden = self.capture("prefill", 1, t)
-        host = pack_inputs(tokens + [0] * (t - n), [slot], [start], t, self.engine.state.capacity, pinned=True, valid=[n])
+    def prefill(self, tokens: list[int], slots: list[int], starts: list[int], t: int, valid: list[int]) -> torch.Tensor:
+        """Final-normed hidden states [B * t, H] of B prompt pieces of t tokens each (`tokens`, sequence-major; the
+        first valid[b] of sequence b's are real, the rest padding) appended to the sequences in `slots` that hold
+        `starts` tokens, by replaying the prefill of (batch bucket, t). A view of the graph's output: valid until
+        the next replay."""
+        batch = len(slots)
+        bucket = next(b for b in self.buckets if b >= batch)
+        graph, packed, _, hidden = self.capture("prefill", bucket, t)
+        pad = bucket - batch
+        host = pack_inputs(
+            tokens + [0] * (pad * t), slots + [self.engine.state.scratch_slot] * pad, starts + [0] * pad, t,
+            self.engine.state.capacity, pinned=True, valid=valid + [t] * pad,
+        )
         packed.copy_(host, non_blocking=True)
         graph.replay()
-        return hidden[:n].clone()
+        return hidden[: batch * t]
 
     def _replay(
         self, model: str, tokens: list[int], slots: list[int], starts: list[int], t: int, hidden: torch.Tensor | None,
