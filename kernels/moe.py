@@ -85,7 +85,10 @@ GEMV_MAX_TOKENS = 8
 # The gate/up kernel's columns per program, widest k tile, warps and pipeline depth. H200 sweep
 # (bench/kernel_sweeps.py, one token): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide. H100 step A/B at
 # a57736d: 1024 / 512 wide (a k loop) 5.45 / 5.58 ms per batch-8 step against 5.33; 8 columns on 4 warps 5.29.
-GEMV_TILES = GemvTiles(16, 2048, 8, 3)
+# H100 at fd5a366, three runs (bench/results/step_ab_h100_gate_up_tiles_fd5a366.json and the two beside it): 8
+# columns on 4 warps 2.12-2.14 ms per one-token step, 3.90-3.93 per 3-draft verification, 5.19-5.22 per batch-8
+# step against 2.17-2.20 / 4.01-4.06 / 5.30-5.33 at 16 on 8; 8 on 2 warps, 4 on 2 or 4 warps and 2 stages no better.
+GEMV_TILES = GemvTiles(8, 2048, 4, 3)
 # Rows per program, warps and k tile of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
 # L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one
 # program per 16 rows walking the 8 experts (the kernel it replaced). In the step (with the shared expert folded
