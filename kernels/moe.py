@@ -96,6 +96,10 @@ GEMV_TILES = GemvTiles(8, 2048, 4, 3)
 # 32 rows (bench/results/step_ab_h200_split_tiles_05f867f.json, step_ab_h200_split_n16_05f867f.json); k tiles of
 # 256 / 128 (fewer registers, a k loop) 2.57 / 2.52, 4 warps 2.36, 64 rows / 4 warps 2.75.
 SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
+# The split down kernel's programs read their weight tile before they wait for the gate/up launch (where both
+# down products are one k tile), as the one-tile dense products do (`quant_linear.PREFETCH_MIN_TOKENS`). Off until
+# measured on a GPU; module-level so `bench/step_ab.py` can compare the two.
+DOWN_PREFETCH = False
 # Each token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
@@ -312,16 +316,25 @@ def _sum_slots(partial, out, H, rows, row_mask, TOP_K: tl.constexpr, SHARED_EXPE
 def _routed_down_rows(
     act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
     NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """float32 [BLOCK_N]: rows `rows` of pair `pair`'s expert down product, rounded, times its routing weight (read,
-    like the divisors, before the k loop: after it, a memory round trip after all of the program's compute)."""
+    like the divisors, before the k loop: after it, a memory round trip after all of the program's compute).
+    With PREFETCH (one k tile) the routing, the divisors and the tile are read before `await_producer`: the
+    routing was written two kernels before this one (the router's top-k, before the gate/up launch), and a
+    kernel launched with PDL is scheduled only once the kernel before it has waited for its own producer."""
     down = arena + tl.multiple_of(tl.load(table + tl.load(topk_ids + pair)), 256) + down_offset
     weight = tl.load(weights + pair).to(tl.float32)
     divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        xt = load_columns(act + pair * I, k0, I, BLOCK_K)
-        acc += gemv_tile(down, rows, row_mask, k0, xt, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    if PREFETCH:
+        codes, scales = load_gemv_tile(down, rows, row_mask, 0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        await_producer(PDL)
+        acc += dot_code_tile(codes, scales, load_columns(act + pair * I, 0, I, BLOCK_K), GROUP, BLOCK_N, BLOCK_K)
+    else:
+        for k0 in range(0, K_PAD, BLOCK_K):
+            xt = load_columns(act + pair * I, k0, I, BLOCK_K)
+            acc += gemv_tile(down, rows, row_mask, k0, xt, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     return _rounded_down_rows(acc, divisors, act, NVFP4) * weight
 
 
@@ -329,15 +342,24 @@ def _routed_down_rows(
 def _shared_expert_rows(
     gate, up, stride_gate, stride_up, down, score, stride_score, S, high_offset, scale_offset, divisor_offset, tok, rows, row_mask,
     NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """float32 [BLOCK_N]: rows `rows` of token `tok`'s shared expert, sigmoid(score) * SwiGLU(gate, up) @ down^T,
-    rounded where `shared_expert.shared_expert` rounds (before the routed output is added)."""
-    sv = tl.load(score + tok * stride_score)
+    rounded where `shared_expert.shared_expert` rounds (before the routed output is added). With PREFETCH (one k
+    tile) the divisors and the tile are read before `await_producer`."""
     divisors = row_divisors(down, rows, row_mask, divisor_offset, NVFP4)
+    if PREFETCH:
+        codes, scales = load_gemv_tile(down, rows, row_mask, 0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+        await_producer(PDL)
+    sv = tl.load(score + tok * stride_score)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        xt = input_columns(gate, up, tok * stride_gate, tok * stride_up, k0, S, gate, 0.0, SWIGLU, 1, BLOCK_K, 1)
-        acc += gemv_tile(down, rows, row_mask, k0, xt, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
+    if PREFETCH:
+        xt = input_columns(gate, up, tok * stride_gate, tok * stride_up, 0, S, gate, 0.0, SWIGLU, 1, BLOCK_K, 1)
+        acc += dot_code_tile(codes, scales, xt, GROUP, BLOCK_N, BLOCK_K)
+    else:
+        for k0 in range(0, K_PAD, BLOCK_K):
+            xt = input_columns(gate, up, tok * stride_gate, tok * stride_up, k0, S, gate, 0.0, SWIGLU, 1, BLOCK_K, 1)
+            acc += gemv_tile(down, rows, row_mask, k0, xt, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     if NVFP4:
         acc = acc / divisors
     gated = (1.0 / (1.0 + tl.exp(-sv.to(tl.float32)))).to(sv.dtype).to(tl.float32)
@@ -384,6 +406,7 @@ def _down_split_gemv_kernel(
     S_GROUP: tl.constexpr,
     S_K_PAD: tl.constexpr,
     S_BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """A program per (row slice, slot, token): its expert's down rows, rounded and weighted, into
@@ -391,8 +414,11 @@ def _down_split_gemv_kernel(
     expert's down rows of SwiGLU(gate, up) (object `shared_down`, S columns), rounded and scaled by
     sigmoid(score) as `shared_expert` rounds them. The last of a slice's programs to arrive
     (`arrivals`, zero between launches) sums the slice's TOP_K routed rows in slot order into `out`
-    (plus the shared expert's rows after rounding the routed sum) and zeroes its count again."""
-    await_producer(PDL)
+    (plus the shared expert's rows after rounding the routed sum) and zeroes its count again.
+    With PREFETCH (both products of one k tile) each program reads its weight tile before it waits for the
+    gate/up launch (`_routed_down_rows`)."""
+    if not PREFETCH:
+        await_producer(PDL)
     block, j, tok = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = program_rows(block, BLOCK_N, NVFP4)
     row_mask = rows < H
@@ -402,17 +428,17 @@ def _down_split_gemv_kernel(
         if j == TOP_K:
             y = _shared_expert_rows(
                 gate, up, stride_gate, stride_up, shared_down, score, stride_score, S, s_high_offset, s_scale_offset, s_divisor_offset,
-                tok, rows, row_mask, S_NVFP4, S_BITS, S_GROUP, S_K_PAD, BLOCK_N, S_BLOCK_K,
+                tok, rows, row_mask, S_NVFP4, S_BITS, S_GROUP, S_K_PAD, BLOCK_N, S_BLOCK_K, PREFETCH, PDL,
             )
         else:
             y = _routed_down_rows(
                 act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
-                NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
+                NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K, PREFETCH, PDL,
             )
     else:
         y = _routed_down_rows(
             act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
-            NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
+            NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K, PREFETCH, PDL,
         )
     tl.store(partial + (tok * slots + j) * H + rows, y, mask=row_mask)
     count = arrivals + tok * tl.num_programs(0) + block
@@ -721,12 +747,14 @@ def _routed_experts_gemv(
     partial = torch.empty(pairs + fold * t, hidden, device=x.device, dtype=torch.float32)
     gate, up, score = (shared.gate, shared.up, shared.score) if fold else (x, x, x)
     s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
+    block_k, s_block_k = gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K)
     _down_split_gemv_kernel[(triton.cdiv(hidden, SPLIT_DOWN_N), top_k + fold, t)](
         act, arena, table, ids, topk_weights.contiguous(), partial, arrival_counts("moe.down_split", x.device), out, hidden, inter,
         layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset, gate, up, gate.stride(0), up.stride(0), s_data, score,
         score.stride(0), gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
-        GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), SHARED_EXPERT=fold,
-        S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K),
+        GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=block_k, SHARED_EXPERT=fold,
+        S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=s_block_k,
+        PREFETCH=DOWN_PREFETCH and block_k == dn.k_pad and s_block_k == sg.k_pad,
         num_warps=SPLIT_DOWN_WARPS, num_stages=GEMV_TILES.stages, **launch_options(x.device),
     )
     return out if fold else _with_shared(out, shared)

@@ -113,6 +113,33 @@ def test_tokens_sharing_every_expert():
     assert torch.equal(first, _assert_matches_reference(records, x, ids, w))
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_down_tile_read_before_the_wait_gives_the_same_bits(monkeypatch, tokens):
+    """moe.DOWN_PREFETCH (the split down kernel's weight tile read before it waits for the gate/up launch) changes
+    when the tile is read, not the sums: the same bits as without it, with the shared expert folded in and without."""
+    from ninfer_offload.artifact.formats import GROUPED_FORMATS
+    from ninfer_offload.kernels import moe
+    from ninfer_offload.model.backend import SharedExpert
+    from ninfer_offload.model.quant import QuantizedMatrix
+
+    layout, data, _ = _records("q4_g64_fp16", "q6_g64_fp16", seed=9)
+    table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(10)
+    width = 128
+    values = np.random.default_rng(11).standard_normal((HIDDEN, width)).astype(np.float32) / width**0.5
+    down = QuantizedMatrix(GROUPED_FORMATS["q8_g32_fp16"], HIDDEN, width, torch.from_numpy(encode_row_split(values, "q8_g32_fp16")).to(DEVICE))
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(tokens)]).to(DEVICE)
+    w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1).to(DEVICE)
+    gate_up = torch.randn(tokens, 2 * width + 1, generator=gen).to(DEVICE)
+    shared = SharedExpert(gate_up[:, :width], gate_up[:, width : 2 * width], down, gate_up[:, 2 * width :])
+    outputs = {}
+    for prefetch in (False, True):
+        monkeypatch.setattr(moe, "DOWN_PREFETCH", prefetch)
+        outputs[prefetch] = [moe.routed_experts(x, ids, w, data, table, layout, shared=s) for s in (None, shared)]
+    assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
+
+
 def test_the_kernels_count_each_assignment():
     """With `uses`, each (token, expert) assignment is counted as `count_uses` counts it (a token's repeated
     expert twice): in the matrix-vector path's gate/up launch, by `count_uses` on the tiled path."""
