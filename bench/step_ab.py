@@ -15,7 +15,9 @@ MODULE one of `ninfer_offload.kernels`' modules, EXPRESSION evaluated with those
 (e.g. `moe.GEMV_TILES=quant_linear.GemvTiles(8,2048,4,3)`); each is restored after its variant. The verification feeds one token
 K + 1 times, so with the random weights' own routing its tokens share their experts; `--routing trace` routes every
 forward by the calibrated trace instead (`trace_routing.TraceRouting`, as `bench/spec.py` does: a verification then
-reads ~2.4x one token's experts, a batch's consecutive trace tokens reuse some).
+reads ~2.4x one token's experts, a batch's consecutive trace tokens reuse some). `--vram-budget 15` plans the load
+for a 15 GiB card (experts past it in host memory, the adaptive cache moving them between steps): the cache's state
+drifts from variant to variant, so repeat the baseline as the last variant to see how far.
 """
 
 from __future__ import annotations
@@ -62,16 +64,20 @@ def main() -> None:
                         help="also record each variant's kernels by launch shape (profiling.kernels_by_launch)")
     parser.add_argument("--routing", choices=("model", "trace"), default="model",
                         help="the random weights' own routing, or the calibrated trace's (consecutive positions, consecutive trace tokens)")
+    parser.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
+                        help="plan the load for this VRAM budget (experts past it in host memory); default: everything resident")
+    parser.add_argument("--device-profile", default="h200", help="the planner's device profile of a --vram-budget load")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     scope = kernel_modules()
     variants = [("current", [])] + [(v[0], [parse_setting(s, scope) for s in v[1:]]) for v in args.variant]
     report = {**gpu_report_header(args.commit), "context": args.context, "batch": args.batch, "draft_tokens": args.draft_tokens,
-              "routing": args.routing, "variants": []}
+              "routing": args.routing, "vram_budget_gib": args.vram_budget, "variants": []}
     profiled = 5 if args.profile else 0  # runs of each kind under the profiler
     grown = len(variants) * 3 * (args.repeats * args.steps + 1 + profiled)  # tokens the variants add to the first session (one per run)
+    placement = {} if args.vram_budget is None else {"profile": args.device_profile, "vram_budget": int(args.vram_budget * 2**30)}
     engine = Engine.load(args.artifact, device="cuda", max_context=args.context + grown + 64, max_sequences=args.batch,
-                         mtp=True, draft_tokens=args.draft_tokens, spec="none")
+                         mtp=True, draft_tokens=args.draft_tokens, spec="none", **placement)
     vocab = engine.config.vocab_size
     sessions = [engine.session() for _ in range(args.batch)]
     for i, session in enumerate(sessions):
