@@ -103,6 +103,11 @@ WIDE_MMA_GEMV_TILES = GemvTiles(64, 128, 4, 4)
 # per launch: GDN/attention output 24.2 us fused against 9.2 tiled + 1.8 norm + 1.8 sum; shared down 11.8 against
 # ~7; shared gate/up with the router 16.7 against ~15; at 4 tokens the matrix-vector kernel leads or ties).
 SMALL_GEMV_MAX_TOKENS = 4
+# A matrix-vector product computes its input step (a norm, a gate: `_input_value`) itself for up to this many tokens,
+# every program for its own columns (the norm statistics in each program again); past it the elementwise kernels
+# compute the input once before the product (`_unfolded_input`, `add_rmsnorm`), a launch more. Module-level so
+# `bench/step_ab.py` can compare them; not yet measured below GEMV_MAX_TOKENS.
+FOLD_INPUT_MAX_TOKENS = GEMV_MAX_TOKENS
 
 
 def on_matrix_vector(n: int, tokens: int) -> bool:
@@ -597,12 +602,12 @@ def _launch_residual_gemv(
     out: torch.Tensor, **paired,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_launch_gemv` of (1 + norm_w) * rmsnorm(x + delta) (`paired`: its dense product and conv); returns
-    (x + delta, the normed rows). On CUDA cores the kernel normalises its own input tiles (one launch); on
-    tensor cores `add_rmsnorm` runs first and the product reads its rows: the kernel's own statistic of
-    every token's rows (a chain of row chunks before the first tile) made it slower (H200, 4 tokens, per
-    launch in the step: q/k/v/z 62 us at 4a7f9f5, 20.2 us plus 1.7 for `add_rmsnorm` at 8d5cda9,
-    bench/results/step_ab_h200_*.json)."""
-    if on_tensor_cores(geometry.n, x.shape[0]):
+    (x + delta, the normed rows). On CUDA cores the kernel normalises its own input tiles (one launch; up to
+    FOLD_INPUT_MAX_TOKENS tokens); on tensor cores and past that `add_rmsnorm` runs first and the product reads its
+    rows: on tensor cores the kernel's own statistic of every token's rows (a chain of row chunks before the first
+    tile) made it slower (H200, 4 tokens, per launch in the step: q/k/v/z 62 us at 4a7f9f5, 20.2 us plus 1.7 for
+    `add_rmsnorm` at 8d5cda9, bench/results/step_ab_h200_*.json)."""
+    if on_tensor_cores(geometry.n, x.shape[0]) or x.shape[0] > FOLD_INPUT_MAX_TOKENS:
         total, normed = add_rmsnorm(x, delta, norm_w, eps, offset=True)
         _launch_gemv(normed, None, None, 0.0, data, geometry, out, PLAIN, 1, **paired)
         return total, normed
@@ -711,6 +716,8 @@ def _folds_input(x: torch.Tensor, x2: torch.Tensor | None, input_op: tl.constexp
     columns, and GATED_NORM groups (a power of two of norm_d columns, whole words of 8) lying whole in every tile."""
     if input_op == PLAIN:
         return True
+    if x.shape[0] > FOLD_INPUT_MAX_TOKENS:
+        return False
     contiguous = x.stride(1) == 1 and x2.stride(1) == 1
     whole_groups = block_k % norm_d == 0 and x.shape[1] % norm_d == 0 and norm_d % 8 == 0 and norm_d & (norm_d - 1) == 0
     return contiguous and (input_op != GATED_NORM or whole_groups)

@@ -127,7 +127,8 @@ def test_the_down_tile_read_before_the_wait_gives_the_same_bits(monkeypatch, tok
     gen = torch.Generator().manual_seed(10)
     width = 128
     values = np.random.default_rng(11).standard_normal((HIDDEN, width)).astype(np.float32) / width**0.5
-    down = QuantizedMatrix(GROUPED_FORMATS["q8_g32_fp16"], HIDDEN, width, torch.from_numpy(encode_row_split(values, "q8_g32_fp16")).to(DEVICE))
+    encoded = torch.from_numpy(encode_row_split(values, "q8_g32_fp16")).to(DEVICE)
+    down = QuantizedMatrix(GROUPED_FORMATS["q8_g32_fp16"], HIDDEN, width, encoded)
     x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(tokens)]).to(DEVICE)
     w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1).to(DEVICE)

@@ -168,6 +168,41 @@ def test_tensor_core_products_equal_the_cuda_core_ones(dtype, tol, monkeypatch):
     assert torch.equal(total, cuda_cores[2])  # the normed rows' statistic sums in the launch's own order
 
 
+@pytest.mark.parametrize("tokens", [2, 4])
+def test_input_steps_computed_before_the_product_equal_the_folded_ones(tokens, monkeypatch):
+    """Past FOLD_INPUT_MAX_TOKENS tokens a matrix-vector product's input step (the residual norm, the gates, the
+    gated norm) runs once before it, in the elementwise kernels: the products equal the folded ones to rounding,
+    and the residual sums bit for bit."""
+    from ninfer_offload.kernels import quant_linear
+    from ninfer_offload.kernels.quant_linear import SIGMOID_GATE, SWIGLU
+
+    gen = torch.Generator().manual_seed(31)
+    data, _, geometry = _random_object("q5_g64_fp16", 48, 256, seed=32)
+    x, x2 = (torch.randn(tokens, 256, generator=gen).to(DEVICE) for _ in range(2))
+    norm_w = (torch.rand(256, generator=gen) + 0.5).to(DEVICE)
+    dense = torch.randn(5, 256, generator=gen).to(DEVICE)
+    assert quant_linear.on_matrix_vector(geometry.n, tokens)
+
+    def products():
+        return (
+            *quant_linear.residual_norm_gemv(x, x2, norm_w, 1e-6, data, geometry),
+            *quant_linear.paired_gemv(x, data, geometry, dense, residual=(x2, norm_w, 1e-6)),
+            quant_linear.quantized_linear(x, data, geometry, x2, SWIGLU),
+            quant_linear.quantized_linear(x, data, geometry, x2, SIGMOID_GATE),
+            quant_linear.gated_norm_linear(x.reshape(tokens, 4, 64), x2.reshape(tokens, 4, 64), norm_w[:64], 1e-6, data, geometry),
+        )
+
+    folded = products()
+    monkeypatch.setattr(quant_linear, "FOLD_INPUT_MAX_TOKENS", 1)
+    monkeypatch.setattr(  # every product reads its input as it is
+        quant_linear, "_quantized_gemv_kernel", LaunchedWith(quant_linear._quantized_gemv_kernel, INPUT=quant_linear.PLAIN.value)
+    )
+    unfolded = products()
+    for got, want in zip(unfolded, folded):
+        assert got.shape == want.shape and _relative_error(got.float(), want.double().cpu()) < 1e-5
+    assert torch.equal(unfolded[1], folded[1]) and torch.equal(unfolded[5], folded[5])  # x + delta
+
+
 def test_gated_norm_product_whose_groups_do_not_fit_the_tile():
     """One token's GDN output product with heads of 24 columns (not whole words of the column tile): the gated norm
     runs before the matrix-vector product (no fused input), with the reference's result."""
