@@ -7,7 +7,8 @@ Each level starts one server (`--max-concurrency` = the number of clients) and s
 request alone (`first_request_ttft_s`: what a user meets right after startup; the server compiles,
 captures and rehearses at startup, `server_warm_up_s` from its log), then N clients each stream one greedy
 `/v1/completions` request of `--max-tokens` tokens at once (`stream_options.include_usage` gives
-the token count), then one more request alone (`steady_ttft_s`; `first_ttft_ratio` = first /
+the token count), `--bursts` times (the burst whose aggregate is the median gives the level's numbers;
+`burst_aggregate_tok_s` lists every burst's), then one more request alone (`steady_ttft_s`; `first_ttft_ratio` = first /
 steady), then one alone with a longer prompt the server has not seen (`new_prompt_ttft_s`: what a
 kernel or plan built per prompt length costs every new length; `new_prompt_ttft_ratio` = it /
 steady; each client's httpx connection pool is made before the clocks start, as an application makes
@@ -117,21 +118,29 @@ def stream_once(client: httpx.Client, url: str, max_tokens: int, prompt: str = P
     return {"ttft_s": first - began, "tokens": tokens, "decode_tok_s": (tokens - 1) / (end - first) if end > first else 0.0, "end": end}
 
 
-def level(server: Server, clients: int, max_tokens: int) -> dict:
-    pools = [httpx.Client() for _ in range(clients)]  # each client's connection pool, made before any clock starts
-    first = stream_once(pools[0], server.url, max_tokens)  # the server's first request: what a user meets after startup
-    results: list[dict] = [{} for _ in range(clients)]
+def burst(pools: list[httpx.Client], url: str, max_tokens: int) -> tuple[list[dict], float]:
+    """Each pool's client streams one request at once: (their results, the wall time from the first start to the last end)."""
+    results: list[dict] = [{} for _ in pools]
 
     def client(i: int) -> None:
-        results[i] = stream_once(pools[i], server.url, max_tokens)
+        results[i] = stream_once(pools[i], url, max_tokens)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(pools))]
     began = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    wall = max(r["end"] for r in results) - began
+    return results, max(r["end"] for r in results) - began
+
+
+def level(server: Server, clients: int, max_tokens: int, bursts: int) -> dict:
+    pools = [httpx.Client() for _ in range(clients)]  # each client's connection pool, made before any clock starts
+    first = stream_once(pools[0], server.url, max_tokens)  # the server's first request: what a user meets after startup
+    runs = [burst(pools, server.url, max_tokens) for _ in range(bursts)]
+    aggregates = [sum(r["tokens"] for r in results) / wall for results, wall in runs]
+    median = sorted(range(bursts), key=aggregates.__getitem__)[bursts // 2]  # the burst whose aggregate is the median
+    results = runs[median][0]
     ttfts = [r["ttft_s"] for r in results]
     steady = stream_once(pools[0], server.url, max_tokens)  # one more request alone, for the first request's comparison
     new = stream_once(pools[0], server.url, max_tokens, NEW_PROMPT)
@@ -142,7 +151,8 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
     listening = next(i for i, line in enumerate(server.log) if "Uvicorn running" in line)
     requests = [line.split(" ninfer ", 1)[-1].strip() for line in server.log[listening:] if " prompt=" in line]
     logged = [float(m.group(1)) if (m := SERVER_TTFT.search(line)) else None for line in requests]
-    server_ttfts = [t for t in logged[1 : 1 + clients] if t is not None]  # logged as they end
+    after = 1 + bursts * clients  # the first request's line, then each burst's (logged as they end)
+    server_ttfts = [t for t in logged[1 + median * clients : 1 + (median + 1) * clients] if t is not None]
     return {
         "clients": clients,
         "server_warm_up_s": warm_up[0] and float(warm_up[0]),
@@ -153,11 +163,12 @@ def level(server: Server, clients: int, max_tokens: int) -> dict:
         "steady_ttft_s": steady["ttft_s"],
         "first_ttft_ratio": first["ttft_s"] / steady["ttft_s"],
         "first_request_server_ttft_s": logged[0] if logged else None,
-        "steady_server_ttft_s": logged[1 + clients] if len(logged) > 1 + clients else None,
+        "steady_server_ttft_s": logged[after] if len(logged) > after else None,
         "new_prompt_ttft_s": new["ttft_s"],
         "new_prompt_ttft_ratio": new["ttft_s"] / steady["ttft_s"],
         "per_client_tok_s": sum(r["decode_tok_s"] for r in results) / clients,
-        "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
+        "aggregate_tok_s": aggregates[median],
+        "burst_aggregate_tok_s": aggregates,
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p95_s": percentile(ttfts, 0.95),
         "tokens": [r["tokens"] for r in results],
@@ -186,6 +197,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--bursts", type=int, default=3, help="bursts of concurrent requests per level; the median's numbers are reported")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `ninfer serve` option (repeatable)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
@@ -199,7 +211,7 @@ def main() -> None:
     for clients in args.clients:
         server = Server(args.artifact, args.device, clients, args.serve_arg, args.startup_timeout)
         try:
-            report["levels"].append(level(server, clients, args.max_tokens))
+            report["levels"].append(level(server, clients, args.max_tokens, args.bursts))
         finally:
             server.stop()
         args.out.parent.mkdir(parents=True, exist_ok=True)
