@@ -96,10 +96,12 @@ GEMV_TILES = GemvTiles(8, 2048, 4, 3)
 # 32 rows (bench/results/step_ab_h200_split_tiles_05f867f.json, step_ab_h200_split_n16_05f867f.json); k tiles of
 # 256 / 128 (fewer registers, a k loop) 2.57 / 2.52, 4 warps 2.36, 64 rows / 4 warps 2.75.
 SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
-# The split down kernel's programs read their weight tile before they wait for the gate/up launch (where both
-# down products are one k tile), as the one-tile dense products do (`quant_linear.PREFETCH_MIN_TOKENS`). Off until
-# measured on a GPU; module-level so `bench/step_ab.py` can compare the two.
-DOWN_PREFETCH = False
+# Up to this many tokens the split down kernel's programs read their weight tile before they wait for the gate/up
+# launch (where both down products are one k tile), as the one-tile dense products do (`quant_linear.PREFETCH_MIN_TOKENS`).
+# The tile held across the wait raises the sm_90 cubin's registers (official formats: 159-168 against 127-134), which a
+# batch's many programs may pay in occupancy. 0 (off) until measured on a GPU; module-level so `bench/step_ab.py` can
+# compare them.
+DOWN_PREFETCH_MAX_TOKENS = 0
 # Each token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
@@ -754,7 +756,7 @@ def _routed_experts_gemv(
         score.stride(0), gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
         GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=block_k, SHARED_EXPERT=fold,
         S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=s_block_k,
-        PREFETCH=DOWN_PREFETCH and block_k == dn.k_pad and s_block_k == sg.k_pad,
+        PREFETCH=t <= DOWN_PREFETCH_MAX_TOKENS and block_k == dn.k_pad and s_block_k == sg.k_pad,
         num_warps=SPLIT_DOWN_WARPS, num_stages=GEMV_TILES.stages, **launch_options(x.device),
     )
     return out if fold else _with_shared(out, shared)

@@ -115,7 +115,7 @@ def test_tokens_sharing_every_expert():
 
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_the_down_tile_read_before_the_wait_gives_the_same_bits(monkeypatch, tokens):
-    """moe.DOWN_PREFETCH (the split down kernel's weight tile read before it waits for the gate/up launch) changes
+    """moe.DOWN_PREFETCH_MAX_TOKENS (the split down kernel's weight tile read before it waits for the gate/up launch) changes
     when the tile is read, not the sums: the same bits as without it, with the shared expert folded in and without."""
     from ninfer_offload.artifact.formats import GROUPED_FORMATS
     from ninfer_offload.kernels import moe
@@ -136,7 +136,7 @@ def test_the_down_tile_read_before_the_wait_gives_the_same_bits(monkeypatch, tok
     shared = SharedExpert(gate_up[:, :width], gate_up[:, width : 2 * width], down, gate_up[:, 2 * width :])
     outputs = {}
     for prefetch in (False, True):
-        monkeypatch.setattr(moe, "DOWN_PREFETCH", prefetch)
+        monkeypatch.setattr(moe, "DOWN_PREFETCH_MAX_TOKENS", tokens if prefetch else 0)
         outputs[prefetch] = [moe.routed_experts(x, ids, w, data, table, layout, shared=s) for s in (None, shared)]
     assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
 
