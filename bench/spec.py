@@ -35,12 +35,17 @@ Per mode (everything resident, then each VRAM budget in GiB planned with `--prof
   accepted given the previous one was): a round yields E = (1 - a^(K+1)) / (1 - a) tokens, so
   speed-up = E * plain_s / round_s (a rejected round costs about what a full one does);
 * `--proposal-head` drafts with the artifact's proposal head (`proposal/head` over `proposal/token_ids`)
-  instead of the full output head, `proposal_head` in the report.
+  instead of the full output head, `proposal_head` in the report;
+* offloaded modes: `verify_store`, the expert store's counts over `--repeats` verifications alone (hit rate, the
+  assignments the host computed, record MB read over PCIe per verification: one read per assignment of an expert
+  not in VRAM, as the store counts); `--miss-paths pcie cpu` loads each budget once per miss path (mode
+  "15 GiB" for pcie, "15 GiB cpu" otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
@@ -125,6 +130,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
             session.forget_mtp(1)
 
         step_beside_s, verify_s = median_seconds([step, verify], repeats, device)
+        verify_store = store_counts(engine, verify, repeats)
         [draft_s] = median_seconds([draft], repeats, device)
         verify_stages, verify_kernels, _ = kernel_breakdown(verify, 3) if device.type == "cuda" else ({}, [], {})
         draft_stages, draft_kernels, draft_runtime = kernel_breakdown(draft, 3) if device.type == "cuda" else ({}, [], {})
@@ -141,6 +147,7 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
             "step_beside_verify_s": step_beside_s,
             "verify_step_ratio": verify_s / step_beside_s,
             "verify_over_step_s": verify_s / step_s,
+            **({"verify_store": verify_store} if verify_store else {}),
             "verify_stage_us": verify_stages,
             "verify_kernels": verify_kernels[:KERNELS_KEPT],
             "draft_s": draft_s,
@@ -159,6 +166,25 @@ def measure(engine: Engine, repeats: int, acceptance: float, tokens: int, trace:
         print(json.dumps(runs[-1]), flush=True)
     session.close()
     return runs
+
+
+def store_counts(engine: Engine, run, calls: int) -> dict | None:
+    """An offloaded store's counts over `calls` calls of `run` (brought up to date, waiting for the device):
+    hit rate, host-computed assignments and PCIe record MB per call; None when everything is resident."""
+    if not engine.store.offloaded:
+        return None
+    before = dataclasses.replace(engine.store.stats)
+    for _ in range(calls):
+        run()
+    after = engine.store.stats
+    uses = after.uses - before.uses
+    return {
+        "calls": calls,
+        "assignments_per_call": uses / calls,
+        "hit_rate": (after.hits - before.hits) / max(uses, 1),
+        "cpu_assignments_per_call": (after.cpu_assignments - before.cpu_assignments) / calls,
+        "pcie_mb_per_call": (after.pcie_bytes - before.pcie_bytes) / calls / 1e6,
+    }
 
 
 def _plain_greedy(engine: Engine, routing: TraceRouting, tokens: int) -> list[int]:
@@ -242,6 +268,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="greedy tokens of the oracle generation")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--routing", choices=("trace", "model"), default="trace", help="route by the calibrated trace or by the weights")
+    parser.add_argument("--miss-paths", nargs="+", choices=("pcie", "cpu", "auto"), default=["pcie"],
+                        help="each budget once per miss path (`--miss-path` of generate)")
     parser.add_argument("--proposal-head", action="store_true", help="draft with the artifact's proposal head, not the full output head")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
@@ -254,7 +282,9 @@ def main() -> None:
         "runs": [],
     }
     modes = [("resident", {"experts": "resident"})] + [
-        (f"{budget:g} GiB", {"profile": args.profile, "vram_budget": int(budget * GiB)}) for budget in args.budgets
+        (f"{budget:g} GiB" + ("" if path == "pcie" else f" {path}"),
+         {"profile": args.profile, "vram_budget": int(budget * GiB), "miss_path": None if path == "pcie" else path})
+        for budget in args.budgets for path in args.miss_paths
     ]
     for mode, options in modes:
         engine = Engine.load(
