@@ -79,11 +79,12 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
                         {**common, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER)}, options))
     out.append(("MoE gate/up matrix-vector, a program per pair", moe._gate_up_swiglu_gemv_kernel,
                 {"TOP_K": 8, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": moe.GEMV_TILES.block_n,
-                 "BLOCK_K": moe.GEMV_TILES.block_k, "COUNT": False},
+                 "BLOCK_K": moe.GEMV_TILES.block_k, "COUNT": False, "SHARED_READS": False, "PAIRS_PAD": 64},
                 {"num_warps": moe.GEMV_TILES.warps, "num_stages": moe.GEMV_TILES.stages}))
     out.append(("MoE split down with the shared expert", moe._down_split_gemv_kernel,
                 {"TOP_K": 8, **Q8, "K_PAD": INTER, "BLOCK_N": moe.SPLIT_DOWN_N, "BLOCK_K": moe.SPLIT_DOWN_BLOCK_K, "SHARED_EXPERT": True,
-                 "S_NVFP4": False, "S_BITS": 8, "S_GROUP": 32, "S_K_PAD": INTER, "S_BLOCK_K": moe.SPLIT_DOWN_BLOCK_K},
+                 "S_NVFP4": False, "S_BITS": 8, "S_GROUP": 32, "S_K_PAD": INTER, "S_BLOCK_K": moe.SPLIT_DOWN_BLOCK_K,
+                 "SHARED_READS": False, "PAIRS_PAD": 64},
                 {"num_warps": moe.SPLIT_DOWN_WARPS, "num_stages": moe.GEMV_TILES.stages}))
     return out
 

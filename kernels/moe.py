@@ -105,6 +105,11 @@ DOWN_PREFETCH_MAX_TOKENS = 0
 # Each token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
+# From this many tokens (GEMV_MAX_TOKENS + 1: never), both matrix-vector kernels read each expert's slices once for
+# all pairs routed to it: the program of the expert's first pair (per column or row slice) computes each of those
+# pairs in turn, re-reading its slice from L1/L2, and the others' programs stop. Off until a GPU measures it: with a
+# program per pair a repeat comes mostly from L2 in VRAM, but over PCIe again for an expert in host memory.
+SHARED_READ_MIN_TOKENS = GEMV_MAX_TOKENS + 1
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
@@ -238,6 +243,23 @@ def _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4: tl.cons
 
 
 @triton.jit
+def _pairs_of_expert(topk_ids, pair, e, pairs, PAIRS_PAD: tl.constexpr):
+    """(whether `pair` is the first of the launch's `pairs` routed to expert `e`, bool [PAIRS_PAD]: every pair
+    routed to `e`)."""
+    at = tl.arange(0, PAIRS_PAD)
+    same = tl.load(topk_ids + at, mask=at < pairs, other=-1) == e
+    return tl.min(tl.where(same, at, PAIRS_PAD), axis=0) == pair, same
+
+
+@triton.jit
+def _next_pair(left, PAIRS_PAD: tl.constexpr):
+    """(the lowest pair of mask `left`, `left` without it)."""
+    at = tl.arange(0, PAIRS_PAD)
+    q = tl.min(tl.where(left, at, PAIRS_PAD), axis=0)
+    return q, left & (at != q)
+
+
+@triton.jit
 def _gate_up_swiglu_gemv_kernel(
     x,
     arena,
@@ -251,6 +273,7 @@ def _gate_up_swiglu_gemv_kernel(
     high_offset,
     scale_offset,
     divisor_offset,
+    pairs,
     TOP_K: tl.constexpr,
     NVFP4: tl.constexpr,
     WHOLE_TILES: tl.constexpr,
@@ -260,12 +283,16 @@ def _gate_up_swiglu_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COUNT: tl.constexpr,
+    SHARED_READS: tl.constexpr,
+    PAIRS_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """A program per (pair, column slice): the gate and up columns of the pair's expert times its token's x,
     SwiGLU into the pair's row of `act`. An expert that several tokens use is read once per token (the
-    repeats mostly from L2, the programs of one column slice running together). With COUNT, each pair's
-    first program adds 1 to `use_counts` at its expert (`model.experts.count_uses`)."""
+    repeats mostly from L2, the programs of one column slice running together); with SHARED_READS the program of
+    its first pair computes every pair of the expert in turn (its repeats of the slice from L1/L2, not from memory
+    or over PCIe again), the others stop. With
+    COUNT, each pair's first program adds 1 to `use_counts` at its expert (`model.experts.count_uses`)."""
     await_producer(PDL)
     pair = tl.program_id(0)
     e = tl.load(topk_ids + pair)
@@ -277,6 +304,30 @@ def _gate_up_swiglu_gemv_kernel(
     col_mask = cols_i < I
     gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
     up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
+    if SHARED_READS:
+        first, left = _pairs_of_expert(topk_ids, pair, e, pairs, PAIRS_PAD)
+        if first:
+            for _ in range(tl.sum(left.to(tl.int32), axis=0)):
+                q, left = _next_pair(left, PAIRS_PAD)
+                _gate_up_pair_rows(
+                    x, stride_x, act, record, q, cols_i, col_mask, gate_divisors, up_divisors, H, I, high_offset, scale_offset,
+                    TOP_K, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
+                )
+    else:
+        _gate_up_pair_rows(
+            x, stride_x, act, record, pair, cols_i, col_mask, gate_divisors, up_divisors, H, I, high_offset, scale_offset,
+            TOP_K, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
+        )
+
+
+@triton.jit
+def _gate_up_pair_rows(
+    x, stride_x, act, record, pair, cols_i, col_mask, gate_divisors, up_divisors, H, I, high_offset, scale_offset,
+    TOP_K: tl.constexpr, NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """SwiGLU of the gate and up columns `cols_i` of expert `record` times pair `pair`'s token row of x, into the pair's
+    row of `act`."""
     x_row = x + (pair // TOP_K).to(tl.int64) * stride_x
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -409,6 +460,8 @@ def _down_split_gemv_kernel(
     S_K_PAD: tl.constexpr,
     S_BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
+    SHARED_READS: tl.constexpr,
+    PAIRS_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """A program per (row slice, slot, token): its expert's down rows, rounded and weighted, into
@@ -418,30 +471,52 @@ def _down_split_gemv_kernel(
     (`arrivals`, zero between launches) sums the slice's TOP_K routed rows in slot order into `out`
     (plus the shared expert's rows after rounding the routed sum) and zeroes its count again.
     With PREFETCH (both products of one k tile) each program reads its weight tile before it waits for the
-    gate/up launch (`_routed_down_rows`)."""
+    gate/up launch (`_routed_down_rows`). With SHARED_READS the program of an expert's first pair computes, stores
+    and arrives for every pair of that expert in turn (its tile's repeats from L1/L2); the others' programs stop."""
     if not PREFETCH:
         await_producer(PDL)
     block, j, tok = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = program_rows(block, BLOCK_N, NVFP4)
     row_mask = rows < H
-    slots: tl.constexpr = TOP_K + SHARED_EXPERT
     pair = tok * TOP_K + j
-    if SHARED_EXPERT:
-        if j == TOP_K:
-            y = _shared_expert_rows(
-                gate, up, stride_gate, stride_up, shared_down, score, stride_score, S, s_high_offset, s_scale_offset, s_divisor_offset,
-                tok, rows, row_mask, S_NVFP4, S_BITS, S_GROUP, S_K_PAD, BLOCK_N, S_BLOCK_K, PREFETCH, PDL,
-            )
+    if SHARED_READS and j < TOP_K:
+        first, left = _pairs_of_expert(topk_ids, pair, tl.load(topk_ids + pair), tl.num_programs(2) * TOP_K, PAIRS_PAD)
+        if first:
+            for _ in range(tl.sum(left.to(tl.int32), axis=0)):
+                q, left = _next_pair(left, PAIRS_PAD)
+                y = _routed_down_rows(
+                    act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, q.to(tl.int64), rows,
+                    row_mask, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K, False, PDL,
+                )
+                _arrive_with_rows(y, partial, arrivals, out, H, block, q % TOP_K, (q // TOP_K).to(tl.int64), rows, row_mask, TOP_K,
+                                  SHARED_EXPERT, BLOCK_N)
+    else:
+        if SHARED_EXPERT:
+            if j == TOP_K:
+                y = _shared_expert_rows(
+                    gate, up, stride_gate, stride_up, shared_down, score, stride_score, S, s_high_offset, s_scale_offset,
+                    s_divisor_offset, tok, rows, row_mask, S_NVFP4, S_BITS, S_GROUP, S_K_PAD, BLOCK_N, S_BLOCK_K, PREFETCH, PDL,
+                )
+            else:
+                y = _routed_down_rows(
+                    act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
+                    NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K, PREFETCH, PDL,
+                )
         else:
             y = _routed_down_rows(
                 act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
                 NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K, PREFETCH, PDL,
             )
-    else:
-        y = _routed_down_rows(
-            act, arena, table, topk_ids, weights, I, down_offset, high_offset, scale_offset, divisor_offset, pair, rows, row_mask,
-            NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K, PREFETCH, PDL,
-        )
+        _arrive_with_rows(y, partial, arrivals, out, H, block, j, tok, rows, row_mask, TOP_K, SHARED_EXPERT, BLOCK_N)
+
+
+@triton.jit
+def _arrive_with_rows(
+    y, partial, arrivals, out, H, block, j, tok, rows, row_mask, TOP_K: tl.constexpr, SHARED_EXPERT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Store rows `y` of token `tok`'s slot `j` into `partial` and arrive at the token's slice count; the last of the
+    slice's programs to arrive sums the token's slots into `out` (`_sum_slots`) and zeroes the count."""
+    slots: tl.constexpr = TOP_K + SHARED_EXPERT
     tl.store(partial + (tok * slots + j) * H + rows, y, mask=row_mask)
     count = arrivals + tok * tl.num_programs(0) + block
     if last_to_arrive(count, slots):
@@ -738,26 +813,30 @@ def _routed_experts_gemv(
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
     ids, pairs = topk_ids.contiguous(), t * top_k
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
+    gu_block_k = gemv_block_k(gu.k_pad, GEMV_TILES.block_k)
+    fold = _foldable(shared)
+    s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
+    block_k, s_block_k = gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K)
+    shared_reads = t >= SHARED_READ_MIN_TOKENS
+    pairs_pad = triton.next_power_of_2(pairs)
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, GEMV_TILES.block_n))](
         x, arena, table, ids, act, act if uses is None else uses, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
-        gu.divisor_offset, TOP_K=top_k, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group,
-        K_PAD=gu.k_pad, BLOCK_N=GEMV_TILES.block_n, BLOCK_K=gemv_block_k(gu.k_pad, GEMV_TILES.block_k), COUNT=uses is not None,
-        num_warps=GEMV_TILES.warps, num_stages=GEMV_TILES.stages, **launch_options(x.device),
+        gu.divisor_offset, pairs, TOP_K=top_k, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group,
+        K_PAD=gu.k_pad, BLOCK_N=GEMV_TILES.block_n, BLOCK_K=gu_block_k, COUNT=uses is not None, SHARED_READS=shared_reads,
+        PAIRS_PAD=pairs_pad, num_warps=GEMV_TILES.warps, num_stages=GEMV_TILES.stages, **launch_options(x.device),
     )
-    fold = _foldable(shared)
     out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)
     partial = torch.empty(pairs + fold * t, hidden, device=x.device, dtype=torch.float32)
     gate, up, score = (shared.gate, shared.up, shared.score) if fold else (x, x, x)
-    s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
-    block_k, s_block_k = gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K)
     _down_split_gemv_kernel[(triton.cdiv(hidden, SPLIT_DOWN_N), top_k + fold, t)](
         act, arena, table, ids, topk_weights.contiguous(), partial, arrival_counts("moe.down_split", x.device), out, hidden, inter,
         layout.down_offset, dn.high_offset, dn.scale_offset, dn.divisor_offset, gate, up, gate.stride(0), up.stride(0), s_data, score,
         score.stride(0), gate.shape[1], sg.high_offset, sg.scale_offset, sg.divisor_offset, TOP_K=top_k, NVFP4=dn.nvfp4, BITS=dn.bits,
         GROUP=dn.group, K_PAD=dn.k_pad, BLOCK_N=SPLIT_DOWN_N, BLOCK_K=block_k, SHARED_EXPERT=fold,
         S_NVFP4=sg.nvfp4, S_BITS=sg.bits, S_GROUP=sg.group, S_K_PAD=sg.k_pad, S_BLOCK_K=s_block_k,
-        PREFETCH=t <= DOWN_PREFETCH_MAX_TOKENS and block_k == dn.k_pad and s_block_k == sg.k_pad,
-        num_warps=SPLIT_DOWN_WARPS, num_stages=GEMV_TILES.stages, **launch_options(x.device),
+        PREFETCH=t <= DOWN_PREFETCH_MAX_TOKENS and block_k == dn.k_pad and s_block_k == sg.k_pad and not shared_reads,
+        SHARED_READS=shared_reads, PAIRS_PAD=pairs_pad, num_warps=SPLIT_DOWN_WARPS, num_stages=GEMV_TILES.stages,
+        **launch_options(x.device),
     )
     return out if fold else _with_shared(out, shared)
 

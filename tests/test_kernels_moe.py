@@ -141,6 +141,41 @@ def test_the_down_tile_read_before_the_wait_gives_the_same_bits(monkeypatch, tok
     assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
 
 
+@pytest.mark.parametrize("tokens", [8])
+def test_one_read_per_expert_gives_the_same_bits(monkeypatch, tokens):
+    """moe.SHARED_READ_MIN_TOKENS (the program of an expert's first pair applies the expert's tile to every pair routed
+    to it, the others' programs stop) changes which program computes a pair, not its sums: the same bits and the same
+    counts as a program per pair, with experts shared across tokens, a token using one expert in two slots, the shared
+    expert folded in and not; the down launch leaves its arrival counts zeroed."""
+    from ninfer_offload.artifact.formats import GROUPED_FORMATS
+    from ninfer_offload.kernels import moe
+    from ninfer_offload.model.backend import SharedExpert
+    from ninfer_offload.model.quant import QuantizedMatrix
+
+    layout, data, _ = _records("q4_g64_fp16", "q6_g64_fp16", seed=12)
+    table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(13)
+    width = 128
+    values = np.random.default_rng(14).standard_normal((HIDDEN, width)).astype(np.float32) / width**0.5
+    encoded = torch.from_numpy(encode_row_split(values, "q8_g32_fp16")).to(DEVICE)
+    down = QuantizedMatrix(GROUPED_FORMATS["q8_g32_fp16"], HIDDEN, width, encoded)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:3] for _ in range(tokens)])  # 4 of the 6 experts: many repeats
+    ids[0] = torch.tensor([3, 1, 3])
+    w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1).to(DEVICE)
+    gate_up = torch.randn(tokens, 2 * width + 1, generator=gen).to(DEVICE)
+    shared = SharedExpert(gate_up[:, :width], gate_up[:, width : 2 * width], down, gate_up[:, 2 * width :])
+    outputs, counts = {}, {}
+    for one_read in (False, True):
+        monkeypatch.setattr(moe, "SHARED_READ_MIN_TOKENS", 2 if one_read else moe.GEMV_MAX_TOKENS + 1)
+        uses = torch.zeros(EXPERTS, dtype=torch.int32, device=DEVICE)
+        outputs[one_read] = [moe.routed_experts(x, ids.to(DEVICE), w, data, table, layout, shared=s, uses=uses) for s in (None, shared)]
+        counts[one_read] = uses
+        assert int(arrival_counts("moe.down_split", x.device).abs().sum()) == 0
+    assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
+    assert torch.equal(counts[False], counts[True])
+
+
 def test_the_kernels_count_each_assignment():
     """With `uses`, each (token, expert) assignment is counted as `count_uses` counts it (a token's repeated
     expert twice): in the matrix-vector path's gate/up launch, by `count_uses` on the tiled path."""
