@@ -113,58 +113,52 @@ def test_tokens_sharing_every_expert():
     assert torch.equal(first, _assert_matches_reference(records, x, ids, w))
 
 
+def _with_a_shared_expert(tokens: int, seed: int, experts: int = EXPERTS) -> tuple:
+    """(layout, records, table, x, ids, weights, the MoE block's Q8 shared expert) on the device: `tokens` tokens, each
+    routed to 3 of the first `experts` experts."""
+    from ninfer_offload.artifact.formats import GROUPED_FORMATS
+    from ninfer_offload.kernels.moe import record_table
+    from ninfer_offload.model.backend import SharedExpert
+    from ninfer_offload.model.quant import QuantizedMatrix
+
+    layout, data, _ = _records("q4_g64_fp16", "q6_g64_fp16", seed=seed)
+    table = record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
+    gen = torch.Generator().manual_seed(seed + 1)
+    width = 128
+    values = np.random.default_rng(seed + 2).standard_normal((HIDDEN, width)).astype(np.float32) / width**0.5
+    encoded = torch.from_numpy(encode_row_split(values, "q8_g32_fp16")).to(DEVICE)
+    down = QuantizedMatrix(GROUPED_FORMATS["q8_g32_fp16"], HIDDEN, width, encoded)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:3] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1).to(DEVICE)
+    gate_up = torch.randn(tokens, 2 * width + 1, generator=gen).to(DEVICE)
+    shared = SharedExpert(gate_up[:, :width], gate_up[:, width : 2 * width], down, gate_up[:, 2 * width :])
+    return layout, data, table, x, ids, w, shared
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_the_down_tile_read_before_the_wait_gives_the_same_bits(monkeypatch, tokens):
     """moe.DOWN_PREFETCH_MAX_TOKENS (the split down kernel's weight tile read before it waits for the gate/up launch) changes
     when the tile is read, not the sums: the same bits as without it, with the shared expert folded in and without."""
-    from ninfer_offload.artifact.formats import GROUPED_FORMATS
     from ninfer_offload.kernels import moe
-    from ninfer_offload.model.backend import SharedExpert
-    from ninfer_offload.model.quant import QuantizedMatrix
 
-    layout, data, _ = _records("q4_g64_fp16", "q6_g64_fp16", seed=9)
-    table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
-    gen = torch.Generator().manual_seed(10)
-    width = 128
-    values = np.random.default_rng(11).standard_normal((HIDDEN, width)).astype(np.float32) / width**0.5
-    encoded = torch.from_numpy(encode_row_split(values, "q8_g32_fp16")).to(DEVICE)
-    down = QuantizedMatrix(GROUPED_FORMATS["q8_g32_fp16"], HIDDEN, width, encoded)
-    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:3] for _ in range(tokens)]).to(DEVICE)
-    w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1).to(DEVICE)
-    gate_up = torch.randn(tokens, 2 * width + 1, generator=gen).to(DEVICE)
-    shared = SharedExpert(gate_up[:, :width], gate_up[:, width : 2 * width], down, gate_up[:, 2 * width :])
+    layout, data, table, x, ids, w, shared = _with_a_shared_expert(tokens, seed=9)
     outputs = {}
     for prefetch in (False, True):
         monkeypatch.setattr(moe, "DOWN_PREFETCH_MAX_TOKENS", tokens if prefetch else 0)
-        outputs[prefetch] = [moe.routed_experts(x, ids, w, data, table, layout, shared=s) for s in (None, shared)]
+        outputs[prefetch] = [moe.routed_experts(x, ids.to(DEVICE), w, data, table, layout, shared=s) for s in (None, shared)]
     assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
 
 
-@pytest.mark.parametrize("tokens", [8])
-def test_one_read_per_expert_gives_the_same_bits(monkeypatch, tokens):
-    """moe.SHARED_READ_MIN_TOKENS (the program of an expert's first pair applies the expert's tile to every pair routed
-    to it, the others' programs stop) changes which program computes a pair, not its sums: the same bits and the same
-    counts as a program per pair, with experts shared across tokens, a token using one expert in two slots, the shared
-    expert folded in and not; the down launch leaves its arrival counts zeroed."""
-    from ninfer_offload.artifact.formats import GROUPED_FORMATS
+def test_one_read_per_expert_gives_the_same_bits(monkeypatch):
+    """moe.SHARED_READ_MIN_TOKENS (the program of an expert's first pair computes every pair routed to it, the others'
+    programs stop) changes which program computes a pair, not its sums: the same bits and the same counts as a program
+    per pair, with experts shared across 8 tokens, a token using one expert in two slots, the shared expert folded in
+    and not; the down launch leaves its arrival counts zeroed."""
     from ninfer_offload.kernels import moe
-    from ninfer_offload.model.backend import SharedExpert
-    from ninfer_offload.model.quant import QuantizedMatrix
 
-    layout, data, _ = _records("q4_g64_fp16", "q6_g64_fp16", seed=12)
-    table = moe.record_table(torch.arange(EXPERTS, device=DEVICE), layout.nbytes)
-    gen = torch.Generator().manual_seed(13)
-    width = 128
-    values = np.random.default_rng(14).standard_normal((HIDDEN, width)).astype(np.float32) / width**0.5
-    encoded = torch.from_numpy(encode_row_split(values, "q8_g32_fp16")).to(DEVICE)
-    down = QuantizedMatrix(GROUPED_FORMATS["q8_g32_fp16"], HIDDEN, width, encoded)
-    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
-    ids = torch.stack([torch.randperm(4, generator=gen)[:3] for _ in range(tokens)])  # 4 of the 6 experts: many repeats
+    layout, data, table, x, ids, w, shared = _with_a_shared_expert(8, seed=12, experts=4)  # 4 of the 6 experts: many repeats
     ids[0] = torch.tensor([3, 1, 3])
-    w = torch.softmax(torch.randn(tokens, 3, generator=gen), dim=-1).to(DEVICE)
-    gate_up = torch.randn(tokens, 2 * width + 1, generator=gen).to(DEVICE)
-    shared = SharedExpert(gate_up[:, :width], gate_up[:, width : 2 * width], down, gate_up[:, 2 * width :])
     outputs, counts = {}, {}
     for one_read in (False, True):
         monkeypatch.setattr(moe, "SHARED_READ_MIN_TOKENS", 2 if one_read else moe.GEMV_MAX_TOKENS + 1)
