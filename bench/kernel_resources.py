@@ -38,7 +38,7 @@ POINTERS = {
                                "conv_states", "conv_weight", "q", "k_pool", "v_pool", "gate", "up", "weights")},
     **{name: "*u8" for name in ("w", "arena", "shared_down")},
     **{name: "*i64" for name in ("table", "block_expert", "block_pairs", "topk_ids", "slots", "lengths")},
-    **{name: "*i32" for name in ("arrivals", "deferred", "use_counts", "valid")},
+    **{name: "*i32" for name in ("arrivals", "deferred", "use_counts", "shared_use_counts", "valid")},
     **{name: "*fp32" for name in ("partial", "weighted", "part_out", "part_max", "part_sum")},
 }
 FLOATS = {"eps", "scale"}
@@ -79,7 +79,7 @@ def configurations() -> list[tuple[str, object, dict, dict]]:
                         {**common, "K_PAD": INTER, "BLOCK_N": tiles.down_n, "BLOCK_K": min(tiles.block_k, INTER)}, options))
     out.append(("MoE gate/up matrix-vector, a program per pair", moe._gate_up_swiglu_gemv_kernel,
                 {"TOP_K": 8, **Q8, "WHOLE_TILES": False, "K_PAD": HIDDEN, "BLOCK_N": moe.GEMV_TILES.block_n,
-                 "BLOCK_K": moe.GEMV_TILES.block_k, "COUNT": False, "SHARED_READS": False, "PAIRS_PAD": 64},
+                 "BLOCK_K": moe.GEMV_TILES.block_k, "COUNT": False, "SHARED_READS": False, "COUNT_SHARED": False, "PAIRS_PAD": 64},
                 {"num_warps": moe.GEMV_TILES.warps, "num_stages": moe.GEMV_TILES.stages}))
     out.append(("MoE split down with the shared expert", moe._down_split_gemv_kernel,
                 {"TOP_K": 8, **Q8, "K_PAD": INTER, "BLOCK_N": moe.SPLIT_DOWN_N, "BLOCK_K": moe.SPLIT_DOWN_BLOCK_K, "SHARED_EXPERT": True,

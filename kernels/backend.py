@@ -148,7 +148,7 @@ class TritonBackend(ReferenceBackend):
             return super().routed_experts(x, topk_ids, topk_weights, experts, shared)
         return moe.routed_experts(
             x, topk_ids, topk_weights, experts.arena, experts.offsets, experts.layout, host_records=experts.host is not None, shared=shared,
-            uses=experts.uses,
+            uses=experts.uses, shared_uses=experts.shared_uses,
         )
 
     def routed_experts_split(

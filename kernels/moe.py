@@ -21,9 +21,12 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
   token): each writes its expert's rounded, weighted rows (fp32) and the last of a slice's k programs to
   arrive sums them in slot order (an atomic count per slice, so no reduction is launched and the k experts
   are read in parallel). An expert that several tokens use is read once per token, its repeats mostly from
-  L2. Given the MoE block's shared expert (`SharedExpert`), one more program per slice and token computes
-  its down rows (SwiGLU of its gate/up, scaled by sigmoid of its score) in the same launch and the last
-  arriver adds them to the rounded routed sum, as `shared_expert` would after it: one launch fewer per layer.
+  L2; from `SHARED_READ_MIN_TOKENS` tokens both kernels compute all of an expert's pairs in the programs of its
+  first pair instead (one read, which matters for a host expert read over PCIe), counting the others' assignments
+  as shared uses (`ExpertBank.shared_uses`: they read no record of their own). Given the MoE block's shared
+  expert (`SharedExpert`), one more program per slice and token computes its down rows (SwiGLU of its gate/up,
+  scaled by sigmoid of its score) in the same launch and the last arriver adds them to the rounded routed sum,
+  as `shared_expert` would after it: one launch fewer per layer.
 * otherwise the pairs are planned in blocks of at most BLOCK_M pairs of one expert (each pair its
   own block when there are few, else sorted by expert). Kernel 1 computes gate and up rows for a
   block with `tl.dot` and applies SwiGLU; kernel 2 applies the down rows and the routing weight.
@@ -267,6 +270,7 @@ def _gate_up_swiglu_gemv_kernel(
     topk_ids,
     act,
     use_counts,
+    shared_use_counts,
     stride_x,
     H,
     I,
@@ -284,6 +288,7 @@ def _gate_up_swiglu_gemv_kernel(
     BLOCK_K: tl.constexpr,
     COUNT: tl.constexpr,
     SHARED_READS: tl.constexpr,
+    COUNT_SHARED: tl.constexpr,
     PAIRS_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -291,8 +296,9 @@ def _gate_up_swiglu_gemv_kernel(
     SwiGLU into the pair's row of `act`. An expert that several tokens use is read once per token (the
     repeats mostly from L2, the programs of one column slice running together); with SHARED_READS the program of
     its first pair computes every pair of the expert in turn (its repeats of the slice from L1/L2, not from memory
-    or over PCIe again), the others stop. With
-    COUNT, each pair's first program adds 1 to `use_counts` at its expert (`model.experts.count_uses`)."""
+    or over PCIe again), the others stop. With COUNT, each pair's first program adds 1 to `use_counts` at its expert
+    (`model.experts.count_uses`); with COUNT_SHARED (and SHARED_READS) the first program of each pair that reads
+    no slice of its own adds 1 to `shared_use_counts` too."""
     await_producer(PDL)
     pair = tl.program_id(0)
     e = tl.load(topk_ids + pair)
@@ -313,6 +319,9 @@ def _gate_up_swiglu_gemv_kernel(
                     x, stride_x, act, record, q, cols_i, col_mask, gate_divisors, up_divisors, H, I, high_offset, scale_offset,
                     TOP_K, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
                 )
+        elif COUNT_SHARED:
+            if tl.program_id(1) == 0:
+                tl.atomic_add(shared_use_counts + e, 1, sem="relaxed")
     else:
         _gate_up_pair_rows(
             x, stride_x, act, record, pair, cols_i, col_mask, gate_divisors, up_divisors, H, I, high_offset, scale_offset,
@@ -670,19 +679,21 @@ def routed_experts(
     host_records: bool = False,
     shared: SharedExpert | None = None,
     uses: torch.Tensor | None = None,
+    shared_uses: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-experts output [T, H] in x's dtype, plus `shared`'s rows when given (the MoE block's
     output: one token's in the same launch as its routed down rows, else `shared_expert` after them);
     expert e's record starts `table[e]` bytes (int64, a multiple of 256) after the start of the uint8
     tensor `arena`. `host_records`: some records are in host memory, read over PCIe (the tiled
     kernels then read rows in long runs). `uses` (int32 [E]) counts each (token, expert) assignment:
-    in the gate/up launch of the matrix-vector path, else by `count_uses`."""
+    in the gate/up launch of the matrix-vector path, else by `count_uses`; `shared_uses` (int32 [E]) the assignments
+    that read no record of their own (an expert's later pairs where the matrix-vector kernels read it once for all)."""
     t, hidden = x.shape
     gu, dn = _geometries(layout, hidden)
     x = x.contiguous()
     pairs = t * topk_ids.shape[1]
     if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS and t * triton.cdiv(hidden, SPLIT_DOWN_N) <= ARRIVAL_COUNTS:
-        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared, uses)
+        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared, uses, shared_uses)
     if uses is not None:
         count_uses(uses, topk_ids)
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
@@ -807,6 +818,7 @@ def _routed_experts_gemv(
     dn: TileGeometry,
     shared: SharedExpert | None,
     uses: torch.Tensor | None,
+    shared_uses: torch.Tensor | None,
 ) -> torch.Tensor:
     """The matrix-vector path of `routed_experts` (few pairs): a program per (pair, column slice) for gate/up (it
     counts `uses`), a program per (row slice, slot, token) for down, the last of a slice's to arrive summing it."""
@@ -820,9 +832,10 @@ def _routed_experts_gemv(
     shared_reads = t >= SHARED_READ_MIN_TOKENS
     pairs_pad = triton.next_power_of_2(pairs)
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, GEMV_TILES.block_n))](
-        x, arena, table, ids, act, act if uses is None else uses, x.stride(0), hidden, inter, gu.high_offset, gu.scale_offset,
-        gu.divisor_offset, pairs, TOP_K=top_k, NVFP4=gu.nvfp4, WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group,
-        K_PAD=gu.k_pad, BLOCK_N=GEMV_TILES.block_n, BLOCK_K=gu_block_k, COUNT=uses is not None, SHARED_READS=shared_reads,
+        x, arena, table, ids, act, act if uses is None else uses, act if shared_uses is None else shared_uses, x.stride(0), hidden,
+        inter, gu.high_offset, gu.scale_offset, gu.divisor_offset, pairs, TOP_K=top_k, NVFP4=gu.nvfp4,
+        WHOLE_TILES=_whole_tiles(gu, inter), BITS=gu.bits, GROUP=gu.group, K_PAD=gu.k_pad, BLOCK_N=GEMV_TILES.block_n,
+        BLOCK_K=gu_block_k, COUNT=uses is not None, SHARED_READS=shared_reads, COUNT_SHARED=shared_uses is not None,
         PAIRS_PAD=pairs_pad, num_warps=GEMV_TILES.warps, num_stages=GEMV_TILES.stages, **launch_options(x.device),
     )
     out = torch.empty(t, hidden, device=x.device, dtype=x.dtype)

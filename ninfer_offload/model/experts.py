@@ -64,6 +64,7 @@ class ExpertBank:
     offsets: torch.Tensor  # int64 [num_experts], on the arena's device
     host: torch.Tensor | None = None  # uint8 [num_experts, layout.nbytes]: every expert's host record
     uses: torch.Tensor | None = None  # int32 [num_experts]: the op that computes the experts counts each assignment here
+    shared_uses: torch.Tensor | None = None  # int32 [num_experts]: and here those that read no record of their own
 
     def count(self, topk_ids: torch.Tensor) -> None:
         """`count_uses` of `topk_ids` where the bank has `uses`."""

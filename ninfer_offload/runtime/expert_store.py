@@ -290,8 +290,12 @@ class ExpertStore:
         return self.slot_offset(self.cache_slots + slot)
 
     # ------------------------------------------------------------------ compute
-    def bank(self, layer: int, uses: torch.Tensor | None = None) -> ExpertBank:
-        return ExpertBank(self.layouts[layer], self.arena, self.table[layer], self.host[layer] if self.offloaded else None, uses)
+    def bank(self, layer: int, counted: bool = False) -> ExpertBank:
+        """Layer `layer`'s experts as the compute reaches them; `counted`: the op counts its assignments into the store's
+        uses and shared uses (the cache's statistics)."""
+        uses, shared_uses = (self.uses[layer], self.shared_uses[layer]) if counted else (None, None)
+        host = self.host[layer] if self.offloaded else None
+        return ExpertBank(self.layouts[layer], self.arena, self.table[layer], host, uses, shared_uses)
 
     def routed(
         self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared: SharedExpert | None = None
@@ -305,14 +309,14 @@ class ExpertStore:
             out = backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
             self.staging.done(layer, topk_ids.shape[0])
             return out if shared is None else shared.added_to(backend, out)
-        uses = self.uses[layer] if self.cache is not None else None  # counted by the op that computes the experts
+        counted = self.cache is not None  # counted by the op that computes the experts
         if self.cpu_path is not None and self.cpu_path.active and topk_ids.shape[0] <= self.cpu_path.tokens:
-            if uses is not None:  # here: the CPU path hands the GPU only some of the assignments
-                count_uses(uses, topk_ids)
+            if counted:  # here: the CPU path hands the GPU only some of the assignments
+                count_uses(self.uses[layer], topk_ids)
             anchor, cpu_uses = self.anchor[layer], self.cpu_uses[layer]
             out = self.cpu_path.routed(backend, self.bank(layer), layer, x, topk_ids, topk_weights, anchor, cpu_uses)
             return out if shared is None else shared.added_to(backend, out)
-        return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer, uses), shared)
+        return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer, counted), shared)
 
     def replay_routing(self, ids: torch.Tensor) -> None:
         """Benchmarks and tests: route the next forwards' tokens to `ids` [layers, tokens, top_k] (int64)
