@@ -21,8 +21,8 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
   token): each writes its expert's rounded, weighted rows (fp32) and the last of a slice's k programs to
   arrive sums them in slot order (an atomic count per slice, so no reduction is launched and the k experts
   are read in parallel). An expert that several tokens use is read once per token, its repeats mostly from
-  L2; from `SHARED_READ_MIN_TOKENS` tokens both kernels compute all of an expert's pairs in the programs of its
-  first pair instead (one read, which matters for a host expert read over PCIe), counting the others' assignments
+  L2; over host records, from `SHARED_READ_MIN_TOKENS` tokens, both kernels compute all of an expert's pairs in the
+  programs of its first pair instead (one read of a host expert over PCIe), counting the others' assignments
   as shared uses (`ExpertBank.shared_uses`: they read no record of their own). Given the MoE block's shared
   expert (`SharedExpert`), one more program per slice and token computes its down rows (SwiGLU of its gate/up,
   scaled by sigmoid of its score) in the same launch and the last arriver adds them to the rounded routed sum,
@@ -108,10 +108,12 @@ DOWN_PREFETCH_MAX_TOKENS = 0
 # Each token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
 FOLD_SHARED_EXPERT = True
-# From this many tokens (GEMV_MAX_TOKENS + 1: never), both matrix-vector kernels read each expert's slices once for
-# all pairs routed to it: the program of the expert's first pair (per column or row slice) computes each of those
-# pairs in turn, re-reading its slice from L1/L2, and the others' programs stop. Off until a GPU measures it: with a
-# program per pair a repeat comes mostly from L2 in VRAM, but over PCIe again for an expert in host memory.
+# From this many tokens (GEMV_MAX_TOKENS + 1: never), launches over host records (offloaded loads) read each expert's
+# slices once for all pairs routed to it: the program of the expert's first pair (per column or row slice) computes
+# each of those pairs in turn, re-reading its slice from L1/L2, and the others' programs stop. With a program per pair
+# a repeat comes mostly from L2 in VRAM, but may cross PCIe again for an expert in host memory. Resident launches keep
+# a program per pair: the same walk lost there (H100 at a57736d, docs/architecture.md). Off until a repeat confirms
+# the first offloaded measurement (bench/results/step_ab_h100_15gib_shared_reads_42923b0.json).
 SHARED_READ_MIN_TOKENS = GEMV_MAX_TOKENS + 1
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
@@ -693,7 +695,8 @@ def routed_experts(
     x = x.contiguous()
     pairs = t * topk_ids.shape[1]
     if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS and t * triton.cdiv(hidden, SPLIT_DOWN_N) <= ARRIVAL_COUNTS:
-        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared, uses, shared_uses)
+        shared_reads = host_records and t >= SHARED_READ_MIN_TOKENS
+        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared, shared_reads, uses, shared_uses)
     if uses is not None:
         count_uses(uses, topk_ids)
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
@@ -817,11 +820,13 @@ def _routed_experts_gemv(
     gu: TileGeometry,
     dn: TileGeometry,
     shared: SharedExpert | None,
+    shared_reads: bool,
     uses: torch.Tensor | None,
     shared_uses: torch.Tensor | None,
 ) -> torch.Tensor:
     """The matrix-vector path of `routed_experts` (few pairs): a program per (pair, column slice) for gate/up (it
-    counts `uses`), a program per (row slice, slot, token) for down, the last of a slice's to arrive summing it."""
+    counts `uses`), a program per (row slice, slot, token) for down, the last of a slice's to arrive summing it;
+    with `shared_reads`, only the programs of each expert's first pair compute, every pair of the expert."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
     ids, pairs = topk_ids.contiguous(), t * top_k
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
@@ -829,7 +834,6 @@ def _routed_experts_gemv(
     fold = _foldable(shared)
     s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
     block_k, s_block_k = gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K)
-    shared_reads = t >= SHARED_READ_MIN_TOKENS
     pairs_pad = triton.next_power_of_2(pairs)
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, GEMV_TILES.block_n))](
         x, arena, table, ids, act, act if uses is None else uses, act if shared_uses is None else shared_uses, x.stride(0), hidden,

@@ -151,31 +151,33 @@ def test_the_down_tile_read_before_the_wait_gives_the_same_bits(monkeypatch, tok
 
 
 def test_one_read_per_expert_gives_the_same_bits(monkeypatch):
-    """moe.SHARED_READ_MIN_TOKENS (the program of an expert's first pair computes every pair routed to it, the others'
-    programs stop) changes which program computes a pair, not its sums: the same bits and the same uses as a program
-    per pair, with experts shared across 8 tokens, a token using one expert in two slots, the shared expert folded in
-    and not; the down launch leaves its arrival counts zeroed. Shared uses count the pairs that read no record of their
-    own: all but one of each expert's with one read, none without."""
+    """moe.SHARED_READ_MIN_TOKENS (over host records, the program of an expert's first pair computes every pair routed to
+    it, the others' programs stop; the records here are in the arena, which the kernels read the same way) changes which
+    program computes a pair, not its sums: the same bits and the same uses as a program per pair, with experts shared
+    across 8 tokens, a token using one expert in two slots, the shared expert folded in and not; the down launch leaves
+    its arrival counts zeroed. Shared uses count the pairs that read no record of their own: all but one of each
+    expert's with one read; none without, nor in a resident launch (no host records) with the setting on."""
     from ninfer_offload.kernels import moe
 
     layout, data, table, x, ids, w, shared = _with_a_shared_expert(8, seed=12, experts=4)  # 4 of the 6 experts: many repeats
     ids[0] = torch.tensor([3, 1, 3])
     outputs, counts, shared_counts = {}, {}, {}
-    for one_read in (False, True):
-        monkeypatch.setattr(moe, "SHARED_READ_MIN_TOKENS", 2 if one_read else moe.GEMV_MAX_TOKENS + 1)
+    for min_tokens, host_records in ((moe.GEMV_MAX_TOKENS + 1, True), (2, True), (2, False)):
+        monkeypatch.setattr(moe, "SHARED_READ_MIN_TOKENS", min_tokens)
         uses, shared_uses = (torch.zeros(EXPERTS, dtype=torch.int32, device=DEVICE) for _ in range(2))
-        outputs[one_read] = [
-            moe.routed_experts(x, ids.to(DEVICE), w, data, table, layout, shared=s, uses=uses, shared_uses=shared_uses)
+        case = (min_tokens, host_records)
+        outputs[case] = [
+            moe.routed_experts(x, ids.to(DEVICE), w, data, table, layout, host_records, s, uses=uses, shared_uses=shared_uses)
             for s in (None, shared)
         ]
-        counts[one_read], shared_counts[one_read] = uses.cpu(), shared_uses.cpu()
+        counts[case], shared_counts[case] = uses.cpu(), shared_uses.cpu()
         assert int(arrival_counts("moe.down_split", x.device).abs().sum()) == 0
-    assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
-    assert torch.equal(counts[False], counts[True])
     per_call = torch.bincount(ids.flatten(), minlength=EXPERTS).to(torch.int32)
-    assert torch.equal(counts[True], 2 * per_call)  # two calls
-    assert not shared_counts[False].any()
-    assert torch.equal(shared_counts[True], 2 * (per_call - (per_call > 0).to(torch.int32)))
+    for case in outputs:
+        assert all(torch.equal(a, b) for a, b in zip(outputs[case], outputs[(2, True)]))
+        assert torch.equal(counts[case], 2 * per_call)  # two calls
+    assert torch.equal(shared_counts[(2, True)], 2 * (per_call - (per_call > 0).to(torch.int32)))
+    assert not shared_counts[(moe.GEMV_MAX_TOKENS + 1, True)].any() and not shared_counts[(2, False)].any()
 
 
 def test_the_kernels_count_each_assignment():
