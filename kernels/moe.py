@@ -310,15 +310,13 @@ def _gate_up_swiglu_gemv_kernel(
     record = arena + tl.multiple_of(tl.load(table + e), 256)
     cols_i = program_rows(tl.program_id(1), BLOCK_N, WHOLE_TILES)
     col_mask = cols_i < I
-    gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
-    up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
     if SHARED_READS:
         first, left = _pairs_of_expert(topk_ids, pair, e, pairs, PAIRS_PAD)
         if first:
             for _ in range(tl.sum(left.to(tl.int32), axis=0)):
                 q, left = _next_pair(left, PAIRS_PAD)
                 _gate_up_pair_rows(
-                    x, stride_x, act, record, q, cols_i, col_mask, gate_divisors, up_divisors, H, I, high_offset, scale_offset,
+                    x, stride_x, act, record, q, cols_i, col_mask, H, I, high_offset, scale_offset, divisor_offset,
                     TOP_K, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
                 )
         elif COUNT_SHARED:
@@ -326,19 +324,21 @@ def _gate_up_swiglu_gemv_kernel(
                 tl.atomic_add(shared_use_counts + e, 1, sem="relaxed")
     else:
         _gate_up_pair_rows(
-            x, stride_x, act, record, pair, cols_i, col_mask, gate_divisors, up_divisors, H, I, high_offset, scale_offset,
+            x, stride_x, act, record, pair, cols_i, col_mask, H, I, high_offset, scale_offset, divisor_offset,
             TOP_K, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K,
         )
 
 
 @triton.jit
 def _gate_up_pair_rows(
-    x, stride_x, act, record, pair, cols_i, col_mask, gate_divisors, up_divisors, H, I, high_offset, scale_offset,
+    x, stride_x, act, record, pair, cols_i, col_mask, H, I, high_offset, scale_offset, divisor_offset,
     TOP_K: tl.constexpr, NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """SwiGLU of the gate and up columns `cols_i` of expert `record` times pair `pair`'s token row of x, into the pair's
-    row of `act`."""
+    row of `act` (the rows' divisors read first: a program that computes no pair reads none)."""
+    gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
+    up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
     x_row = x + (pair // TOP_K).to(tl.int64) * stride_x
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -695,8 +695,7 @@ def routed_experts(
     x = x.contiguous()
     pairs = t * topk_ids.shape[1]
     if pairs <= GEMV_MAX_PAIRS and t <= GEMV_MAX_TOKENS and t * triton.cdiv(hidden, SPLIT_DOWN_N) <= ARRIVAL_COUNTS:
-        shared_reads = host_records and t >= SHARED_READ_MIN_TOKENS
-        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared, shared_reads, uses, shared_uses)
+        return _routed_experts_gemv(x, topk_ids, topk_weights, arena, table, layout, gu, dn, shared, host_records, uses, shared_uses)
     if uses is not None:
         count_uses(uses, topk_ids)
     tiles = PREFILL_TILES if pairs > PREFILL_MIN_PAIRS else DECODE_TILES
@@ -820,13 +819,14 @@ def _routed_experts_gemv(
     gu: TileGeometry,
     dn: TileGeometry,
     shared: SharedExpert | None,
-    shared_reads: bool,
+    host_records: bool,
     uses: torch.Tensor | None,
     shared_uses: torch.Tensor | None,
 ) -> torch.Tensor:
     """The matrix-vector path of `routed_experts` (few pairs): a program per (pair, column slice) for gate/up (it
     counts `uses`), a program per (row slice, slot, token) for down, the last of a slice's to arrive summing it;
-    with `shared_reads`, only the programs of each expert's first pair compute, every pair of the expert."""
+    over host records from SHARED_READ_MIN_TOKENS tokens, only the programs of each expert's first pair compute,
+    every pair of the expert."""
     (t, hidden), top_k, inter = x.shape, topk_ids.shape[1], layout.down.k
     ids, pairs = topk_ids.contiguous(), t * top_k
     act = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
@@ -834,6 +834,7 @@ def _routed_experts_gemv(
     fold = _foldable(shared)
     s_data, sg = (shared.down.data, TileGeometry.of(shared.down.geometry)) if fold else (arena, dn)
     block_k, s_block_k = gemv_block_k(dn.k_pad, SPLIT_DOWN_BLOCK_K), gemv_block_k(sg.k_pad, SPLIT_DOWN_BLOCK_K)
+    shared_reads = host_records and t >= SHARED_READ_MIN_TOKENS
     pairs_pad = triton.next_power_of_2(pairs)
     _gate_up_swiglu_gemv_kernel[(pairs, triton.cdiv(inter, GEMV_TILES.block_n))](
         x, arena, table, ids, act, act if uses is None else uses, act if shared_uses is None else shared_uses, x.stride(0), hidden,
