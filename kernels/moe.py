@@ -112,9 +112,10 @@ FOLD_SHARED_EXPERT = True
 # slices once for all pairs routed to it: the program of the expert's first pair (per column or row slice) computes
 # each of those pairs in turn, re-reading its slice from L1/L2, and the others' programs stop. With a program per pair
 # a repeat comes mostly from L2 in VRAM, but may cross PCIe again for an expert in host memory. Resident launches keep
-# a program per pair: the same walk lost there (H100 at a57736d, docs/architecture.md). Off until a repeat confirms
-# the first offloaded measurement (bench/results/step_ab_h100_15gib_shared_reads_42923b0.json).
-SHARED_READ_MIN_TOKENS = GEMV_MAX_TOKENS + 1
+# a program per pair: the same walk lost there (H100 at a57736d, docs/architecture.md). H200, 15 GiB, trace routing
+# (bench/results/step_ab_h200_15gib_shared_reads_40e6d3e.json, baseline timed first, between and last): batch-8 step
+# 19.3 / 20.4 ms against 24.9 / 28.0 / 23.1, 3-draft verification 14.3 / 15.2 against 14.6 / 15.4 / 16.0.
+SHARED_READ_MIN_TOKENS = 2
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
 DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
