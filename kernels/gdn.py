@@ -164,6 +164,9 @@ def _window(x, stride_x, state, first_row, w, wmask, cols, cmask, C, PREV: tl.co
 
 
 MAX_BLOCK_T = 64  # a program's tokens of one sequence in `conv_update`
+# Channels per program of `conv_update` (a verification's 4 tokens of 8,192 channels: 32 programs at 256). Module-level
+# so `bench/step_ab.py` can compare them.
+CONV_BLOCK_C = 256
 
 
 @triton.jit
@@ -276,7 +279,7 @@ def conv_update(
     if kept is not None:
         _check_kept(kept, conv_states, tokens_per_sequence)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    block_c = 256
+    block_c = CONV_BLOCK_C
     block_t = MAX_BLOCK_T if tokens_per_sequence > MAX_BLOCK_T else triton.next_power_of_2(tokens_per_sequence)  # blocks: >= TAPS-1 rows
     _conv_update_kernel[(triton.cdiv(c, block_c), slots.shape[0], triton.cdiv(tokens_per_sequence, block_t))](
         x, slots, valid, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
