@@ -5,8 +5,8 @@
 # Installs the project (and the wheels in $WHEELS, if set, for a machine without a package index),
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
-# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, paths (matrix-vector vs tensor-core tiles, 1-16 tokens), kernels, serve, spec (options in SPEC_ARGS), short_prompts, warm_up (kernels a served engine first launches after its warm-up), kernel_formats (nvfp4 against row-split per product), l2 (each decode product from HBM against L2-resident), attention (attention decode's spans and launch shapes), nvfp4_pair (the official and nvfp4 artifacts resident and at 15 GiB in one run), offload_kernels (both artifacts at 15 GiB with their decode kernels by launch shape), offload (15 GiB and
-# the accelerate floor), offload_sweep (five budgets, ~7 min), offload_cpu (15 GiB, the three miss paths), offload_all (15, 12, 20, 24 GiB and the three miss paths, one load each, ~6 min), offload_prefill (at PREFILL_BUDGET GiB, default 15), nvfp4, pinning, ab (bench/step_ab.py with the variants in AB_ARGS), ncu (Nsight Compute
+# BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, paths (matrix-vector vs tensor-core tiles, 1-16 tokens), kernels, serve (options in SERVE_ARGS, e.g. --serve-arg=--vram-budget=15GiB), spec (options in SPEC_ARGS), short_prompts, warm_up (kernels a served engine first launches after its warm-up), kernel_formats (nvfp4 against row-split per product), l2 (each decode product from HBM against L2-resident), attention (attention decode's spans and launch shapes), nvfp4_pair (the official and nvfp4 artifacts resident and at 15 GiB in one run), offload_kernels (both artifacts at 15 GiB with their decode kernels by launch shape), offload (15 GiB and
+# the accelerate floor), offload_sweep (five budgets, ~7 min), offload_cpu (15 GiB, the three miss paths), offload_all (15, 12, 20, 24 GiB and the three miss paths, one load each, ~6 min), offload_prefill (at PREFILL_BUDGET GiB, default 15), nvfp4, pinning, ab (bench/step_ab.py with the variants in AB_ARGS), profile_nopdl (the one-token step, the verification and the batch step by launch shape with PDL off, so that each kernel's time excludes its wait for the one before; trace routing), ncu (Nsight Compute
 # sections of bench/ncu_probe.py's launches, the cases in NCU_CASES)), their
 # JSON and logs under $OUT. One device call runs at most 10 minutes: offload_sweep and the floor (~3 min more) do not fit in one.
 set -o pipefail
@@ -44,7 +44,8 @@ for bench in $BENCHES; do
     kernel_formats) python3 bench/kernel_sweeps.py --sweeps formats --out "$OUT/kernel_formats.json" --commit "$COMMIT" 2>&1 | tail -30 ;;
     l2) python3 bench/l2_residency.py --out "$OUT/l2_residency.json" --commit "$COMMIT" 2>&1 | tail -7 ;;
     attention) python3 bench/sweep_decode.py --sweeps attention --out "$OUT/attention.json" --commit "$COMMIT" 2>&1 | tail -33 ;;
-    serve) artifact && python3 bench/serve.py /tmp/q36.ninfer --out "$OUT/serve.json" --clients 1 8 --max-tokens 96 --commit "$COMMIT" 2>&1 | tail -12 ;;
+    serve) artifact && python3 bench/serve.py /tmp/q36.ninfer --out "$OUT/serve.json" --clients 1 8 --max-tokens 96 --commit "$COMMIT" \
+      $SERVE_ARGS 2>&1 | tail -12 ;;
     spec) artifact && python3 bench/spec.py /tmp/q36.ninfer --out "$OUT/spec.json" --commit "$COMMIT" $SPEC_ARGS 2>&1 | tail -12 ;;
     short_prompts) artifact && python3 bench/short_prompts.py /tmp/q36.ninfer --out "$OUT/short_prompts.json" --commit "$COMMIT" 2>&1 | tail -14 ;;
     warm_up) artifact && python3 bench/warm_up_coverage.py /tmp/q36.ninfer --out "$OUT/warm_up_coverage.json" --commit "$COMMIT" 2>&1 | tail -10 ;;
@@ -76,6 +77,8 @@ for bench in $BENCHES; do
     offload_all) artifact && python3 bench/offload.py /tmp/q36.ninfer --out "$OUT/offload_all.json" --budgets 15 12 20 24 --tokens 128 --warmup 128 \
       --miss-paths pcie cpu auto --miss-path-loads 1 --skip-accelerate --commit "$COMMIT" 2>&1 | tail -10 ;;
     ab) artifact && python3 bench/step_ab.py /tmp/q36.ninfer --out "$OUT/step_ab.json" --commit "$COMMIT" $AB_ARGS 2>&1 | tail -12 ;;
+    profile_nopdl) artifact && NINFER_PDL=0 python3 bench/step_ab.py /tmp/q36.ninfer --out "$OUT/step_ab_nopdl_profile.json" \
+      --commit "$COMMIT" --routing trace --profile 2>&1 | tail -3 ;;
     ncu) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)  # NCU_CASES: bench/ncu_probe.py's cases
       "$ncu" --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
