@@ -279,13 +279,12 @@ def conv_update(
     if kept is not None:
         _check_kept(kept, conv_states, tokens_per_sequence)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    block_c = CONV_BLOCK_C
     block_t = MAX_BLOCK_T if tokens_per_sequence > MAX_BLOCK_T else triton.next_power_of_2(tokens_per_sequence)  # blocks: >= TAPS-1 rows
-    _conv_update_kernel[(triton.cdiv(c, block_c), slots.shape[0], triton.cdiv(tokens_per_sequence, block_t))](
+    _conv_update_kernel[(triton.cdiv(c, CONV_BLOCK_C), slots.shape[0], triton.cdiv(tokens_per_sequence, block_t))](
         x, slots, valid, conv_states, weight.contiguous(), conv_states if kept is None else kept, out,
         tokens_per_sequence, c, x.stride(0), out.stride(0), 0 if kept is None else kept.shape[1],
         TAPS=taps, PREV_PAD=triton.next_power_of_2(taps - 1), BLOCK_T=block_t,
-        BLOCK_C=block_c, KEEP=kept is not None, **launch_options(x.device),
+        BLOCK_C=CONV_BLOCK_C, KEEP=kept is not None, **launch_options(x.device),
     )
     return out
 
