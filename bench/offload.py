@@ -87,7 +87,7 @@ from ninfer_offload.planner.trace import belady_hit_rate, routing_trace
 from ninfer_offload.profiles import load_profile
 from ninfer_offload.profiles.detect import measure_bandwidths
 from ninfer_offload.runtime.engine import Engine
-from ninfer_offload.runtime.generate import queue_greedy_step
+from ninfer_offload.runtime.decoder import queue_greedy_step
 from ninfer_offload.runtime.session import Session
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from profiling import kernels_by_launch, stream_timeline

@@ -37,7 +37,7 @@ def prompt_ms(engine, length: int, repeats: int) -> float:
 
 def decode_loop_ms(engine, batch: int, steps: int) -> dict:
     """ms per greedy step of `batch` sequences: reading each step's tokens behind the next (the server), and not reading."""
-    from ninfer_offload.runtime.generate import queue_greedy_step
+    from ninfer_offload.runtime.decoder import queue_greedy_step
     from ninfer_offload.runtime.step_inputs import upload
 
     sessions = [engine.session() for _ in range(batch)]

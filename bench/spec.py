@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from ninfer_offload.runtime.engine import Engine
-from ninfer_offload.runtime.generate import queue_greedy_step
+from ninfer_offload.runtime.decoder import queue_greedy_step
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 from ninfer_offload.runtime.speculative import MtpSpeculator
 from profiling import kernel_breakdown

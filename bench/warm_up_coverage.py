@@ -47,7 +47,7 @@ class FirstLaunches:
 def serve_requests(scheduler, prompts: list[list[int]], max_tokens: int) -> list[int]:
     """Submit every prompt at once (greedy) and wait for all of them; completion lengths."""
     from ninfer_offload.runtime.sampling import SamplingParams
-    from ninfer_offload.serve.scheduler import GenerationRequest
+    from ninfer_offload.runtime.decoder import GenerationRequest
 
     async def run() -> list[int]:
         loop = asyncio.get_running_loop()
@@ -77,7 +77,6 @@ def phase(name: str, launches: FirstLaunches, action) -> dict:
 
 def main() -> None:
     from ninfer_offload.runtime.engine import Engine
-    from ninfer_offload.runtime.sampling import Sampler
     from ninfer_offload.serve.scheduler import Scheduler
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,7 +93,7 @@ def main() -> None:
     loaded = time.perf_counter()
     warm = engine.warm_up(engine.prefill_chunk)
     launches = FirstLaunches()
-    scheduler = Scheduler(engine, Sampler, max_concurrency=args.concurrency, prefill_chunk=engine.prefill_chunk)
+    scheduler = Scheduler(engine, max_concurrency=args.concurrency, prefill_chunk=engine.prefill_chunk)
     scheduler.start()
     vocab = engine.config.vocab_size
     prompt = [(i * 7919 + 11) % vocab for i in range(PROMPT_TOKENS)]

@@ -127,7 +127,7 @@ def test_cuda_step_batch_equals_single_steps(tiny_artifact_official, backend, ba
 def test_cuda_batched_steps_on_device_tokens_equal_host_steps(tiny_artifact_official):
     """Two sequences of different lengths decoded greedily by graph replays fed the device's argmax (the
     server's steps ahead of the host) give the tokens and logits of steps fed the host's tokens."""
-    from ninfer_offload.runtime.generate import queue_greedy_step
+    from ninfer_offload.runtime.decoder import queue_greedy_step
 
     engine = Engine.load(tiny_artifact_official, device="cuda", max_sequences=4, spec="none")
     assert engine.graphs is not None

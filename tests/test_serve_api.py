@@ -111,6 +111,10 @@ class ScriptedSession:
         logits[self.script.popleft()] += 1e4
         return logits
 
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
     def prefill(self, token_ids):
         return self.force(self.inner.prefill(token_ids))
 

@@ -10,8 +10,9 @@ import torch
 
 from ninfer_offload.runtime.engine import Engine
 from ninfer_offload.runtime.generate import generate
-from ninfer_offload.runtime.sampling import Sampler, SamplingParams
-from ninfer_offload.serve.scheduler import GenerationRequest, QueueFullError, Scheduler, ShuttingDownError
+from ninfer_offload.runtime.sampling import SamplingParams
+from ninfer_offload.runtime.decoder import GenerationRequest
+from ninfer_offload.serve.scheduler import QueueFullError, Scheduler, ShuttingDownError
 
 GREEDY = SamplingParams(greedy=True)
 
@@ -19,6 +20,9 @@ GREEDY = SamplingParams(greedy=True)
 class RecordingSession:
     def __init__(self, owner: RecordingEngine, inner, tag: int) -> None:
         self.owner, self.inner, self.tag = owner, inner, tag
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # everything else is the real session's
 
     def prefill(self, token_ids):
         self.owner.calls.append(("prefill", self.tag, len(token_ids)))
@@ -78,7 +82,7 @@ def burst(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy outputs of `prompts` all submitted before the scheduler starts (all waiting at its first admission)."""
 
     async def run() -> list[list[int]]:
-        scheduler = Scheduler(engine, Sampler, max_concurrency=len(prompts), max_queue=len(prompts))
+        scheduler = Scheduler(engine, max_concurrency=len(prompts), max_queue=len(prompts))
         loop = asyncio.get_running_loop()
         handles = [scheduler.submit(GenerationRequest(p, max_tokens, GREEDY), loop) for p in prompts]
         scheduler.start()
@@ -95,7 +99,7 @@ def test_prefill_chunks_interleave_with_decode_and_outputs_match_solo(engine):
     long = [(7 * i) % 500 + 5 for i in range(40)]
 
     async def run() -> tuple[list[int], list[int], int]:
-        scheduler = Scheduler(recording, Sampler, max_concurrency=2, max_queue=4, prefill_chunk=8)
+        scheduler = Scheduler(recording, max_concurrency=2, max_queue=4, prefill_chunk=8)
         scheduler.start()
         loop = asyncio.get_running_loop()
         first = scheduler.submit(GenerationRequest(short, 24, GREEDY), loop)
@@ -154,7 +158,7 @@ def test_greedy_steps_run_ahead_of_the_host_and_mixed_batches_wait_for_it(engine
     stop = solo(engine, prompts[1], 12)[5]  # the second sequence ends on its sixth token
 
     async def run():
-        scheduler = Scheduler(recording, Sampler, max_concurrency=3, max_queue=4)
+        scheduler = Scheduler(recording, max_concurrency=3, max_queue=4)
         scheduler.start()
         loop = asyncio.get_running_loop()
         first = scheduler.submit(GenerationRequest(prompts[0], 16, GREEDY), loop)
@@ -189,7 +193,7 @@ def test_cancel_frees_the_session_and_failures_stay_isolated(engine):
     recording = RecordingEngine(engine)
 
     async def run():
-        scheduler = Scheduler(recording, Sampler, max_concurrency=4, max_queue=4)
+        scheduler = Scheduler(recording, max_concurrency=4, max_queue=4)
         scheduler.start()
         loop = asyncio.get_running_loop()
         long = scheduler.submit(GenerationRequest([5, 6, 7], 10_000, GREEDY), loop)
@@ -215,13 +219,13 @@ def test_cancel_frees_the_session_and_failures_stay_isolated(engine):
 
 def test_queue_limit_and_stop_cancels_waiting(engine):
     async def run():
-        scheduler = Scheduler(engine, Sampler, max_concurrency=1, max_queue=2)  # not started: nothing is admitted
+        scheduler = Scheduler(engine, max_concurrency=1, max_queue=2)  # not started: nothing is admitted
         loop = asyncio.get_running_loop()
         waiting = [scheduler.submit(GenerationRequest([5], 2, GREEDY), loop) for _ in range(3)]  # one slot + two queued
         with pytest.raises(QueueFullError):
             scheduler.submit(GenerationRequest([5], 2, GREEDY), loop)
         assert scheduler.stats()["waiting"] == 3
-        no_queue = Scheduler(engine, Sampler, max_concurrency=1, max_queue=0)  # only what a free slot takes
+        no_queue = Scheduler(engine, max_concurrency=1, max_queue=0)  # only what a free slot takes
         no_queue.submit(GenerationRequest([5], 2, GREEDY), loop)
         with pytest.raises(QueueFullError):
             no_queue.submit(GenerationRequest([5], 2, GREEDY), loop)
@@ -245,7 +249,7 @@ def test_speculative_sequences_decode_together_and_match_solo(tiny_artifact, eng
     prompts = [[11, 12, 13], [(7 * i) % 500 + 5 for i in range(30)], [42, 7, 300, 5]]
 
     async def run():
-        scheduler = Scheduler(spec_engine, Sampler, max_concurrency=3, max_queue=4, prefill_chunk=8)
+        scheduler = Scheduler(spec_engine, max_concurrency=3, max_queue=4, prefill_chunk=8)
         scheduler.start()
         loop = asyncio.get_running_loop()
         handles = [scheduler.submit(GenerationRequest(p, 20, GREEDY), loop) for p in prompts[:2]]
@@ -267,7 +271,7 @@ def test_batched_verification_keeps_each_sequences_own_accepted_drafts(tiny_arti
     three sequences: one batched verify step keeps 0, 1 and 2 drafts of them, and every output is still
     the solo greedy one."""
     from ninfer_offload.runtime import speculative
-    from ninfer_offload.serve import scheduler as scheduler_module
+    from ninfer_offload.runtime import decoder as decoder_module
 
     prompts = [[11, 12, 13], [21, 22], [42, 7, 300, 5]]
     expected = {tuple(p): solo(engine, p, 20) for p in prompts}
@@ -293,12 +297,12 @@ def test_batched_verification_keeps_each_sequences_own_accepted_drafts(tiny_arti
         accepted[tuple(self.prompt)].append(len(out) - 1)
         return out
 
-    monkeypatch.setattr(scheduler_module, "draft_together", oracle_together)
+    monkeypatch.setattr(decoder_module, "draft_together", oracle_together)
     monkeypatch.setattr(speculative.MtpSpeculator, "settle", recording_settle)
     spec_engine = Engine.load(tiny_artifact, spec="mtp", draft_tokens=3, max_sequences=3)
 
     async def run():
-        scheduler = Scheduler(spec_engine, Sampler, max_concurrency=3, max_queue=4)
+        scheduler = Scheduler(spec_engine, max_concurrency=3, max_queue=4)
         scheduler.start()
         loop = asyncio.get_running_loop()
         handles = [scheduler.submit(GenerationRequest(p, 20, GREEDY), loop) for p in prompts]

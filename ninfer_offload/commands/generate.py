@@ -1,7 +1,10 @@
 """`ninfer generate ARTIFACT (--prompt TEXT | --messages FILE.json | --prompt-ids 1,2,3) [...]`.
 
 Streams the generated text to stdout as it is produced (statistics go to stderr), or with
-`--json` prints one JSON object: prompt and generated ids, text, finish reason, timings.
+`--json` prints one JSON object: prompt and generated ids, text, finish reason, timings (and with
+`--logprobs N` each token's log-probability and its N most likely alternatives). `--json-schema FILE`
+constrains the output to one JSON value matching the schema (after the reasoning, when the prompt
+leaves thinking open), as the server's `response_format` does.
 Sampling options left unset take the model's generation_config.json values (as transformers
 does, `do_sample: false` meaning greedy), then the neutral defaults; `--greedy` (or
 `--temperature 0`) takes the argmax. Everything that can be checked without the weights (options,
@@ -22,6 +25,9 @@ from ninfer_offload.commands.load_options import (
     CACHE_POLICY_OPTION, DRAFT_TOKENS_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, PROPOSAL_HEAD_OPTION, SPEC_OPTION,
     VRAM_BUDGET_OPTION, engine_placement, engine_speculation,
 )
+
+
+MAX_LOGPROBS = 20  # alternatives per token, OpenAI's top_logprobs limit
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -68,6 +74,26 @@ def _check_prompt(ids: list[int], text_config: dict, max_context: int | None, de
     if len(ids) > capacity:
         remedy = "that is the model's maximum context" if capacity == limit else f"raise --max-context (the model allows up to {limit})"
         raise NinferError(f"the prompt has {len(ids)} tokens, more than the context limit of {capacity}; {remedy}")
+
+
+def _read_schema(path: Path) -> dict:
+    """A JSON schema file's object."""
+    try:
+        schema = json.loads(_read_text(path, "JSON schema file"))
+    except json.JSONDecodeError as err:
+        raise NinferError(f"JSON schema file {path} is not valid JSON: {err}") from None
+    if not isinstance(schema, dict):
+        raise NinferError(f"JSON schema file {path} must hold a JSON object")
+    return schema
+
+
+def _logprob_entries(frontend, tokens: list[int], logprobs: list) -> list[dict]:
+    """One JSON entry per generated token: its id, text and log-probability, and the alternatives'."""
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"id": token, "text": frontend.decode([token]), "logprob": logprob}
+
+    return [{**entry(token, lp.logprob), "top": [entry(t, v) for t, v in lp.top]} for token, lp in zip(tokens, logprobs)]
 
 
 def _sampling(generation_config: dict, greedy: bool, **given):
@@ -137,6 +163,10 @@ def generate(
         help="Most prompt tokens per forward: larger prefills faster, most with experts in host memory, and sets more VRAM aside.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    logprobs: int | None = typer.Option(
+        None, "--logprobs", help="With --json: each token's log-probability and this many most likely alternatives (0..20)."
+    ),
+    json_schema: Path | None = typer.Option(None, "--json-schema", help="JSON schema file: the output is one JSON value matching it."),
 ) -> None:
     """Generate text from a prompt, a conversation or token ids.
 
@@ -150,12 +180,18 @@ def generate(
         raise NinferError(f"--max-tokens must be >= 1, got {max_tokens}")
     if prefill_chunk < 1:
         raise NinferError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise NinferError(f"--logprobs must be 0..{MAX_LOGPROBS}, got {logprobs}")
+    if logprobs is not None and not json_out:
+        raise NinferError("--logprobs is reported in the --json output: add --json")
 
     from ninfer_offload.artifact.errors import ArtifactError
     from ninfer_offload.artifact.reader import open_artifact
     from ninfer_offload.frontend import Frontend
     from ninfer_offload.runtime.engine import DEFAULT_MAX_CONTEXT, Engine
-    from ninfer_offload.runtime.generate import Generation
+    from ninfer_offload.frontend.grammar import GrammarCompiler
+    from ninfer_offload.runtime.generate import generate as generation_of
+    from ninfer_offload.serve.reasoning import prompt_leaves_thinking_open
 
     if greedy and temperature is not None:
         raise NinferError("--greedy and --temperature contradict each other (--greedy always takes the most likely token); give one")
@@ -166,17 +202,21 @@ def generate(
     template = _read_text(chat_template, "chat template") if chat_template is not None else None
     conversation = _read_messages(messages) if messages is not None else None
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    schema = _read_schema(json_schema) if json_schema is not None else None
     with open_artifact(artifact) as opened:
         if "text" not in opened.components:
             raise ArtifactError(f"{artifact.name} has no text component")
         text_config = opened.components["text"].config
         frontend = Frontend.from_artifact(opened, chat_template=template)
+    thinking = False  # whether the prompt leaves the model's reasoning open (a constraint applies after it)
     if ids is None:
         if prompt is not None and raw:
             ids = frontend.encode(prompt)
         else:
             chat, tools = conversation or ([{"role": "user", "content": prompt}], None)
-            ids = frontend.encode(frontend.render(chat, tools=tools, enable_thinking=not no_thinking))
+            rendered = frontend.render(chat, tools=tools, enable_thinking=not no_thinking)
+            thinking = prompt_leaves_thinking_open(rendered)
+            ids = frontend.encode(rendered)
     _check_prompt(ids, text_config, max_context, DEFAULT_MAX_CONTEXT)
     sampling = _sampling(
         frontend.generation_config,
@@ -190,13 +230,16 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
     )
+    constraint = None
+    if schema is not None:
+        constraint = GrammarCompiler.for_frontend(frontend, frontend.vocab_size).json(schema, thinking)
     engine = Engine.load(
         artifact, device=device, max_context=max_context, progress=not json_out, prefill_chunk=prefill_chunk, **placement
     )
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
     warm_up_seconds = engine.warm_up(min(len(ids), engine.prefill_chunk)).seconds
-    generation = Generation(engine, ids, max_tokens, sampling, frontend.stop_ids)
+    generation = generation_of(engine, ids, max_tokens, sampling, frontend.stop_ids, constraint, logprobs)
 
     if json_out:
         result = generation.run()
@@ -207,6 +250,8 @@ def generate(
             **{key: value for key, value in result.as_dict().items() if key != "token_ids"},
             "warm_up_seconds": warm_up_seconds,
         }
+        if logprobs is not None:
+            payload["logprobs"] = _logprob_entries(frontend, result.token_ids, generation.logprobs)
         if engine.store.offloaded:
             payload["experts"] = engine.store.stats.to_json()
         typer.echo(json.dumps(payload, ensure_ascii=False))

@@ -12,7 +12,6 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.runtime.sampling import Sampler
 from ninfer_offload.serve.chat import chat_completion
 from ninfer_offload.serve.completions import completion
 from ninfer_offload.serve.context import ServeContext
@@ -42,7 +41,7 @@ def create_app(
     requests through the routes at startup (`serve.rehearsal`); None does on CUDA."""
     if api_key is not None and not api_key.strip():
         raise NinferError("the API key is empty: give a key, or none to serve without one")
-    scheduler = Scheduler(engine, Sampler, max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk)
+    scheduler = Scheduler(engine, max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk)
     ctx = ServeContext(frontend, scheduler, model_name, max_context)
     created = int(time.time())
 

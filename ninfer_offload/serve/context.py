@@ -16,7 +16,8 @@ from ninfer_offload.runtime.sampling import SamplingError, SamplingParams, sampl
 from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.generation import TextGeneration
 from ninfer_offload.serve.protocol import SamplingFields
-from ninfer_offload.serve.scheduler import GenerationRequest, QueueFullError, Scheduler, ShuttingDownError
+from ninfer_offload.runtime.decoder import GenerationRequest
+from ninfer_offload.serve.scheduler import QueueFullError, Scheduler, ShuttingDownError
 
 Result = TypeVar("Result")
 
