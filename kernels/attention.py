@@ -23,26 +23,23 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ninfer_offload.kernels import fitting
 from ninfer_offload.kernels.launch import await_producer, launch_options
 
-# Cached positions per program in decode. H200 sweep at a 32K capacity (bench/sweep_decode.py):
-# 256 takes 10.6 / 12.8 / 34.6 us at 1K / 8K / 32K cached rows, 128 takes 9.5 / 16.2 / 52.9 (more
-# partial softmaxes to merge), 64 takes 14.5 / 26.6 / 91.9.
+# Cached positions per program in decode: fewer make more partial softmaxes to merge; 256 was the fastest
+# at long contexts and close to the fastest at 1K cached rows (docs/performance.md, Kernels).
 SPAN = 256
 # Bytes of partial softmaxes (fp32 max, sum and weighted values per token row, query head and span) a
 # decode launch may hold: where a sequence's capacity in SPAN-row spans would exceed it, the spans grow
 # (powers of two) instead. 32 rows (a captured prompt chunk, 8 sequences verifying 3 drafts) keep one
-# span per SPAN rows up to a 38K capacity; at a 256K capacity their partials took 0.54 GB (2,048-row
-# spans now: 68 MB). The planner counts this much workspace
+# span per SPAN rows up to a 38K capacity; at a 256K capacity they take 2,048-row spans (68 MB of partials
+# instead of 0.54 GB). The planner counts this much workspace
 # (`planner.memory.DECODE_PARTIAL_BYTES`, the same number).
 DECODE_PARTIAL_BYTES = 80 << 20
 # Spans the merge combines per step, and head dimensions per merge program (a head's dimensions in
-# ceil(D / MERGE_DIMS) programs: more programs read a long context's partials in parallel). H100 sweep at a 32K
-# capacity (bench/results/sweeps/attention_shapes_h100_a948e1b.json): 64 dimensions per program 9.2 / 10.7 / 33.5 us
-# at 1K / 8K / 32K cached rows against 9.5 / 12.0 / 39.9 for a program per head.
+# ceil(D / MERGE_DIMS) programs: more programs read a long context's partials in parallel). 64 dimensions per
+# program beat a program per head at every length swept (docs/performance.md, Kernels).
 MERGE_BLOCK = 16
 MERGE_DIMS = 64
-# Cached rows per K/V tile of the decode kernel and its warps. Module-level so benchmarks can sweep them. Same
-# sweep (merge over 64 dimensions): tiles of 32 rows 13.0 / 13.6 / 32.0 us, 8 warps 10.1 / 11.5 / 33.9, 64 rows
-# in two stages 10.4 / 13.7 / 32.2.
+# Cached rows per K/V tile of the decode kernel and its warps (the best of the same sweep). Module-level so
+# benchmarks can sweep them.
 DECODE_BLOCK_S = 64
 DECODE_WARPS = 4
 # Pipeline stages of the decode kernel's K/V tile loads (Triton's default depth; 138 KB of shared memory for bf16

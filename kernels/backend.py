@@ -80,8 +80,8 @@ class TritonBackend(ReferenceBackend):
         tiled = not quant_linear.on_matrix_vector(quantized.n, tokens)
         if tiled and not (quant_linear.PAIR_IN_TILED and tokens <= quant_linear.FUSED_MAX_TOKENS):
             return super().linear_pair(x, first, second, conv)
-        # the conv in the epilogue for a single token: several sequences' windows are a per-token chain there
-        # (H200 batch-8 step 9.36 ms folded, 8.90 unfolded; one token 2.27 against 2.43: bench/results/step_ab_h200_4a7f9f5.json)
+        # the conv in the epilogue for a single token: several sequences' windows are a per-token chain there, which
+        # made batch steps slower (docs/performance.md, Decode step settings)
         folded = conv is not None and gdn.CONV_IN_PRODUCT and dense_second and conv.one_token_per_sequence and tokens == 1
         epilogue = (conv.states, conv.weight, conv.ctx.slots, conv.ctx.valid, conv.channels) if folded else None
         if _fusable(x, quantized.n):  # both products read the normalised input the kernel computes
@@ -183,8 +183,8 @@ class TritonBackend(ReferenceBackend):
         )
 
     def gdn_prefill(self, q, k, v, g, beta, state) -> torch.Tensor:
-        # fla computes its in-chunk products in TF32 for float32 inputs (1e-3 relative drift over a
-        # tiny model's prefill, measured on the H200); float32 engines keep the exact chunked path.
+        # fla computes its in-chunk products in TF32 for float32 inputs (a 1e-3 relative drift: docs/performance.md,
+        # Kernels); float32 engines keep the exact chunked path.
         if self.fla and q.is_cuda and q.dtype != torch.float32:
             return gdn.gdn_prefill(q, k, v, g, beta, state)
         return super().gdn_prefill(q, k, v, g, beta, state)

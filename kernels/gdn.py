@@ -103,11 +103,9 @@ def _gdn_recurrent_kernel(
     tl.store(sptr, s, mask=smask)
 
 
-# Value columns of a state per program of the recurrent kernel: the H200 step's 32 heads x 128 columns run as 128
-# programs of [128, 32] states (3.9 us per layer at 3d2bcee, ~1 at the bandwidth). Narrower slices (more programs,
-# a shorter chain per program) lost on an H100 with trace routing: one-token step / 3-draft verification / batch-8
-# 2.30 / 4.79 / 6.32 ms at 16 columns and 2.32 / 4.82 / 6.51 at 8, against 2.29 / 4.79 / 6.30
-# (bench/results/step_ab_h100_one_dot_recurrent_v_39067de.json). Module-level so benchmarks can compare them.
+# Value columns of a state per program of the recurrent kernel: the step's 32 heads x 128 columns run as 128
+# programs of [128, 32] states. Narrower slices (more programs, a shorter chain per program) were slower
+# (docs/performance.md, Kernels). Module-level so benchmarks can compare them.
 RECURRENT_BLOCK_V = 32
 
 

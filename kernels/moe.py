@@ -36,8 +36,8 @@ Two paths, both free of host syncs (so they can be captured in a CUDA graph):
 the blocks of one set of experts) with a caller's `wait` before the last, so that the first passes run
 while the records of the last are still being copied into VRAM (`runtime.prefill_staging`); one sum
 follows. Over many pairs, the experts in host memory get a pass of their own on tiles that read rows
-in long runs over PCIe (`HOST_PREFILL_TILES`), the others keep the VRAM tiles (`PREFILL_TILES`: at
-23eb0a6 the PCIe tiles took 1.5 + 0.9 ms per 4096-token layer over VRAM records against 0.57 + 0.45).
+in long runs over PCIe (`HOST_PREFILL_TILES`), the others keep the VRAM tiles (`PREFILL_TILES`), on which
+the PCIe tiles are slower (docs/performance.md, Offload at a VRAM budget).
 """
 
 from __future__ import annotations
@@ -77,33 +77,22 @@ class Tiles:
 
 
 # Up to this many (token, slot) pairs and tokens: the matrix-vector kernels, a program per pair (both products).
-# They replaced, at 2-8 tokens, kernels in which a program per expert walked the tokens routed to it (each expert
-# read and decoded once per step; from 8 tokens on tensor cores): H100, trace routing, on the columns-dot tree
-# (bench/results/step_ab_h100_pair_gate_up_a57736d.json), a 3-draft verification took 4.10-4.12 ms with a program
-# per pair against 4.45, a batch-8 step 5.33-5.34 against 6.21. The matrix-vector kernels' register tiles
-# bound the token count (a per-pair program holds one token's x tile), the split down kernel's arrival
-# counts the rows x tokens.
+# A program per pair beat a program per expert walking the tokens routed to it at 2-8 tokens, with tokens mostly on
+# different experts (docs/performance.md, Kernels). The matrix-vector kernels' register tiles bound the token count
+# (a per-pair program holds one token's x tile), the split down kernel's arrival counts the rows x tokens.
 GEMV_MAX_PAIRS = 64
 GEMV_MAX_TOKENS = 8
-# The gate/up kernel's columns per program, widest k tile, warps and pipeline depth. H200 sweep
-# (bench/kernel_sweeps.py, one token): 20.5 us per layer vs 24.0 for 16/16/4 warps, 1024 wide. H100 step A/B at
-# a57736d: 1024 / 512 wide (a k loop) 5.45 / 5.58 ms per batch-8 step against 5.33; 8 columns on 4 warps 5.29.
-# H100 at fd5a366, three runs (bench/results/step_ab_h100_gate_up_tiles_fd5a366.json and the two beside it): 8
-# columns on 4 warps 2.12-2.14 ms per one-token step, 3.90-3.93 per 3-draft verification, 5.19-5.22 per batch-8
-# step against 2.17-2.20 / 4.01-4.06 / 5.30-5.33 at 16 on 8; 8 on 2 warps, 4 on 2 or 4 warps and 2 stages no better.
+# The gate/up kernel's columns per program, widest k tile, warps and pipeline depth: the fastest in sweeps and step
+# A/B runs (docs/performance.md, Kernels).
 GEMV_TILES = GemvTiles(8, 2048, 4, 3)
-# Rows per program, warps and k tile of the split down kernel. H200, 1 token, 8 experts, 40 layers' records (cold
-# L2): 7.3 us per layer at 32 rows / 2 warps, 7.5-8.5 at 16-128 rows / 2-8 warps; 10.0-10.7 us for one
-# program per 16 rows walking the 8 experts (the kernel it replaced). In the step (with the shared expert folded
-# in, 241 registers) 16 rows led in two runs at 05f867f: one-token step 2.216 / 2.207 ms against 2.242 / 2.247 at
-# 32 rows (bench/results/step_ab_h200_split_tiles_05f867f.json, step_ab_h200_split_n16_05f867f.json); k tiles of
-# 256 / 128 (fewer registers, a k loop) 2.57 / 2.52, 4 warps 2.36, 64 rows / 4 warps 2.75.
+# Rows per program, warps and k tile of the split down kernel: in the step (with the shared expert folded in) 16 rows
+# on 2 warps with one k tile led (docs/performance.md, Kernels).
 SPLIT_DOWN_N, SPLIT_DOWN_WARPS, SPLIT_DOWN_BLOCK_K = 16, 2, 512
 # Up to this many tokens the split down kernel's programs read their weight tile before they wait for the gate/up
 # launch (where both down products are one k tile), as the one-tile dense products do (`quant_linear.PREFETCH_MIN_TOKENS`).
-# The tile held across the wait raises the sm_90 cubin's registers (official formats: 159-168 against 127-134), which a
-# batch's many programs may pay in occupancy. 0 (off) until measured on a GPU; module-level so `bench/step_ab.py` can
-# compare them.
+# The tile held across the wait raises the kernel's registers, which a batch's many programs may pay in occupancy.
+# 0 (off): up to one token it gained nothing, up to 4 or 8 tokens it slowed verification (docs/performance.md,
+# Decode step settings); module-level so `bench/step_ab.py` can compare them.
 DOWN_PREFETCH_MAX_TOKENS = 0
 # Each token's shared expert in the split down launch (its own launch after the routed experts otherwise).
 # Module-level so benchmarks can compare the two.
@@ -112,16 +101,16 @@ FOLD_SHARED_EXPERT = True
 # slices once for all pairs routed to it: the program of the expert's first pair (per column or row slice) computes
 # each of those pairs in turn, re-reading its slice from L1/L2, and the others' programs stop. With a program per pair
 # a repeat comes mostly from L2 in VRAM, but may cross PCIe again for an expert in host memory. Resident launches keep
-# a program per pair: the same walk lost there (H100 at a57736d, docs/architecture.md). H200, 15 GiB, trace routing
-# (bench/results/step_ab_h200_15gib_shared_reads_40e6d3e.json, baseline timed first, between and last): batch-8 step
-# 19.3 / 20.4 ms against 24.9 / 28.0 / 23.1, 3-draft verification 14.3 / 15.2 against 14.6 / 15.4 / 16.0.
+# a program per pair: the same walk lost there. Over host records it shortens offloaded batch steps
+# (docs/performance.md, Offload at a VRAM budget).
 SHARED_READ_MIN_TOKENS = 2
 # Tiled kernels: batches past the matrix-vector limits (few pairs per expert) and prefill (many).
 # Module-level so benchmarks can sweep them.
-DECODE_TILES = Tiles(16, 32, 64, 4)  # measured on the H200: 16/32/64 beat 16/16/32 (49 vs 64 us per layer)
-PREFILL_TILES = Tiles(64, 64, 64, 4, 64, 3)  # H200 sweep, 2048 tokens: 0.86 ms per layer vs 1.76 for 64/32/64, k tile 256
+DECODE_TILES = Tiles(16, 32, 64, 4)  # the faster of the swept shapes (docs/performance.md, Kernels)
+PREFILL_TILES = Tiles(64, 64, 64, 4, 64, 3)  # the fastest swept shape for 2048-token prefill (docs/performance.md, Kernels)
 # Prefill over records that may live in host memory (read over PCIe): 256-wide k tiles, so each row
-# is read in runs of 128+ bytes (runs of 32 bytes measured 0.43 of the PCIe roofline, 128 bytes 0.68-0.73).
+# is read in runs of 128+ bytes, which reach a larger share of the link than short runs
+# (docs/performance.md, Offload at a VRAM budget).
 # Its block_m is PREFILL_TILES' (`routed_experts_split`'s two passes share one plan).
 HOST_PREFILL_TILES = Tiles(64, 32, 64, 4, 256, 3)
 PREFILL_MIN_PAIRS = 256
@@ -228,9 +217,9 @@ def _gate_up_tiles(
     NVFP4: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """(gate codes, gate scales, up codes, up scales): the k tile at `k0` of an expert's gate rows `cols_i` and of
-    its up rows (I rows further on), for `dot_code_tile`. Both tiles are read before either product: two
-    `tiles.gemv_tile` calls issue the up rows' loads after the gate product starts (sm_90 cubin, Q8: 12 of 21
-    global loads before the first multiply-add against 21, 79 registers against 102; not measured on a GPU)."""
+    its up rows (I rows further on), for `dot_code_tile`. Both tiles are read before either product, so that
+    every load of the pair is issued before the first multiply-add (two `tiles.gemv_tile` calls issue the up
+    rows' loads after the gate product starts; docs/performance.md, Kernels)."""
     gate = load_gemv_tile(record, cols_i, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     up = load_gemv_tile(record, cols_i + I, col_mask, k0, high_offset, scale_offset, NVFP4, BITS, GROUP, K_PAD, BLOCK_N, BLOCK_K)
     return gate[0], gate[1], up[0], up[1]
@@ -604,7 +593,7 @@ def _gate_up_swiglu_kernel(
                 acc_gate = tl.dot(xt, tl.trans(wg.to(xt.dtype)), acc_gate)
                 acc_up = tl.dot(xt, tl.trans(wu.to(xt.dtype)), acc_up)
         # (the divisors after the k loop: a prefill program runs many k tiles, and held through them they cost
-        # registers: 168 against 128 per thread in the sm_90 cubin)
+        # registers)
         gate_divisors = row_divisors(record, cols_i, col_mask, divisor_offset, NVFP4)
         up_divisors = row_divisors(record, cols_i + I, col_mask, divisor_offset, NVFP4)
         y = _swiglu_rows(acc_gate, acc_up, gate_divisors, up_divisors, x, NVFP4)

@@ -65,8 +65,7 @@ def load_nvfp4_code_tile(
     )
     # a row's four scales of one 64-column scale tile are one aligned 32-bit word of the swizzled plane: one
     # load per word, its bytes split in registers; with rows from `tiles.program_rows` a program's words are
-    # contiguous (byte loads, rows in order: the routed gate/up product over host records 1,052 us per H200
-    # step at 3d2bcee against 776 at a470f6a; in VRAM 385 either way)
+    # contiguous, which matters most over host records (docs/performance.md, NVFP4 against the official recipe)
     inner = rows % 128
     scale_tiles = (rows // 128) * (K // 64)
     word = (scale_tiles[:, None] + (k0 // 64 + tl.arange(0, BLOCK_K // 64))[None, :]) * 128 + ((inner % 32) * 4 + inner // 32)[:, None]
@@ -86,8 +85,8 @@ def load_divisors(obj, rows, row_mask, divisor_offset):
 def row_divisors(obj, rows, row_mask, divisor_offset, NVFP4: tl.constexpr):
     """float32 [BLOCK_N]: the rows' divisors of an nvfp4 object (`load_divisors`), ones for the row-split formats
     (which have none; unused there). Kernels load them before their k loop: loaded where the accumulators need them,
-    after the loop, they were the program's last global read, a memory round trip (over PCIe for host records)
-    after all of its compute (the sm_90 cubins of the matrix-vector and tiled kernels)."""
+    after the loop, they would be the program's last global read, a memory round trip (over PCIe for host records)
+    after all of its compute."""
     if NVFP4:
         divisors = load_divisors(obj, rows, row_mask, divisor_offset)
     else:

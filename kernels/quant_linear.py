@@ -20,7 +20,7 @@ decoder (`kernels/tiles.py`). Three paths by token count:
   products split K across programs so that even a [2048, 4096] projection fills the GPU; their
   partial sums are added in a fixed order by the last program of each tile to arrive, so results are
   deterministic and no reduction is launched. It adds the shared expert's gated add where it stores
-  (`gated_add`); its inputs are computed before it (SwiGLU, gate, norm: measured slower inside it).
+  (`gated_add`); its inputs are computed before it (SwiGLU, gate, norm: slower inside it).
 * above (prefill): the weight is dequantized once per call into a transient buffer (the same tile
   decoders) and multiplied with cuBLAS, which beats an in-kernel tile decode once the product is
   compute-bound.
@@ -67,16 +67,10 @@ class GemvTiles:
     stages: int
 
 
-# H200 sweep (bench/results/kernels_h200.json, one token): 16 x 2048 x 8 warps led on the layers'
-# products (Q8 [12288, 2048] 8.0 us = 78 % of bandwidth); products of fewer than FEW_ROWS rows run
-# faster with half the rows per program, twice the programs (H200, bench/sweep_decode.py: [2048, 4096]
-# 4.3 vs 5.0 us, [1024, 2048] 2.3 vs 2.5); the output head (Q6, 248,320 rows) in 32 x 512 tiles
-# (bench/results/sweeps/decode_h200.json: 1 / 4 / 8 tokens 167 / 425 / 710 us, 181 / 415 / 740 in
-# 32 x 256). In the one-token step at 05f867f (bench/results/step_ab_h200_split_tiles_05f867f.json) 32 rows per
-# program took 2.287 ms and 8 rows / 4 warps 2.351, against 2.242. The halved rows hold at 2-4 tokens too, where a
-# fused input (SwiGLU, gate, gated norm), computed per program and token, might favour more rows per program: H100,
-# trace routing, a 3-draft verification with 16 rows took 4.77-4.80 ms against 4.67-4.74
-# (bench/results/step_ab_h100_four_token_paths_fab2772.json). Module-level so benchmarks can sweep them.
+# Launch shapes of the matrix-vector kernel, the fastest in the sweeps and the step (docs/performance.md, Kernels):
+# 16 rows x 2048 columns on 8 warps for the layers' products; half the rows per program (twice the programs) for
+# products of fewer than FEW_ROWS rows, also at 2-4 tokens; the output head (Q6, 248,320 rows) in 32 x 512 tiles.
+# Module-level so benchmarks can sweep them.
 GEMV_TILES = GemvTiles(16, 2048, 8, 3)
 SMALL_GEMV_TILES = GemvTiles(8, 2048, 8, 3)  # products of fewer than FEW_ROWS rows
 WIDE_GEMV_TILES = GemvTiles(32, 512, 4, 3)
@@ -84,29 +78,26 @@ WIDE_GEMV_MIN_ROWS = 65536
 FEW_ROWS = 8192
 # Products of at least MMA_MIN_ROWS rows multiply several tokens (from MMA_MIN_TOKENS) on tensor cores
 # (every token at once, the token block padded to MMA_BLOCK_T rows) instead of per token on CUDA cores,
-# whose work grows with every token. H200, cold L2, 4 tokens: [12288, 2048] Q8 19.9 us against 29.1, the
-# output head 259 against ~420; smaller products gain nothing ([2048, 4096] 15.2 against 10.4, [1024, 2048]
-# 8.6 against ~5; at 8 tokens about even) and keep the CUDA-core path up to GEMV_MAX_TOKENS.
+# whose work grows with every token; smaller products gain nothing there and keep the CUDA-core path up to
+# GEMV_MAX_TOKENS (docs/performance.md, Kernels).
 MMA_MIN_TOKENS = 2
 MMA_MIN_ROWS = FEW_ROWS
 MMA_BLOCK_T = 16
-# H200, cold L2, 4 and 8 tokens (bench/results/sweeps/mma_gemv_h200_25fcf36.json): 32 x 256 x 4 warps led on the
-# layers' products (Q8 [12288, 2048] 19.8 us, against 45 on CUDA cores at 8 tokens; the weights as the left
-# operand measured 1.1-1.3x slower), the output head in 64 x 128 tiles (258 us, against 707).
+# Tensor-core launch shapes: 32 x 256 on 4 warps for the layers' products, 64 x 128 for the output head, the
+# activations as the left operand (the fastest in the sweep: docs/performance.md, Kernels).
 MMA_GEMV_TILES = GemvTiles(32, 256, 4, 4)
 WIDE_MMA_GEMV_TILES = GemvTiles(64, 128, 4, 4)
 
 
 # Products of fewer than MMA_MIN_ROWS rows take the matrix-vector kernel for up to SMALL_GEMV_MAX_TOKENS
 # tokens and the tiled kernel beyond: its split-K tensor-core tiles fill the GPU whatever the token count, while
-# the per-token multiply-adds grow with every token (H200 batch-8 step, bench/results/step_ab_h200_8d5cda9.json,
-# per launch: GDN/attention output 24.2 us fused against 9.2 tiled + 1.8 norm + 1.8 sum; shared down 11.8 against
-# ~7; shared gate/up with the router 16.7 against ~15; at 4 tokens the matrix-vector kernel leads or ties).
+# the per-token multiply-adds grow with every token (at 8 tokens the tiled kernel wins on these products, at 4 the
+# matrix-vector kernel leads or ties: docs/performance.md, Decode step settings).
 SMALL_GEMV_MAX_TOKENS = 4
 # A matrix-vector product computes its input step (a norm, a gate: `_input_value`) itself for up to this many tokens,
 # every program for its own columns (the norm statistics in each program again); past it the elementwise kernels
 # compute the input once before the product (`_unfolded_input`, `add_rmsnorm`), a launch more. Module-level so
-# `bench/step_ab.py` can compare them; not yet measured below GEMV_MAX_TOKENS.
+# `bench/step_ab.py` can compare them.
 FOLD_INPUT_MAX_TOKENS = GEMV_MAX_TOKENS
 
 
@@ -138,34 +129,29 @@ DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
 TILED_STAGES = 3
 # A few tokens' tiled product splits K across programs: the last program of each output tile to arrive sums
-# the splits' float32 tiles (`arrivals`), or, turned off, a `sum_middle` launch after it does (the batch-8
-# step at 01e649c spent 231 us in 120 such launches). Module-level so benchmarks can compare the two.
+# the splits' float32 tiles (`arrivals`), or, turned off, a `sum_middle` launch after it does (slower: docs/performance.md,
+# Decode step settings). Module-level so benchmarks can compare the two.
 SUM_IN_PRODUCT = True
 # The tiled kernel runs a layer's dense control rows beside its quantized product of one input (the router with the
-# shared expert's gate/up) as more row blocks of its launch, or, turned off, `dense_linear` runs them apart (the
-# batch-8 step at 01e649c: 40 such launches 251 us, 6.3 us each beside 3.8 for the tiled product). Module-level so
-# benchmarks can compare the two.
+# shared expert's gate/up) as more row blocks of its launch, or, turned off, `dense_linear` runs them apart (slower:
+# docs/performance.md, Decode step settings). Module-level so benchmarks can compare the two.
 PAIR_IN_TILED = True
 # The tiled kernel adds the shared expert's rows score-gated into the routed output where it stores them, or, turned
 # off, an `add_gated` launch after it does. It does not compute its input (SwiGLU, the sigmoid gate, the gated norm)
-# as it reads it: in the H200 batch-8 step at 9ed0fbb (bench/results/step_ab_h200_9ed0fbb.json) that made the GDN
-# output 18.4 us per launch against 11.1 + 1.7 for the product and a norm launch, the attention output 29.6 against
-# ~14.7, the shared down 7.1 against 6.8. Module-level so benchmarks can compare the two.
+# as it reads it: that was slower than the product plus a launch computing the input (docs/performance.md, Decode
+# step settings). Module-level so benchmarks can compare the two.
 GATED_ADD_IN_TILED = True
 # An nvfp4 tiled program takes its rows in `tiles.program_rows`' scale order (each scale tile's words of its rows
 # contiguous) or, turned off, BLOCK_N consecutive rows (scale words 16 bytes apart, the outputs contiguous). The
 # tiled kernel reads VRAM-resident matrices only (the shared expert's), where the sectors its scale reads leave are
-# L2 hits for the neighbouring programs. H200 at 159a093, 8 tokens, nvfp4 against Q4's bandwidth fraction
-# (bench/results/kernels_h200_formats{,_rows}_159a093.json): shared gate/up 95 % in scale order, 98 % in consecutive
-# rows; shared down 101 / 105 % (70 and 89 % before the split tiles were kept in program order). Module-level so
-# benchmarks can compare the two.
+# L2 hits for the neighbouring programs; consecutive rows measured slightly faster (docs/performance.md, NVFP4 against
+# the official recipe). Module-level so benchmarks can compare the two.
 TILED_SCALE_ORDER = False
 
 # Matrix-vector products of one k tile and at least PREFETCH_MIN_TOKENS tokens read the tile before they wait for
-# the kernel before them (`launch`), so its loads overlap that kernel's tail. H200, step A/B at f5f1a7c: a 3-draft
-# verification 4.51 against 4.56 ms without it, but a one-token step 2.29 against 2.15 (held across the wait, the
-# tile raised the one-token q/k/v/z product from 80 to 182 registers: a third of the programs resident per SM).
-# Products of several tiles never do: the Q6 head's first tile took it from 123 to 201 registers, 170 to 236 us.
+# the kernel before them (`launch`), so its loads overlap that kernel's tail. One token does not: held across the
+# wait, the tile raises the product's registers and fewer programs are resident per SM; nor do products of several
+# tiles (docs/performance.md, Decode step settings).
 PREFETCH_MIN_TOKENS = 2
 # Products that do not read their tile before the wait ask L2 for their rows' row-split codes (the low plane) and
 # scales there instead (`launch.prefetch_to_l2`: no register held).
@@ -605,8 +591,7 @@ def _launch_residual_gemv(
     (x + delta, the normed rows). On CUDA cores the kernel normalises its own input tiles (one launch; up to
     FOLD_INPUT_MAX_TOKENS tokens); on tensor cores and past that `add_rmsnorm` runs first and the product reads its
     rows: on tensor cores the kernel's own statistic of every token's rows (a chain of row chunks before the first
-    tile) made it slower (H200, 4 tokens, per launch in the step: q/k/v/z 62 us at 4a7f9f5, 20.2 us plus 1.7 for
-    `add_rmsnorm` at 8d5cda9, bench/results/step_ab_h200_*.json)."""
+    tile) is slower than that launch (docs/performance.md, Kernels)."""
     if on_tensor_cores(geometry.n, x.shape[0]) or x.shape[0] > FOLD_INPUT_MAX_TOKENS:
         total, normed = add_rmsnorm(x, delta, norm_w, eps, offset=True)
         _launch_gemv(normed, None, None, 0.0, data, geometry, out, PLAIN, 1, **paired)

@@ -145,9 +145,8 @@ def dot_code_tile(codes, scales, x, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, 
     """[BLOCK_N] float32: sum over a tile's columns of W[rows, k] * x[k] from `load_code_tile`'s output
     (or `nvfp4.load_nvfp4_code_tile`'s, GROUP 16) and the tile's x columns in order, [BLOCK_K]
     (`load_columns`). The code positions are interleaved into columns in registers; products are summed
-    per scale group and only then scaled. Splitting x into positions instead cost a shared-memory layout
-    conversion per position: 20 barriers per token and k tile in the sm_90 cubin of a one-token
-    [2048, 4096] product, against 8."""
+    per scale group and only then scaled. Splitting x into positions instead would cost a shared-memory
+    layout conversion per position (docs/performance.md, Kernels)."""
     products = interleave_positions(codes, BLOCK_N, BLOCK_K) * x.to(tl.float32)[None, :]
     per_group = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
     return tl.sum(per_group * scales, axis=1)
@@ -159,9 +158,8 @@ def mma_code_tile(codes, scales, x, acc, GROUP: tl.constexpr, BLOCK_N: tl.conste
     columns in order [BLOCK_T, BLOCK_K] (BLOCK_T >= 16, rows past the tokens zero) in the activation dtype;
     each code times its group's scale (`scaled_columns`) is rounded to that dtype as a dequantized weight, and
     one product of BLOCK_K columns adds them up (IEEE: float32 without TF32 rounding). A product per position (eight of
-    BLOCK_K // 8 columns) measured slower: each operand passes its own shared-memory layout conversion (the
-    batch-8 down kernel's sm_90 cubin: 35 barriers per k tile against 21); H100, trace routing, 3-draft
-    verification 4.79 against 4.68 ms (bench/results/step_ab_h100_one_dot_recurrent_v_39067de.json)."""
+    BLOCK_K // 8 columns) is slower: each operand passes its own shared-memory layout conversion
+    (docs/performance.md, Kernels)."""
     weights = tl.trans(scaled_columns(codes, scales, GROUP, BLOCK_N, BLOCK_K).to(x.dtype))
     if IEEE:
         return tl.dot(x, weights, acc, input_precision="ieee")

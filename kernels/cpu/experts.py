@@ -211,8 +211,7 @@ def _row_dot_nvfp4(u8, f32, e2m1, e4m3, geo, record_at, row, x, tok):
 INTEGER_PATH_BITS = (4, 5)
 # The integer loops prefetch the codes this many bytes ahead of the block they read (the next
 # gate/up row, four down rows ahead): a single core's hardware prefetchers do not keep these short
-# row streams fed (H200 host: 7.5 -> 10.5 GB/s on one thread, 58 -> 71 GB/s on 16; 2 and 4 KB
-# ahead measured no better).
+# row streams fed; 1 KB ahead was the best distance tried (docs/performance.md, CPU expert path).
 PREFETCH_BYTES = 1024
 _PART_STEPS = 128.0  # 2**7 between parts
 EXACT_PARTS, SIXTEEN_BIT_PARTS = 3, 2  # for float32 activations, for bf16/fp16 ones
