@@ -1,0 +1,122 @@
+"""Quantized products of a few tokens (2..16) on tensor cores, weights as the MMA's wide operand.
+
+Reference op: `ReferenceBackend.linear(x, w)` with `w` a row-split `QuantizedMatrix` (q8 or q4), i.e.
+`x @ w.dequantize().T`, each weight rounded to x's dtype before the product (as the tiled kernels do).
+
+The transposed product `y^T = W x^T`: a program owns BLOCK_N output rows (the MMA's M, 64 or more) and a
+range of K tiles; each tile's codes are read in stored order with wide loads (q8: one byte a weight; q4:
+two weights a byte, split with one join), times their group's scale, rounded to x's dtype, and multiplied
+with the tile of x^T [BLOCK_K, 16] (the tokens ride in the MMA's N, padded to 16). Products with few rows
+split K across programs; the last program of a row block to arrive sums the splits in split order
+(deterministic, no reduction launch).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer_offload.artifact.formats import RowSplitGeometry
+from ninfer_offload.kernels.arrivals import arrival_counts, last_to_arrive, rearm
+
+BLOCK_T = 16  # tokens per program (the MMA's N), padded
+SUPPORTED_BITS = (4, 8)
+
+
+@triton.jit
+def _code_tile(obj, rows, k0, BITS: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N, BLOCK_K]: the signed codes of a tile, columns in order."""
+    if BITS == 8:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        raw = tl.load(obj + rows[:, None] * K_PAD + cols[None, :])
+        return raw.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        raw = tl.load(obj + rows[:, None] * (K_PAD // 2) + cols[None, :]).to(tl.int32)
+        low = ((raw & 15) ^ 8) - 8
+        high = ((raw >> 4) ^ 8) - 8
+        return tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K]).to(tl.float32)
+
+
+@triton.jit
+def _scale_tile(obj, rows, k0, scale_offset, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N, BLOCK_K]: each column's group scale."""
+    groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    words = (obj + scale_offset).to(tl.pointer_type(tl.float16))
+    scales = tl.load(words + rows[:, None] * (K_PAD // GROUP) + groups[None, :]).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(scales[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP]), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _few_tokens_kernel(
+    x, stride_x, w, out, partial, arrivals, T, N, K, scale_offset, K_TILES_PER_SPLIT,
+    BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, WEIGHTS_AS_M: tl.constexpr,
+):
+    """Programs (row block, K split): out[t, rows] for every token t < T over the split's K tiles."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows_in = tl.minimum(rows, N - 1)  # rows past N re-read the last one; never stored
+    toks = tl.arange(0, BLOCK_T)
+    tok_mask = toks < T
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    first = pid_k * K_TILES_PER_SPLIT
+    for kt in range(first, tl.minimum(first + K_TILES_PER_SPLIT, K_PAD // BLOCK_K)):
+        k0 = kt * BLOCK_K
+        cols = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x + toks[None, :] * stride_x + cols[:, None], mask=tok_mask[None, :] & (cols < K)[:, None], other=0.0)
+        weights = _code_tile(w, rows_in, k0, BITS, K_PAD, BLOCK_N, BLOCK_K) * _scale_tile(
+            w, rows_in, k0, scale_offset, GROUP, K_PAD, BLOCK_N, BLOCK_K
+        )
+        if WEIGHTS_AS_M:
+            acc = tl.dot(weights.to(xt.dtype), xt, acc, input_precision="ieee" if IEEE else None)
+        else:  # tokens as M: the weights pass through shared memory as the B operand
+            acc = tl.trans(tl.dot(tl.trans(xt), tl.trans(weights.to(xt.dtype)), tl.trans(acc), input_precision="ieee" if IEEE else None))
+    tile = toks[None, :].to(tl.int64) * N + rows[:, None]
+    mask = tok_mask[None, :] & (rows < N)[:, None]
+    if SPLIT > 1:
+        tl.store(partial + pid_k.to(tl.int64) * T * N + tile, acc, mask=mask)
+        count = arrivals + pid_n
+        if last_to_arrive(count, SPLIT):
+            acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):  # through L2: other programs wrote these rows
+                acc += tl.load(partial + s * T * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+            rearm(count)
+    else:
+        tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+
+
+def few_tokens_linear(
+    x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeometry, block_n: int = 64, block_k: int = 256, split: int | None = None,
+    num_warps: int = 4, num_stages: int = 3, weights_as_m: bool = True,
+) -> torch.Tensor:
+    """x [T, K] (T <= 16) @ W^T for a row-split q8/q4 object `data` of `geometry`: [T, N] in x's dtype. `split`: K
+    splits (default: enough row-block programs for about two per SM)."""
+    t, k = x.shape
+    if not 1 <= t <= BLOCK_T or geometry.fmt.bits not in SUPPORTED_BITS or k != geometry.k:
+        raise ValueError(f"few_tokens_linear takes 1..{BLOCK_T} tokens of a q8/q4 row-split object of K={geometry.k}")
+    n, k_pad = geometry.n, geometry.k_pad
+    block_k = min(block_k, k_pad)
+    k_tiles = k_pad // block_k
+    n_blocks = triton.cdiv(n, block_n)
+    if split is None:
+        split = max(1, min(k_tiles, (2 * _sm_count(x.device)) // n_blocks))
+    per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, per_split)
+    out = torch.empty(t, n, device=x.device, dtype=x.dtype)
+    partial = torch.empty(split, t, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    _few_tokens_kernel[(n_blocks, split)](
+        x, x.stride(0), data, out, partial, arrival_counts("small_batch.split_k", x.device), t, n, k, geometry.scale_offset,
+        per_split, BITS=geometry.fmt.bits, GROUP=geometry.fmt.group, K_PAD=k_pad, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_T=BLOCK_T, SPLIT=split, IEEE=x.dtype == torch.float32, WEIGHTS_AS_M=weights_as_m, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
