@@ -21,12 +21,10 @@ from kernel_sweeps import cold_copies, quantized_object, start_run
 from ninfer_offload.kernels import quant_linear, small_batch
 
 TOKENS = (1, 2, 4, 8, 16)
-PRODUCTS = [("q8_g32_fp16", "gdn_qkvz", 12288, 2048), ("q8_g32_fp16", "attn_qkgv", 9216, 2048),
-            ("q8_g32_fp16", "mixer_out", 2048, 4096), ("q8_g32_fp16", "shared_gate_up", 1024, 2048),
-            ("q8_g32_fp16", "shared_down", 2048, 512), ("q4_g64_fp16", "gdn_qkvz", 12288, 2048), ("q4_g64_fp16", "mixer_out", 2048, 4096)]
+PRODUCTS = [("q8_g32_fp16", "gdn_qkvz", 12288, 2048), ("q8_g32_fp16", "mixer_out", 2048, 4096), ("q8_g32_fp16", "shared_down", 2048, 512),
+            ("q4_g64_fp16", "gdn_qkvz", 12288, 2048)]
 # (rows per program, K per tile, warps, pipeline stages, K splits (None: about two programs per SM), weights as the MMA's M)
-SHAPES = [(64, 256, 4, 3, None, True), (128, 256, 8, 3, None, True), (64, 128, 4, 4, None, True), (128, 128, 4, 4, None, True),
-          (64, 256, 4, 3, None, False)]
+SHAPES = [(64, 256, 4, 3, None, True), (128, 256, 8, 3, None, True), (64, 128, 4, 4, None, True), (64, 256, 4, 3, None, False)]
 
 
 def replay_us(fn, copies: int) -> float:
