@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from ninfer_offload.model.attention import GatedAttention  # noqa: E402
-from ninfer_offload.model.config import FULL_ATTENTION  # noqa: E402
+from ninfer_offload.artifact.dims import FULL_ATTENTION  # noqa: E402
 from ninfer_offload.artifact.contract import TEXT_CONFIG  # noqa: E402
 from ninfer_offload.runtime.engine import Engine  # noqa: E402
 from ninfer_offload.runtime.step_inputs import pack_inputs, unpack_inputs  # noqa: E402

@@ -40,12 +40,12 @@ THREADS = 4
 
 def layer_bytes(path: Path) -> list[int]:
     """Bytes of each MoE layer's records (text layers) in the artifact at `path`."""
+    from ninfer_offload.artifact.dims import ModelDims
     from ninfer_offload.artifact.reader import open_artifact
-    from ninfer_offload.model.config import ModelConfig
     from ninfer_offload.runtime.loader import _record_layout
 
     with open_artifact(path) as artifact:
-        config = ModelConfig.from_component(artifact.components["text"].config)
+        config = ModelDims.from_text_config(artifact.components["text"].config)
         return [_record_layout(artifact, f"text/layers/{i}", config)[0].nbytes * config.num_experts for i in range(config.num_layers)]
 
 

@@ -33,7 +33,7 @@ from decode_launches import LaunchCounter, tiny_artifact  # noqa: E402
 
 from ninfer_offload.artifact.contract import TEXT_CONFIG  # noqa: E402
 from ninfer_offload.model.attention import GatedAttention  # noqa: E402
-from ninfer_offload.model.config import FULL_ATTENTION  # noqa: E402
+from ninfer_offload.artifact.dims import FULL_ATTENTION  # noqa: E402
 from ninfer_offload.runtime.engine import Engine  # noqa: E402
 
 COPIES = {"copy_", "_to_copy", "clone", "cat", "contiguous", "index_copy_"}

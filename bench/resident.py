@@ -62,10 +62,8 @@ def decode_bytes(engine: Engine, context: int) -> dict:
     weights = sum(_bytes(layer) for layer in text.layers) + _bytes(text.final_norm) + _bytes(text.head)
     embedding_row = _bytes(text.embedding) // c.vocab_size
     experts = sum(c.top_k * layout.nbytes for layout in engine.store.layouts[: len(text.layers)])
-    attention_layers = sum(1 for kind in c.layer_types if kind == "full_attention")
-    kv = attention_layers * 2 * (context + 1) * c.num_kv_heads * c.head_dim * engine.dtype.itemsize
-    gdn_layers = len(c.layer_types) - attention_layers
-    state = gdn_layers * 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    kv = c.num_attention_layers * 2 * (context + 1) * c.num_kv_heads * c.head_dim * engine.dtype.itemsize
+    state = c.num_gdn_layers * 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
     total = weights + embedding_row + experts + kv + state
     return {"total": total, "dense_weights": weights, "routed_experts": experts, "kv_cache": kv, "gdn_state": state}
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ninfer_offload.planner.memory import ModelShape, gdn_state_bytes, kv_layer_bytes_per_token
+from ninfer_offload.artifact.dims import ModelDims
+from ninfer_offload.planner.memory import gdn_state_bytes, kv_layer_bytes_per_token
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.placement import Prediction
 from ninfer_offload.planner.routing import RoutingStats
@@ -78,7 +79,7 @@ def _expert_traffic(stats: RoutingStats, resident: list[list[int]], expert_bytes
 
 
 def predict(
-    shape: ModelShape,
+    dims: ModelDims,
     profile: DeviceProfile,
     options: PlanOptions,
     weights: WeightTraffic,
@@ -91,7 +92,7 @@ def predict(
     vram_rate = profile.memory_bandwidth_gbs * 1e9 * timings["weight_bandwidth_efficiency"]
     zero_copy = profile.h2d_bandwidth_gbs * 1e9 * timings["zero_copy_efficiency"]
     context = min(options.at_context, options.max_context)
-    kv_layer = kv_layer_bytes_per_token(shape, options.kv_dtype) * context
+    kv_layer = kv_layer_bytes_per_token(dims, options.kv_dtype) * context
     offloaded = any(len(ids) < len(row) for ids, row in zip(resident, stats.hits))
     bookkeeping = timings["offload_step_s"] if offloaded else 0.0
     cpu_rate = profile.dram_bandwidth_gbs * 1e9 * CPU_EXPERT_SHARE_OF_DRAM
@@ -101,8 +102,8 @@ def predict(
         miss path ("auto": the faster of the two, as it chooses by measured step time)."""
         expert_vram, expert_host, host_layers = _expert_traffic(stats, resident, expert_bytes, tokens)
         embedding = weights.embedding_row_bytes * tokens
-        vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + shape.attention_layers * kv_layer
-        vram += gdn_state_bytes(shape) * (1 + tokens)  # read the state, write one per position
+        vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + dims.num_attention_layers * kv_layer
+        vram += gdn_state_bytes(dims) * (1 + tokens)  # read the state, write one per position
         pcie = 0.0 if weights.embedding_on_device else embedding
         if weights.embedding_on_device:
             vram += embedding
@@ -117,7 +118,7 @@ def predict(
     decode_mtp = None
     if options.speculating:
         drafts = options.draft_count
-        draft_bytes = weights.mtp_dense_bytes + shape.top_k * weights.mtp_expert_bytes + weights.draft_head_bytes + kv_layer
+        draft_bytes = weights.mtp_dense_bytes + dims.top_k * weights.mtp_expert_bytes + weights.draft_head_bytes + kv_layer
         draft_seconds = drafts * max(timings["mtp_draft_step_s"], draft_bytes / vram_rate)
         verify_seconds = step(drafts + 1)[0] + drafts * timings["verify_token_s"] + timings["spec_round_s"]
         a = options.mtp_acceptance
@@ -125,8 +126,8 @@ def predict(
         decode_mtp = tokens_per_step / (draft_seconds + verify_seconds)
 
     chunk = options.prefill_chunk
-    expert_params = 3 * shape.hidden * shape.expert_width * shape.top_k * (shape.attention_layers + shape.linear_layers)
-    attention_flops = shape.attention_layers * 4 * context * shape.query_heads * shape.head_dim
+    expert_params = 3 * dims.hidden_size * dims.moe_intermediate_size * dims.top_k * dims.num_layers
+    attention_flops = dims.num_attention_layers * 4 * context * dims.num_attention_heads * dims.head_dim
     flops = chunk * (2 * (weights.dense_text_params + expert_params) + attention_flops)
     compute_seconds = max(timings["prefill_chunk_floor_s"], flops / (profile.tensor_tflops * 1e12 * timings["prefill_efficiency"]))
     expert_vram, expert_pcie, _ = _expert_traffic(stats, resident, expert_bytes, chunk)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.formats import BLOCK_SCALE, NVFP4, ROW_SPLIT, elements, runtime_geometry
 from ninfer_offload.artifact.inventory import Inventory
-from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.options import PlanOptions
 
 FP32, BF16, INT64 = 4, 2, 8
@@ -21,71 +21,20 @@ INT8_SCALE_BYTES = 2  # int8 KV keeps one fp16 scale per (token, KV head) for K 
 ROUTED_ROLES = ("routed_gate_up", "routed_down")
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions the memory and cost formulas need, read from a text component config."""
-
-    hidden: int
-    vocab: int
-    attention_layers: int
-    linear_layers: int
-    kv_heads: int
-    head_dim: int
-    query_heads: int
-    gdn_key_heads: int
-    gdn_key_dim: int
-    gdn_value_heads: int
-    gdn_value_dim: int
-    conv_kernel: int
-    num_experts: int
-    top_k: int
-    expert_width: int
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ModelShape":
-        try:
-            types = config["layer_types"]
-            hidden = config["hidden_size"]
-            heads = config.get("num_attention_heads", 1)
-            return cls(
-                hidden=hidden,
-                vocab=config["vocab_size"],
-                attention_layers=sum(t == "full_attention" for t in types),
-                linear_layers=sum(t == "linear_attention" for t in types),
-                kv_heads=config.get("num_key_value_heads", heads),
-                head_dim=config.get("head_dim", hidden // heads),
-                query_heads=heads,
-                gdn_key_heads=config.get("linear_num_key_heads", 0),
-                gdn_key_dim=config.get("linear_key_head_dim", 0),
-                gdn_value_heads=config.get("linear_num_value_heads", 0),
-                gdn_value_dim=config.get("linear_value_head_dim", 0),
-                conv_kernel=config.get("linear_conv_kernel_dim", 4),
-                num_experts=config.get("num_experts", 0),
-                top_k=config.get("num_experts_per_tok", 0),
-                expert_width=config.get("moe_intermediate_size", 0),
-            )
-        except (KeyError, TypeError) as err:
-            raise NinferError(f"text config lacks {err}; cannot plan this artifact") from None
-
-    @property
-    def conv_channels(self) -> int:
-        return 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
-
-
-def kv_layer_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
+def kv_layer_bytes_per_token(dims: ModelDims, kv_dtype: str) -> int:
     """K and V bytes of one token in one full-attention layer."""
-    per_layer = 2 * shape.kv_heads * shape.head_dim * KV_ELEMENT_BYTES[kv_dtype]
+    per_layer = 2 * dims.num_kv_heads * dims.head_dim * KV_ELEMENT_BYTES[kv_dtype]
     if kv_dtype == "int8":
-        per_layer += 2 * shape.kv_heads * INT8_SCALE_BYTES
+        per_layer += 2 * dims.num_kv_heads * INT8_SCALE_BYTES
     return per_layer
 
 
-def gdn_state_bytes(shape: ModelShape, element_bytes: int = BF16) -> int:
+def gdn_state_bytes(dims: ModelDims, element_bytes: int = BF16) -> int:
     """One sequence's GDN state: FP32 recurrent state [V heads, K dim, V dim] and the conv window of
     the previous W-1 inputs (in the compute dtype) of every linear-attention layer."""
-    recurrent = shape.gdn_value_heads * shape.gdn_value_dim * shape.gdn_key_dim * FP32
-    conv = (shape.conv_kernel - 1) * shape.conv_channels * element_bytes
-    return shape.linear_layers * (recurrent + conv)
+    recurrent = dims.linear_num_value_heads * dims.linear_value_head_dim * dims.linear_key_head_dim * FP32
+    conv = (dims.linear_conv_kernel - 1) * dims.conv_channels * element_bytes
+    return dims.num_gdn_layers * (recurrent + conv)
 
 
 # The scratch slot's KV rows (at least; the engine's state pool gets this): the most a captured step writes there
@@ -94,7 +43,7 @@ SCRATCH_KV_ROWS = 64
 
 
 def state_pool_bytes(
-    shape: ModelShape, sequences: int, capacity: int, draft_tokens: int, mtp_layer: bool, kv_dtype: str, element_bytes: int = BF16
+    dims: ModelDims, sequences: int, capacity: int, draft_tokens: int, mtp_layer: bool, kv_dtype: str, element_bytes: int = BF16
 ) -> dict[str, int]:
     """KV cache and GDN state of the runtime's state pool (`model.state_pool.StatePool`).
 
@@ -104,8 +53,8 @@ def state_pool_bytes(
     """
     kv_rows = sequences * capacity + max(SCRATCH_KV_ROWS, 1 + draft_tokens)
     return {
-        "kv_cache": (shape.attention_layers + mtp_layer) * kv_rows * kv_layer_bytes_per_token(shape, kv_dtype),
-        "gdn_state": (sequences + 1) * (1 + draft_tokens) * gdn_state_bytes(shape, element_bytes),
+        "kv_cache": (dims.num_attention_layers + mtp_layer) * kv_rows * kv_layer_bytes_per_token(dims, kv_dtype),
+        "gdn_state": (sequences + 1) * (1 + draft_tokens) * gdn_state_bytes(dims, element_bytes),
     }
 
 
@@ -114,7 +63,7 @@ def state_pool_bytes(
 DECODE_PARTIAL_BYTES = 80 << 20
 
 
-def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
+def workspace_bytes(dims: ModelDims, options: PlanOptions) -> int:
     """Prefill activations of one chunk plus the logits of one decode step (bf16 activations) and the
     decode attention's partial softmaxes.
 
@@ -124,13 +73,12 @@ def workspace_bytes(shape: ModelShape, options: PlanOptions) -> int:
     rows before their per-token sum (fp32, top_k x hidden). Logits: fp32 for every sequence and
     every verified position.
     """
-    gdn_width = 2 * shape.gdn_key_heads * shape.gdn_key_dim + 2 * shape.gdn_value_heads * shape.gdn_value_dim
-    attention_width = 2 * shape.query_heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
-    per_token = BF16 * (
-        4 * shape.hidden + max(gdn_width, attention_width) + 2 * shape.top_k * 2 * shape.expert_width + 2 * shape.expert_width
-    )
-    per_token += FP32 * shape.top_k * shape.hidden
-    logits = FP32 * shape.vocab * options.concurrency * (1 + options.draft_count)
+    gdn_width = 2 * dims.linear_key_size + 2 * dims.linear_value_size
+    attention_width = 2 * dims.num_attention_heads * dims.head_dim + 2 * dims.num_kv_heads * dims.head_dim
+    width = dims.moe_intermediate_size
+    per_token = BF16 * (4 * dims.hidden_size + max(gdn_width, attention_width) + 2 * dims.top_k * 2 * width + 2 * width)
+    per_token += FP32 * dims.top_k * dims.hidden_size
+    logits = FP32 * dims.vocab_size * options.concurrency * (1 + options.draft_count)
     return options.prefill_chunk * per_token + logits + DECODE_PARTIAL_BYTES
 
 
@@ -202,7 +150,7 @@ def expert_arena_bytes(expert_bytes: list[int], pinned_experts: tuple[int, ...],
 def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]:
     """Device bytes of a load, by item (weights, experts, kv_cache, gdn_state): the accounting the
     loader allocates against and the load-time VRAM check refuses by."""
-    shape = ModelShape.from_config(inventory.text_config)
+    dims = ModelDims.from_text_config(inventory.text_config)
     components = ("text", "mtp") if options.mtp else ("text",)
     banks = [bank for c in components for bank in inventory.banks_of(c)]
     loaded = components + (("proposal",) if options.proposal_head else ())
@@ -212,6 +160,6 @@ def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]
             [bank.expert_bytes for bank in banks], options.pinned_experts, options.cache_slots, options.staging_slots
         ),
         **state_pool_bytes(
-            shape, options.sequences, options.capacity, options.draft_tokens, options.mtp, options.kv_dtype, options.element_bytes
+            dims, options.sequences, options.capacity, options.draft_tokens, options.mtp, options.kv_dtype, options.element_bytes
         ),
     }

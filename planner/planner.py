@@ -14,11 +14,12 @@ DFlash and DFlash2 weights are never loaded (speculation uses MTP); they are rep
 
 from __future__ import annotations
 
+from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.formats import elements
 from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cost import WeightTraffic, predict
-from ninfer_offload.planner.memory import ModelShape, prefill_staging_slots, staging_slots, state_pool_bytes, workspace_bytes
+from ninfer_offload.planner.memory import prefill_staging_slots, staging_slots, state_pool_bytes, workspace_bytes
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.placement import ComponentPlacement, Placement
 from ninfer_offload.planner.routing import RoutingStats, default_routing_stats
@@ -38,7 +39,7 @@ def plan(
 ) -> Placement:
     """Place every weight of `inventory` for `profile`; `feasible` is False (with `reason`) when it cannot fit."""
     options = options or PlanOptions()
-    shape = ModelShape.from_config(inventory.text_config)
+    dims = ModelDims.from_text_config(inventory.text_config)
     banks = inventory.banks_of("text")
     if not banks:
         raise NinferError("artifact has no routed experts in its text component; nothing to plan")
@@ -68,12 +69,12 @@ def plan(
     host_budget = options.host_budget if options.host_budget is not None else int(profile.ram_bytes * HOST_PINNED_SHARE)
     reserve = options.vram_reserve if options.vram_reserve is not None else profile.reserve_bytes
     pool = state_pool_bytes(
-        shape, options.concurrency, options.max_context, options.draft_count, options.speculating, options.kv_dtype
+        dims, options.concurrency, options.max_context, options.draft_count, options.speculating, options.kv_dtype
     )
     runtime = {
         "reserve": reserve,
         **pool,
-        "workspace": workspace_bytes(shape, options),
+        "workspace": workspace_bytes(dims, options),
         "staging": 0,
         "prefill_staging": 0,
     }
@@ -91,10 +92,10 @@ def plan(
         embedding_on_device = fixed + all_experts + embedding <= budget
     else:
         embedding_on_device = False
-        slots = staging_slots(shape.num_experts, shape.top_k, options.concurrency * (1 + options.draft_count))
+        slots = staging_slots(dims.num_experts, dims.top_k, options.concurrency * (1 + options.draft_count))
         widest = max(b.expert_bytes for b in banks)
         runtime["staging"] = slots * widest
-        runtime["prefill_staging"] = prefill_staging_slots(shape.num_experts) * widest
+        runtime["prefill_staging"] = prefill_staging_slots(dims.num_experts) * widest
         room = budget - fixed - runtime["staging"] - runtime["prefill_staging"]
         chosen = 0
         while chosen < len(order) and order[chosen][2] <= room:
@@ -158,14 +159,14 @@ def plan(
     weights = WeightTraffic(
         dense_text_bytes=_bytes(dense_text),
         dense_text_params=sum(elements(t.shape) for t in dense_text),
-        embedding_row_bytes=-(-embedding // shape.vocab),
+        embedding_row_bytes=-(-embedding // dims.vocab_size),
         embedding_on_device=embedding_on_device,
         head_bytes=head,
         draft_head_bytes=proposal if use_proposal else head,
         mtp_dense_bytes=mtp - sum(b.bank_bytes for b in mtp_banks),
         mtp_expert_bytes=mtp_banks[0].expert_bytes if mtp_banks else 0,
     )
-    placement.predicted = predict(shape, profile, options, weights, stats, resident, placement.expert_bytes)
+    placement.predicted = predict(dims, profile, options, weights, stats, resident, placement.expert_bytes)
     return placement
 
 

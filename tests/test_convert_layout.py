@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.formats import CONTIGUOUS, ROW_SPLIT, encoded_size
 from ninfer_offload.convert.converter import directory_entries
 from ninfer_offload.convert.hf_config import read_model_config
@@ -73,6 +74,7 @@ def test_official_recipe_layout_matches_the_official_directory():
     assert our_uses == ref_uses
     assert our_order == ref_order
     assert ours["spec"].text_config == official["components"]["text"]["config"]
+    assert ours["spec"].text == ModelDims.from_text_config(TEXT_CONFIG) and not ours["spec"].tied
     assert ours["spec"].vision_config == official["components"]["vision"]["config"]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ninfer_offload import Engine, NinferError
-from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.artifact.dims import ModelDims
 
 PROMPT = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 
@@ -171,10 +171,10 @@ def test_cuda_without_gpu_is_one_line_error(tiny_artifact):
 
 def test_config_rejects_unsupported_models(engine):
     config = dict(engine.artifact.components["text"].config)
-    assert ModelConfig.from_component(config) == engine.config
+    assert ModelDims.from_text_config(config) == engine.config
     with pytest.raises(NinferError, match="unsupported architecture"):
-        ModelConfig.from_component({**config, "architectures": ["LlamaForCausalLM"]})
+        ModelDims.from_text_config({**config, "architectures": ["LlamaForCausalLM"]})
     missing = {k: v for k, v in config.items() if k != "num_experts"}
     with pytest.raises(NinferError, match="'num_experts'"):
-        ModelConfig.from_component(missing)
+        ModelDims.from_text_config(missing)
 

@@ -1,1 +1,1 @@
-"""The `.ninfer` container: reader, writer, numeric codecs and inventory accounting."""
+"""The `.ninfer` container: reader, writer, numeric codecs, inventory accounting and the model's dimensions."""

@@ -14,7 +14,7 @@ import torch
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.errors import NinferError
 from ninfer_offload.frontend import Frontend
-from ninfer_offload.model.config import ModelConfig
+from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.runtime.expert_store import ExpertPlacement
 from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.sampling import sampling_from_config
@@ -35,7 +35,7 @@ def load_problems(artifact, progress: bool = False) -> list[str]:
     try:
         if "text" not in artifact.components:
             raise ArtifactError(f"{artifact.path.name} has no text component")
-        config = ModelConfig.from_component(artifact.components["text"].config)
+        config = ModelDims.from_text_config(artifact.components["text"].config)
         mtp = "mtp" in artifact.components
         placement = ExpertPlacement.resident(config.num_layers + mtp, config.num_experts)
         proposal = mtp and artifact.components["text"].proposal is not None

@@ -12,45 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ninfer_offload.artifact.dims import SUPPORTED_ARCHITECTURES, ModelDims
 from ninfer_offload.errors import NinferError
 
-CAUSAL = "Qwen3_5MoeForCausalLM"
-CONDITIONAL = "Qwen3_5MoeForConditionalGeneration"
+CAUSAL, CONDITIONAL = SUPPORTED_ARCHITECTURES  # Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 _MODEL_TYPES = {"qwen3_5_moe_text": CAUSAL, "qwen3_5_moe": CONDITIONAL}
-
-
-@dataclass(frozen=True)
-class TextDims:
-    """Every dimension of the text model that fixes a tensor shape."""
-
-    hidden: int
-    vocab: int
-    layers: int
-    layer_types: tuple[str, ...]
-    heads: int
-    kv_heads: int
-    head_dim: int
-    linear_key_heads: int
-    linear_key_dim: int
-    linear_value_heads: int
-    linear_value_dim: int
-    conv_kernel: int
-    experts: int
-    top_k: int
-    expert_width: int
-    shared_width: int
-    tied: bool
-
-    def is_attention(self, layer: int) -> bool:
-        return self.layer_types[layer] == "full_attention"
-
-    @property
-    def linear_key_size(self) -> int:
-        return self.linear_key_heads * self.linear_key_dim
-
-    @property
-    def linear_value_size(self) -> int:
-        return self.linear_value_heads * self.linear_value_dim
 
 
 @dataclass(frozen=True)
@@ -78,7 +44,8 @@ class ModelSpec:
     """What `config.json` says: architecture, text dims, optional vision dims, component configs."""
 
     architecture: str
-    text: TextDims
+    text: ModelDims
+    tied: bool  # `tie_word_embeddings`: without `lm_head.weight` the output head is the token embedding
     vision: VisionDims | None
     text_config: dict
     vision_config: dict | None
@@ -137,56 +104,48 @@ def _rope_parameters(text: dict, head_dim: int) -> dict:
     return {"rope_theta": _f32(theta), "partial_rotary_factor": _f32(partial), "mrope_section": [int(s) for s in section]}
 
 
-def _text(text: dict) -> tuple[TextDims, dict]:
+# Integer members of the text config, copied as they are, in the order the component config lists them
+# (`rope_parameters` stands between the two groups).
+_ATTENTION_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim")
+_GDN_MOE_KEYS = (
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_num_value_heads",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+
+
+def _text(text: dict) -> dict:
+    """The text component config of a Hugging Face text config (the flat one, or its `text_config`)."""
     where = "config.json"
     layers = _get(text, "num_hidden_layers", where)
-    tied = text.get("tie_word_embeddings", False)
-    dims = TextDims(
-        hidden=_get(text, "hidden_size", where),
-        vocab=_get(text, "vocab_size", where),
-        layers=layers,
-        layer_types=_layer_types(text, layers),
-        heads=_get(text, "num_attention_heads", where),
-        kv_heads=_get(text, "num_key_value_heads", where),
-        head_dim=_get(text, "head_dim", where),
-        linear_key_heads=_get(text, "linear_num_key_heads", where),
-        linear_key_dim=_get(text, "linear_key_head_dim", where),
-        linear_value_heads=_get(text, "linear_num_value_heads", where),
-        linear_value_dim=_get(text, "linear_value_head_dim", where),
-        conv_kernel=_get(text, "linear_conv_kernel_dim", where),
-        experts=_get(text, "num_experts", where),
-        top_k=_get(text, "num_experts_per_tok", where),
-        expert_width=_get(text, "moe_intermediate_size", where),
-        shared_width=_get(text, "shared_expert_intermediate_size", where),
-        tied=bool(tied),
-    )
-    if dims.heads % dims.kv_heads or dims.linear_value_heads % dims.linear_key_heads:
+    hidden, vocab = _get(text, "hidden_size", where), _get(text, "vocab_size", where)
+    layer_types = _layer_types(text, layers)
+    attention = {key: _get(text, key, where) for key in _ATTENTION_KEYS}
+    gdn_moe = {key: _get(text, key, where) for key in _GDN_MOE_KEYS}
+    if attention["num_attention_heads"] % attention["num_key_value_heads"] or (
+        gdn_moe["linear_num_value_heads"] % gdn_moe["linear_num_key_heads"]
+    ):
         raise NinferError("config.json: query heads must be a multiple of KV heads (attention and linear attention)")
-    config = {
+    return {
         "architectures": [CAUSAL],
         "model_type": "qwen3_5_moe_text",
-        "hidden_size": dims.hidden,
-        "vocab_size": dims.vocab,
+        "hidden_size": hidden,
+        "vocab_size": vocab,
         "num_hidden_layers": layers,
         "max_position_embeddings": _get(text, "max_position_embeddings", where),
-        "tie_word_embeddings": dims.tied,
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
         "rms_norm_eps": _f32(_get(text, "rms_norm_eps", where, float)),
-        "layer_types": list(dims.layer_types),
-        "num_attention_heads": dims.heads,
-        "num_key_value_heads": dims.kv_heads,
-        "head_dim": dims.head_dim,
-        "rope_parameters": _rope_parameters(text, dims.head_dim),
-        "linear_num_key_heads": dims.linear_key_heads,
-        "linear_key_head_dim": dims.linear_key_dim,
-        "linear_num_value_heads": dims.linear_value_heads,
-        "linear_value_head_dim": dims.linear_value_dim,
-        "linear_conv_kernel_dim": dims.conv_kernel,
-        "num_experts": dims.experts,
-        "num_experts_per_tok": dims.top_k,
-        "moe_intermediate_size": dims.expert_width,
-        "shared_expert_intermediate_size": dims.shared_width,
+        "layer_types": list(layer_types),
+        **attention,
+        "rope_parameters": _rope_parameters(text, attention["head_dim"]),
+        **gdn_moe,
     }
-    return dims, config
 
 
 def _vision(vision: dict, text_hidden: int) -> tuple[VisionDims, dict]:
@@ -228,8 +187,9 @@ def read_model_config(raw: dict) -> ModelSpec:
             raise NinferError(f"config.json: {CONDITIONAL} needs a 'text_config' object")
     else:
         text_raw = raw
-    text, text_config = _text(text_raw)
+    text_config = _text(text_raw)
+    text = ModelDims.from_text_config(text_config)
     vision = vision_config = None
     if architecture == CONDITIONAL and isinstance(raw.get("vision_config"), dict):
-        vision, vision_config = _vision(raw["vision_config"], text.hidden)
-    return ModelSpec(architecture, text, vision, text_config, vision_config)
+        vision, vision_config = _vision(raw["vision_config"], text.hidden_size)
+    return ModelSpec(architecture, text, text_config["tie_word_embeddings"], vision, text_config, vision_config)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 
-from ninfer_offload.convert.hf_config import ModelSpec, TextDims, VisionDims
+from ninfer_offload.artifact.dims import ModelDims
+from ninfer_offload.convert.hf_config import ModelSpec, VisionDims
 from ninfer_offload.convert.recipes import BF16, FP32, NVFP4, role_format
 
 # Source transforms (docs/format.md §9).
@@ -120,24 +121,24 @@ class LayoutBuilder:
         self.singles: list[Parent] = []
 
     def fmt(self, role: str, layer: int | None = None) -> str:
-        return role_format(self.recipe, role, layer, self.spec.text.layers)
+        return role_format(self.recipe, role, layer, self.spec.text.num_layers)
 
     # ---------------------------------------------------------------- text blocks
 
-    def attention(self, p: str, name: str, d: TextDims) -> None:
+    def attention(self, p: str, name: str, d: ModelDims) -> None:
         """Gated attention of layer prefix `p` (HF) / `name` (binding)."""
         mix = f"{name}/mixer_input"
-        q_rows, kv_rows = d.heads * d.head_dim, d.kv_heads * d.head_dim
-        q_proj = (2 * q_rows, d.hidden)
+        q_rows, kv_rows = d.num_attention_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        q_proj = (2 * q_rows, d.hidden_size)
         fmt = self.fmt("projection")
         self.groups.append(
             _parent(
                 fmt,
                 [
-                    _source(f"{p}self_attn.q_proj.weight", q_proj, QUERY_HALF, d.heads),
-                    _source(f"{p}self_attn.k_proj.weight", (kv_rows, d.hidden)),
-                    _source(f"{p}self_attn.q_proj.weight", q_proj, GATE_HALF, d.heads),
-                    _source(f"{p}self_attn.v_proj.weight", (kv_rows, d.hidden)),
+                    _source(f"{p}self_attn.q_proj.weight", q_proj, QUERY_HALF, d.num_attention_heads),
+                    _source(f"{p}self_attn.k_proj.weight", (kv_rows, d.hidden_size)),
+                    _source(f"{p}self_attn.q_proj.weight", q_proj, GATE_HALF, d.num_attention_heads),
+                    _source(f"{p}self_attn.v_proj.weight", (kv_rows, d.hidden_size)),
                 ],
                 [
                     Member(f"{name}/attention/query", q_rows, (mix,)),
@@ -148,28 +149,28 @@ class LayoutBuilder:
             )
         )
         self.singles += [
-            _single(BF16, _source(f"{p}input_layernorm.weight", (d.hidden,)), f"{name}/input_norm"),
+            _single(BF16, _source(f"{p}input_layernorm.weight", (d.hidden_size,)), f"{name}/input_norm"),
             _single(BF16, _source(f"{p}self_attn.q_norm.weight", (d.head_dim,)), f"{name}/attention/query_norm"),
             _single(BF16, _source(f"{p}self_attn.k_norm.weight", (d.head_dim,)), f"{name}/attention/key_norm"),
             _single(
-                fmt, _source(f"{p}self_attn.o_proj.weight", (d.hidden, q_rows)), f"{name}/attention/output",
+                fmt, _source(f"{p}self_attn.o_proj.weight", (d.hidden_size, q_rows)), f"{name}/attention/output",
                 f"{name}/attention/gated_output",
             ),
-            _single(BF16, _source(f"{p}post_attention_layernorm.weight", (d.hidden,)), f"{name}/post_attention_norm"),
+            _single(BF16, _source(f"{p}post_attention_layernorm.weight", (d.hidden_size,)), f"{name}/post_attention_norm"),
         ]
 
-    def gdn(self, p: str, name: str, d: TextDims) -> None:
+    def gdn(self, p: str, name: str, d: ModelDims) -> None:
         """Gated DeltaNet of layer prefix `p` / binding prefix `name`."""
         mix = f"{name}/mixer_input"
         k, v = d.linear_key_size, d.linear_value_size
-        conv = 2 * k + v
+        conv = d.conv_channels
         fmt = self.fmt("projection")
         self.groups.append(
             _parent(
                 fmt,
                 [
-                    _source(f"{p}linear_attn.in_proj_qkv.weight", (conv, d.hidden)),
-                    _source(f"{p}linear_attn.in_proj_z.weight", (v, d.hidden)),
+                    _source(f"{p}linear_attn.in_proj_qkv.weight", (conv, d.hidden_size)),
+                    _source(f"{p}linear_attn.in_proj_z.weight", (v, d.hidden_size)),
                 ],
                 [
                     Member(f"{name}/gdn/query", k, (mix,)),
@@ -179,31 +180,31 @@ class LayoutBuilder:
                 ],
             )
         )
-        nv = d.linear_value_heads
+        nv = d.linear_num_value_heads
         self.groups.append(
             _parent(
                 self.fmt("control"),
                 [
-                    _source(f"{p}linear_attn.in_proj_a.weight", (nv, d.hidden)),
-                    _source(f"{p}linear_attn.in_proj_b.weight", (nv, d.hidden)),
+                    _source(f"{p}linear_attn.in_proj_a.weight", (nv, d.hidden_size)),
+                    _source(f"{p}linear_attn.in_proj_b.weight", (nv, d.hidden_size)),
                 ],
                 [Member(f"{name}/gdn/a_projection", nv, (mix,)), Member(f"{name}/gdn/b_projection", nv, (mix,))],
             )
         )
         self.singles += [
-            _single(BF16, _source(f"{p}input_layernorm.weight", (d.hidden,)), f"{name}/input_norm"),
+            _single(BF16, _source(f"{p}input_layernorm.weight", (d.hidden_size,)), f"{name}/input_norm"),
             _single(FP32, _source(f"{p}linear_attn.A_log", (nv,)), f"{name}/gdn/a_log"),
             _single(FP32, _source(f"{p}linear_attn.dt_bias", (nv,)), f"{name}/gdn/dt_bias"),
-            _single(BF16, _source(f"{p}linear_attn.conv1d.weight", (conv, 1, d.conv_kernel), TAPS_MAJOR), f"{name}/gdn/convolution"),
-            _single(BF16, _source(f"{p}linear_attn.norm.weight", (d.linear_value_dim,)), f"{name}/gdn/norm"),
-            _single(fmt, _source(f"{p}linear_attn.out_proj.weight", (d.hidden, v)), f"{name}/gdn/output", f"{name}/gdn/gated_output"),
-            _single(BF16, _source(f"{p}post_attention_layernorm.weight", (d.hidden,)), f"{name}/post_attention_norm"),
+            _single(BF16, _source(f"{p}linear_attn.conv1d.weight", (conv, 1, d.linear_conv_kernel), TAPS_MAJOR), f"{name}/gdn/convolution"),
+            _single(BF16, _source(f"{p}linear_attn.norm.weight", (d.linear_value_head_dim,)), f"{name}/gdn/norm"),
+            _single(fmt, _source(f"{p}linear_attn.out_proj.weight", (d.hidden_size, v)), f"{name}/gdn/output", f"{name}/gdn/gated_output"),
+            _single(BF16, _source(f"{p}post_attention_layernorm.weight", (d.hidden_size,)), f"{name}/post_attention_norm"),
         ]
 
-    def moe(self, p: str, name: str, d: TextDims, gate_up_fmt: str, down_fmt: str, shared_fmt: str) -> None:
+    def moe(self, p: str, name: str, d: ModelDims, gate_up_fmt: str, down_fmt: str, shared_fmt: str) -> None:
         """Router + shared score, routed banks, shared expert of layer prefix `p` / binding prefix `name`."""
         ffn = f"{name}/ffn_input"
-        e_count, h, i, s = d.experts, d.hidden, d.expert_width, d.shared_width
+        e_count, h, i, s = d.num_experts, d.hidden_size, d.moe_intermediate_size, d.shared_intermediate_size
         self.groups.append(
             _parent(
                 self.fmt("control"),
@@ -243,12 +244,13 @@ class LayoutBuilder:
         d, tp = self.spec.text, self.tp
         head = output_head_tensor(self.spec, self.has, tp)
         head_inputs = ("text/final_hidden", "mtp/final_hidden") if self.with_mtp else ("text/final_hidden",)
+        table = (d.vocab_size, d.hidden_size)
         self.singles += [
-            _single(self.fmt("token_embedding"), _source(f"{tp}embed_tokens.weight", (d.vocab, d.hidden)), "text/token_embedding"),
-            _single(self.fmt("output_head"), _source(head, (d.vocab, d.hidden)), "text/output_head", *head_inputs),
-            _single(BF16, _source(f"{tp}norm.weight", (d.hidden,)), "text/final_norm"),
+            _single(self.fmt("token_embedding"), _source(f"{tp}embed_tokens.weight", table), "text/token_embedding"),
+            _single(self.fmt("output_head"), _source(head, table), "text/output_head", *head_inputs),
+            _single(BF16, _source(f"{tp}norm.weight", (d.hidden_size,)), "text/final_norm"),
         ]
-        for layer in range(d.layers):
+        for layer in range(d.num_layers):
             p, name = f"{tp}layers.{layer}.", f"text/layers/{layer}"
             (self.attention if d.is_attention(layer) else self.gdn)(p, name, d)
             self.moe(p, name, d, self.fmt("routed_gate_up", layer), self.fmt("routed_down", layer), self.fmt("shared_expert"))
@@ -257,10 +259,10 @@ class LayoutBuilder:
         d = self.spec.text
         fmt = self.fmt("projection")
         self.singles += [
-            _single(fmt, _source("mtp.fc.weight", (d.hidden, 2 * d.hidden)), "mtp/input_projection", "mtp/stem_input"),
-            _single(BF16, _source("mtp.pre_fc_norm_embedding.weight", (d.hidden,)), "mtp/embedding_norm"),
-            _single(BF16, _source("mtp.pre_fc_norm_hidden.weight", (d.hidden,)), "mtp/hidden_norm"),
-            _single(BF16, _source("mtp.norm.weight", (d.hidden,)), "mtp/final_norm"),
+            _single(fmt, _source("mtp.fc.weight", (d.hidden_size, 2 * d.hidden_size)), "mtp/input_projection", "mtp/stem_input"),
+            _single(BF16, _source("mtp.pre_fc_norm_embedding.weight", (d.hidden_size,)), "mtp/embedding_norm"),
+            _single(BF16, _source("mtp.pre_fc_norm_hidden.weight", (d.hidden_size,)), "mtp/hidden_norm"),
+            _single(BF16, _source("mtp.norm.weight", (d.hidden_size,)), "mtp/final_norm"),
         ]
         self.attention("mtp.layers.0.", "mtp/layers/0", d)
         routed = self.fmt("mtp_routed")
@@ -268,8 +270,9 @@ class LayoutBuilder:
 
     def proposal(self, rows: int) -> None:
         """The proposal head over `rows` token ids (rows of the output head) and the ids themselves."""
+        shape = (rows, self.spec.text.hidden_size)
         self.singles += [
-            _single(self.fmt("proposal_head"), _source(PROPOSAL_HEAD, (rows, self.spec.text.hidden)), "proposal/head", "mtp/final_hidden"),
+            _single(self.fmt("proposal_head"), _source(PROPOSAL_HEAD, shape), "proposal/head", "mtp/final_hidden"),
             _single("int32", _source(PROPOSAL_IDS, (rows,)), "proposal/token_ids"),
         ]
 
@@ -347,7 +350,7 @@ class Layout:
 
 def output_head_tensor(spec: ModelSpec, has: Callable[[str], bool], text_prefix: str) -> str:
     """The checkpoint tensor of the output head: `lm_head.weight`, or the embedding of a tied checkpoint without it."""
-    tied_only = spec.text.tied and not has("lm_head.weight")
+    tied_only = spec.tied and not has("lm_head.weight")
     return f"{text_prefix}embed_tokens.weight" if tied_only else "lm_head.weight"
 
 

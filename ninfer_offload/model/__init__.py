@@ -1,1 +1,1 @@
-"""The model math: config, weights, layers, the Backend protocol with its PyTorch reference ops, the step context and the state pool."""
+"""The model math: weights, layers, the Backend protocol with its PyTorch reference ops, the step context and the state pool."""

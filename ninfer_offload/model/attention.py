@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.model.backend import Backend, Input
-from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.model.stacked import StackedLinear
@@ -37,7 +37,7 @@ class GatedAttention:
     """q/k offset-RMSNormed per head, rotary, causal GQA over the KV cache, output gated by sigmoid(gate)."""
 
     key: int  # state key of this layer
-    config: ModelConfig
+    config: ModelDims
     rotary: Rotary
     projections: StackedLinear  # query, key, value, gate
     output: Weight
@@ -45,7 +45,7 @@ class GatedAttention:
     key_norm: torch.Tensor
 
     @classmethod
-    def load(cls, reader: WeightReader, prefix: str, key: int, config: ModelConfig, rotary: Rotary) -> "GatedAttention":
+    def load(cls, reader: WeightReader, prefix: str, key: int, config: ModelDims, rotary: Rotary) -> "GatedAttention":
         h, d = config.hidden_size, config.head_dim
         q, kv = config.num_attention_heads * d, config.num_kv_heads * d
         return cls(

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.model.backend import Backend, DepthwiseConv, Input
-from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.state_pool import StatePool
@@ -26,7 +26,7 @@ RECURRENT_PREFILL_TOKENS = 64
 @dataclass
 class GatedDeltaNet:
     key: int  # state key of this layer
-    config: ModelConfig
+    config: ModelDims
     projections: StackedLinear  # query, key and value (one output: the convolution's input), z
     gates: StackedLinear  # a, b
     a_log: torch.Tensor  # fp32 [Hv]
@@ -36,10 +36,9 @@ class GatedDeltaNet:
     output: Weight
 
     @classmethod
-    def load(cls, reader: WeightReader, prefix: str, key: int, config: ModelConfig) -> "GatedDeltaNet":
+    def load(cls, reader: WeightReader, prefix: str, key: int, config: ModelDims) -> "GatedDeltaNet":
         h = config.hidden_size
-        qk = config.linear_num_key_heads * config.linear_key_head_dim
-        v = config.linear_num_value_heads * config.linear_value_head_dim
+        qk, v = config.linear_key_size, config.linear_value_size
         heads = config.linear_num_value_heads
         p = f"{prefix}/gdn"
         return cls(
@@ -62,8 +61,7 @@ class GatedDeltaNet:
         t = ctx.positions.shape[0]
         nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
         nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-        channels = 2 * nk * dk + nv * dv
-        conv = DepthwiseConv(state.conv[self.key], self.convolution, ctx, state.conv_snapshots.get(self.key), channels)
+        conv = DepthwiseConv(state.conv[self.key], self.convolution, ctx, state.conv_snapshots.get(self.key), c.conv_channels)
         (mixed, z), (a, b) = both(backend, self.projections, self.gates, x, conv)  # q|k|v after the conv
         z = z.reshape(t, nv, dv)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)

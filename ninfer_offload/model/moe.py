@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 
+from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.model.backend import Backend, Input, SharedExpert
-from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.weights import Weight, WeightReader
 
@@ -34,7 +34,7 @@ class SparseMoe:
     experts: RoutedExperts
 
     @classmethod
-    def load(cls, reader: WeightReader, prefix: str, layer: int, config: ModelConfig, experts: RoutedExperts) -> "SparseMoe":
+    def load(cls, reader: WeightReader, prefix: str, layer: int, config: ModelDims, experts: RoutedExperts) -> "SparseMoe":
         h, s = config.hidden_size, config.shared_intermediate_size
         p = f"{prefix}/moe"
         return cls(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
+from ninfer_offload.artifact.dims import FULL_ATTENTION, ModelDims
 
 
 class StatePool:
@@ -23,7 +23,7 @@ class StatePool:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelDims,
         layer_kinds: dict[int, str],
         sequences: int,
         capacity: int,

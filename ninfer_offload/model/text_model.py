@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer_offload.artifact.dims import FULL_ATTENTION, ModelDims
 from ninfer_offload.model.attention import GatedAttention, Rotary
 from ninfer_offload.model.backend import Backend, ResidualNorm
-from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.gdn import GatedDeltaNet
 from ninfer_offload.model.moe import RoutedExperts, SparseMoe
@@ -38,7 +38,7 @@ class DecoderLayer:
 
     @classmethod
     def load(
-        cls, reader: WeightReader, prefix: str, key: int, kind: str, config: ModelConfig, rotary: Rotary, experts: RoutedExperts
+        cls, reader: WeightReader, prefix: str, key: int, kind: str, config: ModelDims, rotary: Rotary, experts: RoutedExperts
     ) -> "DecoderLayer":
         h = config.hidden_size
         if kind == FULL_ATTENTION:
@@ -72,7 +72,7 @@ class DecoderLayer:
 
 @dataclass
 class TextModel:
-    config: ModelConfig
+    config: ModelDims
     embedding: Weight
     layers: list[DecoderLayer]
     final_norm: torch.Tensor
@@ -110,7 +110,7 @@ class MtpModule:
     eps: float
 
     @classmethod
-    def load(cls, reader: WeightReader, key: int, config: ModelConfig, rotary: Rotary, experts: RoutedExperts) -> "MtpModule":
+    def load(cls, reader: WeightReader, key: int, config: ModelDims, rotary: Rotary, experts: RoutedExperts) -> "MtpModule":
         h = config.hidden_size
         return cls(
             input_projection=reader.matrix("mtp/input_projection", (h, 2 * h)),

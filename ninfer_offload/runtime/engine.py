@@ -22,7 +22,7 @@ from ninfer_offload.errors import NinferError
 from ninfer_offload.model.backend import ReferenceBackend
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.inventory import Inventory
-from ninfer_offload.model.config import FULL_ATTENTION, ModelConfig
+from ninfer_offload.artifact.dims import FULL_ATTENTION, ModelDims
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, LoadOptions, load_footprint
@@ -214,7 +214,7 @@ class Engine:
         try:
             if "text" not in artifact.components:
                 raise ArtifactError(f"{artifact.path.name} has no text component")
-            config = ModelConfig.from_component(artifact.components["text"].config)
+            config = ModelDims.from_text_config(artifact.components["text"].config)
             inventory = Inventory.from_artifact(artifact)
             speculation = resolve_speculation(spec, draft_tokens, proposal_head, inventory, artifact.path.name)
             draft_tokens, mtp = speculation.draft_tokens, mtp or speculation.mode == "mtp"

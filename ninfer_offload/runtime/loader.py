@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.formats import BLOCK_SCALE, CONTIGUOUS, ROW_SPLIT
 from ninfer_offload.artifact.records import DenseRecordLayout, ExpertRecordLayout, RecordLayout
 from ninfer_offload.artifact.verify import require_valid
 from ninfer_offload.model.attention import Rotary
-from ninfer_offload.model.config import ModelConfig
 from ninfer_offload.model.proposal import ProposalHead
 from ninfer_offload.model.text_model import MTP_PREFIX, DecoderLayer, MtpModule, TextModel
 from ninfer_offload.model.weights import WeightReader
@@ -35,7 +35,7 @@ PACK_THREADS = 4  # layers packed at once
 
 @dataclass
 class LoadedModel:
-    config: ModelConfig
+    config: ModelDims
     text: TextModel
     mtp: MtpModule | None
     store: ExpertStore
@@ -47,7 +47,7 @@ class LoadedModel:
     load_seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLayout, str, str]:
+def _record_layout(artifact, prefix: str, config: ModelDims) -> tuple[RecordLayout, str, str]:
     """The record layout of the routed experts under `prefix`, and the ids of their two bank objects.
 
     Requires the fused bank arrangement of docs/format.md §8.5: expert e's gate rows [2Ie, 2Ie+I) and up
@@ -90,7 +90,7 @@ def _record_layout(artifact, prefix: str, config: ModelConfig) -> tuple[RecordLa
 
 def load_model(
     artifact,
-    config: ModelConfig,
+    config: ModelDims,
     device: torch.device,
     dtype: torch.dtype,
     placement: ExpertPlacement,

@@ -1,4 +1,12 @@
-"""The text model's dimensions, read from an artifact's `components.text.config` (docs/format.md §8.2)."""
+"""The text model's dimensions, read from an artifact's `components.text.config` (docs/format.md §8.2).
+
+One type for every layer: the model and the loader size their tensors by it, the planner's memory
+and cost formulas count by it, and the converter builds it from the component config it writes.
+Fields take the config's key names, shortened where the key is long: `num_layers`
+(`num_hidden_layers`), `num_kv_heads` (`num_key_value_heads`), `linear_conv_kernel`
+(`linear_conv_kernel_dim`), `top_k` (`num_experts_per_tok`), `shared_intermediate_size`
+(`shared_expert_intermediate_size`), and `rope_theta`, `partial_rotary_factor` from `rope_parameters`.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,7 @@ LINEAR_ATTENTION = "linear_attention"
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelDims:
     """Dimensions of a Qwen3.5/3.6 hybrid MoE text model of any size."""
 
     hidden_size: int
@@ -39,30 +47,44 @@ class ModelConfig:
     moe_intermediate_size: int
     shared_intermediate_size: int
 
+    def is_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] == FULL_ATTENTION
+
+    @property
+    def num_attention_layers(self) -> int:
+        return sum(kind == FULL_ATTENTION for kind in self.layer_types)
+
+    @property
+    def num_gdn_layers(self) -> int:
+        return sum(kind == LINEAR_ATTENTION for kind in self.layer_types)
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def attention_layers(self) -> list[int]:
-        return [i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION]
+    def linear_key_size(self) -> int:
+        """Width of the GDN query (and of the key): key heads x key head dim."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
 
     @property
-    def gdn_layers(self) -> list[int]:
-        return [i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION]
+    def linear_value_size(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def conv_channels(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        """Channels of the GDN convolution: q, k and v."""
+        return 2 * self.linear_key_size + self.linear_value_size
 
     @classmethod
-    def from_component(cls, config: dict) -> "ModelConfig":
+    def from_text_config(cls, config: dict) -> "ModelDims":
         """Validate and read a text component config; NinferError names what is missing or unsupported."""
         archs = config.get("architectures") or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise NinferError(
                 f"unsupported architecture {archs!r}: this engine implements {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+
         def need(key: str, source: dict = config):
             if key not in source:
                 raise NinferError(f"text config lacks {key!r}; re-convert the checkpoint with `ninfer convert`")
