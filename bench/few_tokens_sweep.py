@@ -3,9 +3,9 @@
 Usage (on a CUDA machine): python bench/few_tokens_sweep.py --out bench/results/sweeps/few_tokens_<gpu>_<commit>.json
 
 For each dense product of the decode step (q8, and the same shapes in q4) at T = 1, 2, 4, 8 and 16 tokens:
-the engine's `quantized_linear` as it picks its path, and the weights-as-M tensor-core kernel of
-`small_batch.few_tokens_linear` under the launch shapes of SHAPES (the best per product and T kept in
-`best`). Each entry: median microseconds of a CUDA-graph replay cycling through enough copies of the weights
+the engine's `quantized_linear` as it picks its path, the tensor-core kernel of `small_batch.few_tokens_linear`
+under the launch shapes of SHAPES and the CUDA-core kernel of `small_batch.deferred_gemv` under GEMV_SHAPES (the
+best per product and T kept in `best`). Each entry: median microseconds of a CUDA-graph replay cycling through enough copies of the weights
 that they come from HBM (`kernel_sweeps.cold_copies`), the bytes read, the fraction of the device bandwidth
 measured in the same run, and the time over the engine's one-token time of the same product (`vs_one_token`).
 """
@@ -25,6 +25,10 @@ PRODUCTS = [("q8_g32_fp16", "gdn_qkvz", 12288, 2048), ("q8_g32_fp16", "mixer_out
             ("q4_g64_fp16", "gdn_qkvz", 12288, 2048)]
 # (rows per program, K per tile, warps, pipeline stages, K splits (None: about two programs per SM), weights as the MMA's M)
 SHAPES = [(64, 256, 4, 3, None, True), (128, 256, 8, 3, None, True), (64, 128, 4, 4, None, True), (64, 256, 4, 3, None, False)]
+# `deferred_gemv` (CUDA cores, one reduction per program): (rows per program, K per tile, warps), those whose
+# accumulators fit 128 float32 registers a thread at the token count
+GEMV_SHAPES = [(8, 256, 4), (16, 256, 8), (8, 512, 8), (4, 512, 4), (16, 128, 4), (8, 128, 4)]
+KERNELS = ("few_tokens", "deferred_gemv")
 
 
 def replay_us(fn, copies: int) -> float:
@@ -33,7 +37,11 @@ def replay_us(fn, copies: int) -> float:
 
 
 def main() -> None:
-    args, bandwidth, header = start_run(__doc__)
+    def add_arguments(parser) -> None:
+        parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+        parser.add_argument("--products", nargs="+", default=None, help="op:format pairs, e.g. gdn_qkvz:q8_g32_fp16 (default: all)")
+
+    args, bandwidth, header = start_run(__doc__, add_arguments)
     report = {**header, "results": [], "best": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -41,7 +49,8 @@ def main() -> None:
         report["results"].append(result)
         args.out.write_text(json.dumps(report, indent=1))
 
-    for fmt, name, n, k in PRODUCTS:
+    chosen = [p for p in PRODUCTS if args.products is None or f"{p[1]}:{p[0]}" in args.products]
+    for fmt, name, n, k in chosen:
         data, geometry = quantized_object(fmt, n, k, 1)
         copies = cold_copies(geometry.encoded_size, True)
         data = data.expand(copies, -1).contiguous()
@@ -55,20 +64,26 @@ def main() -> None:
             record({**base, "kernel": "engine", "us": engine_us, "bandwidth_fraction": moved / (engine_us * 1e-6) / bandwidth,
                     "vs_one_token": engine_us / one_token})
             best = None
-            for block_n, block_k, warps, stages, split, as_m in SHAPES:
+            launches = [("few_tokens", shape) for shape in SHAPES] if "few_tokens" in args.kernels else []
+            if "deferred_gemv" in args.kernels:
+                bt = 1 << (t - 1).bit_length()
+                launches += [("deferred_gemv", (bn, bk, w, 3, None, None)) for bn, bk, w in GEMV_SHAPES if bt * bn * bk <= 128 * 32 * w]
+            for kernel, (block_n, block_k, warps, stages, split, as_m) in launches:
+                def run(c: int, kernel=kernel, block_n=block_n, block_k=block_k, warps=warps, stages=stages, split=split, as_m=as_m):
+                    if kernel == "deferred_gemv":
+                        return small_batch.deferred_gemv(x, data[c], geometry, block_n, block_k, warps, stages)
+                    return small_batch.few_tokens_linear(x, data[c], geometry, block_n, block_k, split, warps, stages, as_m)
+
                 try:
-                    out = small_batch.few_tokens_linear(x, data[0], geometry, block_n, block_k, split, warps, stages, as_m)
+                    out = run(0)
                     expected = quant_linear.quantized_linear(x, data[0], geometry)
                     error = float((out.float() - expected.float()).norm() / expected.float().norm())
-                    us = replay_us(
-                        lambda: [small_batch.few_tokens_linear(x, data[c], geometry, block_n, block_k, split, warps, stages, as_m)
-                                 for c in range(copies)], copies,
-                    )
+                    us = replay_us(lambda: [run(c) for c in range(copies)], copies)
                 except Exception as exc:  # noqa: BLE001 - a shape that does not compile is recorded, the sweep goes on
                     launch = [block_n, block_k, warps, stages, split, as_m]
-                    record({**base, "kernel": "few_tokens", "launch": launch, "error": str(exc)[:300]})
+                    record({**base, "kernel": kernel, "launch": launch, "error": str(exc)[:300]})
                     continue
-                entry = {**base, "kernel": "few_tokens", "launch": [block_n, block_k, warps, stages, split, as_m], "us": us,
+                entry = {**base, "kernel": kernel, "launch": [block_n, block_k, warps, stages, split, as_m], "us": us,
                          "bandwidth_fraction": moved / (us * 1e-6) / bandwidth, "vs_one_token": us / one_token,
                          "relative_error_vs_engine": error}
                 record(entry)
@@ -77,7 +92,7 @@ def main() -> None:
             if best is not None:
                 report["best"].append(best)
                 print(f"{fmt:12s} {name:15s} T={t:2d} engine {engine_us:7.1f} us ({100 * moved / (engine_us * 1e-6) / bandwidth:5.1f}%)"
-                      f" | few_tokens {best['us']:7.1f} us ({100 * best['bandwidth_fraction']:5.1f}%) x{best['vs_one_token']:.2f}"
+                      f" | {best['kernel']} {best['us']:7.1f} us ({100 * best['bandwidth_fraction']:5.1f}%) x{best['vs_one_token']:.2f}"
                       f" {best['launch']} err {best['relative_error_vs_engine']:.1e}", flush=True)
     args.out.write_text(json.dumps(report, indent=1))
 

@@ -89,6 +89,51 @@ def _few_tokens_kernel(
         tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _deferred_gemv_kernel(
+    x, stride_x, w, out, T, N, K, scale_offset,
+    BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Programs (row block): out[t, rows] for every token t < T on CUDA cores. Each thread keeps its own products
+    of every token across the whole row in registers ([BLOCK_T, BLOCK_N, BLOCK_K] float32) and the program sums
+    them across threads once, after the K loop: a token costs one multiply-add per weight, no reduction per tile."""
+    pid_n = tl.program_id(0)
+    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows_in = tl.minimum(rows, N - 1)  # rows past N re-read the last one; never stored
+    toks = tl.arange(0, BLOCK_T)
+    tok_mask = toks < T
+    acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kt in range(0, K_PAD // BLOCK_K):
+        k0 = kt * BLOCK_K
+        cols = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x + toks[:, None] * stride_x + cols[None, :], mask=tok_mask[:, None] & (cols < K)[None, :], other=0.0)
+        weights = _code_tile(w, rows_in, k0, BITS, K_PAD, BLOCK_N, BLOCK_K) * _scale_tile(
+            w, rows_in, k0, scale_offset, GROUP, K_PAD, BLOCK_N, BLOCK_K
+        )
+        acc += weights[None, :, :] * xt.to(tl.float32)[:, None, :]
+    sums = tl.sum(acc, axis=2)
+    tile = toks[:, None].to(tl.int64) * N + rows[None, :]
+    tl.store(out + tile, sums.to(out.dtype.element_ty), mask=tok_mask[:, None] & (rows < N)[None, :])
+
+
+def deferred_gemv(
+    x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeometry, block_n: int = 8, block_k: int = 256, num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """x [T, K] (T <= 16) @ W^T on CUDA cores with one reduction per program (`_deferred_gemv_kernel`)."""
+    t, k = x.shape
+    if not 1 <= t <= BLOCK_T or geometry.fmt.bits not in SUPPORTED_BITS or k != geometry.k:
+        raise ValueError(f"deferred_gemv takes 1..{BLOCK_T} tokens of a q8/q4 row-split object of K={geometry.k}")
+    out = torch.empty(t, geometry.n, device=x.device, dtype=x.dtype)
+    _deferred_gemv_kernel[(triton.cdiv(geometry.n, block_n),)](
+        x, x.stride(0), data, out, t, geometry.n, k, geometry.scale_offset, BITS=geometry.fmt.bits, GROUP=geometry.fmt.group,
+        K_PAD=geometry.k_pad, BLOCK_N=block_n, BLOCK_K=min(block_k, geometry.k_pad), BLOCK_T=triton.next_power_of_2(t),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
 def few_tokens_linear(
     x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeometry, block_n: int = 64, block_k: int = 256, split: int | None = None,
     num_warps: int = 4, num_stages: int = 3, weights_as_m: bool = True,
