@@ -8,8 +8,8 @@ and reserve.
 
 Pinned buffers are allocated with malloc, their pages touched by several threads and then
 registered with the driver (`register_pinned_allocations`), not with cudaHostAlloc, which zeroes
-and locks pages in one driver thread: for the 18.6 GB pool of the full-size model 1.7 s against
-15.1 s on the H200 host (`bench/pinning.py`).
+and locks pages in one driver thread (several times slower for the full-size pool: `bench/pinning.py`,
+docs/performance.md).
 """
 
 from __future__ import annotations

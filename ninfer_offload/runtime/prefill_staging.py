@@ -17,10 +17,10 @@ Which experts: those outside VRAM that the chunk is expected to use at least `AH
 plan's pick rates, decided on the host before the layer's routing is known), the likeliest first, up to
 one buffer of slots. A large chunk uses nearly all of them (a 4096-token chunk ~90 % of the host experts
 on the benchmark trace), so the link moves a few more bytes than the chunk uses, but it runs beside the
-layers instead of after each layer's routing (at 7014fe6, 15 GiB: 22.9K tok/s against 19.4K staging the
-used experts after routing). Two buffers alternate between consecutive layers: when layer L's MoE is
-queued, the copy of layer L + 2 into the buffer L just read is queued behind it (the chunk's first two
-layers when its forward starts), so the copy stream moves the next layer's records while a layer computes.
+layers instead of after each layer's routing (docs/performance.md, Offload at a VRAM budget).
+Two buffers alternate between consecutive layers: when layer L's MoE is queued, the copy of layer L + 2
+into the buffer L just read is queued behind it (the chunk's first two layers when its forward starts), so
+the copy stream moves the next layer's records while a layer computes.
 What every layer stages is decided once per chunk, for all text layers at once (`StagingPlan`: their
 table copies, staged marks and expert lists in one upload), so a layer's staging costs the host a gather
 launch and a few views; the MTP layer, which prompt chunks do not run, stages nothing.
@@ -36,11 +36,9 @@ import torch
 from ninfer_offload.model.experts import ExpertBank
 
 # Programs of each staging gather: enough loads in flight for the PCIe link, few SMs taken from the MoE kernels
-# computing beside it. Measured at ec7539d (15 GiB, 4K prefill in 2048-token chunks): 16 programs 12.8K tok/s,
-# 64 programs 11.8K (the copies equally long, ~51 GB/s; the compute stream busy 125 ms against 164 beside them).
+# computing beside it (16 led 64: docs/performance.md, Offload at a VRAM budget).
 GATHER_PROGRAMS = 16
-# A chunk's layer stages the host experts it is expected to use at least this often. At 23eb0a6 (15 GiB, 4K prefill):
-# 24.0K tok/s with 1, 23.7K with 2, 23.6K with 3, 23.3K with 6 (that one moved 9.5 GB against 7.5-7.8).
+# A chunk's layer stages the host experts it is expected to use at least this often (1 led 2, 3 and 6: same place).
 AHEAD_MIN_USES = 1.0
 
 

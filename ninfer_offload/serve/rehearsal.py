@@ -1,10 +1,9 @@
 """Requests sent through the app's own routes before the server listens, so that its first client request pays
 what a later one does. `Engine.warm_up` compiles the kernels and captures the steps; this runs the rest once:
-the ASGI middleware stack, body parsing and tokenization on the request worker, the scheduler's host work
+the ASGI middleware stack, body parsing and tokenization on the request worker, the decode loop's host work
 (greedy steps queued one ahead and read behind, a batch's token indexing, the sampler's penalties, filters and
 draws, the pinned copies of picked tokens), the streamed and the whole responses, and every module those load
-lazily (on an H100 a server's first streamed response imported anyio's task group modules for 0.05 s while the
-engine thread waited for the GIL: its first token came 0.09 s later than a later request's)."""
+lazily (a module imported during a first request holds the GIL that the engine thread waits for)."""
 
 from __future__ import annotations
 
