@@ -4,8 +4,9 @@ Usage (on a CUDA machine): python bench/few_tokens_sweep.py --out bench/results/
 
 For each dense product of the decode step (q8, and the same shapes in q4) at T = 1, 2, 4, 8 and 16 tokens:
 the engine's `quantized_linear` as it picks its path, the tensor-core kernel of `small_batch.few_tokens_linear`
-under the launch shapes of SHAPES and the CUDA-core kernel of `small_batch.deferred_gemv` under GEMV_SHAPES (the
-best per product and T kept in `best`). Each entry: median microseconds of a CUDA-graph replay cycling through enough copies of the weights
+under the launch shapes of SHAPES and the CUDA-core kernel of `small_batch.deferred_gemv` under GEMV_SHAPES and the
+group-at-a-time tensor-core kernel of `small_batch.group_dot_linear` under GROUP_DOT_SHAPES (the best per product
+and T kept in `best`). Each entry: median microseconds of a CUDA-graph replay cycling through enough copies of the weights
 that they come from HBM (`kernel_sweeps.cold_copies`), the bytes read, the fraction of the device bandwidth
 measured in the same run, and the time over the engine's one-token time of the same product (`vs_one_token`).
 """
@@ -28,7 +29,9 @@ SHAPES = [(64, 256, 4, 3, None, True), (128, 256, 8, 3, None, True), (64, 128, 4
 # `deferred_gemv` (CUDA cores, one reduction per program): (rows per program, K per tile, warps), those whose
 # accumulators fit 128 float32 registers a thread at the token count
 GEMV_SHAPES = [(8, 256, 4), (16, 256, 8), (8, 512, 8), (4, 512, 4), (16, 128, 4), (8, 128, 4)]
-KERNELS = ("few_tokens", "deferred_gemv")
+# `group_dot_linear` (one scale group per tensor-core product, the scale on its result): (rows per program, warps, stages)
+GROUP_DOT_SHAPES = [(64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (256, 8, 4), (32, 4, 4)]
+KERNELS = ("few_tokens", "deferred_gemv", "group_dot")
 
 
 def replay_us(fn, copies: int) -> float:
@@ -68,8 +71,12 @@ def main() -> None:
             if "deferred_gemv" in args.kernels:
                 bt = 1 << (t - 1).bit_length()
                 launches += [("deferred_gemv", (bn, bk, w, 3, None, None)) for bn, bk, w in GEMV_SHAPES if bt * bn * bk <= 128 * 32 * w]
+            if "group_dot" in args.kernels:
+                launches += [("group_dot", (bn, None, w, st, None, None)) for bn, w, st in GROUP_DOT_SHAPES]
             for kernel, (block_n, block_k, warps, stages, split, as_m) in launches:
                 def run(c: int, kernel=kernel, block_n=block_n, block_k=block_k, warps=warps, stages=stages, split=split, as_m=as_m):
+                    if kernel == "group_dot":
+                        return small_batch.group_dot_linear(x, data[c], geometry, block_n, split, warps, stages)
                     if kernel == "deferred_gemv":
                         return small_batch.deferred_gemv(x, data[c], geometry, block_n, block_k, warps, stages)
                     return small_batch.few_tokens_linear(x, data[c], geometry, block_n, block_k, split, warps, stages, as_m)

@@ -1,14 +1,17 @@
-"""Quantized products of a few tokens (2..16) on tensor cores, weights as the MMA's wide operand.
+"""Quantized products of a few tokens (2..16): three designs measured side by side (bench/few_tokens_sweep.py).
 
 Reference op: `ReferenceBackend.linear(x, w)` with `w` a row-split `QuantizedMatrix` (q8 or q4), i.e.
-`x @ w.dequantize().T`, each weight rounded to x's dtype before the product (as the tiled kernels do).
-
-The transposed product `y^T = W x^T`: a program owns BLOCK_N output rows (the MMA's M, 64 or more) and a
-range of K tiles; each tile's codes are read in stored order with wide loads (q8: one byte a weight; q4:
-two weights a byte, split with one join), times their group's scale, rounded to x's dtype, and multiplied
-with the tile of x^T [BLOCK_K, 16] (the tokens ride in the MMA's N, padded to 16). Products with few rows
-split K across programs; the last program of a row block to arrive sums the splits in split order
-(deterministic, no reduction launch).
+`x @ w.dequantize().T`. Each reads the codes in stored order with wide loads (q8: a byte a weight; q4: two
+weights a byte, the low nibble the even column) and covers every token in one read of the weights:
+* `few_tokens_linear`: tiles of codes times their scales, rounded to x's dtype, one tensor-core product per
+  tile with the tokens padded to 16 (the weights as the MMA's M, or as its N);
+* `group_dot_linear`: one scale group at a time, the codes only converted to x's dtype as the B operand (q4:
+  the low nibbles against the even columns, the high ones against the odd), the group's scale applied to the
+  product's float32 result, so nothing but a conversion lies between the weights' load and the MMA;
+* `deferred_gemv`: CUDA cores, each thread's products of every token kept in registers across the row and
+  summed across threads once per program.
+Products with few rows split K across programs; the last program of a row block to arrive sums the splits in
+split order (deterministic, no reduction launch).
 """
 
 from __future__ import annotations
@@ -115,6 +118,83 @@ def _deferred_gemv_kernel(
     sums = tl.sum(acc, axis=2)
     tile = toks[:, None].to(tl.int64) * N + rows[None, :]
     tl.store(out + tile, sums.to(out.dtype.element_ty), mask=tok_mask[:, None] & (rows < N)[None, :])
+
+
+@triton.jit
+def _group_dot_kernel(
+    x, stride_x, w, out, partial, arrivals, T, N, K, scale_offset, GROUPS_PER_SPLIT,
+    BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Programs (row block, K split): out[t, rows] for every token t < T, one scale group at a time on tensor cores:
+    the group's codes, only converted to x's dtype, are the B operand of one product with the tokens' columns (q4: two
+    products, the low nibbles with the even columns and the high ones with the odd columns), and the group's scale
+    multiplies that product's float32 result. Nothing but a conversion lies between the weights' load and the MMA."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows_in = tl.minimum(rows, N - 1)  # rows past N re-read the last one; never stored
+    toks = tl.arange(0, BLOCK_T)
+    tok_mask = toks < T
+    scales = (w + scale_offset).to(tl.pointer_type(tl.float16)) + rows_in * (K_PAD // GROUP)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    first = pid_k * GROUPS_PER_SPLIT
+    for g in range(first, tl.minimum(first + GROUPS_PER_SPLIT, K_PAD // GROUP)):
+        k0 = g * GROUP
+        if BITS == 8:
+            cols = k0 + tl.arange(0, GROUP)
+            xt = tl.load(x + toks[:, None] * stride_x + cols[None, :], mask=tok_mask[:, None] & (cols < K)[None, :], other=0.0)
+            codes = tl.load(w + rows_in[None, :] * K_PAD + cols[:, None]).to(tl.int8, bitcast=True)
+            part = tl.dot(xt, codes.to(xt.dtype), input_precision="ieee" if IEEE else None)
+        else:
+            even = k0 + 2 * tl.arange(0, GROUP // 2)
+            mask = tok_mask[:, None] & (even < K)[None, :]
+            x_even = tl.load(x + toks[:, None] * stride_x + even[None, :], mask=mask, other=0.0)
+            x_odd = tl.load(x + toks[:, None] * stride_x + even[None, :] + 1, mask=tok_mask[:, None] & (even + 1 < K)[None, :], other=0.0)
+            packed = tl.load(w + rows_in[None, :] * (K_PAD // 2) + (even // 2)[:, None]).to(tl.int32)
+            low = (((packed & 15) ^ 8) - 8).to(x_even.dtype)
+            high = (((packed >> 4) ^ 8) - 8).to(x_even.dtype)
+            part = tl.dot(x_even, low, input_precision="ieee" if IEEE else None)
+            part = tl.dot(x_odd, high, part, input_precision="ieee" if IEEE else None)
+        acc += part * tl.load(scales + g).to(tl.float32)[None, :]
+    tile = toks[:, None].to(tl.int64) * N + rows[None, :]
+    mask = tok_mask[:, None] & (rows < N)[None, :]
+    if SPLIT > 1:
+        tl.store(partial + pid_k.to(tl.int64) * T * N + tile, acc, mask=mask)
+        count = arrivals + pid_n
+        if last_to_arrive(count, SPLIT):
+            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):  # through L2: other programs wrote these rows
+                acc += tl.load(partial + s * T * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+            rearm(count)
+    else:
+        tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+
+
+def group_dot_linear(
+    x: torch.Tensor, data: torch.Tensor, geometry: RowSplitGeometry, block_n: int = 64, split: int | None = None, num_warps: int = 4,
+    num_stages: int = 4,
+) -> torch.Tensor:
+    """x [T, K] (T <= 16) @ W^T, one scale group per tensor-core product, the scale applied to its result
+    (`_group_dot_kernel`); `split`: K splits (default: enough row-block programs for about two per SM)."""
+    t, k = x.shape
+    if not 1 <= t <= BLOCK_T or geometry.fmt.bits not in SUPPORTED_BITS or k != geometry.k:
+        raise ValueError(f"group_dot_linear takes 1..{BLOCK_T} tokens of a q8/q4 row-split object of K={geometry.k}")
+    n, groups = geometry.n, geometry.k_pad // geometry.fmt.group
+    n_blocks = triton.cdiv(n, block_n)
+    if split is None:
+        split = max(1, min(groups, (2 * _sm_count(x.device)) // n_blocks))
+    per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per_split)
+    out = torch.empty(t, n, device=x.device, dtype=x.dtype)
+    partial = torch.empty(split, t, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    _group_dot_kernel[(n_blocks, split)](
+        x, x.stride(0), data, out, partial, arrival_counts("small_batch.group_dot", x.device), t, n, k, geometry.scale_offset,
+        per_split, BITS=geometry.fmt.bits, GROUP=geometry.fmt.group, K_PAD=geometry.k_pad, BLOCK_N=block_n, BLOCK_T=BLOCK_T,
+        SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
 
 
 def deferred_gemv(

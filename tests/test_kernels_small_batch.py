@@ -49,6 +49,23 @@ def test_deferred_gemv_matches_reference(fmt):
         assert out.shape == (t, n) and float((out.double().cpu() - expected).norm() / expected.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q4_g64_fp16"])
+def test_group_dot_product_matches_reference(fmt):
+    from ninfer_offload.kernels.small_batch import group_dot_linear
+
+    n, k = 100, 300
+    rng = np.random.default_rng(n + k)
+    raw = encode_row_split(rng.standard_normal((n, k)).astype(np.float32), fmt)
+    weight = torch.from_numpy(decode_row_split_values(raw, fmt, n, k)).double()
+    data, geometry = torch.from_numpy(raw).to(DEVICE), RowSplitGeometry(GROUPED_FORMATS[fmt], n, k)
+    for t in (1, 3, 16):
+        x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+        expected = x.double() @ weight.T
+        for split in (1, 3):
+            out = group_dot_linear(x.to(DEVICE), data, geometry, block_n=32, split=split)
+            assert out.shape == (t, n) and float((out.double().cpu() - expected).norm() / expected.norm()) < 1e-5
+
+
 def test_few_token_product_refuses_what_it_cannot_take():
     from ninfer_offload.kernels.small_batch import few_tokens_linear
 
