@@ -1,7 +1,7 @@
 """ninfer-offload: run Qwen3.6-35B-A3B `.ninfer` artifacts on GPUs too small to hold them.
 
-Public API: `open_artifact`, `ArtifactError`, `Engine` (imported lazily so that light commands
-such as `ninfer plan` do not pay for torch).
+Public API: `open_artifact`, `ArtifactError`, `Engine`, `LoadRequest` (imported lazily so that light
+commands such as `ninfer plan` do not pay for torch).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ _LAZY = {
     "ArtifactError": "ninfer_offload.artifact.errors",
     "NinferError": "ninfer_offload.errors",
     "Engine": "ninfer_offload.runtime.engine",
+    "LoadRequest": "ninfer_offload.planner.request",
 }
 
 
@@ -24,4 +25,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ninfer_offload' has no attribute {name!r}")
 
 
-__all__ = ["open_artifact", "ArtifactError", "NinferError", "Engine", "__version__"]
+__all__ = ["open_artifact", "ArtifactError", "NinferError", "Engine", "LoadRequest", "__version__"]

@@ -82,6 +82,29 @@ def test_generate_refuses_before_loading(args, fragment, tiny_artifact, no_load)
     assert fragment in str(result.exception)
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # `plan` once planned a zero budget (an infeasible plan), read --spec dflash as an unknown mode and refused --spec auto
+        (["--vram-budget", "0"], "--vram-budget must be more than 0"),
+        (["--vram-budget", "12"], "size '12' has no unit; write e.g. 12GiB (binary) or 12GB (decimal)"),
+        (["--spec", "dflash"], "--spec dflash: drafting with a DFlash model is not supported"),
+        (["--spec", "eagle"], "--spec must be one of auto, none, mtp, got 'eagle'"),
+        (["--spec", "mtp", "--draft-tokens", "9"], "--draft-tokens must be 1..5, got 9"),
+        (["--miss-path", "disk"], "--miss-path must be one of pcie, cpu, auto, got 'disk'"),
+        (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
+    ],
+)
+def test_plan_and_generate_refuse_a_load_option_alike(args, message, tiny_artifact, no_load):
+    """The load options `plan` shares with `generate` are checked by one `LoadRequest`: the same one-line error."""
+    plan = CliRunner().invoke(app, ["plan", *args])
+    generate = CliRunner().invoke(app, ["generate", str(tiny_artifact), "--prompt", "a", *args])
+    for result in (plan, generate):
+        assert isinstance(result.exception, NinferError), result.exception
+    assert str(plan.exception) == str(generate.exception)
+    assert message in str(plan.exception) and "\n" not in str(plan.exception)
+
+
 def test_valid_options_reach_the_load(tiny_artifact, no_load):
     result = CliRunner().invoke(app, ["generate", str(tiny_artifact), "--prompt", "a", "--experts", "host", "--miss-path", "cpu"])
     assert isinstance(result.exception, AssertionError) and "Engine.load was called" in str(result.exception)

@@ -156,7 +156,7 @@ def test_bad_requests_are_one_line_errors(engine, tiny_artifact):
         Engine.load(tiny_artifact, miss_path="cpu")
     with pytest.raises(NinferError, match="max context"):
         Engine.load(tiny_artifact, max_context=10**9)
-    with pytest.raises(NinferError, match="prefill_chunk must be >= 1"):
+    with pytest.raises(NinferError, match="--prefill-chunk must be >= 1"):
         Engine.load(tiny_artifact, prefill_chunk=0)
     with pytest.raises(NinferError, match="no such artifact"):
         Engine.load(tiny_artifact.parent / "missing.ninfer")

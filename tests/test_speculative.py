@@ -214,6 +214,8 @@ def test_proposal_head_drafts_over_its_token_ids(proposal_engines):
 
 def test_bad_spec_options_are_one_line(tiny_artifact, tiny_artifact_proposal):
     with pytest.raises(NinferError, match="spec must be one of auto, none, mtp"):
+        Engine.load(tiny_artifact, spec="eagle")
+    with pytest.raises(NinferError, match="--spec dflash: drafting with a DFlash model is not supported"):
         Engine.load(tiny_artifact, spec="dflash")
     with pytest.raises(NinferError, match="--draft-tokens"):
         Engine.load(tiny_artifact, spec="mtp", draft_tokens=6)

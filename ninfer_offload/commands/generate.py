@@ -19,12 +19,9 @@ from pathlib import Path
 
 import typer
 
+from ninfer_offload.commands.load_options import PLACEMENT, SPECULATION, load_options
 from ninfer_offload.errors import NinferError
-from ninfer_offload.planner.options import PREFILL_CHUNK
-from ninfer_offload.commands.load_options import (
-    CACHE_POLICY_OPTION, DRAFT_TOKENS_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, PROPOSAL_HEAD_OPTION, SPEC_OPTION,
-    VRAM_BUDGET_OPTION, engine_placement, engine_speculation,
-)
+from ninfer_offload.planner.request import DEFAULT_MAX_CONTEXT, LoadRequest
 
 
 MAX_LOGPROBS = 20  # alternatives per token, OpenAI's top_logprobs limit
@@ -130,6 +127,7 @@ def _summary(result) -> str:
     return line
 
 
+@load_options(*PLACEMENT, *SPECULATION, "max_context", "prefill_chunk")
 def generate(
     artifact: Path = typer.Argument(..., help="The .ninfer entry file."),
     prompt: str | None = typer.Option(None, "--prompt", help="A user message, rendered with the chat template."),
@@ -149,24 +147,13 @@ def generate(
     no_thinking: bool = typer.Option(False, "--no-thinking", help="Render the template with thinking disabled."),
     chat_template: Path | None = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]."),
-    experts: str = EXPERTS_OPTION,
-    profile: str | None = PROFILE_OPTION,
-    vram_budget: str | None = VRAM_BUDGET_OPTION,
-    cache_policy: str = CACHE_POLICY_OPTION,
-    miss_path: str = MISS_PATH_OPTION,
-    spec: str = SPEC_OPTION,
-    draft_tokens: int = DRAFT_TOKENS_OPTION,
-    proposal_head: bool = PROPOSAL_HEAD_OPTION,
-    max_context: int | None = typer.Option(None, "--max-context", help="Context limit in tokens (prompt + output)."),
-    prefill_chunk: int = typer.Option(
-        PREFILL_CHUNK, "--prefill-chunk",
-        help="Most prompt tokens per forward: larger prefills faster, most with experts in host memory, and sets more VRAM aside.",
-    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     logprobs: int | None = typer.Option(
         None, "--logprobs", help="With --json: each token's log-probability and this many most likely alternatives (0..20)."
     ),
     json_schema: Path | None = typer.Option(None, "--json-schema", help="JSON schema file: the output is one JSON value matching it."),
+    *,
+    load: dict,
 ) -> None:
     """Generate text from a prompt, a conversation or token ids.
 
@@ -178,8 +165,6 @@ def generate(
         raise NinferError("--raw applies to --prompt only")
     if max_tokens < 1:
         raise NinferError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if prefill_chunk < 1:
-        raise NinferError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise NinferError(f"--logprobs must be 0..{MAX_LOGPROBS}, got {logprobs}")
     if logprobs is not None and not json_out:
@@ -188,15 +173,14 @@ def generate(
     from ninfer_offload.artifact.errors import ArtifactError
     from ninfer_offload.artifact.reader import open_artifact
     from ninfer_offload.frontend import Frontend
-    from ninfer_offload.runtime.engine import DEFAULT_MAX_CONTEXT, Engine
     from ninfer_offload.frontend.grammar import GrammarCompiler
+    from ninfer_offload.runtime.engine import Engine
     from ninfer_offload.runtime.generate import generate as generation_of
     from ninfer_offload.serve.reasoning import prompt_leaves_thinking_open
 
     if greedy and temperature is not None:
         raise NinferError("--greedy and --temperature contradict each other (--greedy always takes the most likely token); give one")
-    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path)
-    placement |= engine_speculation(spec, draft_tokens, proposal_head)
+    request = LoadRequest(**load)
     if not artifact.is_file():
         raise NinferError(f"no such artifact file: {artifact}")
     template = _read_text(chat_template, "chat template") if chat_template is not None else None
@@ -217,7 +201,7 @@ def generate(
             rendered = frontend.render(chat, tools=tools, enable_thinking=not no_thinking)
             thinking = prompt_leaves_thinking_open(rendered)
             ids = frontend.encode(rendered)
-    _check_prompt(ids, text_config, max_context, DEFAULT_MAX_CONTEXT)
+    _check_prompt(ids, text_config, request.max_context, DEFAULT_MAX_CONTEXT)
     sampling = _sampling(
         frontend.generation_config,
         greedy,
@@ -233,9 +217,7 @@ def generate(
     constraint = None
     if schema is not None:
         constraint = GrammarCompiler.for_frontend(frontend, frontend.vocab_size).json(schema, thinking)
-    engine = Engine.load(
-        artifact, device=device, max_context=max_context, progress=not json_out, prefill_chunk=prefill_chunk, **placement
-    )
+    engine = Engine.load(artifact, request, device=device, progress=not json_out)
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
     warm_up_seconds = engine.warm_up(min(len(ids), engine.prefill_chunk)).seconds

@@ -1,88 +1,96 @@
-"""The options `generate` and `serve` share for placing the model (experts, profile, VRAM budget,
-cache policy, miss path) and for speculation, checked before the slow load and turned into
-`Engine.load` arguments."""
+"""The command-line options of a load, defined once for `generate`, `serve` and `plan`: `load_options(*names)`
+adds the named ones to a command, which gets their values as one dict (`load`) and makes its
+`planner.request.LoadRequest` from them where its checks belong (before the slow load):
+
+    @load_options(*PLACEMENT, *SPECULATION)
+    def serve(artifact: Path = typer.Argument(...), ..., load: dict) -> None:
+        request = LoadRequest(**load, max_sequences=max_concurrency)
+
+Every option here keeps the name of the `LoadRequest` field it sets, so a bad value reads the same
+one-line error from every command.
+"""
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+
 import typer
 
-from ninfer_offload.errors import NinferError
-from ninfer_offload.planner.cache_policy import POLICIES
-from ninfer_offload.planner.options import MAX_DRAFTS, MISS_PATHS, parse_size
-from ninfer_offload.runtime.spec_choice import SPEC_CHOICES
+from ninfer_offload.planner.options import MAX_DRAFTS, PREFILL_CHUNK
+from ninfer_offload.planner.request import DEFAULT_CACHE_POLICY, DEFAULT_DRAFT_TOKENS
 
-EXPERTS_OPTION = typer.Option(
-    "auto", "--experts",
-    help="auto (all in VRAM where they fit, else as planned), resident (all in VRAM) or host (all in host memory, read over PCIe).",
-)
-PROFILE_OPTION = typer.Option(
-    None, "--profile", help="Plan the load for this card: a profile name, TOML file or auto (this GPU's stored or detected profile)."
-)
-VRAM_BUDGET_OPTION = typer.Option(
-    None, "--vram-budget", help="Use at most this much VRAM (e.g. 15GiB); the experts that do not fit stay in host memory."
-)
-CACHE_POLICY_OPTION = typer.Option(
-    "decayed", "--cache-policy", help="Expert cache in VRAM: decayed (frequency), lru or static (the plan's experts only)."
-)
-MISS_PATH_OPTION = typer.Option(
-    "pcie", "--miss-path",
-    help="Experts not in VRAM: pcie (read by the GPU from host memory), cpu (computed on the host) "
-    "or auto (both, split by measured rates).",
-)
-
-
-SPEC_OPTION = typer.Option(
-    "none", "--spec",
-    help="none (default): one token per step; mtp: decode speculatively, drafting with the model's MTP layer (server: requests "
-    "without a grammar or logprobs); auto: mtp when the artifact has MTP weights, else none. An artifact's DFlash/DFlash2 "
-    "drafter is never run.",
-)
-DRAFT_TOKENS_OPTION = typer.Option(3, "--draft-tokens", help="MTP drafts verified per step when speculating (1..5).")
-PROPOSAL_HEAD_OPTION = typer.Option(
-    False, "--proposal-head", help="Draft with the artifact's proposal head (a subset of the vocabulary) instead of the output head."
-)
-
-
-# Draft models some artifacts carry (components of these names) that this engine never runs.
-DRAFT_MODELS = ("dflash", "dflash2")
-
-
-def engine_speculation(spec: str, draft_tokens: int, proposal_head: bool) -> dict:
-    """`Engine.load` keyword arguments of the speculation options, or a NinferError naming the bad flag
-    (what depends on the artifact, such as its MTP weights, is checked by the load)."""
-    if spec in DRAFT_MODELS:
-        raise NinferError(
-            f"--spec {spec}: drafting with a DFlash model is not supported; an artifact's {spec} component is carried "
-            "but never run: use --spec auto, mtp or none"
-        )
-    if spec not in SPEC_CHOICES:
-        raise NinferError(f"--spec must be one of {', '.join(SPEC_CHOICES)}, got {spec!r}")
-    if spec != "none" and not 1 <= draft_tokens <= MAX_DRAFTS:
-        raise NinferError(f"--draft-tokens must be 1..{MAX_DRAFTS}, got {draft_tokens}")
-    return {"spec": spec, "draft_tokens": draft_tokens if spec != "none" else 0, "proposal_head": proposal_head}
+# (annotation, option) of each shared option, named as its LoadRequest field.
+OPTIONS: dict[str, tuple[object, typer.models.OptionInfo]] = {
+    "experts": (str, typer.Option(
+        "auto", "--experts",
+        help="auto (all in VRAM where they fit, else as planned), resident (all in VRAM) or host (all in host memory, read over PCIe).",
+    )),
+    "profile": (str | None, typer.Option(
+        None, "--profile", help="Plan the load for this card: a profile name, TOML file or auto (this GPU's stored or detected profile)."
+    )),
+    "vram_budget": (str | None, typer.Option(
+        None, "--vram-budget", help="Use at most this much VRAM (e.g. 15GiB); the experts that do not fit stay in host memory."
+    )),
+    "cache_policy": (str, typer.Option(
+        DEFAULT_CACHE_POLICY, "--cache-policy",
+        help="Expert cache in VRAM: decayed (frequency), lru or static (the plan's experts only).",
+    )),
+    "miss_path": (str, typer.Option(
+        "pcie", "--miss-path",
+        help="Experts not in VRAM: pcie (read by the GPU from host memory), cpu (computed on the host) "
+        "or auto (both, split by measured rates).",
+    )),
+    "spec": (str, typer.Option(
+        "none", "--spec",
+        help="none: one token per step; mtp: decode speculatively, drafting with the model's MTP layer (server: requests "
+        "without a grammar or logprobs); auto: mtp when the artifact has MTP weights, else none. An artifact's DFlash/DFlash2 "
+        "drafter is never run.",
+    )),
+    "draft_tokens": (int | None, typer.Option(
+        None, "--draft-tokens", "--drafts",
+        help=f"MTP drafts verified per step when speculating (1..{MAX_DRAFTS}; default {DEFAULT_DRAFT_TOKENS}).",
+    )),
+    "proposal_head": (bool, typer.Option(
+        False, "--proposal-head", help="Draft with the artifact's proposal head (a subset of the vocabulary) instead of the output head."
+    )),
+    "max_context": (int | None, typer.Option(
+        None, "--max-context", help="Tokens per sequence, prompt + completion (default: min(the model's, 32768))."
+    )),
+    "prefill_chunk": (int, typer.Option(
+        PREFILL_CHUNK, "--prefill-chunk",
+        help="Most prompt tokens per forward: larger prefills faster, most with experts in host memory, and sets more VRAM aside.",
+    )),
+}
+PLACEMENT = ("experts", "profile", "vram_budget", "cache_policy", "miss_path")  # where the experts go
+SPECULATION = ("spec", "draft_tokens", "proposal_head")
 
 
-def engine_placement(experts: str, profile: str | None, vram_budget: str | None, cache_policy: str, miss_path: str) -> dict:
-    """`Engine.load` keyword arguments of the placement options, or a NinferError naming the bad flag."""
-    from ninfer_offload.runtime.expert_store import MODES
+def load_options(*names: str, **defaults):
+    """A decorator adding the shared options `names` (keys of OPTIONS; `defaults` overrides some defaults) to
+    a typer command after its own parameters: the command declares a `load` parameter instead, and gets
+    the options' values as a dict of `LoadRequest` keyword arguments."""
 
-    if experts not in MODES:
-        raise NinferError(f"--experts must be one of {', '.join(MODES)}, got {experts!r}")
-    if miss_path not in MISS_PATHS:
-        raise NinferError(f"--miss-path must be one of {', '.join(MISS_PATHS)}, got {miss_path!r}")
-    if cache_policy not in POLICIES:
-        raise NinferError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {cache_policy!r}")
-    if experts == "resident" and (profile is not None or vram_budget is not None):
-        raise NinferError("--experts resident keeps every expert in VRAM; drop --profile/--vram-budget, or use --experts auto")
-    if miss_path != "pcie" and experts != "host" and vram_budget is None and profile is None:
-        raise NinferError(f"--miss-path {miss_path} computes experts kept in host memory: add --experts host or a --vram-budget")
-    budget = parse_size(vram_budget) if vram_budget is not None else None
-    if budget is not None and budget <= 0:
-        raise NinferError("--vram-budget must be more than 0")
-    return {
-        "experts": experts,
-        "profile": profile,
-        "vram_budget": budget,
-        "cache_policy": cache_policy,
-        "miss_path": None if miss_path == "pcie" else miss_path,
-    }
+    def add(command):
+        signature = inspect.signature(command)
+        own = [p for name, p in signature.parameters.items() if name != "load"]
+        added = []
+        for name in names:
+            annotation, option = OPTIONS[name]
+            if name in defaults:
+                option = copy.copy(option)
+                option.default = defaults[name]
+            added.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=option, annotation=annotation))
+
+        @functools.wraps(command)
+        def run(**values):
+            load = {name: values.pop(name) for name in names}
+            return command(**values, load=load)
+
+        run.__signature__ = signature.replace(parameters=own + added)
+        annotations = {name: value for name, value in command.__annotations__.items() if name != "load"}
+        run.__annotations__ = annotations | {p.name: p.annotation for p in added}
+        return run
+
+    return add

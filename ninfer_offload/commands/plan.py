@@ -17,9 +17,11 @@ from typing import Optional
 import typer
 
 from ninfer_offload.artifact.inventory import Inventory
+from ninfer_offload.commands.load_options import load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner import PlanOptions, parse_size, plan as make_plan
-from ninfer_offload.planner.options import PREFILL_CHUNK, model_defaults
+from ninfer_offload.planner.options import model_defaults
+from ninfer_offload.planner.request import DEFAULT_DRAFT_TOKENS, LoadRequest
 from ninfer_offload.planner.routing import load_routing_stats
 from ninfer_offload.profiles import DeviceProfile, load_profile, shipped_names
 
@@ -41,9 +43,17 @@ def _size(text: Optional[str]) -> Optional[int]:
     return None if text is None else parse_size(text)
 
 
-def _options(inventory: Inventory, given: dict) -> PlanOptions:
-    """The options given, the model's defaults for the rest; a context beyond the model's is refused."""
+def _options(inventory: Inventory, request: LoadRequest, given: dict) -> PlanOptions:
+    """The options given (the load's from `request`), the model's defaults for the rest; a context beyond
+    the model's is refused."""
     defaults = model_defaults(inventory)
+    given = given | {
+        "speculative": None if request.spec == "auto" else request.spec,
+        "drafts": request.draft_tokens or DEFAULT_DRAFT_TOKENS,
+        "prefill_chunk": request.prefill_chunk,
+        "vram_budget": request.vram_budget,
+        "miss_path": request.miss_path,
+    }
     if given["max_context"] is not None and given["max_context"] > defaults["max_context"]:
         raise NinferError(f"--max-context {given['max_context']} is beyond the model's maximum context of {defaults['max_context']} tokens")
     return PlanOptions(**{**defaults, **{key: value for key, value in given.items() if value is not None}})
@@ -59,6 +69,7 @@ def _warn_budget(options: PlanOptions, text: Optional[str], profiles: list[Devic
             )
 
 
+@load_options("vram_budget", "miss_path", "spec", "draft_tokens", "prefill_chunk", spec="auto")
 def plan(
     artifact: Optional[Path] = typer.Argument(
         None, help="A .ninfer file (only its directory is read). Default: the official Qwen3.6-35B-A3B inventory."
@@ -67,51 +78,41 @@ def plan(
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Tokens of KV cache per sequence (default: the model maximum)."),
     concurrency: int = typer.Option(1, "--concurrency", help="Sequences served at once."),
     kv_dtype: str = typer.Option("fp8", "--kv-dtype", help="bf16, fp8 or int8."),
-    spec: Optional[str] = typer.Option(None, "--spec", help="Speculative decoding: mtp or none (default: mtp if the artifact has it)."),
-    drafts: int = typer.Option(3, "--drafts", help="MTP drafts per step (1..5)."),
     proposal_head: Optional[bool] = typer.Option(
         None, "--proposal-head/--no-proposal-head", help="Draft with the 131k-row proposal head (default: if the artifact has it)."
     ),
     vision: bool = typer.Option(False, "--vision/--no-vision", help="Keep the vision tower resident."),
-    prefill_chunk: int = typer.Option(PREFILL_CHUNK, "--prefill-chunk", help="Tokens per prefill chunk."),
     vram_reserve: Optional[str] = typer.Option(None, "--vram-reserve", help="VRAM kept for driver and context (default: the profile's)."),
-    vram_budget: Optional[str] = typer.Option(None, "--vram-budget", help="Use at most this much VRAM, e.g. 12GiB."),
     host_budget: Optional[str] = typer.Option(None, "--host-budget", help="Pinned host memory allowed (default: 75% of RAM)."),
     routing_stats: Optional[Path] = typer.Option(None, "--routing-stats", help="Per-layer expert pick counts (one line per layer)."),
     mtp_acceptance: float = typer.Option(0.75, "--mtp-acceptance", help="Assumed per-draft acceptance rate."),
     at_context: Optional[int] = typer.Option(
         None, "--at-context", help="Sequence length at which decode speed is predicted (default: 4096, at most the context)."
     ),
-    miss_path: str = typer.Option(
-        "pcie", "--miss-path",
-        help="Host-resident experts in decode: pcie (read by the GPU over PCIe), cpu (computed on the host) or auto (both, split by rate).",
-    ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document (schema in README)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write predicted decode tok/s against VRAM budget to this PNG."),
+    *,
+    load: dict,
 ) -> None:
     """Plan where every weight lives on a device and predict the speed."""
+    request = LoadRequest(**load, profile=profile, max_context=max_context)
     given = dict(
         max_context=max_context,
         concurrency=concurrency,
         kv_dtype=kv_dtype,
-        speculative=spec,
-        drafts=drafts,
         proposal_head=proposal_head,
         vision=vision,
-        prefill_chunk=prefill_chunk,
         vram_reserve=_size(vram_reserve),
-        vram_budget=_size(vram_budget),
         host_budget=_size(host_budget),
         mtp_acceptance=mtp_acceptance,
         at_context=at_context,
-        miss_path=miss_path,
     )
     inventory, source = _inventory(artifact)
-    options = _options(inventory, given)
+    options = _options(inventory, request, given)
     top_k = int(inventory.text_config.get("num_experts_per_tok", 1))
     stats = load_routing_stats(routing_stats, top_k) if routing_stats is not None else None
     profiles = [load_profile(n) for n in shipped_names()] if profile == "all" else [load_profile(profile)]
-    _warn_budget(options, vram_budget, profiles)
+    _warn_budget(options, load["vram_budget"], profiles)
     plans = [make_plan(inventory, p, options, stats) for p in profiles]
 
     if plot is not None:

@@ -12,11 +12,9 @@ from pathlib import Path
 
 import typer
 
-from ninfer_offload.commands.load_options import (
-    CACHE_POLICY_OPTION, DRAFT_TOKENS_OPTION, EXPERTS_OPTION, MISS_PATH_OPTION, PROFILE_OPTION, PROPOSAL_HEAD_OPTION, SPEC_OPTION,
-    VRAM_BUDGET_OPTION, engine_placement, engine_speculation,
-)
+from ninfer_offload.commands.load_options import PLACEMENT, SPECULATION, load_options
 from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.request import LoadRequest
 
 log = logging.getLogger("ninfer.serve")
 
@@ -43,22 +41,14 @@ def _check_can_listen(host: str, port: int) -> None:
             raise NinferError(f"cannot listen on {host}:{port}: {reason}; choose another --port (0 picks a free one)") from None
 
 
+@load_options(*PLACEMENT, *SPECULATION, "max_context")
 def serve(
     artifact: Path = typer.Argument(..., help="The .ninfer model file to serve."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; the default accepts local clients only."),
     port: int = typer.Option(8080, min=0, max=65535, help="TCP port (0 picks a free one)."),
     device: str = typer.Option("cpu", help="Compute device: cpu or cuda[:N]."),
-    experts: str = EXPERTS_OPTION,
-    profile: str | None = PROFILE_OPTION,
-    vram_budget: str | None = VRAM_BUDGET_OPTION,
-    cache_policy: str = CACHE_POLICY_OPTION,
-    miss_path: str = MISS_PATH_OPTION,
-    spec: str = SPEC_OPTION,
-    draft_tokens: int = DRAFT_TOKENS_OPTION,
-    proposal_head: bool = PROPOSAL_HEAD_OPTION,
     max_concurrency: int = typer.Option(4, min=1, help="Sequences decoded together in one batched forward pass."),
     max_queue: int = typer.Option(64, min=0, help="Requests allowed to wait for a slot; beyond it: 429."),
-    max_context: int | None = typer.Option(None, min=1, help="Tokens per sequence, prompt + completion (default: min(model's, 32768))."),
     prefill_chunk: int = typer.Option(512, min=1, help="Prompt tokens per prefill step, interleaved with the others' decode."),
     api_key: str | None = typer.Option(None, envvar="NINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes."),
     allowed_host: list[str] | None = typer.Option(
@@ -69,6 +59,8 @@ def serve(
     chat_template: Path | None = typer.Option(None, help="Jinja chat template file replacing the model's."),
     shutdown_timeout: float = typer.Option(30.0, min=0, help="Seconds in-flight requests get to finish on SIGINT/SIGTERM."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    *,
+    load: dict,
 ) -> None:
     """Serve ARTIFACT with OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     if api_key is None and os.environ.get("NINFER_API_KEY") == "":
@@ -100,10 +92,9 @@ def serve(
     extra_hosts = list(allowed_host or [])
     allowed_hosts = [*LOOPBACK_NAMES, *extra_hosts] if is_loopback(host) or extra_hosts else None
     _check_can_listen(host, port)
-    placement = engine_placement(experts, profile, vram_budget, cache_policy, miss_path)
-    placement |= engine_speculation(spec, draft_tokens, proposal_head)
+    request = LoadRequest(**load, max_sequences=max_concurrency)
     start = time.perf_counter()
-    engine = Engine.load(artifact, device=device, max_context=max_context, max_sequences=max_concurrency, **placement)
+    engine = Engine.load(artifact, request, device=device)
     frontend = Frontend.from_artifact(engine.artifact, chat_template=template)
     if frontend.template is None:
         raise NinferError("the model has no chat template; pass one with --chat-template FILE")

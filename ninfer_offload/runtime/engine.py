@@ -1,6 +1,6 @@
 """The public engine: load an artifact, run prefill / decode / batched decode, generate.
 
-    engine = Engine.load("model.ninfer", device="cpu")
+    engine = Engine.load("model.ninfer", device="cpu")  # or Engine.load(path, LoadRequest(...), device="cuda")
     logits = engine.logits([1, 2, 3])                 # [T, vocab], fresh sequence
     s = engine.session(); s.prefill(ids); s.step(tok)  # incremental, state in one slot of the pool
     engine.step_batch([s1, s2], [t1, t2])              # one decode step over several sequences
@@ -25,12 +25,10 @@ from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.dims import FULL_ATTENTION, ModelDims
 from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
-from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, LoadOptions, load_footprint
+from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, load_footprint
 from ninfer_offload.planner.options import PREFILL_CHUNK
-from ninfer_offload.profiles import DeviceProfile
-from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY
-from ninfer_offload.runtime.expert_plan import ExpertRequest, LoadPlan, expert_load_plan
-from ninfer_offload.runtime.expert_store import MODES
+from ninfer_offload.planner.request import LoadRequest
+from ninfer_offload.runtime.expert_plan import LoadPlan, expert_load_plan
 from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
 from ninfer_offload.runtime.graphs import PREFILL_BUCKETS, StepGraphs, prefill_bucket
@@ -38,8 +36,6 @@ from ninfer_offload.runtime.session import Session
 from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
 
-
-DEFAULT_MAX_CONTEXT = 32768
 # Prompt lengths reaching each kernel path and block size (the next power of two of the token count T up to 64:
 # the matrix-vector kernels' token block up to 8, the tiled products' row block and the conv's token block above;
 # prefill tiles past 64) with each of Triton's integer specializations of T and of the T * top-k (token, expert)
@@ -75,16 +71,11 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def _resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """The compute dtype of a request's `dtype` (a name it checked) on `device`."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise NinferError(f"unsupported dtype {dtype!r}: use float32 or bfloat16")
-        return _DTYPES[dtype]
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise NinferError(f"unsupported dtype {dtype}: use float32 or bfloat16")
-    return dtype
+    return _DTYPES[dtype]
 
 
 _KV_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
@@ -94,22 +85,13 @@ def _element_bytes(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
 
-def _resolve_kv_dtype(kv_dtype: str | None, dtype: torch.dtype) -> torch.dtype:
-    if kv_dtype is None:
-        return dtype
-    if kv_dtype != "fp8":
-        raise NinferError(f"unsupported KV dtype {kv_dtype!r}: use fp8, or leave it out for the compute dtype")
-    return torch.float8_e4m3fn
-
-
 def _backend_for(device: torch.device, name: str):
+    """The backend a request's `backend` (auto, reference or triton) names on `device`."""
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return ReferenceBackend()
-    if name in ("auto", "triton"):
-        from ninfer_offload.kernels.backend import TritonBackend
+    from ninfer_offload.kernels.backend import TritonBackend
 
-        return TritonBackend()
-    raise NinferError(f"unknown backend {name!r}: use auto, reference or triton")
+    return TritonBackend()
 
 
 
@@ -155,100 +137,53 @@ class Engine:
 
     @classmethod
     def load(
-        cls,
-        path,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype | None = None,
-        experts: str = "auto",
-        max_context: int | None = None,
-        *,
-        profile: str | DeviceProfile | None = None,
-        vram_budget: int | None = None,
-        max_sequences: int = 1,
-        draft_tokens: int = 0,
-        kv_dtype: str | None = None,
-        num_slots: int | None = None,
-        cache_policy: str = DEFAULT_POLICY,
-        miss_path: str | None = None,
-        mtp: bool = False,
-        spec: str = "none",
-        proposal_head: bool = False,
-        backend: str = "auto",
-        cuda_graphs: bool = True,
-        progress: bool = False,
-        prefill_chunk: int = PREFILL_CHUNK,
+        cls, path, request: LoadRequest | None = None, *, device: str | torch.device = "cpu", progress: bool = False, **options
     ) -> "Engine":
-        """Open `path` and load it onto `device` (bf16 on CUDA, fp32 on CPU unless `dtype` says).
-
-        experts: "auto" (everything in VRAM where it fits, else as planned), "resident" (every routed
-        expert on the device) or "host" (all in host memory, read over PCIe, `num_slots` cache slots).
-        profile / vram_budget: plan the load for a card (a profile name, TOML file, `DeviceProfile` or
-        "auto" for this one) and at most `vram_budget` bytes of it: the plan's experts are pinned in
-        VRAM, the others read from pinned host memory, a share of the expert VRAM is an adaptive
-        cache (`cache_policy`: decayed, lru or static). miss_path: "cpu" computes experts missing
-        from VRAM on the host, "auto" splits them between host compute and PCIe by measured rates.
-        max_context: per-sequence capacity (default min(model maximum, 32768)). max_sequences:
-        sequences open at once (state slots). spec: "mtp" decodes speculatively (`generate`, the
-        server): `draft_tokens` MTP drafts (default 3) verified per target step; "none" decodes one
-        token per step (the default); "auto" is mtp when the artifact has MTP weights, else none.
-        draft_tokens without speculation: most tokens a multi-token step may roll back (per-token GDN
-        states are kept for them). proposal_head: draft with the artifact's proposal head instead of
-        the output head. kv_dtype: "fp8" for an e4m3 KV cache (default: the compute dtype). mtp:
-        also load the MTP draft module (implied by speculation). backend: "auto" (Triton on CUDA,
-        reference on CPU), "reference", "triton". cuda_graphs: replay decode steps as CUDA graphs where
-        the backend and the expert store allow it (False: every step runs eagerly). prefill_chunk: most
-        prompt tokens per forward (larger: fewer launches and, with offloaded experts, fewer copies of
-        each host expert per prompt; the plan sets its activations aside).
-        """
+        """Open `path` and load it onto `device` as `request` asks (`planner.request.LoadRequest`: experts in
+        VRAM or host memory, the plan's profile and VRAM budget, the cache policy and miss path, context,
+        sequences, speculation, prefill chunk, dtype, backend, CUDA graphs). Without a request the keyword
+        `options` make one: `Engine.load(path, device="cuda", experts="host", spec="mtp")`. `progress`
+        shows the load's progress on stderr."""
+        if request is None:
+            request = LoadRequest(**options)
+        elif options:
+            raise TypeError(f"Engine.load takes a LoadRequest or keyword options, not both (got {', '.join(options)})")
         resolved = _resolve_device(device)
-        resolved_dtype = _resolve_dtype(dtype, resolved)
-        cache_dtype = _resolve_kv_dtype(kv_dtype, resolved_dtype)
-        if experts not in MODES:
-            raise NinferError(f"experts must be one of {', '.join(MODES)} (--experts), got {experts!r}")
-        if max_sequences < 1:
-            raise NinferError(f"max_sequences must be >= 1 (--max-concurrency), got {max_sequences}")
-        if prefill_chunk < 1:
-            raise NinferError(f"prefill_chunk must be >= 1 (--prefill-chunk), got {prefill_chunk}")
-        ops = _backend_for(resolved, backend)
+        dtype = _resolve_dtype(request.dtype, resolved)
+        cache_dtype = torch.float8_e4m3fn if request.kv_dtype == "fp8" else dtype
+        ops = _backend_for(resolved, request.backend)
         artifact = open_artifact(path)
         try:
             if "text" not in artifact.components:
                 raise ArtifactError(f"{artifact.path.name} has no text component")
             config = ModelDims.from_text_config(artifact.components["text"].config)
             inventory = Inventory.from_artifact(artifact)
-            speculation = resolve_speculation(spec, draft_tokens, proposal_head, inventory, artifact.path.name)
-            draft_tokens, mtp = speculation.draft_tokens, mtp or speculation.mode == "mtp"
-            limit = config.max_position_embeddings
-            capacity = min(limit, DEFAULT_MAX_CONTEXT) if max_context is None else int(max_context)
-            if not 0 < capacity <= limit:
-                raise NinferError(f"max context {capacity} must be between 1 and the model's maximum context of {limit} (--max-context)")
-            options = LoadOptions(
-                (), 0, 0, max_sequences, capacity, draft_tokens, mtp, _element_bytes(resolved_dtype), _KV_NAMES[cache_dtype],
-                proposal_head,
-            )
+            speculation = resolve_speculation(request, inventory, artifact.path.name)
+            mtp = request.mtp or speculation.mode == "mtp"
+            capacity = request.capacity(config.max_position_embeddings)
+            options = request.load_options(capacity, speculation.draft_tokens, mtp, _element_bytes(dtype), _KV_NAMES[cache_dtype])
             state_and_weights = load_footprint(inventory, options)
             free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
-            request = ExpertRequest(
-                experts, profile, vram_budget, num_slots, max_sequences, capacity, draft_tokens, mtp,
-                "fp8" if kv_dtype == "fp8" else "bf16", prefill_chunk, proposal_head,
+            expert_plan = expert_load_plan(
+                inventory, resolved, request, options, None if free is None else free - sum(state_and_weights.values())
             )
-            expert_plan = expert_load_plan(inventory, resolved, request, None if free is None else free - sum(state_and_weights.values()))
             if resolved.type == "cuda":
                 check_fits(state_and_weights | {"experts": expert_plan.arena_bytes}, free, resolved)
             check_host_memory(expert_plan.host_ram_bytes(pinned=resolved.type == "cuda"))
+            miss_path = None if request.miss_path == "pcie" else request.miss_path
             loaded = load_model(
-                artifact, config, resolved, resolved_dtype, expert_plan.placement, miss_path, cache_policy, with_mtp=mtp,
-                progress=progress, with_proposal=proposal_head,
+                artifact, config, resolved, dtype, expert_plan.placement, miss_path, request.cache_policy, with_mtp=mtp,
+                progress=progress, with_proposal=request.proposal_head,
             )
             kinds = dict(enumerate(config.layer_types)) | ({config.num_layers: FULL_ATTENTION} if mtp else {})
             state = StatePool(
-                config, kinds, max_sequences, capacity, draft_tokens, resolved, resolved_dtype, cache_dtype, SCRATCH_KV_ROWS,
-                PREFILL_BUCKETS[-1],
+                config, kinds, request.max_sequences, capacity, speculation.draft_tokens, resolved, dtype, cache_dtype,
+                SCRATCH_KV_ROWS, PREFILL_BUCKETS[-1],
             )
         except BaseException:
             artifact.close()
             raise
-        return cls(artifact, loaded, ops, resolved, resolved_dtype, state, cuda_graphs, expert_plan, speculation, prefill_chunk)
+        return cls(artifact, loaded, ops, resolved, dtype, state, request.cuda_graphs, expert_plan, speculation, request.prefill_chunk)
 
     def placement_report(self) -> str:
         """One line: where the routed experts went (and the plan behind it), and the VRAM in use against the plan."""

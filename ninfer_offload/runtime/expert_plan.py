@@ -20,10 +20,10 @@ import torch
 
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
-from ninfer_offload.planner.memory import expert_arena_bytes, prefill_staging_slots, staging_slots
-from ninfer_offload.planner.options import PlanOptions
+from ninfer_offload.planner.memory import LoadOptions, expert_arena_bytes, prefill_staging_slots, staging_slots
 from ninfer_offload.planner.placement import Placement
 from ninfer_offload.planner.planner import plan
+from ninfer_offload.planner.request import LoadRequest
 from ninfer_offload.planner.routing import default_routing_stats
 from ninfer_offload.profiles import DeviceProfile, load_profile
 from ninfer_offload.runtime.expert_store import ExpertPlacement
@@ -35,23 +35,6 @@ GiB = 2**30
 
 def _size(n: int) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
-
-
-@dataclass(frozen=True)
-class ExpertRequest:
-    """What the caller of `Engine.load` asked for, as far as expert placement goes."""
-
-    experts: str  # auto, resident or host
-    profile: str | DeviceProfile | None
-    vram_budget: int | None
-    num_slots: int | None
-    sequences: int
-    capacity: int
-    draft_tokens: int
-    mtp: bool
-    kv_dtype: str  # bf16 or fp8 (the planner's names)
-    prefill_chunk: int
-    proposal_head: bool = False  # drafting with the proposal head (the plan keeps it on the device)
 
 
 @dataclass(frozen=True)
@@ -94,10 +77,13 @@ class LoadPlan:
         return line
 
 
-def expert_load_plan(inventory: Inventory, device: torch.device, request: ExpertRequest, free_vram: int | None) -> LoadPlan:
-    """Where each routed expert goes for this load (see the module docstring)."""
+def expert_load_plan(
+    inventory: Inventory, device: torch.device, request: LoadRequest, load: LoadOptions, free_vram: int | None
+) -> LoadPlan:
+    """Where each routed expert goes for `request`, as the load resolved it (`load`: its sequences, context,
+    drafts, MTP module; see the module docstring)."""
     text_banks = inventory.banks_of("text")
-    mtp_banks = inventory.banks_of("mtp") if request.mtp else []
+    mtp_banks = inventory.banks_of("mtp") if load.mtp else []
     layers, experts = len(text_banks), text_banks[0].num_experts
     expert_bytes = [bank.expert_bytes for bank in text_banks + mtp_banks]
     stats = default_routing_stats(inventory.text_config, layers, experts)
@@ -109,23 +95,15 @@ def expert_load_plan(inventory: Inventory, device: torch.device, request: Expert
     if request.experts == "resident":
         return LoadPlan(everything, None, expert_bytes)
     if request.experts == "host":
-        slots = staging_slots(experts, top_k, request.sequences * (1 + request.draft_tokens), request.num_slots)
+        slots = staging_slots(experts, top_k, load.sequences * (1 + load.draft_tokens), request.num_slots)
         placement = ExpertPlacement([[] for _ in range(layers)] + mtp_pinned, slots, scores, prefill_staging_slots(experts))
         return LoadPlan(placement, None, expert_bytes)
-    if request.experts != "auto":
-        raise NinferError(f"experts must be auto, resident or host (--experts), got {request.experts!r}")
-    planned = request.profile is not None or request.vram_budget is not None
-    if not planned:
+    if not request.planned:
         fits = LoadPlan(everything, None, expert_bytes)
         if free_vram is None or fits.arena_bytes <= free_vram:
             return fits
     profile = _profile(request.profile, device)
-    options = PlanOptions(
-        max_context=request.capacity, concurrency=request.sequences, kv_dtype=request.kv_dtype,
-        speculative="mtp" if request.mtp else "none", drafts=max(1, request.draft_tokens), proposal_head=request.proposal_head,
-        prefill_chunk=request.prefill_chunk, vram_budget=request.vram_budget,
-    )
-    placement = plan(inventory, profile, options, stats)
+    placement = plan(inventory, profile, request.plan_options(load), stats)
     if not placement.feasible:
         raise NinferError(f"cannot load for {profile.name}: {placement.reason}")
     if device.type == "cuda":

@@ -45,7 +45,6 @@ from ninfer_offload.runtime.memory_check import host_tensor
 from ninfer_offload.runtime.prefill_staging import PrefillStaging
 from ninfer_offload.runtime.step_inputs import upload
 
-MODES = ("auto", "resident", "host")
 MISS_PATHS = (None, "cpu", "auto")
 ALIGN = RECORD_ALIGN  # record offsets are multiples of this (the MoE kernels' 16-byte vector loads rely on it)
 

@@ -1,4 +1,4 @@
-"""How a load decodes: the speculation asked for (`Engine.load(spec=..., draft_tokens=..., proposal_head=...)`,
+"""How a load decodes: the speculation a `LoadRequest` asks for (`spec`, `draft_tokens`, `proposal_head`:
 `--spec`, `--draft-tokens`, `--proposal-head`) resolved against what the artifact carries.
 
 "auto" is speculation with the MTP layer when the artifact has MTP weights, plain decoding
@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
-from ninfer_offload.planner.options import MAX_DRAFTS, SPECULATIVE_MODES, model_defaults
-
-SPEC_CHOICES = ("auto", *SPECULATIVE_MODES)
-DEFAULT_DRAFT_TOKENS = 3
+from ninfer_offload.planner.options import model_defaults
+from ninfer_offload.planner.request import DEFAULT_DRAFT_TOKENS, LoadRequest
 
 
 @dataclass(frozen=True)
@@ -40,12 +38,10 @@ class Speculation:
         return f"{self.draft_tokens} MTP drafts per step" + (" from the proposal head" if self.proposal_head else "")
 
 
-def resolve_speculation(spec: str, draft_tokens: int, proposal_head: bool, inventory: Inventory, name: str) -> Speculation:
-    """The speculation a load of the artifact `name` gets, or a one-line NinferError naming the flag to change."""
-    if spec not in SPEC_CHOICES:
-        raise NinferError(f"spec must be one of {', '.join(SPEC_CHOICES)} (--spec), got {spec!r}")
-    if not 0 <= draft_tokens <= MAX_DRAFTS:
-        raise NinferError(f"draft tokens must be in 0..{MAX_DRAFTS} (--draft-tokens), got {draft_tokens}")
+def resolve_speculation(request: LoadRequest, inventory: Inventory, name: str) -> Speculation:
+    """The speculation a load of the artifact `name` gets, or a one-line NinferError naming the flag to change
+    (the request's own values were checked when it was made)."""
+    spec, proposal_head = request.spec, request.proposal_head
     available = model_defaults(inventory)["speculative"]
     has_mtp = available == "mtp"
     mode = available if spec == "auto" else spec
@@ -58,5 +54,5 @@ def resolve_speculation(spec: str, draft_tokens: int, proposal_head: bool, inven
     if proposal_head and not inventory.select("proposal"):
         raise NinferError(f"{name} has no proposal head (proposal/head, proposal/token_ids); drop --proposal-head")
     if mode == "mtp":
-        return Speculation(mode, draft_tokens or DEFAULT_DRAFT_TOKENS, proposal_head)
-    return Speculation(mode, draft_tokens if spec == "none" else 0, False)
+        return Speculation(mode, request.draft_tokens or DEFAULT_DRAFT_TOKENS, proposal_head)
+    return Speculation(mode, (request.draft_tokens or 0) if spec == "none" else 0, False)

@@ -1,0 +1,156 @@
+"""What the user asks of a load: one `LoadRequest`, checked once, read by `Engine.load`, `ninfer
+generate`, `ninfer serve` and `ninfer plan` alike.
+
+    request = LoadRequest(experts="host", miss_path="cpu", spec="mtp", draft_tokens=2)
+    engine = Engine.load("model.ninfer", request, device="cuda")
+
+A bad value is a one-line `NinferError` naming the command-line flag that sets it. What depends on
+the artifact (its maximum context, its MTP weights and proposal head) is checked by the load that
+reads it (`capacity`, `runtime.spec_choice.resolve_speculation`). From a request and what the load
+resolved come the planner's options (`plan_options`) and the footprint's (`load_options`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.cache_policy import POLICIES
+from ninfer_offload.planner.memory import LoadOptions
+from ninfer_offload.planner.options import MAX_DRAFTS, MISS_PATHS, PREFILL_CHUNK, SPECULATIVE_MODES, PlanOptions, parse_size
+from ninfer_offload.profiles import DeviceProfile
+
+EXPERT_MODES = ("auto", "resident", "host")  # all in VRAM where they fit (else as planned), all in VRAM, all in host memory
+SPEC_CHOICES = ("auto", *SPECULATIVE_MODES)  # auto: mtp when the artifact has MTP weights, else none
+DRAFT_MODELS = ("dflash", "dflash2")  # draft models some artifacts carry (components of these names), never run
+DEFAULT_DRAFT_TOKENS = 3
+DEFAULT_CACHE_POLICY = "decayed"
+DEFAULT_MAX_CONTEXT = 32768  # tokens per sequence when none is asked for (at most the model's)
+KV_DTYPES = (None, "fp8")  # None: the compute dtype
+DTYPES = ("float32", "fp32", "bfloat16", "bf16")
+BACKENDS = ("auto", "reference", "triton")
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """A load's options (defaults: `Engine.load`'s and `ninfer generate`'s).
+
+    experts: auto, resident or host (`EXPERT_MODES`). profile / vram_budget: plan the load for a card (a
+    profile name, TOML file, `DeviceProfile` or "auto" for this one) and at most `vram_budget` bytes of
+    it (a size such as "12GiB" is read). num_slots: cache slots of an `experts="host"` load. cache_policy:
+    decayed, lru or static. miss_path: pcie, cpu or auto (None reads as pcie). max_context: tokens per
+    sequence (None: min(the model's, DEFAULT_MAX_CONTEXT)). max_sequences: sequences open at once.
+    kv_dtype: "fp8" or None (the compute dtype). spec: none, mtp or auto; draft_tokens: MTP drafts per
+    step with speculation (None: DEFAULT_DRAFT_TOKENS), without it the most tokens a multi-token step may
+    roll back (None: 0); proposal_head: draft with the proposal head; mtp: load the MTP module without
+    speculating. prefill_chunk: most prompt tokens per forward. dtype: float32 or bfloat16 (None: bf16 on
+    CUDA, fp32 on CPU; a torch dtype is kept by its name). backend: auto, reference or triton.
+    cuda_graphs: replay decode steps as CUDA graphs where the backend and the expert store allow it.
+    """
+
+    experts: str = "auto"
+    profile: str | DeviceProfile | None = None
+    vram_budget: int | None = None
+    num_slots: int | None = None
+    cache_policy: str = DEFAULT_CACHE_POLICY
+    miss_path: str = "pcie"
+    max_context: int | None = None
+    max_sequences: int = 1
+    kv_dtype: str | None = None
+    spec: str = "none"
+    draft_tokens: int | None = None
+    proposal_head: bool = False
+    mtp: bool = False
+    prefill_chunk: int = PREFILL_CHUNK
+    dtype: str | None = None
+    backend: str = "auto"
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.miss_path is None:
+            object.__setattr__(self, "miss_path", "pcie")
+        if isinstance(self.vram_budget, str):
+            object.__setattr__(self, "vram_budget", parse_size(self.vram_budget))
+        if self.dtype is not None and not isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        self._check_placement()
+        self._check_speculation()
+        self._check_sizes()
+
+    def _check_placement(self) -> None:
+        if self.experts not in EXPERT_MODES:
+            raise NinferError(f"--experts must be one of {', '.join(EXPERT_MODES)}, got {self.experts!r}")
+        if self.miss_path not in MISS_PATHS:
+            raise NinferError(f"--miss-path must be one of {', '.join(MISS_PATHS)}, got {self.miss_path!r}")
+        if self.cache_policy not in POLICIES:
+            raise NinferError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {self.cache_policy!r}")
+        if self.experts == "resident" and (self.profile is not None or self.vram_budget is not None):
+            raise NinferError("--experts resident keeps every expert in VRAM; drop --profile/--vram-budget, or use --experts auto")
+        if self.miss_path != "pcie" and self.experts != "host" and self.vram_budget is None and self.profile is None:
+            raise NinferError(
+                f"--miss-path {self.miss_path} computes experts kept in host memory: add --experts host or a --vram-budget "
+                "(a miss path needs host-resident experts)"
+            )
+        if self.vram_budget is not None and self.vram_budget <= 0:
+            raise NinferError("--vram-budget must be more than 0")
+        if self.num_slots is not None and self.num_slots < 0:
+            raise NinferError(f"num_slots must be >= 0, got {self.num_slots}")
+
+    def _check_speculation(self) -> None:
+        if self.spec in DRAFT_MODELS:
+            raise NinferError(
+                f"--spec {self.spec}: drafting with a DFlash model is not supported; an artifact's {self.spec} component is carried "
+                "but never run: use --spec auto, mtp or none"
+            )
+        if self.spec not in SPEC_CHOICES:
+            raise NinferError(f"--spec must be one of {', '.join(SPEC_CHOICES)}, got {self.spec!r}")
+        if self.draft_tokens is not None:
+            least = 0 if self.spec == "none" else 1
+            if not least <= self.draft_tokens <= MAX_DRAFTS:
+                without = " without speculation" if self.spec == "none" else ""
+                raise NinferError(f"--draft-tokens must be {least}..{MAX_DRAFTS}{without}, got {self.draft_tokens}")
+
+    def _check_sizes(self) -> None:
+        if self.max_context is not None and self.max_context < 1:
+            raise NinferError(f"--max-context must be at least 1, got {self.max_context}")
+        if self.max_sequences < 1:
+            raise NinferError(f"--max-concurrency must be >= 1, got {self.max_sequences}")
+        if self.prefill_chunk < 1:
+            raise NinferError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise NinferError(f"unsupported KV dtype {self.kv_dtype!r}: use fp8, or leave it out for the compute dtype")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise NinferError(f"unsupported dtype {self.dtype!r}: use float32 or bfloat16")
+        if self.backend not in BACKENDS:
+            raise NinferError(f"unknown backend {self.backend!r}: use auto, reference or triton")
+
+    @property
+    def planned(self) -> bool:
+        """Whether the load is planned for a card whatever the free VRAM (a profile or a VRAM budget was given)."""
+        return self.profile is not None or self.vram_budget is not None
+
+    def capacity(self, model_context: int) -> int:
+        """Tokens per sequence for a model of `model_context` tokens at most."""
+        capacity = min(model_context, DEFAULT_MAX_CONTEXT) if self.max_context is None else self.max_context
+        if capacity > model_context:
+            raise NinferError(
+                f"max context {capacity} must be between 1 and the model's maximum context of {model_context} (--max-context)"
+            )
+        return capacity
+
+    def load_options(self, capacity: int, draft_tokens: int, mtp: bool, element_bytes: int, kv_dtype: str) -> LoadOptions:
+        """The footprint's options of this request's state and weights (no expert arena), as the load resolved
+        it: `capacity` tokens per sequence, `draft_tokens` (the speculation's), the MTP module loaded or not, the
+        compute dtype's `element_bytes` and the KV cache's `kv_dtype` (a `KV_ELEMENT_BYTES` key)."""
+        return LoadOptions(
+            pinned_experts=(), cache_slots=0, staging_slots=0, sequences=self.max_sequences, capacity=capacity,
+            draft_tokens=draft_tokens, mtp=mtp, element_bytes=element_bytes, kv_dtype=kv_dtype, proposal_head=self.proposal_head,
+        )
+
+    def plan_options(self, load: LoadOptions) -> PlanOptions:
+        """The planner's options for this request as the load resolved it (`load_options`)."""
+        return PlanOptions(
+            max_context=load.capacity, concurrency=load.sequences, kv_dtype="fp8" if load.kv_dtype == "fp8" else "bf16",
+            speculative="mtp" if load.mtp else "none", drafts=max(1, load.draft_tokens), proposal_head=load.proposal_head,
+            prefill_chunk=self.prefill_chunk, vram_budget=self.vram_budget, miss_path=self.miss_path,
+        )
