@@ -38,7 +38,7 @@ def gdn_state_bytes(dims: ModelDims, element_bytes: int = BF16) -> int:
 
 
 # The scratch slot's KV rows (at least; the engine's state pool gets this): the most a captured step writes there
-# per entry, a padding entry of a batched admission of `runtime.engine.BATCHED_PREFILL_TOKENS[-1]` tokens.
+# per entry, a padding entry of a batched admission of `runtime.batched_prefill.BATCHED_PREFILL_TOKENS[-1]` tokens.
 SCRATCH_KV_ROWS = 64
 
 

@@ -84,7 +84,7 @@ def test_captured_batched_prefill_equals_the_eager_one(tiny_artifact_official):
     forward of its batch bucket, the batch padded with scratch entries and each row with padding tokens: its logits
     and the state it leaves (the batched decode steps after it) match the eager batched prefill's, for 4 sequences
     (a bucket of their own) and 5 (padded to 8)."""
-    from ninfer_offload.runtime.engine import BATCHED_PREFILL_TOKENS
+    from ninfer_offload.runtime.batched_prefill import BATCHED_PREFILL_TOKENS
 
     engines = [
         Engine.load(tiny_artifact_official, device="cuda", dtype="float32", spec="none", max_sequences=8, cuda_graphs=graphs)

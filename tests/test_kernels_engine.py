@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels_support import HAS_CUDA, needs_cuda, needs_triton_device
-from ninfer_offload.runtime.engine import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS, Engine
+from ninfer_offload.runtime.batched_prefill import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS
+from ninfer_offload.runtime.engine import Engine
 
 PROMPT = [5, 17, 300, 42, 7, 99, 123]
 STEPS = [11, 250, 3]

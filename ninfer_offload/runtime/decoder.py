@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.runtime.engine import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS
+from ninfer_offload.runtime.batched_prefill import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS
 from ninfer_offload.runtime.sampling import Sampler, SamplingParams
 from ninfer_offload.runtime.speculative import MtpSpeculator, draft_together
 from ninfer_offload.runtime.step_inputs import upload

@@ -33,6 +33,7 @@ from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
 from ninfer_offload.runtime.graphs import PREFILL_BUCKETS, StepGraphs, prefill_bucket
 from ninfer_offload.runtime.session import Session
+from ninfer_offload.runtime.batched_prefill import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS
 from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
 from ninfer_offload.runtime.step_inputs import step_inputs
 
@@ -42,13 +43,6 @@ from ninfer_offload.runtime.step_inputs import step_inputs
 # pairs (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles
 # (or loads from Triton's disk cache) its kernels inside the first request that has it.
 WARM_UP_PREFILLS = (1, 2, 3, 5, 12, 17, 24, 32, 33, 100)
-# Batched prefills (`prefill_batch`: a server admitting several prompts at once, experts in VRAM) pad each prompt's
-# next piece to these many tokens per sequence (`batched_prefill_piece`) over at least BATCHED_PREFILL_MIN_SEQUENCES sequences, the
-# shapes the warm-up compiles: per-sequence token blocks of 16, 32 and 64 with each T a multiple of 16, and 64 rows
-# (the tiled products) or more (dequantized tiles and cuBLAS). A piece of at most 64 tokens: the delta rule runs
-# token by token there.
-BATCHED_PREFILL_TOKENS = (16, 32, 64)
-BATCHED_PREFILL_MIN_SEQUENCES = 4
 # Prompts of up to this many tokens replay the largest captured prefill in pieces rather than run one eager
 # chunk (bound by ~900 launches of host time at these lengths). H200, prefill + head + token read
 # (bench/results/short_prompts_h200_e012db3.json): 40 tokens 21.0 ms in pieces against 48.2 as one eager chunk,

@@ -3,7 +3,7 @@ engine on first use, all sharing one memory pool. The models are the target (`En
 MTP layer drafting (`Engine.mtp_forward_step`) and the target's hidden states alone for prompt pieces
 (`prefill`: a short prompt chunk padded to the smallest of PREFILL_BUCKETS that holds it, or the next
 pieces of several newcomers' prompts that a server admits together, each padded to one of
-`Engine`'s BATCHED_PREFILL_TOKENS; padding rows come after the real ones, their KV rows lie past the
+`batched_prefill.BATCHED_PREFILL_TOKENS`; padding rows come after the real ones, their KV rows lie past the
 sequence's length and are overwritten by its next tokens, and they leave no GDN state behind:
 `StepContext.valid`).
 
