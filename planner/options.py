@@ -17,6 +17,10 @@ KV_DTYPES = ("bf16", "fp8", "int8")
 SPECULATIVE_MODES = ("none", "mtp")
 MISS_PATHS = ("pcie", "cpu", "auto")  # host-resident experts: read by the GPU over PCIe, computed on the host, or both
 MAX_DRAFTS = 5
+# Speculation pays where the cost model projects at least this speed-up over one token per step (`Prediction.speculates`),
+# at a per-draft acceptance of DEFAULT_MTP_ACCEPTANCE unless one is given.
+SPECULATION_MIN_SPEEDUP = 1.15
+DEFAULT_MTP_ACCEPTANCE = 0.72
 AT_CONTEXT = 4096  # default sequence length of the speed prediction (at most the context)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -64,7 +68,7 @@ class PlanOptions:
     vram_reserve: int | None = None  # bytes; None = the profile's reserve
     vram_budget: int | None = None  # bytes of the card the plan may use; None = all of it
     host_budget: int | None = None  # bytes of pinned host memory; None = a share of host RAM
-    mtp_acceptance: float = 0.75  # per-draft acceptance probability (assumption)
+    mtp_acceptance: float = DEFAULT_MTP_ACCEPTANCE  # per-draft acceptance probability (assumption)
     at_context: int | None = None  # sequence length at which decode speed is predicted; None = min(AT_CONTEXT, max_context)
     miss_path: str = "pcie"  # how decode serves host-resident experts (MISS_PATHS)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ninfer_offload.planner.options import PlanOptions
+from ninfer_offload.planner.options import SPECULATION_MIN_SPEEDUP, PlanOptions
 
 SCHEMA_ID = "ninfer-plan/1"
 PLACEMENTS = ("vram", "host", "split", "unused")
@@ -33,6 +33,17 @@ class Prediction:
     vram_bytes_per_token: int
     pcie_bytes_per_token: float
     assumptions: tuple[str, ...]
+
+    @property
+    def speculation_speedup(self) -> float | None:
+        """Decode with MTP over decode without it (None when the plan does not speculate)."""
+        return None if self.decode_tok_s_mtp is None else self.decode_tok_s_mtp / self.decode_tok_s
+
+    @property
+    def speculates(self) -> bool:
+        """Whether speculation pays on this plan: a projected speed-up of at least SPECULATION_MIN_SPEEDUP."""
+        speedup = self.speculation_speedup
+        return speedup is not None and speedup >= SPECULATION_MIN_SPEEDUP
 
 
 @dataclass
@@ -80,6 +91,8 @@ class Placement:
                 "prefill_tok_s": p.prefill_tok_s,
                 "vram_bytes_per_token": p.vram_bytes_per_token,
                 "pcie_bytes_per_token": p.pcie_bytes_per_token,
+                "speculation_speedup": p.speculation_speedup,
+                "speculates": p.speculates,
                 "assumptions": list(p.assumptions),
             }
         return {
@@ -181,11 +194,13 @@ PLAN_SCHEMA: dict = {
             "type": ["object", "null"],
             "additionalProperties": False,
             "required": [
-                "decode_tok_s", "decode_tok_s_mtp", "prefill_tok_s", "vram_bytes_per_token", "pcie_bytes_per_token", "assumptions"
+                "decode_tok_s", "decode_tok_s_mtp", "prefill_tok_s", "vram_bytes_per_token", "pcie_bytes_per_token",
+                "speculation_speedup", "speculates", "assumptions",
             ],
             "properties": {
                 "decode_tok_s": _NUMBER, "decode_tok_s_mtp": {"type": ["number", "null"], "minimum": 0},
                 "prefill_tok_s": _NUMBER, "vram_bytes_per_token": _INT, "pcie_bytes_per_token": _NUMBER,
+                "speculation_speedup": {"type": ["number", "null"], "minimum": 0}, "speculates": {"type": "boolean"},
                 "assumptions": {"type": "array", "items": {"type": "string"}},
             },
         },

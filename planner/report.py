@@ -13,6 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from ninfer_offload.planner.cost import general_assumptions
+from ninfer_offload.planner.options import SPECULATION_MIN_SPEEDUP
 from ninfer_offload.planner.placement import Placement
 from ninfer_offload.profiles import DeviceProfile
 
@@ -90,11 +91,21 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
         speed.add_column("value", justify="right")
         speed.add_row("decode tok/s (batch 1)", _rate(r.decode_tok_s))
         speed.add_row("decode tok/s with MTP", _rate(r.decode_tok_s_mtp))
+        speed.add_row("speculation", _speculation(r))
         speed.add_row("prefill tok/s", _rate(r.prefill_tok_s))
         speed.add_row("VRAM read per token", gib(r.vram_bytes_per_token))
         speed.add_row("PCIe per token", f"{r.pcie_bytes_per_token / 2**20:.1f} MiB")
         parts += [speed, _assumption_table(r.assumptions, compact)]
     return Group(*parts)
+
+
+def _speculation(prediction) -> str:
+    """The decision `--spec auto` takes on this plan, with the projected speed-up behind it."""
+    speedup = prediction.speculation_speedup
+    if speedup is None:
+        return "off (not planned)"
+    verdict = "on" if prediction.speculates else "off"
+    return f"{verdict}: x{speedup:.2f} projected (on from x{SPECULATION_MIN_SPEEDUP:g})"
 
 
 def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], compact: bool = False) -> Group:

@@ -252,3 +252,18 @@ def test_prediction_follows_the_measured_engine_timings(inventory):
     assert 1 / split.predicted.decode_tok_s == pytest.approx(step, rel=0.01)
     assert "measured on h200" in resident.predicted.assumptions[0]
     assert "measured on the h200" in plan(inventory, load_profile("rtx5060ti"), options).predicted.assumptions[0]
+
+
+def test_speculation_is_on_where_the_projected_speedup_pays(inventory):
+    """The plan's speculation decision (`--spec auto`) follows the cost model's projection: with drafts that are always
+    accepted the projected speed-up passes SPECULATION_MIN_SPEEDUP, with drafts never accepted it cannot; without
+    speculation there is no decision to take."""
+    from ninfer_offload.planner.options import SPECULATION_MIN_SPEEDUP
+
+    card = load_profile("rtx5090")
+    for acceptance, on in ((0.99, True), (0.0, False)):
+        predicted = plan(inventory, card, PlanOptions(mtp_acceptance=acceptance)).predicted
+        assert predicted.speculation_speedup == pytest.approx(predicted.decode_tok_s_mtp / predicted.decode_tok_s)
+        assert predicted.speculates is on and (predicted.speculation_speedup >= SPECULATION_MIN_SPEEDUP) is on
+    plain = plan(inventory, card, PlanOptions(speculative="none")).predicted
+    assert plain.speculation_speedup is None and not plain.speculates

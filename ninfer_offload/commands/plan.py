@@ -20,7 +20,7 @@ from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.commands.load_options import load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner import PlanOptions, parse_size, plan as make_plan
-from ninfer_offload.planner.options import model_defaults
+from ninfer_offload.planner.options import DEFAULT_MTP_ACCEPTANCE, model_defaults
 from ninfer_offload.planner.request import DEFAULT_DRAFT_TOKENS, LoadRequest
 from ninfer_offload.planner.routing import load_routing_stats
 from ninfer_offload.profiles import DeviceProfile, load_profile, shipped_names
@@ -85,7 +85,9 @@ def plan(
     vram_reserve: Optional[str] = typer.Option(None, "--vram-reserve", help="VRAM kept for driver and context (default: the profile's)."),
     host_budget: Optional[str] = typer.Option(None, "--host-budget", help="Pinned host memory allowed (default: 75% of RAM)."),
     routing_stats: Optional[Path] = typer.Option(None, "--routing-stats", help="Per-layer expert pick counts (one line per layer)."),
-    mtp_acceptance: float = typer.Option(0.75, "--mtp-acceptance", help="Assumed per-draft acceptance rate."),
+    mtp_acceptance: float = typer.Option(
+        DEFAULT_MTP_ACCEPTANCE, "--mtp-acceptance", help="Assumed per-draft acceptance rate (speculation is on where it pays 1.15x)."
+    ),
     at_context: Optional[int] = typer.Option(
         None, "--at-context", help="Sequence length at which decode speed is predicted (default: 4096, at most the context)."
     ),
