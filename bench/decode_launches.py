@@ -110,7 +110,7 @@ def count_step(artifact: Path, dtype: str, tokens: int = 1) -> dict:
     with torch.no_grad(), LaunchCounter() as counter:
         layers, engine.text.layers = engine.text.layers, [MeasuredLayer(layer, counter, per_kind) for layer in engine.text.layers]
         try:
-            engine.forward(token, ctx)
+            engine.runner.forward(token, ctx)
         finally:
             engine.text.layers = layers
     triton_total, torch_total = sum(counter.kernels.values()), sum(counter.ops.values())
