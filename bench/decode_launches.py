@@ -2,7 +2,7 @@
 
 Usage: python bench/decode_launches.py [--dtype bfloat16] [--tokens T] [ARTIFACT]
 
-Runs the step a captured decode graph records (`Engine.forward` on device-held inputs) on the Triton backend under
+Runs the step a captured decode graph records (`StepRunner.forward` on device-held inputs) on the Triton backend under
 the Triton interpreter, after a short prefill, and counts what it would launch on a GPU (with `--tokens T`, a
 step of T tokens that keeps each token's state, as a verification of T - 1 drafts does): each
 Triton kernel call, and each torch op that computes (views and uninitialised allocations launch
@@ -110,7 +110,7 @@ def count_step(artifact: Path, dtype: str, tokens: int = 1) -> dict:
     with torch.no_grad(), LaunchCounter() as counter:
         layers, engine.text.layers = engine.text.layers, [MeasuredLayer(layer, counter, per_kind) for layer in engine.text.layers]
         try:
-            engine.forward(token, ctx)
+            engine.runner.forward(token, ctx)
         finally:
             engine.text.layers = layers
     triton_total, torch_total = sum(counter.kernels.values()), sum(counter.ops.values())

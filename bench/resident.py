@@ -133,7 +133,7 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
         for c0 in range(0, len(ids), 8192):
             session.prefill(ids[c0 : c0 + 8192])
         done = context
-        eager = timed(lambda: session.forward([1]), 5)  # a one-token prefill: the same kernels, eager
+        eager = timed(lambda: session.append([1]), 5)  # a one-token prefill: the same kernels, eager
         steps = 50
         if context == contexts[0]:
             report["graph_vs_eager_max_rel_diff"] = graph_vs_eager(engine, session, ids)
@@ -189,10 +189,10 @@ def graph_vs_eager(engine: Engine, session, prompt: list[int]) -> float:
     for c0 in range(0, len(prompt), 8192):
         twin.prefill(prompt[c0 : c0 + 8192])
     for _ in range(session.length - twin.length):
-        twin.forward([1])
+        twin.append([1])
     worst = 0.0
     for token in (7, 300, 4242):
-        a, b = session.step(token), twin.forward([token])[0][0].float()
+        a, b = session.step(token), twin.append([token])[0][0].float()
         worst = max(worst, float((a - b).norm() / b.norm()))
     twin.close()
     return worst

@@ -4,7 +4,7 @@
 
 * a prompt's prefill, its logits and the first token read on the host (the engine's part of the time to
   first token), per prompt length, with short prompts replayed from captured prefills in pieces (the
-  default, `engine.GRAPHED_PROMPT_MAX`) and run as one eager chunk (`GRAPHED_PROMPT_MAX = 0`) in the same run;
+  default, `step_runner.GRAPHED_PROMPT_MAX`) and run as one eager chunk (`GRAPHED_PROMPT_MAX = 0`) in the same run;
 * greedy decode of B sequences with each step queued before the host reads the previous one's tokens (the
   server's loop), against the same steps queued back to back without reading: ms per step per batch size.
 """
@@ -76,18 +76,18 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
 
-    from ninfer_offload.runtime import engine as engine_module
+    from ninfer_offload.runtime import step_runner
     from ninfer_offload.runtime.engine import Engine
 
     engine = Engine.load(args.artifact, device="cuda", max_sequences=max(args.batches), spec="none")
     warm_up = engine.warm_up(max(args.prompts))
     report = {**gpu_report_header(args.commit), "warm_up_s": warm_up.seconds, "prompts": [], "batched_decode": []}
-    default = engine_module.GRAPHED_PROMPT_MAX
+    default = step_runner.GRAPHED_PROMPT_MAX
     for length in args.prompts:
         replayed = prompt_ms(engine, length, args.repeats)
-        engine_module.GRAPHED_PROMPT_MAX = 0
+        step_runner.GRAPHED_PROMPT_MAX = 0
         eager = prompt_ms(engine, length, args.repeats)
-        engine_module.GRAPHED_PROMPT_MAX = default
+        step_runner.GRAPHED_PROMPT_MAX = default
         report["prompts"].append({"tokens": length, "default_ms": replayed, "one_eager_chunk_ms": eager})
         print(json.dumps(report["prompts"][-1]), flush=True)
     for batch in args.batches:

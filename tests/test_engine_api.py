@@ -78,7 +78,7 @@ def test_long_prefill_runs_in_chunks(engine, tiny_artifact):
 
 def test_mtp_one_shot_equals_step_by_step(engine):
     target = engine.session()
-    _, hidden = target.forward(PROMPT)
+    _, hidden = target.append(PROMPT)
     assert hidden.shape == (len(PROMPT), engine.config.hidden_size)
     one_shot = engine.session()
     logits, mtp_hidden = one_shot.mtp(hidden[:-1], PROMPT[1:])
@@ -99,7 +99,7 @@ def test_mtp_one_shot_equals_step_by_step(engine):
 def test_batched_mtp_step_equals_each_sessions_own(engine):
     """Two sequences of different lengths draft one MTP position together: the logits and hidden states
     each would get alone."""
-    _, hidden = engine.session().forward(PROMPT)
+    _, hidden = engine.session().append(PROMPT)
     short, long = engine.session(), engine.session()
     short.mtp(hidden[:9], PROMPT[1:10])
     long.mtp(hidden[:29], PROMPT[1:30])
@@ -118,7 +118,7 @@ def test_batched_mtp_step_equals_each_sessions_own(engine):
 def test_an_mtp_step_of_several_positions_equals_the_prompt_style_forward(engine):
     """Following a verified round (T positions as one MTP decode step) gives what the chunked MTP
     forward of the same positions gives, and leaves the MTP cache as long."""
-    _, hidden = engine.session().forward(PROMPT)
+    _, hidden = engine.session().append(PROMPT)
     chunked, stepped = engine.session(), engine.session()
     chunked.mtp(hidden[:9], PROMPT[1:10])
     stepped.mtp(hidden[:9], PROMPT[1:10])

@@ -59,7 +59,7 @@ def test_captured_short_prefill_equals_the_eager_one(tiny_artifact_official):
     """Prompt chunks of up to 32 tokens replay a captured prefill padded to its bucket, and prompts of up to
     GRAPHED_PROMPT_MAX tokens replay it in 32-token pieces: the logits and the state they leave (the decode
     steps after them, a second chunk after the first) match the eager prefill's, which runs each chunk whole."""
-    from ninfer_offload.runtime.engine import GRAPHED_PROMPT_MAX
+    from ninfer_offload.runtime.step_runner import GRAPHED_PROMPT_MAX
 
     engines = [
         Engine.load(tiny_artifact_official, device="cuda", dtype="float32", spec="none", cuda_graphs=graphs) for graphs in (True, False)

@@ -16,7 +16,7 @@ STEPS = [11, 250, 3]
 def _run(engine: Engine) -> torch.Tensor:
     """Prefill logits of PROMPT then one row per decode step: [len(PROMPT) + len(STEPS), vocab]."""
     session = engine.session()
-    rows = [session.forward(PROMPT)[0]]
+    rows = [session.append(PROMPT)[0]]
     rows += [session.step(t)[None] for t in STEPS]
     return torch.cat(rows).float().cpu()
 
@@ -76,7 +76,7 @@ def test_cpu_engine_steps_eagerly(tiny_artifact_official):
     a, b = engine.session(), engine.session()
     a.prefill(PROMPT)
     b.prefill(PROMPT)
-    assert torch.equal(a.step(11), b.forward([11])[0][0]) and a.length == b.length
+    assert torch.equal(a.step(11), b.append([11])[0][0]) and a.length == b.length
 
 
 @pytest.mark.gpu
@@ -159,11 +159,11 @@ def test_captured_step_ops_equal_eager_step(tiny_artifact_official):
     eager.prefill(PROMPT[:1])  # (interpreted, a prefill costs ~10 s per token here)
     captured.prefill(PROMPT[:1])
     for token in STEPS[:2]:  # (two steps: ~10 s per interpreted forward)
-        expected = eager.forward([token])[0][0]
+        expected = eager.append([token])[0][0]
         packed = pack_inputs([token], [captured.slot], [captured.length], 1, engine.max_context).to(device)
         tokens, ctx = unpack_inputs(packed, 1, 1, prefill=False, keep_states=False, host=None)
         with torch.no_grad():
-            got = engine.forward(tokens, ctx)[0][0]
+            got = engine.runner.forward(tokens, ctx)[0][0]
         captured.pending = 1
         captured.commit(1)
         assert torch.equal(got, expected)

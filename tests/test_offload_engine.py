@@ -15,6 +15,7 @@ from ninfer_offload import Engine, NinferError
 from ninfer_offload.kernels.moe import PREFILL_TILES
 from ninfer_offload.planner import memory
 from ninfer_offload.runtime.memory_check import check_host_memory
+from ninfer_offload.runtime.step_inputs import step_inputs
 
 PROMPT = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(11)).tolist()
 STEPS = [3, 99, 250, 7, 61, 300, 12, 8, 444, 17, 42, 5]
@@ -138,13 +139,13 @@ def test_mtp_forwards_are_not_the_expert_stores_steps(tiny_artifact_official, mo
     plain.close()
     engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, spec="mtp", draft_tokens=3)
     steps = []
-    original = ExpertStore.forward
+    original = ExpertStore.around_step
 
-    def counted(self, prefill=False, tokens=1):
-        steps.append(prefill)
-        return original(self, prefill, tokens)
+    def counted(self, tokens, ctx=None):
+        steps.append(ctx is not None and ctx.staged)  # staged: a prompt chunk
+        return original(self, tokens, ctx)
 
-    monkeypatch.setattr(ExpertStore, "forward", counted)
+    monkeypatch.setattr(ExpertStore, "around_step", counted)
     result = generate(engine, PROMPT, max_tokens=12, sampling=greedy).run()
     assert result.token_ids == want
     assert steps.count(False) == result.speculation["rounds"] > 0 and steps.count(True) >= 1
@@ -272,10 +273,11 @@ def test_the_moe_kernels_read_the_staging_slots(tiny_artifact_official, monkeypa
     ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).to(DEVICE)
     weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1).to(DEVICE)
     used = torch.bincount(ids.reshape(-1).cpu(), minlength=experts).numpy() > 0
+    _, chunk = step_inputs([0], [host.state.scratch_slot], [0], 1, host.max_context, host.device, prefill=True, staged=True)
     for layer in range(host.config.num_layers):
         want = resident.store.routed(resident.backend, layer, x, ids, weights)
-        with host.store.forward(prefill=True):
-            got = host.store.routed(host.backend, layer, x, ids, weights)
+        with host.store.around_step(1, chunk):
+            got = host.store.routed(host.backend, layer, x, ids, weights, ctx=chunk)
             bank, later = host.store.staging.bank(layer, ids)
         outside = ~host.store.cache.in_vram[layer]
         missing, staged = int((used & outside).sum()), later.cpu().numpy()

@@ -91,7 +91,7 @@ def test_an_offloaded_step_has_no_host_sync(tiny_artifact_official, miss_path):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        engine.forward(tokens, ctx)
+        engine.runner.forward(tokens, ctx)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -213,7 +213,7 @@ def test_captured_mtp_steps_equal_eager_ones(tiny_artifact_official):
     results = []
     for engine in engines:
         target = engine.session()
-        _, hidden = target.forward(PROMPT)
+        _, hidden = target.append(PROMPT)
         session = engine.session()
         session.mtp(hidden[:5], PROMPT[1:6])
         first = engine.mtp_step([session], hidden[5:6], [PROMPT[6]])
@@ -228,7 +228,7 @@ def test_batched_mtp_step_on_cuda_equals_each_sessions_own(tiny_artifact_officia
     """The MTP layer through the Triton decode kernels for two sequences at once (float32) gives what
     each gets alone."""
     engine = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", mtp=True, max_sequences=4)
-    _, hidden = engine.session().forward(PROMPT)
+    _, hidden = engine.session().append(PROMPT)
     together, alone = [engine.session(), engine.session()], [engine.session()]
     together[0].mtp(hidden[:5], PROMPT[1:6])
     together[1].mtp(hidden[:11], PROMPT[1:12])

@@ -128,7 +128,7 @@ def test_state_after_a_rejected_round_is_a_clean_run(tiny_artifact):
     engine = Engine.load(tiny_artifact, spec="mtp", draft_tokens=3, max_sequences=2)
     spec, clean = engine.session(), engine.session()
     for session in (spec, clean):
-        session.forward(GREEDY_PROMPT)
+        session.append(GREEDY_PROMPT)
     engine.step([spec], [[5, 6, 7, 8]])
     spec.commit(2)
     clean.step(5)

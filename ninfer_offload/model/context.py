@@ -1,5 +1,6 @@
 """The step context: what one forward knows about its tokens, built once by the runtime and read by
-every layer (positions, state slots, lengths, KV write rows as device tensors).
+every layer (positions, state slots, lengths, KV write rows as device tensors), and what kind of
+step it is (a prefill chunk, one whose host experts are staged): the one place a step's mode is read.
 
 Rows are grouped by sequence. A decode step holds B sequences of T tokens each (sequence b owns
 rows [b*T, (b+1)*T)); a prefill chunk holds one sequence of any number of tokens. Layers choose
@@ -31,6 +32,9 @@ class StepContext:
     # (the reference backend, prefill). None in a captured step, whose device values change per replay.
     host_slots: tuple[int, ...] | None
     host_starts: tuple[int, ...] | None
+    # A prompt chunk of the target run eagerly: the expert store copies the host experts its layers need into its
+    # staging slots (`runtime.prefill_staging`, begun by `ExpertStore.around_step`). Never set in a captured step.
+    staged: bool = False
 
     @property
     def batch(self) -> int:

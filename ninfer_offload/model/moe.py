@@ -10,6 +10,7 @@ import torch
 
 from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.model.backend import Backend, Input, SharedExpert
+from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.stacked import StackedLinear, both
 from ninfer_offload.model.weights import Weight, WeightReader
 
@@ -19,9 +20,9 @@ class RoutedExperts(Protocol):
 
     def routed(
         self, backend: Backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        shared: SharedExpert | None = None,
+        shared: SharedExpert | None = None, ctx: StepContext | None = None,
     ) -> torch.Tensor:
-        """The routed experts' output [T, H], plus `shared`'s rows when given."""
+        """The routed experts' output [T, H], plus `shared`'s rows when given, in the step `ctx` describes."""
 
 
 @dataclass
@@ -46,8 +47,9 @@ class SparseMoe:
             experts=experts,
         )
 
-    def __call__(self, backend: Backend, x: Input) -> torch.Tensor:
+    def __call__(self, backend: Backend, x: Input, ctx: StepContext) -> torch.Tensor:
         (logits, score), (gate, up) = both(backend, self.gates, self.shared_in, x)
         x = backend.resolve(x)  # the normalised input: computed by the products above where they could
         topk_ids, topk_weights = backend.route(logits, self.top_k, x.dtype)
-        return self.experts.routed(backend, self.layer, x, topk_ids, topk_weights, SharedExpert(gate, up, self.shared_down, score))
+        shared = SharedExpert(gate, up, self.shared_down, score)
+        return self.experts.routed(backend, self.layer, x, topk_ids, topk_weights, shared, ctx)

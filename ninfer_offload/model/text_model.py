@@ -65,7 +65,7 @@ class DecoderLayer:
             backend.resolve(mixer_input)
             x = mixer_input.total
         moe_input = ResidualNorm(x, mixed, self.post_attention_norm, self.eps)
-        out = self.moe(backend, moe_input)
+        out = self.moe(backend, moe_input, ctx)
         backend.resolve(moe_input)
         return moe_input.total, out
 

@@ -5,8 +5,10 @@
     s = engine.session(); s.prefill(ids); s.step(tok)  # incremental, state in one slot of the pool
     engine.step_batch([s1, s2], [t1, t2])              # one decode step over several sequences
 
-Every forward builds one step context (`runtime.step_inputs`) that all layers read; decode steps on
-CUDA with a capturable backend and store replay CUDA graphs (`runtime.graphs`).
+The engine is the façade: it loads, hands out sessions (state slots), checks the tokens, sessions and
+room it is given and keeps each session's length; the forwards themselves are its step runner's
+(`runtime.step_runner.StepRunner`, `engine.runner`), whose parts (text model, expert store, state
+pool, graphs...) it shows as its own attributes.
 """
 
 from __future__ import annotations
@@ -23,19 +25,17 @@ from ninfer_offload.model.backend import ReferenceBackend
 from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.dims import FULL_ATTENTION, ModelDims
-from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, load_footprint
-from ninfer_offload.planner.options import PREFILL_CHUNK
 from ninfer_offload.planner.request import LoadRequest
 from ninfer_offload.runtime.expert_plan import LoadPlan, expert_load_plan
 from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
-from ninfer_offload.runtime.graphs import PREFILL_BUCKETS, StepGraphs, prefill_bucket
+from ninfer_offload.runtime.graphs import PREFILL_BUCKETS
 from ninfer_offload.runtime.session import Session
 from ninfer_offload.runtime.batched_prefill import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS
 from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
-from ninfer_offload.runtime.step_inputs import step_inputs
+from ninfer_offload.runtime.step_runner import StepRunner
 
 # Prompt lengths reaching each kernel path and block size (the next power of two of the token count T up to 64:
 # the matrix-vector kernels' token block up to 8, the tiled products' row block and the conv's token block above;
@@ -43,11 +43,6 @@ from ninfer_offload.runtime.step_inputs import step_inputs
 # pairs (1, a multiple of 16, neither): odd T, even T, T a multiple of 16. A length the warm-up missed compiles
 # (or loads from Triton's disk cache) its kernels inside the first request that has it.
 WARM_UP_PREFILLS = (1, 2, 3, 5, 12, 17, 24, 32, 33, 100)
-# Prompts of up to this many tokens replay the largest captured prefill in pieces rather than run one eager
-# chunk (bound by ~900 launches of host time at these lengths). H200, prefill + head + token read
-# (bench/results/short_prompts_h200_e012db3.json): 40 tokens 21.0 ms in pieces against 48.2 as one eager chunk,
-# 64: 25.6 / 51.7, 100: 44.6 / 77.1, 128: 51.4 / 80.4; 200 tokens, one eager chunk, 78.4.
-GRAPHED_PROMPT_MAX = 128
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -88,7 +83,6 @@ def _backend_for(device: torch.device, name: str):
     return TritonBackend()
 
 
-
 @dataclass(frozen=True)
 class WarmUpTimes:
     """Seconds `Engine.warm_up` spent prefilling (kernels compiled, short prompt chunks captured) and
@@ -101,33 +95,39 @@ class WarmUpTimes:
     def seconds(self) -> float:
         return self.prefills + self.captures
 
+
+def _part(name: str) -> property:
+    """An engine attribute that is its step runner's `name`."""
+    return property(lambda self: getattr(self.runner, name), doc=f"The step runner's `{name}`.")
+
+
 class Engine:
     """A loaded model on one device, ready to run up to `state.sequences` sequences at once."""
 
+    config = _part("config")
+    text = _part("text")
+    mtp = _part("mtp")
+    proposal = _part("proposal")  # the proposal head drafts when loaded, else the output head
+    store = _part("store")
+    backend = _part("backend")
+    device = _part("device")
+    dtype = _part("dtype")
+    state = _part("state")
+    graphs = _part("graphs")
+    max_context = _part("max_context")
+    prefill_chunk = _part("prefill_chunk")  # most tokens per prefill forward
+
     def __init__(
-        self, artifact, loaded, backend, device: torch.device, dtype: torch.dtype, state: StatePool, cuda_graphs: bool = True,
-        expert_plan: LoadPlan | None = None, speculation: Speculation = Speculation("none", 0, False),
-        prefill_chunk: int = PREFILL_CHUNK,
+        self, artifact, runner: StepRunner, expert_plan: LoadPlan | None = None,
+        speculation: Speculation = Speculation("none", 0, False), load_seconds: dict | None = None,
     ):
         self.artifact = artifact
-        self.config = loaded.config
-        self.text = loaded.text
-        self.mtp = loaded.mtp
-        self.proposal = loaded.proposal  # the proposal head drafts when loaded, else the output head
-        self.store = loaded.store
-        self.load_seconds = loaded.load_seconds  # wall seconds of the load's phases (`LoadedModel.load_seconds`)
-        self.backend = backend
-        self.device = device
-        self.dtype = dtype
-        self.state = state
-        self.max_context = state.capacity
-        self.prefill_chunk = prefill_chunk  # most tokens per prefill forward
+        self.runner = runner
+        self.load_seconds = load_seconds or {}  # wall seconds of the load's phases (`LoadedModel.load_seconds`)
         self.expert_plan = expert_plan  # where the routed experts went, and the plan behind it
         self.speculation = speculation  # what the load resolved `spec`/`draft_tokens`/`proposal_head` to
         self.spec_tokens = speculation.spec_tokens  # MTP drafts per speculative step of `generate` (0: plain decode)
-        self._free_slots = list(range(state.sequences - 1, -1, -1))
-        capturable = cuda_graphs and device.type == "cuda" and backend.capturable and self.store.capturable
-        self.graphs = StepGraphs(self) if capturable else None
+        self._free_slots = list(range(runner.state.sequences - 1, -1, -1))
 
     @classmethod
     def load(
@@ -155,11 +155,11 @@ class Engine:
             speculation = resolve_speculation(request, inventory, artifact.path.name)
             mtp = request.mtp or speculation.mode == "mtp"
             capacity = request.capacity(config.max_position_embeddings)
-            options = request.load_options(capacity, speculation.draft_tokens, mtp, _element_bytes(dtype), _KV_NAMES[cache_dtype])
-            state_and_weights = load_footprint(inventory, options)
+            resolved_load = request.load_options(capacity, speculation.draft_tokens, mtp, _element_bytes(dtype), _KV_NAMES[cache_dtype])
+            state_and_weights = load_footprint(inventory, resolved_load)
             free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
             expert_plan = expert_load_plan(
-                inventory, resolved, request, options, None if free is None else free - sum(state_and_weights.values())
+                inventory, resolved, request, resolved_load, None if free is None else free - sum(state_and_weights.values())
             )
             if resolved.type == "cuda":
                 check_fits(state_and_weights | {"experts": expert_plan.arena_bytes}, free, resolved)
@@ -177,7 +177,8 @@ class Engine:
         except BaseException:
             artifact.close()
             raise
-        return cls(artifact, loaded, ops, resolved, dtype, state, request.cuda_graphs, expert_plan, speculation, request.prefill_chunk)
+        runner = StepRunner(loaded, ops, resolved, dtype, state, request.prefill_chunk, request.cuda_graphs)
+        return cls(artifact, runner, expert_plan, speculation, loaded.load_seconds)
 
     def placement_report(self) -> str:
         """One line: where the routed experts went (and the plan behind it), and the VRAM in use against the plan."""
@@ -204,36 +205,27 @@ class Engine:
         """Give a closed session's slot back."""
         self._free_slots.append(slot)
 
-    # ------------------------------------------------------------------ running
+    # ------------------------------------------------------------------ prompts
     def logits(self, token_ids: Iterable[int]) -> torch.Tensor:
         """Logits [T, vocab] (float32) of a fresh sequence `token_ids` (one full prefill)."""
         session = self.session()
         try:
-            return session.forward(token_ids)[0]
+            return session.append(token_ids)[0]
         finally:
             session.close()
 
     def prefill(self, session: Session, token_ids: Iterable[int]) -> torch.Tensor:
         """Append `token_ids` to `session` in chunks of at most `prefill_chunk`; hidden states [T, H]. A
         chunk of a few tokens on a resident load replays a captured prefill (`StepGraphs.prefill`), and so
-        does a short prompt, in pieces of the largest captured chunk (GRAPHED_PROMPT_MAX)."""
+        does a short prompt, in pieces of the largest captured chunk (`step_runner.GRAPHED_PROMPT_MAX`)."""
         ids = self._token_list(token_ids)
         slot = session.live_slot()
         self._check_room(session.length, len(ids))
         hidden = []
-        short = self._replays_prefills() and len(ids) <= GRAPHED_PROMPT_MAX
-        piece = min(PREFILL_BUCKETS[-1], self.prefill_chunk) if short else self.prefill_chunk
+        piece = self.runner.prefill_piece(len(ids))
         for c0 in range(0, len(ids), piece):
             chunk = ids[c0 : c0 + piece]
-            with torch.no_grad():
-                if self._captured_prefill(session.length, len(chunk)):
-                    t = prefill_bucket(len(chunk))
-                    padded = chunk + [0] * (t - len(chunk))
-                    hidden.append(self.graphs.prefill(padded, [slot], [session.length], t, [len(chunk)])[: len(chunk)].clone())
-                else:
-                    tokens, ctx = step_inputs(chunk, [slot], [session.length], len(chunk), self.max_context, self.device, prefill=True)
-                    with self.store.forward(prefill=True, tokens=len(chunk)):
-                        hidden.append(self.text.hidden(self.backend, tokens, ctx, self.state))
+            hidden.append(self.runner.prefill(chunk, slot, session.length))
             session.pending = len(chunk)
             session.commit(len(chunk))
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
@@ -254,13 +246,7 @@ class Engine:
         valid = [len(row) for row in token_ids]
         flat = self._token_list([token for row in token_ids for token in row + [0] * (t - len(row))])
         slots, starts = self._live_slots(sessions, t), [s.length for s in sessions]
-        with torch.no_grad():
-            if self._captured_batched_prefill(t):
-                hidden = self.graphs.prefill(flat, slots, starts, t, valid)
-            else:
-                tokens, ctx = step_inputs(flat, slots, starts, t, self.max_context, self.device, valid=valid)
-                with self.store.forward(tokens=len(flat)):
-                    hidden = self.text.hidden(self.backend, tokens, ctx, self.state)
+        hidden = self.runner.prefill_batch(flat, slots, starts, t, valid)
         for session, n in zip(sessions, valid):
             session.pending = n
             session.commit(n)
@@ -271,36 +257,9 @@ class Engine:
         """Tokens per sequence of a batched prefill whose longest prompt has `unprefilled` tokens left: the smallest
         of BATCHED_PREFILL_TOKENS (what `warm_up` compiled) that holds them, else the largest; 0 if none fits the
         context or the experts are offloaded."""
-        pieces = [t for t in BATCHED_PREFILL_TOKENS if t < self.max_context]
-        if self.store.offloaded or not pieces:
-            return 0
-        return next((t for t in pieces if t >= unprefilled), pieces[-1])
+        return self.runner.batched_prefill_piece(unprefilled)
 
-    def _scratch_batched_prefill(self, sequences: int, tokens: int) -> None:
-        """`prefill_batch` of `tokens` tokens on `sequences` scratch sequences (warm-up), where the context has room."""
-        if tokens >= self.max_context:
-            return
-        scratch = [self.session() for _ in range(sequences)]
-        try:
-            self.prefill_batch(scratch, [[(i + s) % self.config.vocab_size for i in range(tokens)] for s in range(sequences)])
-        finally:
-            for session in scratch:
-                session.close()
-
-    def _captured_prefill(self, start: int, tokens: int) -> bool:
-        """Whether a prompt chunk of `tokens` tokens after `start` replays a captured prefill: graphs, all
-        experts in VRAM (an offloaded prefill stages host experts), and its padded rows within the context."""
-        return self._replays_prefills() and tokens <= PREFILL_BUCKETS[-1] and start + prefill_bucket(tokens) <= self.max_context
-
-    def _captured_batched_prefill(self, tokens: int) -> bool:
-        """Whether a batched prefill of `tokens` tokens per sequence replays a captured forward: graphs, all experts
-        in VRAM, a size the warm-up captures, and padding entries' rows within the scratch slot's."""
-        return self._replays_prefills() and tokens in BATCHED_PREFILL_TOKENS and tokens <= self.state.scratch_rows
-
-    def _replays_prefills(self) -> bool:
-        """Whether short prompt chunks replay captured prefills: graphs, and all experts in VRAM."""
-        return self.graphs is not None and not self.store.offloaded
-
+    # ------------------------------------------------------------------ decode steps
     def step(
         self, sessions: list[Session], tokens: list[list[int]], with_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -329,55 +288,45 @@ class Engine:
             raise NinferError(f"a device step takes one int64 token per session on {self.device}, got {tuple(tokens.shape)}")
         return self._step(sessions, [0] * len(sessions), tokens, 1)[0][:, 0]
 
-    def _step(
-        self, sessions: list[Session], flat: list[int], device_tokens: torch.Tensor | None, t: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, T, vocab], hidden [B * T, H]) of one decode step of `flat` tokens (the ids of
-        `device_tokens` where given)."""
-        slots = self._live_slots(sessions, t)
-        starts = [s.length for s in sessions]
-        with torch.no_grad(), self.store.forward(tokens=len(flat)):
-            if self.graphs is not None:
-                logits, hidden = self.graphs.run(flat, slots, starts, t, device_tokens)
-            else:
-                ids, ctx = step_inputs(flat, slots, starts, t, self.max_context, self.device, keep_states=t > 1)
-                if device_tokens is not None:
-                    ids.copy_(device_tokens)
-                logits, hidden = self.forward(ids, ctx)
-        for session in sessions:
-            session.pending = t
-            if t == 1:
-                session.commit(1)
-        return logits.view(len(sessions), t, -1), hidden
-
     def step_batch(self, sessions: list[Session], token_ids: list[int]) -> torch.Tensor:
         """One decode step appending token_ids[i] to sessions[i] (sequences of any lengths): logits [B, vocab]."""
         if len(sessions) != len(token_ids):
             raise NinferError("step_batch needs one token per session")
         return self.step(sessions, [[token] for token in token_ids])[:, 0]
 
-    def forward(self, token_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [N, vocab], final-normed hidden states [N, H]) of one forward described by `ctx`
-        (what a captured step records)."""
-        hidden = self.text.hidden(self.backend, token_ids, ctx, self.state)
-        return self.logits_of(hidden), hidden
+    def _step(
+        self, sessions: list[Session], flat: list[int], device_tokens: torch.Tensor | None, t: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, T, vocab], hidden [B * T, H]) of one decode step of `flat` tokens (the ids of
+        `device_tokens` where given), the sessions' lengths kept: a one-token step committed, a longer one pending."""
+        slots = self._live_slots(sessions, t)
+        logits, hidden = self.runner.step(flat, slots, [s.length for s in sessions], t, device_tokens)
+        for session in sessions:
+            session.pending = t
+            if t == 1:
+                session.commit(1)
+        return logits.view(len(sessions), t, -1), hidden
 
+    # ------------------------------------------------------------------ heads
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output-head logits [T, vocab] (float32) of final-normed hidden states."""
-        with torch.no_grad():
-            return self.text.logits(self.backend, hidden)
+        return self.runner.logits_of(hidden)
 
-    def mtp_forward(self, session: Session, hidden: torch.Tensor, next_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP module over `hidden` [T, H] and the tokens after them (see `Session.mtp`)."""
-        if self.mtp is None:
-            raise NinferError("the engine was loaded without the MTP module (Engine.load(..., mtp=True))")
+    def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [T, vocab] (float32) of MTP hidden states: the proposal head's when the engine
+        drafts with it (-inf outside its token ids), else the output head's."""
+        return self.runner.draft_logits(mtp_hidden)
+
+    # ------------------------------------------------------------------ MTP
+    def mtp_prefill(self, session: Session, hidden: torch.Tensor, next_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP module over `hidden` [T, H] and the tokens after them, continuing `session`'s MTP cache
+        (see `Session.mtp`): (draft logits [T, vocab], MTP hidden [T, H])."""
+        self._need_mtp()
         ids = self._token_list(next_ids)
         slot = session.live_slot()
         if len(ids) != hidden.shape[0] or session.mtp_length + len(ids) > self.max_context:
             raise NinferError(f"MTP needs one next token per hidden state within the context limit {self.max_context}")
-        tokens, ctx = step_inputs(ids, [slot], [session.mtp_length], len(ids), self.max_context, self.device, prefill=True)
-        with torch.no_grad():  # no `store.forward`: see `_mtp_step`
-            logits, out = self.mtp_forward_step(hidden, tokens, ctx)
+        logits, out = self.runner.mtp_prefill(hidden, ids, slot, session.mtp_length)
         session.mtp_length += len(ids)
         return logits, out
 
@@ -401,8 +350,7 @@ class Engine:
         self, sessions: list[Session], hidden: torch.Tensor, ids: list[int], device_tokens: torch.Tensor | None, t: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`mtp_step` of the ids `ids` (those of `device_tokens` where given)."""
-        if self.mtp is None:
-            raise NinferError("the engine was loaded without the MTP module (Engine.load(..., mtp=True))")
+        self._need_mtp()
         slots = [s.live_slot() for s in sessions]
         if (
             len(ids) != len(sessions) * t or hidden.shape[0] != len(ids) or not 1 <= t <= self.state.step_tokens
@@ -412,35 +360,16 @@ class Engine:
                 f"an MTP step needs 1..{self.state.step_tokens} hidden states and next tokens per session within the "
                 f"context limit {self.max_context}"
             )
-        starts = [s.mtp_length for s in sessions]
-        # The MTP layer's experts are pinned in VRAM, so its forwards are not the target's steps for the expert store
-        # (`ExpertStore.forward`: the cache's step boundaries, count reads and promotions, the CPU miss path's tuner,
-        # which times decode steps per token): each would add that host work to a draft that takes a fraction of a step.
-        with torch.no_grad():
-            if self.graphs is not None:
-                logits, out = self.graphs.run_mtp(hidden, ids, slots, starts, t, device_tokens)
-            else:
-                tokens, ctx = step_inputs(ids, slots, starts, t, self.max_context, self.device)
-                if device_tokens is not None:
-                    tokens.copy_(device_tokens)
-                logits, out = self.mtp_forward_step(hidden, tokens, ctx)
+        logits, out = self.runner.mtp_step(hidden, ids, slots, [s.mtp_length for s in sessions], t, device_tokens)
         for session in sessions:
             session.mtp_length += t
         return logits, out
 
-    def mtp_forward_step(self, hidden: torch.Tensor, token_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft logits, MTP hidden states) of one MTP forward described by `ctx` (what a captured MTP step records)."""
-        out = self.mtp(self.backend, self.text, hidden.to(self.dtype), token_ids, ctx, self.state)
-        return self.draft_logits(out), out
+    def _need_mtp(self) -> None:
+        if self.mtp is None:
+            raise NinferError("the engine was loaded without the MTP module (Engine.load(..., mtp=True))")
 
-    def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits [T, vocab] (float32) of MTP hidden states: the proposal head's when the engine
-        drafts with it (-inf outside its token ids), else the output head's."""
-        if self.proposal is None:
-            return self.logits_of(mtp_hidden)
-        with torch.no_grad():
-            return self.proposal.logits(self.backend, mtp_hidden)
-
+    # ------------------------------------------------------------------ whole requests
     def generate(self, prompt_ids: Iterable[int], max_tokens: int = 256, sampling=None, stop_ids=None):
         """Generate after `prompt_ids` (see `ninfer_offload.runtime.generate.generate`)."""
         from ninfer_offload.runtime.generate import generate
@@ -455,8 +384,8 @@ class Engine:
         resident load), batched prefills of each BATCHED_PREFILL_TOKENS on BATCHED_PREFILL_MIN_SEQUENCES and one more
         sequences (resident loads of that many sequences, where they are not captured), then the step graph
         of every batch bucket (with speculation also the verify steps and the MTP steps) and, on a resident load, the
-        batched prefills of each bucket a batch of BATCHED_PREFILL_MIN_SEQUENCES or more pads to. Returns the
-        seconds of the two phases."""
+        batched prefills of each bucket a batch of BATCHED_PREFILL_MIN_SEQUENCES or more pads to
+        (`StepRunner.capture_steps`). Returns the seconds of the two phases."""
         began = time.perf_counter()
         if self.device.type == "cuda":
             longest_prefill = self.prefill_chunk if longest_prefill is None else longest_prefill
@@ -472,28 +401,28 @@ class Engine:
             if not self.store.offloaded:
                 for sequences in range(BATCHED_PREFILL_MIN_SEQUENCES, min(self.state.sequences, BATCHED_PREFILL_MIN_SEQUENCES + 1) + 1):
                     for tokens in BATCHED_PREFILL_TOKENS:
-                        if not self._captured_batched_prefill(tokens):
+                        if not self.runner.captured_batched_prefill(tokens):
                             self._scratch_batched_prefill(sequences, tokens)
         prefilled = time.perf_counter()
-        if self.graphs is not None:
-            for bucket in self.graphs.buckets:
-                if bucket >= BATCHED_PREFILL_MIN_SEQUENCES:  # the buckets of the batches a server admits together
-                    for tokens in filter(self._captured_batched_prefill, BATCHED_PREFILL_TOKENS):
-                        self.graphs.capture("prefill", bucket, tokens)
-                self.graphs.capture("target", bucket, 1)
-                if self.spec_tokens:
-                    self.graphs.capture("target", bucket, self.spec_tokens + 1)
-                    self.graphs.capture("mtp", bucket, 1)
-            for t in range(2, self.spec_tokens + 2):  # the MTP layer catching up after a round
-                self.graphs.capture("mtp", 1, t)
-            torch.cuda.synchronize(self.device)
+        self.runner.capture_steps(self.spec_tokens)
         return WarmUpTimes(prefilled - began, time.perf_counter() - prefilled)
+
+    def _scratch_batched_prefill(self, sequences: int, tokens: int) -> None:
+        """`prefill_batch` of `tokens` tokens on `sequences` scratch sequences (warm-up), where the context has room."""
+        if tokens >= self.max_context:
+            return
+        scratch = [self.session() for _ in range(sequences)]
+        try:
+            self.prefill_batch(scratch, [[(i + s) % self.config.vocab_size for i in range(tokens)] for s in range(sequences)])
+        finally:
+            for session in scratch:
+                session.close()
 
     def close(self) -> None:
         self.store.close()
         self.artifact.close()
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ checks
     def _token_list(self, token_ids: Iterable[int]) -> list[int]:
         ids = [int(t) for t in token_ids]
         if not ids:

@@ -12,10 +12,12 @@ are the two ends of the same mechanism.
 
 Inside a step only uses per (layer, expert) are counted, on the device, by the op that computes the
 experts (`ExpertBank.uses`: the decode MoE kernel in its own launch); between steps the cache reads the
-counts and moves records (`forward`).
+counts and moves records (`around_step`).
 
-A prefill chunk (`forward(prefill=True)`, never captured) copies the host experts its layers need
-into the staging slots first (`runtime.prefill_staging`). Decode steps never stage.
+A prefill chunk of the target (a step context with `StepContext.staged`, never captured) copies the
+host experts its layers need into the staging slots first (`runtime.prefill_staging`). Decode steps
+never stage. The step's context is the one place the store reads what kind of step it is in: the
+compute (`routed`) and the bookkeeping around the step (`around_step`) both take it.
 
 With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), a forward of at most
 `miss_handoff.HANDOFF_TOKENS` tokens that is not staged hands the assignments of experts not in
@@ -38,6 +40,7 @@ import torch
 from ninfer_offload.artifact.records import ExpertRecordLayout, RecordLayout
 from ninfer_offload.errors import NinferError
 from ninfer_offload.model.backend import SharedExpert
+from ninfer_offload.model.context import StepContext
 from ninfer_offload.model.experts import RECORD_ALIGN, ExpertBank, count_uses
 from ninfer_offload.runtime.expert_cache import DEFAULT_POLICY, ExpertCache
 from ninfer_offload.runtime.host_pool import HostPool
@@ -166,8 +169,9 @@ class ExpertStore:
         self.uses, self.shared_uses, self.cpu_uses, self.staged_records = self.counts
         self.anchor = torch.zeros(layers, 1, dtype=torch.int64, device=device)  # per layer an expert in VRAM (`set_anchors`)
         self._stale_anchors = False  # cache moves not yet reflected in `anchor` (`tables_changed`)
-        self.prefilling = False  # inside `forward(prefill=True)`
-        self.replayed: torch.Tensor | None = None  # benchmark hook: routing ids replayed instead of the router's
+        # Benchmark hook (`replay_routing`): routing ids replayed instead of the router's. Not a step's mode: it holds
+        # for every step from when it is set, and a captured step reads the tensor it had at capture.
+        self.replayed: torch.Tensor | None = None
         self.cpu_path = None
         if miss_path is not None:
             from ninfer_offload.runtime.cpu_experts import CpuMissPath
@@ -297,13 +301,16 @@ class ExpertStore:
         return ExpertBank(self.layouts[layer], self.arena, self.table[layer], host, uses, shared_uses)
 
     def routed(
-        self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared: SharedExpert | None = None
+        self, backend, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        shared: SharedExpert | None = None, ctx: StepContext | None = None,
     ) -> torch.Tensor:
         """sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for layer `layer` -> [T, H], plus `shared`'s rows when given
-        (with the routed experts where the backend can, after them otherwise)."""
+        (with the routed experts where the backend can, after them otherwise). In a staged step (`ctx.staged`,
+        inside `around_step` of that context) the layer's host experts are read from the staging slots."""
         if self.replayed is not None:
             topk_ids = self.replayed[layer, : topk_ids.shape[0]]
-        if self.prefilling and self.staging is not None and self.staging.takes(topk_ids.shape[0]):
+        staged = ctx is not None and ctx.staged
+        if staged and self.staging is not None and self.staging.takes(topk_ids.shape[0]):
             bank, later = self.staging.bank(layer, topk_ids)  # (it counts the uses too)
             out = backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
             self.staging.done(layer, topk_ids.shape[0])
@@ -327,26 +334,25 @@ class ExpertStore:
         self.replayed[:, : ids.shape[1]].copy_(ids, non_blocking=True)
 
     @contextmanager
-    def forward(self, prefill: bool = False, tokens: int = 1) -> Iterator[None]:
-        """Wraps the launch of one forward: cache bookkeeping due before it, then the part that
-        overlaps it (see `expert_cache`). `prefill`: a prompt chunk (never captured), whose host
-        experts may be staged; `tokens`: the forward's token rows (the chunk's size for the staging; the CPU
-        miss path times decode steps per token)."""
+    def around_step(self, tokens: int, ctx: StepContext | None = None) -> Iterator[None]:
+        """Wraps the launch of one step of the target: cache bookkeeping due before it, then the part that
+        overlaps it (see `expert_cache`). `tokens`: the step's token rows (a staged chunk's size for the staging;
+        the CPU miss path times the other steps per token). `ctx`: an eager step's context, whose `staged`
+        (a prompt chunk) stages its host experts; None for the replay of a captured step, never staged."""
+        staged = ctx is not None and ctx.staged
         if self.cache is not None:
             self.cache.before_step()
         mark = None
         if self.cpu_path is not None:
-            mark = self.cpu_path.step_started(None if prefill else tokens)
+            mark = self.cpu_path.step_started(None if staged else tokens)
             if self._stale_anchors and self.cpu_path.active:
                 self.set_anchors(self.cache.in_vram, range(len(self.layouts)))
                 self._stale_anchors = False
-        self.prefilling = prefill
-        if prefill and self.staging is not None:
+        if staged and self.staging is not None:
             self.staging.begin(tokens)
         try:
             yield
         finally:
-            self.prefilling = False
             if self.staging is not None:
                 self.staging.forget()
         if self.cpu_path is not None:

@@ -1,17 +1,19 @@
 """Decode steps as CUDA graphs: one per (model, batch bucket, tokens per sequence), captured once per
-engine on first use, all sharing one memory pool. The models are the target (`Engine.forward`), the
-MTP layer drafting (`Engine.mtp_forward_step`) and the target's hidden states alone for prompt pieces
-(`prefill`: a short prompt chunk padded to the smallest of PREFILL_BUCKETS that holds it, or the next
-pieces of several newcomers' prompts that a server admits together, each padded to one of
-`batched_prefill.BATCHED_PREFILL_TOKENS`; padding rows come after the real ones, their KV rows lie past the
-sequence's length and are overwritten by its next tokens, and they leave no GDN state behind:
-`StepContext.valid`).
+step runner on first use, all sharing one memory pool. The models are the runner's forwards: the
+target (`StepRunner.forward`), the MTP layer drafting (`StepRunner.mtp_forward`) and the target's
+hidden states alone for prompt pieces (`StepRunner.hidden`; `prefill`: a short prompt chunk padded
+to the smallest of PREFILL_BUCKETS that holds it, or the next pieces of several newcomers' prompts
+that a server admits together, each padded to one of `batched_prefill.BATCHED_PREFILL_TOKENS`; padding
+rows come after the real ones, their KV rows lie past the sequence's length and are overwritten by
+its next tokens, and they leave no GDN state behind: `StepContext.valid`).
 
 A graph reads its inputs (token ids and the step context) from one static packed buffer
 (`step_inputs`), the MTP layer also the target hidden states from a static buffer, and writes its
 logits and hidden states to static outputs. A batch is padded to its bucket with entries on the
 pool's scratch slot, so padding never touches a live sequence, and capture itself runs on scratch
-entries only.
+entries only. Every graph records a step of one mode, the plain one (no prefill kernels, nothing
+staged: `StepContext.prefill` and `.staged` off); the expert store's step bookkeeping around a replay
+reads it so (`ExpertStore.around_step` without a context).
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ def prefill_bucket(tokens: int) -> int:
 
 
 class StepGraphs:
-    """The captured decode steps of one engine."""
+    """The captured steps of one step runner (`runtime.step_runner.StepRunner`): its forwards, over its state
+    pool, in the variant of its expert store's step."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.buckets = batch_buckets(engine.state.sequences)
+    def __init__(self, runner):
+        self.runner = runner
+        self.buckets = batch_buckets(runner.state.sequences)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]] = {}
 
@@ -81,8 +84,8 @@ class StepGraphs:
         graph, packed, _, hidden = self.capture("prefill", bucket, t)
         pad = bucket - batch
         host = pack_inputs(
-            tokens + [0] * (pad * t), slots + [self.engine.state.scratch_slot] * pad, starts + [0] * pad, t,
-            self.engine.state.capacity, pinned=True, valid=valid + [t] * pad,
+            tokens + [0] * (pad * t), slots + [self.runner.state.scratch_slot] * pad, starts + [0] * pad, t,
+            self.runner.state.capacity, pinned=True, valid=valid + [t] * pad,
         )
         packed.copy_(host, non_blocking=True)
         graph.replay()
@@ -96,9 +99,9 @@ class StepGraphs:
         bucket = next(b for b in self.buckets if b >= batch)
         graph, packed, hidden_in, (logits, out) = self.capture(model, bucket, t)
         pad = bucket - batch
-        scratch = self.engine.state.scratch_slot
+        state = self.runner.state
         host = pack_inputs(
-            tokens + [0] * (pad * t), slots + [scratch] * pad, starts + [0] * pad, t, self.engine.state.capacity, pinned=True
+            tokens + [0] * (pad * t), slots + [state.scratch_slot] * pad, starts + [0] * pad, t, state.capacity, pinned=True
         )
         packed.copy_(host, non_blocking=True)
         if device_tokens is not None:
@@ -111,24 +114,24 @@ class StepGraphs:
     def capture(self, model: str, bucket: int, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None, tuple]:
         """The graph of (`model`, `bucket`, `t`) with its static inputs and outputs, captured on first use
         (one per variant of the expert store's step: `ExpertStore.graph_variant`)."""
-        key = (model, bucket, t, *self.engine.store.graph_variant)
+        runner = self.runner
+        key = (model, bucket, t, *runner.store.graph_variant)
         if key in self.graphs:
             return self.graphs[key]
-        engine = self.engine
-        scratch = engine.state.scratch_slot
-        packed = pack_inputs([0] * (bucket * t), [scratch] * bucket, [0] * bucket, t, engine.state.capacity)
-        packed = packed.to(engine.device)
+        scratch = runner.state.scratch_slot
+        packed = pack_inputs([0] * (bucket * t), [scratch] * bucket, [0] * bucket, t, runner.state.capacity)
+        packed = packed.to(runner.device)
         tokens, ctx = unpack_inputs(packed, bucket, t, prefill=False, keep_states=model == "target" and t > 1, host=None)
         hidden_in = None
         if model == "mtp":
-            hidden_in = torch.zeros(bucket * t, engine.config.hidden_size, device=engine.device, dtype=engine.dtype)
+            hidden_in = torch.zeros(bucket * t, runner.config.hidden_size, device=runner.device, dtype=runner.dtype)
 
         def forward():
             if model == "mtp":
-                return engine.mtp_forward_step(hidden_in, tokens, ctx)
+                return runner.mtp_forward(hidden_in, tokens, ctx)
             if model == "prefill":
-                return engine.text.hidden(engine.backend, tokens, ctx, engine.state)
-            return engine.forward(tokens, ctx)
+                return runner.hidden(tokens, ctx)
+            return runner.forward(tokens, ctx)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

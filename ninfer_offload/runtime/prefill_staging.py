@@ -1,7 +1,7 @@
 """The prefill staging of an `ExpertStore` with offloaded experts: host records copied into VRAM slots
 for a prompt chunk's layers.
 
-A prefill chunk (`ExpertStore.forward(prefill=True)`, never captured) with more (token, expert) pairs than the
+A prefill chunk (`StepContext.staged`, never captured) with more (token, expert) pairs than the
 MoE kernels' `PREFILL_MIN_PAIRS` would read each host expert over PCIe once per block of its tokens,
 in short runs. Instead `PrefillStaging` copies a layer's host experts into VRAM staging slots once per
 chunk, by one gather kernel (`kernels.staging.gather_records`) on its copy stream, and the MoE kernels

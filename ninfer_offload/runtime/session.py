@@ -36,8 +36,8 @@ class Session:
             raise NinferError(f"commit or roll back the pending {self.pending}-token step first")
         return self.slot
 
-    def forward(self, token_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `token_ids`: (logits [T, vocab] float32, final-normed hidden states [T, H])."""
+    def append(self, token_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `token_ids` as a prefill: (logits [T, vocab] float32 of every one, final-normed hidden states [T, H])."""
         hidden = self.engine.prefill(self, token_ids)
         return self.engine.logits_of(hidden), hidden
 
@@ -72,7 +72,7 @@ class Session:
     def mtp(self, hidden: torch.Tensor, next_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the MTP module on target hidden states `hidden` [T, H] (positions continuing this
         session's MTP cache) and the tokens that follow them: (draft logits [T, vocab], MTP hidden [T, H])."""
-        return self.engine.mtp_forward(self, hidden, next_ids)
+        return self.engine.mtp_prefill(self, hidden, next_ids)
 
     def forget_mtp(self, n: int) -> None:
         """Drop the last `n` entries of the MTP layer's cache (speculative drafts)."""

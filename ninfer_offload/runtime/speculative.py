@@ -160,7 +160,7 @@ class MtpSpeculator:
 
     def feed_prompt(self, chunk: list[int]) -> torch.Tensor:
         """Append a prompt chunk to the target (and what can be to the MTP layer); logits [vocab] of its last token."""
-        logits, hidden = self.session.forward(chunk)
+        logits, hidden = self.session.append(chunk)
         successors = chunk if self._carry is not None else chunk[1:]
         if self._carry is not None:
             hidden = torch.cat([self._carry, hidden])

@@ -36,9 +36,10 @@ def unpack_inputs(
     prefill: bool,
     keep_states: bool,
     host: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    staged: bool = False,
 ) -> tuple[torch.Tensor, StepContext]:
     """(token ids [B*T], context) as views of a packed device buffer; `host` = (slots, starts) on the
-    host, or None for a captured step."""
+    host, or None for a captured step; `staged`: `StepContext.staged`."""
     n = batch * tokens_per_sequence
     tokens, positions, rows = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n]
     slots, lengths = packed[3 * n : 3 * n + batch], packed[3 * n + batch : 3 * n + 2 * batch]
@@ -53,6 +54,7 @@ def unpack_inputs(
         keep_states=keep_states,
         host_slots=None if host is None else host[0],
         host_starts=None if host is None else host[1],
+        staged=staged,
     )
     return tokens, ctx
 
@@ -67,11 +69,13 @@ def step_inputs(
     prefill: bool = False,
     keep_states: bool = False,
     valid: list[int] | None = None,
+    staged: bool = False,
 ) -> tuple[torch.Tensor, StepContext]:
-    """Token ids and context of an eager step, on `device` with one copy (`valid`: as `pack_inputs`)."""
+    """Token ids and context of an eager step, on `device` with one copy (`valid`: as `pack_inputs`; `staged`: a
+    prompt chunk of the target whose host experts the store stages, `StepContext.staged`)."""
     packed = pack_inputs(tokens, slots, starts, tokens_per_sequence, capacity, pinned=device.type == "cuda", valid=valid)
     packed = packed.to(device, non_blocking=True)
-    return unpack_inputs(packed, len(slots), tokens_per_sequence, prefill, keep_states, (tuple(slots), tuple(starts)))
+    return unpack_inputs(packed, len(slots), tokens_per_sequence, prefill, keep_states, (tuple(slots), tuple(starts)), staged)
 
 
 def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
