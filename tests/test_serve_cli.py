@@ -27,7 +27,11 @@ class ServeProcess:
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.port()}"
+        try:
+            self.url = f"http://127.0.0.1:{self.port()}"
+        except BaseException:  # a server that never listened is not left running
+            self.stop()
+            raise
 
     def _read(self) -> None:
         for line in self.process.stderr:
