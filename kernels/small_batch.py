@@ -52,6 +52,31 @@ def _scale_tile(obj, rows, k0, scale_offset, GROUP: tl.constexpr, K_PAD: tl.cons
 
 
 @triton.jit
+def _store_splits(acc, out, partial, count, pid_k, tile, mask, SPLIT_STRIDE, SPLIT: tl.constexpr):
+    """Store a program's float32 tile: as it is with one split; else into its split's rows of `partial`, the last
+    program of the row block to arrive at `count` summing the SPLIT tiles in split order into `out`."""
+    if SPLIT > 1:
+        tl.store(partial + pid_k.to(tl.int64) * SPLIT_STRIDE + tile, acc, mask=mask)
+        if last_to_arrive(count, SPLIT):
+            acc = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT):  # through L2: other programs wrote these rows
+                acc += tl.load(partial + s * SPLIT_STRIDE + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+            rearm(count)
+    else:
+        tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+
+
+def _splits(programs: int, k_blocks: int, device: torch.device, split: int | None) -> tuple[int, int]:
+    """(K splits, K blocks per split): `split` (default: enough to give about two programs per SM to `programs` row
+    blocks), evened out so that no split is empty."""
+    if split is None:
+        split = max(1, min(k_blocks, (2 * _sm_count(device)) // programs))
+    per_split = triton.cdiv(k_blocks, split)
+    return triton.cdiv(k_blocks, per_split), per_split
+
+
+@triton.jit
 def _few_tokens_kernel(
     x, stride_x, w, out, partial, arrivals, T, N, K, scale_offset, K_TILES_PER_SPLIT,
     BITS: tl.constexpr, GROUP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -79,17 +104,7 @@ def _few_tokens_kernel(
             acc = tl.trans(tl.dot(tl.trans(xt), tl.trans(weights.to(xt.dtype)), tl.trans(acc), input_precision="ieee" if IEEE else None))
     tile = toks[None, :].to(tl.int64) * N + rows[:, None]
     mask = tok_mask[None, :] & (rows < N)[:, None]
-    if SPLIT > 1:
-        tl.store(partial + pid_k.to(tl.int64) * T * N + tile, acc, mask=mask)
-        count = arrivals + pid_n
-        if last_to_arrive(count, SPLIT):
-            acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-            for s in tl.static_range(SPLIT):  # through L2: other programs wrote these rows
-                acc += tl.load(partial + s * T * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
-            rearm(count)
-    else:
-        tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+    _store_splits(acc, out, partial, arrivals + pid_n, pid_k, tile, mask, T * N, SPLIT)
 
 
 @triton.jit
@@ -159,17 +174,7 @@ def _group_dot_kernel(
         acc += part * tl.load(scales + g).to(tl.float32)[None, :]
     tile = toks[:, None].to(tl.int64) * N + rows[None, :]
     mask = tok_mask[:, None] & (rows < N)[None, :]
-    if SPLIT > 1:
-        tl.store(partial + pid_k.to(tl.int64) * T * N + tile, acc, mask=mask)
-        count = arrivals + pid_n
-        if last_to_arrive(count, SPLIT):
-            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT):  # through L2: other programs wrote these rows
-                acc += tl.load(partial + s * T * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
-            rearm(count)
-    else:
-        tl.store(out + tile, acc.to(out.dtype.element_ty), mask=mask)
+    _store_splits(acc, out, partial, arrivals + pid_n, pid_k, tile, mask, T * N, SPLIT)
 
 
 def group_dot_linear(
@@ -183,10 +188,7 @@ def group_dot_linear(
         raise ValueError(f"group_dot_linear takes 1..{BLOCK_T} tokens of a q8/q4 row-split object of K={geometry.k}")
     n, groups = geometry.n, geometry.k_pad // geometry.fmt.group
     n_blocks = triton.cdiv(n, block_n)
-    if split is None:
-        split = max(1, min(groups, (2 * _sm_count(x.device)) // n_blocks))
-    per_split = triton.cdiv(groups, split)
-    split = triton.cdiv(groups, per_split)
+    split, per_split = _splits(n_blocks, groups, x.device, split)
     out = torch.empty(t, n, device=x.device, dtype=x.dtype)
     partial = torch.empty(split, t, n, device=x.device, dtype=torch.float32) if split > 1 else out
     _group_dot_kernel[(n_blocks, split)](
@@ -227,10 +229,7 @@ def few_tokens_linear(
     block_k = min(block_k, k_pad)
     k_tiles = k_pad // block_k
     n_blocks = triton.cdiv(n, block_n)
-    if split is None:
-        split = max(1, min(k_tiles, (2 * _sm_count(x.device)) // n_blocks))
-    per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, per_split)
+    split, per_split = _splits(n_blocks, k_tiles, x.device, split)
     out = torch.empty(t, n, device=x.device, dtype=x.dtype)
     partial = torch.empty(split, t, n, device=x.device, dtype=torch.float32) if split > 1 else out
     _few_tokens_kernel[(n_blocks, split)](

@@ -14,16 +14,21 @@ from ninfer_offload.artifact.formats import GROUPED_FORMATS, RowSplitGeometry
 pytestmark = needs_triton_device
 
 
+def _random_object(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, RowSplitGeometry]:
+    """A row-split object of random weights on the test device, its dequantized values (float64) and geometry."""
+    rng = np.random.default_rng(n + k)
+    raw = encode_row_split(rng.standard_normal((n, k)).astype(np.float32), fmt)
+    weight = torch.from_numpy(decode_row_split_values(raw, fmt, n, k)).double()
+    return torch.from_numpy(raw).to(DEVICE), weight, RowSplitGeometry(GROUPED_FORMATS[fmt], n, k)
+
+
 @pytest.mark.parametrize("fmt", ["q8_g32_fp16", "q4_g64_fp16"])
 @pytest.mark.parametrize("n,k", [(64, 256), (100, 300)])
 @pytest.mark.parametrize("weights_as_m", [True, False])
 def test_few_token_product_matches_reference(fmt, n, k, weights_as_m):
     from ninfer_offload.kernels.small_batch import few_tokens_linear
 
-    rng = np.random.default_rng(n + k)
-    raw = encode_row_split(rng.standard_normal((n, k)).astype(np.float32), fmt)
-    weight = torch.from_numpy(decode_row_split_values(raw, fmt, n, k)).double()
-    data, geometry = torch.from_numpy(raw).to(DEVICE), RowSplitGeometry(GROUPED_FORMATS[fmt], n, k)
+    data, weight, geometry = _random_object(fmt, n, k)
     for t in (1, 3, 16):
         x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
         expected = x.double() @ weight.T
@@ -38,10 +43,7 @@ def test_deferred_gemv_matches_reference(fmt):
     from ninfer_offload.kernels.small_batch import deferred_gemv
 
     n, k = 100, 300
-    rng = np.random.default_rng(n + k)
-    raw = encode_row_split(rng.standard_normal((n, k)).astype(np.float32), fmt)
-    weight = torch.from_numpy(decode_row_split_values(raw, fmt, n, k)).double()
-    data, geometry = torch.from_numpy(raw).to(DEVICE), RowSplitGeometry(GROUPED_FORMATS[fmt], n, k)
+    data, weight, geometry = _random_object(fmt, n, k)
     for t in (1, 3, 8, 16):
         x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
         expected = x.double() @ weight.T
@@ -54,10 +56,7 @@ def test_group_dot_product_matches_reference(fmt):
     from ninfer_offload.kernels.small_batch import group_dot_linear
 
     n, k = 100, 300
-    rng = np.random.default_rng(n + k)
-    raw = encode_row_split(rng.standard_normal((n, k)).astype(np.float32), fmt)
-    weight = torch.from_numpy(decode_row_split_values(raw, fmt, n, k)).double()
-    data, geometry = torch.from_numpy(raw).to(DEVICE), RowSplitGeometry(GROUPED_FORMATS[fmt], n, k)
+    data, weight, geometry = _random_object(fmt, n, k)
     for t in (1, 3, 16):
         x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
         expected = x.double() @ weight.T
