@@ -21,7 +21,7 @@ from ninfer_offload.planner.options import MAX_DRAFTS, MISS_PATHS, PREFILL_CHUNK
 from ninfer_offload.profiles import DeviceProfile
 
 EXPERT_MODES = ("auto", "resident", "host")  # all in VRAM where they fit (else as planned), all in VRAM, all in host memory
-SPEC_CHOICES = ("auto", *SPECULATIVE_MODES)  # auto: mtp when the artifact has MTP weights, else none
+SPEC_CHOICES = ("auto", *SPECULATIVE_MODES)  # auto: mtp where the artifact has MTP weights and the cost model projects it pays
 DRAFT_MODELS = ("dflash", "dflash2")  # draft models some artifacts carry (components of these names), never run
 DEFAULT_DRAFT_TOKENS = 3
 DEFAULT_CACHE_POLICY = "decayed"

@@ -57,11 +57,14 @@ def test_a_prompt_prefilled_in_small_chunks_gives_the_same_output(tiny_artifact,
     assert json.loads(run.stdout)["ids"] == reprefill_greedy
 
 
-@pytest.mark.parametrize("drafts", [["--spec", "auto"], ["--spec", "mtp", "--draft-tokens", 2]])
-def test_json_greedy_with_mtp_drafts_is_the_same_output(tiny_artifact, reprefill_greedy, drafts):
-    """`auto` (the artifact has MTP weights) with 3 drafts, or as asked."""
+@pytest.mark.parametrize("drafts", [["--profile", "SPECULATING_CARD"], ["--spec", "mtp", "--draft-tokens", 2]])
+def test_json_greedy_with_mtp_drafts_is_the_same_output(tiny_artifact, reprefill_greedy, speculating_card, drafts):
+    """`--spec auto` (the default) with 3 drafts on a card where they pay, or as asked."""
+    drafts = [str(speculating_card) if arg == "SPECULATING_CARD" else arg for arg in drafts]
     run = ninfer(tiny_artifact, "--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 16, *drafts, "--json")
     assert run.returncode == 0, run.stderr
+    if "--profile" in drafts:
+        assert "decoding with 3 MTP drafts per step (--spec auto: on, x2.60 projected for speculating_card" in run.stderr
     out = json.loads(run.stdout)
     assert out["ids"] == reprefill_greedy
     spec = out["speculation"]

@@ -166,8 +166,8 @@ def server(tiny_artifact, frontend):
 
 @pytest.fixture(scope="module")
 def speculating(tiny_artifact, frontend):
-    """`auto` on an artifact with MTP weights: 3 MTP drafts per step."""
-    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4, spec="auto")
+    """3 MTP drafts per step."""
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4, spec="mtp")
     with LiveServer(create_app(engine, frontend, MODEL, CONTEXT, max_concurrency=4, max_queue=4)) as live:
         yield live
 

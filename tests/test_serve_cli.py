@@ -58,13 +58,13 @@ class ServeProcess:
             self.process.wait()
 
 
-def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact):
-    args = ["--served-model-name", "tiny", "--max-context", "1024", "--max-concurrency", "2", "--profile", "rtx5090", "--spec", "auto"]
+def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact, speculating_card):
+    args = ["--served-model-name", "tiny", "--max-context", "1024", "--max-concurrency", "2", "--profile", str(speculating_card)]
     server = ServeProcess(str(tiny_artifact), *args)
     try:
         assert server.wait_for(r"loaded .* 6 layers, 8 experts \(top-2\), vocab 512, cpu float32")
         assert server.wait_for(r"56 of 56 experts pinned in VRAM, 0 cache slots")  # 6 layers and the MTP layer: it speculates
-        assert server.wait_for(r"serving model 'tiny' at /v1 \(2 concurrent sequences, queue 64, 3 MTP drafts per step\)")
+        assert server.wait_for(r"serving model 'tiny' at /v1 \(2 concurrent sequences, queue 64, 3 MTP drafts per step \(--spec auto: on")
         response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert response.status_code == 200
         request_id = response.json()["id"]

@@ -220,6 +220,7 @@ def generate(
     engine = Engine.load(artifact, request, device=device, progress=not json_out)
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
+    typer.echo(f"decoding with {engine.speculation.describe()}", err=True)
     warm_up_seconds = engine.warm_up(min(len(ids), engine.prefill_chunk)).seconds
     generation = generation_of(engine, ids, max_tokens, sampling, frontend.stop_ids, constraint, logprobs)
 

@@ -43,10 +43,10 @@ OPTIONS: dict[str, tuple[object, typer.models.OptionInfo]] = {
         "or auto (both, split by measured rates).",
     )),
     "spec": (str, typer.Option(
-        "none", "--spec",
-        help="none: one token per step; mtp: decode speculatively, drafting with the model's MTP layer (server: requests "
-        "without a grammar or logprobs); auto: mtp when the artifact has MTP weights, else none. An artifact's DFlash/DFlash2 "
-        "drafter is never run.",
+        "auto", "--spec",
+        help="auto: mtp where the artifact has MTP weights and the cost model projects it pays on this card (x1.15 or more), "
+        "else none; none: one token per step; mtp: decode speculatively, drafting with the model's MTP layer (server: requests "
+        "without a grammar or logprobs). An artifact's DFlash/DFlash2 drafter is never run.",
     )),
     "draft_tokens": (int | None, typer.Option(
         None, "--draft-tokens", "--drafts",

@@ -27,7 +27,7 @@ from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.dims import FULL_ATTENTION, ModelDims
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, load_footprint
-from ninfer_offload.planner.request import LoadRequest
+from ninfer_offload.planner.request import DEFAULT_DRAFT_TOKENS, LoadRequest
 from ninfer_offload.runtime.expert_plan import LoadPlan, expert_load_plan
 from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
@@ -152,10 +152,12 @@ class Engine:
                 raise ArtifactError(f"{artifact.path.name} has no text component")
             config = ModelDims.from_text_config(artifact.components["text"].config)
             inventory = Inventory.from_artifact(artifact)
-            speculation = resolve_speculation(request, inventory, artifact.path.name)
-            mtp = request.mtp or speculation.mode == "mtp"
             capacity = request.capacity(config.max_position_embeddings)
-            resolved_load = request.load_options(capacity, speculation.draft_tokens, mtp, _element_bytes(dtype), _KV_NAMES[cache_dtype])
+            element_bytes, kv_name = _element_bytes(dtype), _KV_NAMES[cache_dtype]
+            speculating = request.load_options(capacity, request.draft_tokens or DEFAULT_DRAFT_TOKENS, True, element_bytes, kv_name)
+            speculation = resolve_speculation(request, inventory, artifact.path.name, resolved, speculating)
+            mtp = request.mtp or speculation.mode == "mtp"
+            resolved_load = request.load_options(capacity, speculation.draft_tokens, mtp, element_bytes, kv_name)
             state_and_weights = load_footprint(inventory, resolved_load)
             free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
             expert_plan = expert_load_plan(
