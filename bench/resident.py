@@ -9,7 +9,9 @@ Everything resident (all experts in VRAM), bf16 activations, batch 1. Measured i
   comparison); the roofline of that step: bytes it must read (all non-expert text weights but one
   embedding row, the 8 routed experts of every layer, the KV cache rows, the GDN states read and
   written) / device bandwidth; `roofline_fraction` = measured / roofline tokens/s;
-* prefill tokens/s for fresh prompts of each length (one `prefill` call);
+* prefill tokens/s for fresh prompts of each length (one `prefill` call), and its FLOP rate against the
+  tensor ceiling of the same chunks (`tensor_ceiling`: cuBLAS bf16 GEMMs of the forward's products, measured
+  in the run; `prefill[].tensor_fraction`);
 * a per-stage breakdown of one captured decode step (torch profiler kernel times by stage);
 * batched decode (`--batches`, default 1 and 8): B sequences stepped together as the server steps them,
   step time and aggregate tokens/s against one sequence's (the server's ceiling), the largest
@@ -41,6 +43,7 @@ from ninfer_offload.runtime.engine import Engine
 from hf_baseline import depth_method, full_depth_seconds, random_model
 from profiling import kernel_breakdown
 from provenance import gpu_report_header
+from tensor_ceiling import ceiling, chunk_sizes, prefill_fraction
 
 
 
@@ -105,6 +108,7 @@ def random_ids(count: int, vocab: int, seed: int) -> list[int]:
 def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandwidth: float, report: dict, save) -> None:
     vocab = engine.config.vocab_size
     report["prefill"] = []
+    ceilings: dict[int, dict] = {}
     for length in prefills:
         ids = random_ids(length, vocab, length)
         runs = []
@@ -113,7 +117,13 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
             runs.append(timed(lambda: session.prefill(ids), 1))
             session.close()
         seconds = runs[-1]
-        report["prefill"].append({"tokens": length, "seconds": seconds, "tok_s": length / seconds})
+        for size in chunk_sizes(length, engine.prefill_chunk) - ceilings.keys():
+            ceilings[size] = ceiling(engine.config, size, engine.device)
+        report["prefill"].append({
+            "tokens": length, "seconds": seconds, "tok_s": length / seconds,
+            **prefill_fraction(engine.config, length, engine.prefill_chunk, seconds, ceilings),
+        })
+        report["tensor_ceiling"] = [ceilings[size] for size in sorted(ceilings)]
         save()
     if prefills:  # where the longest prefill's time goes
         ids = random_ids(max(prefills), vocab, max(prefills))
@@ -309,7 +319,8 @@ def main() -> None:
               f"{point['roofline_tok_s']:.0f} -> {100 * point['roofline_fraction']:.1f}%, "
               f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
     for point in report["prefill"]:
-        print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, "
+        print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, {point['tflops']:.0f} TFLOPS = "
+              f"{point['tensor_fraction']:.2f} of the {point['tensor_ceiling_tflops']:.0f} TFLOPS cuBLAS ceiling, "
               f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
     for point in report.get("batched_decode", []):
         print(f"batch {point['batch']}: step {point['step_ms']:.2f} ms, {point['aggregate_tok_s']:.0f} tok/s "
