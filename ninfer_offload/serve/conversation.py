@@ -129,6 +129,7 @@ def _constraint(ctx: ServeContext, body: ChatCompletionRequest, thinking: bool, 
     """The grammar the reply follows: `response_format`'s JSON (with thinking on, after the
     reasoning), else, with tools, well-formed tool calls whose arguments match their schemas (with a
     forced call: nothing but calls, after the reasoning)."""
+    callable_tools = body.callable_tools(names.tool_choice)
     constrained = body.response_format is not None and body.response_format.constrained
     if constrained and body.uses_tools:
         message = f"{names.response_format} cannot be combined with tools"
@@ -137,7 +138,7 @@ def _constraint(ctx: ServeContext, body: ChatCompletionRequest, thinking: bool, 
         if constrained:
             return ctx.grammars.json(body.response_format.schema(), thinking)
         if body.uses_tools:
-            tools = [tool.model_dump(exclude_none=True) for tool in body.callable_tools(names.tool_choice)]
+            tools = [tool.model_dump(exclude_none=True) for tool in callable_tools]
             return ctx.grammars.tool_calls(tools, body.forces_tool_call, body.parallel_tool_calls, thinking)
     except NinferError as exc:
         raise APIError(400, str(exc), param=names.response_format if constrained else "tools", code="invalid_value") from None
