@@ -76,12 +76,14 @@ def refuse_long_list(data: dict[str, Any], field: str, max_context: int) -> None
         )
 
 
-def validate(data: dict[str, Any], model: type[Body], required_first: Sequence[str] = ()) -> Body:
-    """`model` from the decoded body; 422 naming the field (missing fields by name)."""
+def validate(data: Any, model: type[Body], required_first: Sequence[str] = (), location: Sequence[str | int] = ()) -> Body:
+    """`model` from the decoded body (or the part of it at `location`); 422 naming the field (missing
+    top-level fields by name)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False), required_first) from None
+        errors = [{**error, "loc": (*location, *error["loc"])} for error in exc.errors(include_url=False)]
+        raise validation_error(errors, required_first) from None
 
 
 def check_nesting(value: Any, param: str) -> None:

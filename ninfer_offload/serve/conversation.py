@@ -141,7 +141,8 @@ def _constraint(ctx: ServeContext, body: ChatCompletionRequest, thinking: bool, 
             tools = [tool.model_dump(exclude_none=True) for tool in callable_tools]
             return ctx.grammars.tool_calls(tools, body.forces_tool_call, body.parallel_tool_calls, thinking)
     except NinferError as exc:
-        raise APIError(400, str(exc), param=names.response_format if constrained else "tools", code="invalid_value") from None
+        param = names.response_format if constrained else "tools"
+        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
     return None
 
 
