@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.serve.body import check_nesting, nesting_error
@@ -201,3 +202,55 @@ async def whole_reply(chat: PreparedChat, generation: TextGeneration) -> Reply:
             parts[kind].append(value)
     reasoning = "".join(parts["reasoning"]) if chat.thinking else None
     return Reply(reasoning, "".join(parts["content"]) or None, stream.calls)
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """One step of a reply told in blocks: `start`, `delta` (text blocks only) or `stop` of block
+    number `index`, of `kind` "reasoning", "content" or "tool_call"; `value` is the delta's text, the
+    whole text at a text block's stop, the call (an OpenAI tool call dict) at a call's start and stop."""
+
+    event: Literal["start", "delta", "stop"]
+    index: int
+    kind: str
+    value: Any = None
+
+
+class BlockStream:
+    """A reply's pieces grouped into numbered blocks, as the Responses and Messages streams tell
+    them: each run of reasoning or of content deltas is one block, each tool call one block."""
+
+    def __init__(self, chat: PreparedChat) -> None:
+        self.replies = ReplyStream(chat)
+        self.count = 0  # blocks started
+        self._open: str | None = None  # the kind of the text block receiving deltas
+        self._texts: list[str] = []
+
+    def feed(self, delta: str) -> list[BlockEvent]:
+        return self._events(self.replies.feed(delta))
+
+    def flush(self) -> list[BlockEvent]:
+        """The rest, every block stopped."""
+        return self._events(self.replies.flush()) + self._close()
+
+    def _events(self, pieces: list[tuple[str, object]]) -> list[BlockEvent]:
+        events: list[BlockEvent] = []
+        for kind, value in pieces:
+            if kind != self._open:
+                events += self._close()
+                events.append(BlockEvent("start", self.count, kind, value if kind == "tool_call" else None))
+                self.count += 1
+            if kind == "tool_call":
+                events.append(BlockEvent("stop", self.count - 1, kind, value))
+                continue
+            self._open = kind
+            self._texts.append(value)
+            events.append(BlockEvent("delta", self.count - 1, kind, value))
+        return events
+
+    def _close(self) -> list[BlockEvent]:
+        if self._open is None:
+            return []
+        event = BlockEvent("stop", self.count - 1, self._open, "".join(self._texts))
+        self._open, self._texts = None, []
+        return [event]

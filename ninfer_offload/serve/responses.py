@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ninfer_offload.serve.body import decode_json, refuse_long_list, validate
 from ninfer_offload.serve.context import ServeContext
-from ninfer_offload.serve.conversation import PreparedChat, ReplyStream, prepare_chat, whole_reply
+from ninfer_offload.serve.conversation import BlockEvent, BlockStream, PreparedChat, prepare_chat, whole_reply
 from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.generation import TextGeneration
 from ninfer_offload.serve.responses_request import NAMES, FunctionChoice, ResponsesRequest, to_chat
@@ -119,72 +119,58 @@ async def _complete(response: _Response, chat: PreparedChat, generation: TextGen
 
 
 async def _events(response: _Response, chat: PreparedChat, generation: TextGeneration) -> AsyncIterator[str]:
-    """response.created and .in_progress; per output item: output_item.added, its deltas, then its
-    .done events; at the end response.completed (or .incomplete when the token limit cut it)."""
+    """response.created and .in_progress; per output item: output_item.added (and content_part.added),
+    its deltas, then its .done events; at the end response.completed (or .incomplete when the token
+    limit cut the reply)."""
     output: list[dict] = []
-    open_item: dict | None = None  # the reasoning or message item receiving deltas
-    texts: list[str] = []
+    ids: dict[int, str] = {}
 
-    def close() -> list[str]:
-        nonlocal open_item
-        if open_item is None:
-            return []
-        item, index, text = open_item, len(output), "".join(texts)
-        build = _reasoning_item if item["type"] == "reasoning" else _message_item
-        done = build(item["id"], text, response.final_status() if generation.finish_reason else "completed")
-        part = done["content"][0]
-        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
-        events = [
-            response.event(f"response.{kind}.done", **where, text=text, **({"logprobs": []} if kind == "output_text" else {})),
-            response.event("response.content_part.done", **where, part=part),
-            response.event("response.output_item.done", output_index=index, item=done),
+    def events(block: BlockEvent) -> list[str]:
+        where = {"output_index": block.index}
+        if block.kind == "tool_call":
+            item = _call_item(block.value, "completed")
+            if block.event == "start":
+                ids[block.index] = item["id"]
+                return [response.event("response.output_item.added", **where, item={**item, "arguments": "", "status": "in_progress"})]
+            item["id"] = ids[block.index]
+            output.append(item)
+            at = {"item_id": item["id"], **where}
+            return [
+                response.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+                response.event("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"]),
+                response.event("response.output_item.done", **where, item=item),
+            ]
+        reasoning = block.kind == "reasoning"
+        build, text_kind = (_reasoning_item, "reasoning_text") if reasoning else (_message_item, "output_text")
+        logprobs = {} if reasoning else {"logprobs": []}
+        if block.event == "start":
+            ids[block.index] = _item_id("rs" if reasoning else "msg")
+            item = build(ids[block.index], "", "in_progress")
+            at = {"item_id": item["id"], **where, "content_index": 0}
+            return [
+                response.event("response.output_item.added", **where, item={**item, "content": []}),
+                response.event("response.content_part.added", **at, part=item["content"][0]),
+            ]
+        at = {"item_id": ids[block.index], **where, "content_index": 0}
+        if block.event == "delta":
+            return [response.event(f"response.{text_kind}.delta", **at, delta=block.value, **logprobs)]
+        item = build(ids[block.index], block.value, response.final_status() if generation.finish_reason else "completed")
+        output.append(item)
+        return [
+            response.event(f"response.{text_kind}.done", **at, text=block.value, **logprobs),
+            response.event("response.content_part.done", **at, part=item["content"][0]),
+            response.event("response.output_item.done", **where, item=item),
         ]
-        output.append(done)
-        open_item = None
-        return events
-
-    def events(pieces: list[tuple[str, object]]) -> list[str]:
-        nonlocal open_item, texts
-        out: list[str] = []
-        for kind, value in pieces:
-            if kind == "tool_call":
-                out += close()
-                item = _call_item(value, "completed")
-                index = len(output)
-                out.append(response.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                                  "status": "in_progress"}))
-                out.append(response.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                          delta=item["arguments"]))
-                out.append(response.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                          name=item["name"], arguments=item["arguments"]))
-                out.append(response.event("response.output_item.done", output_index=index, item=item))
-                output.append(item)
-                continue
-            item_type = "reasoning" if kind == "reasoning" else "message"
-            if open_item is None or open_item["type"] != item_type:
-                out += close()
-                build = _reasoning_item if item_type == "reasoning" else _message_item
-                open_item, texts = build(_item_id("rs" if item_type == "reasoning" else "msg"), "", "in_progress"), []
-                where = {"output_index": len(output)}
-                out.append(response.event("response.output_item.added", **where, item={**open_item, "content": []}))
-                out.append(response.event("response.content_part.added", item_id=open_item["id"], **where, content_index=0,
-                                          part=open_item["content"][0]))
-            texts.append(value)
-            where = {"item_id": open_item["id"], "output_index": len(output), "content_index": 0}
-            if kind == "reasoning":
-                out.append(response.event("response.reasoning_text.delta", **where, delta=value))
-            else:
-                out.append(response.event("response.output_text.delta", **where, delta=value, logprobs=[]))
-        return out
 
     yield response.event("response.created", response=response.snapshot("in_progress", []))
     yield response.event("response.in_progress", response=response.snapshot("in_progress", []))
-    stream = ReplyStream(chat)
+    blocks = BlockStream(chat)
     async for delta in generation.deltas():
-        for event in events(stream.feed(delta)):
+        for block in blocks.feed(delta):
+            for event in events(block):
+                yield event
+    for block in blocks.flush():
+        for event in events(block):
             yield event
-    for event in events(stream.flush()) + close():
-        yield event
     status = response.final_status()
     yield response.event(f"response.{status}", response=response.snapshot(status, output))
