@@ -103,7 +103,8 @@ def test_thinking_on_and_off(server):
 
 
 def test_forced_tool_use_round_trip(server, frontend):
-    kwargs = dict(**GREEDY, tools=[WEATHER], max_tokens=60, tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    choice = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+    kwargs = dict(**GREEDY, tools=[WEATHER], max_tokens=60, tool_choice=choice)
     ask = [{"role": "user", "content": ASK}]
     message = client(server).messages.create(**kwargs, messages=ask)
     (use,) = message.content
@@ -122,10 +123,12 @@ def test_forced_tool_use_round_trip(server, frontend):
     assert answer.stop_reason in ("max_tokens", "end_turn")
     seen = [
         *ask,
-        {"role": "assistant", "content": "", "tool_calls": [{"id": use.id, "type": "function", "function": {"name": use.name, "arguments": use.input}}]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": use.id, "type": "function", "function": {"name": use.name, "arguments": use.input}}]},
         {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 24 C"},
     ]
-    tools = [{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"], "parameters": WEATHER["input_schema"]}}]
+    function = {"name": WEATHER["name"], "description": WEATHER["description"], "parameters": WEATHER["input_schema"]}
+    tools = [{"type": "function", "function": function}]
     prompt = frontend.render(seen, tools=tools, enable_thinking=False)
     assert "Sunny, 24 C" in prompt and answer.usage.input_tokens == len(frontend.encode(prompt))
 
@@ -184,6 +187,7 @@ def test_guard_refusals_take_anthropic_shape(server):
     wrong_method = httpx.get(f"{server.url}/v1/messages", headers={"x-api-key": KEY})
     assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
     with pytest.raises(anthropic.AuthenticationError):
-        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(**GREEDY, messages=GOOD["messages"], max_tokens=2)
+        wrong_key = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+        wrong_key.messages.create(**GREEDY, messages=GOOD["messages"], max_tokens=2)
     chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": GOOD["messages"], "max_tokens": 0})
     assert chat.status_code == 422 and chat.json()["error"]["param"] == "max_tokens"  # OpenAI routes keep OpenAI's shape
