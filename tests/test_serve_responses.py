@@ -64,6 +64,10 @@ def test_reasoning_on_and_off(server):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], temperature=0, max_tokens=6)
     (reasoning,) = [item for item in thinking.output if item.type == "reasoning"]
     assert reasoning.content[0].text == chat.choices[0].message.reasoning_content
+    events = list(client.responses.create(model=MODEL, temperature=0, input=ASK, max_output_tokens=6, reasoning={"effort": "high"},
+                                          stream=True))
+    assert events[2].item.type == "reasoning" and events[3].part.type == "reasoning_text"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     plain = client.responses.create(**GREEDY, input=ASK, max_output_tokens=6)
     assert [item.type for item in plain.output] == ["message"]
 
@@ -123,6 +127,8 @@ GOOD = {"model": MODEL, "input": ASK, "max_output_tokens": 2}
         ({**GOOD, "input": [{"role": "user", "content": ASK}, {"type": "function_call_output", "call_id": "c9", "output": "x"}]}, 400,
          "input.1.call_id"),
         ({**GOOD, "input": [{"type": "function_call", "call_id": "c1", "name": "f"}]}, 422, "input.0.arguments"),
+        ({**GOOD, "input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{"}]}, 400, "input"),
+        ({**GOOD, "tool_choice": "required"}, 400, "tool_choice"),
         ({**GOOD, "input": [{"role": "robot", "content": ASK}]}, 422, "input.0.role"),
         ({**GOOD, "input": 7}, 422, "input"),
         ({**GOOD, "previous_response_id": "resp_1"}, 400, "previous_response_id"),

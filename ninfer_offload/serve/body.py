@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -84,6 +84,19 @@ def validate(data: Any, model: type[Body], required_first: Sequence[str] = (), l
     except ValidationError as exc:
         errors = [{**error, "loc": (*location, *error["loc"])} for error in exc.errors(include_url=False)]
         raise validation_error(errors, required_first) from None
+
+
+def validate_typed(items: list[dict[str, Any]], field: str, accepted: Collection[str | None], model: type[Body], kinds: str) -> list[Body]:
+    """Each item of the list `field` as `model`; 400 naming the `type` of an item whose type is not
+    `accepted` (`kinds` says which are, in the error)."""
+    checked = []
+    for index, item in enumerate(items):
+        kind = item.get("type")
+        if kind not in accepted:
+            message = f"{field}.{index}.type: only {kinds} are supported (got {kind!r})"
+            raise APIError(400, message, param=f"{field}.{index}.type", code="unsupported_value")
+        checked.append(validate(item, model, location=(field, index)))
+    return checked
 
 
 def check_nesting(value: Any, param: str) -> None:

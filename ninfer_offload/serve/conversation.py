@@ -6,6 +6,7 @@ grammar, sampling rules and set of limits). Each API translates its body into a
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -123,7 +124,7 @@ def _render(ctx: ServeContext, body: ChatCompletionRequest, names: FieldNames) -
     try:
         return ctx.frontend.render(_messages(body), tools=tools, enable_thinking=enable_thinking, **options)
     except NinferError as exc:
-        raise APIError(400, str(exc), param=names.messages, code="invalid_messages") from None
+        raise APIError(400, f"{names.messages}: {exc}", param=names.messages, code="invalid_messages") from None
 
 
 def _constraint(ctx: ServeContext, body: ChatCompletionRequest, thinking: bool, names: FieldNames):
@@ -254,3 +255,13 @@ class BlockStream:
         event = BlockEvent("stop", self.count - 1, self._open, "".join(self._texts))
         self._open, self._texts = None, []
         return [event]
+
+
+async def reply_blocks(chat: PreparedChat, generation: TextGeneration) -> AsyncIterator[BlockEvent]:
+    """Generate to the end, telling the reply in blocks (`BlockStream`)."""
+    blocks = BlockStream(chat)
+    async for delta in generation.deltas():
+        for block in blocks.feed(delta):
+            yield block
+    for block in blocks.flush():
+        yield block

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ninfer_offload.serve.body import decode_json, refuse_long_list, validate
 from ninfer_offload.serve.context import ServeContext
-from ninfer_offload.serve.conversation import BlockEvent, BlockStream, PreparedChat, prepare_chat, render_prompt, whole_reply
+from ninfer_offload.serve.conversation import BlockEvent, PreparedChat, prepare_chat, render_prompt, reply_blocks, whole_reply
 from ninfer_offload.serve.errors import APIError, anthropic_error_body
 from ninfer_offload.serve.generation import TextGeneration
 from ninfer_offload.serve.messages_request import NAMES, CountTokensRequest, MessagesRequest, to_chat
@@ -112,15 +112,12 @@ async def _events(ctx: ServeContext, chat: PreparedChat, generation: TextGenerat
     """message_start; content_block_start, _delta and _stop per block; message_delta (stop reason,
     output tokens); message_stop."""
     yield sse({"type": "message_start", "message": _message(ctx, generation, [], None, 0)}, event="message_start")
-    blocks = BlockStream(chat)
-    async for delta in generation.deltas():
-        for block in blocks.feed(delta):
-            for event in _block_events(block):
-                yield event
-    for block in blocks.flush():
+    called = False
+    async for block in reply_blocks(chat, generation):
+        called = called or block.kind == "tool_call"
         for event in _block_events(block):
             yield event
-    stop_reason = _stop_reason(generation, bool(blocks.replies.calls))
+    stop_reason = _stop_reason(generation, called)
     stop_sequence = generation.stop_string if stop_reason == "stop_sequence" else None
     done = {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
             "usage": {"output_tokens": generation.completion_tokens}}

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ninfer_offload.serve.body import validate
+from ninfer_offload.serve.body import validate, validate_typed
 from ninfer_offload.serve.conversation import FieldNames
 from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.protocol import MAX_STOP_STRINGS, ChatCompletionRequest
@@ -91,7 +91,7 @@ def _blocks(content: list[dict[str, Any]], where: str) -> list[tuple[str, Any, s
     blocks = []
     for number, block in enumerate(content):
         at = f"{where}.{number}"
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = block.get("type")
         model = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock}.get(kind)
         if kind in _UNSUPPORTED_BLOCKS:
             message = f"{at}.type: {_UNSUPPORTED_BLOCKS[kind]} are not supported by this server (text only)"
@@ -154,12 +154,7 @@ def _tools(body: CountTokensRequest) -> list[dict] | None:
     if body.tools is None:
         return None
     tools = []
-    for index, raw in enumerate(body.tools):
-        kind = raw.get("type") if isinstance(raw, dict) else None
-        if kind not in (None, "custom"):
-            message = f"tools.{index}.type: only custom tools with an input_schema are supported (got {kind!r})"
-            raise APIError(400, message, param=f"tools.{index}.type", code="unsupported_value")
-        tool = validate(raw, CustomTool, location=("tools", index))
+    for tool in validate_typed(body.tools, "tools", (None, "custom"), CustomTool, "custom tools with an input_schema"):
         function = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
         tools.append({"type": "function", "function": {key: value for key, value in function.items() if value is not None}})
     return tools

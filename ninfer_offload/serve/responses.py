@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ninfer_offload.serve.body import decode_json, refuse_long_list, validate
 from ninfer_offload.serve.context import ServeContext
-from ninfer_offload.serve.conversation import BlockEvent, BlockStream, PreparedChat, prepare_chat, whole_reply
+from ninfer_offload.serve.conversation import BlockEvent, PreparedChat, prepare_chat, reply_blocks, whole_reply
 from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.generation import TextGeneration
 from ninfer_offload.serve.responses_request import NAMES, FunctionChoice, ResponsesRequest, to_chat
@@ -164,12 +164,7 @@ async def _events(response: _Response, chat: PreparedChat, generation: TextGener
 
     yield response.event("response.created", response=response.snapshot("in_progress", []))
     yield response.event("response.in_progress", response=response.snapshot("in_progress", []))
-    blocks = BlockStream(chat)
-    async for delta in generation.deltas():
-        for block in blocks.feed(delta):
-            for event in events(block):
-                yield event
-    for block in blocks.flush():
+    async for block in reply_blocks(chat, generation):
         for event in events(block):
             yield event
     status = response.final_status()

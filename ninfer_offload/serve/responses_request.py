@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ninfer_offload.serve.body import validate
+from ninfer_offload.serve.body import validate, validate_typed
 from ninfer_offload.serve.conversation import FieldNames
 from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.protocol import ChatCompletionRequest
@@ -115,7 +115,7 @@ def _text(parts: list[dict[str, Any]], where: str) -> str:
     """The text of content parts; 400 naming the part that is not text."""
     texts = []
     for number, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind = part.get("type")
         if kind in _UNSUPPORTED_PARTS:
             message = f"{where}.{number}.type: {_UNSUPPORTED_PARTS[kind]} are not supported by this server (text only)"
             raise APIError(400, message, param=f"{where}.{number}.type", code="unsupported_value")
@@ -136,7 +136,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
     calls: set[str] = set()
     for index, item in enumerate(body.input):
         where = f"input.{index}"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
+        kind = item.get("type", "message")
         if kind == "message":
             message = validate(item, MessageItem, location=("input", index))
             content = message.content if isinstance(message.content, str) else _text(message.content, f"{where}.content")
@@ -171,14 +171,8 @@ def _messages(body: ResponsesRequest) -> list[dict]:
 def _tools(body: ResponsesRequest) -> list[dict] | None:
     if body.tools is None:
         return None
-    tools = []
-    for index, tool in enumerate(body.tools):
-        if tool.get("type") != "function":
-            message = f"tools.{index}.type: only function tools are supported (got {tool.get('type')!r})"
-            raise APIError(400, message, param=f"tools.{index}.type", code="unsupported_value")
-        function = validate(tool, FunctionTool, location=("tools", index))
-        tools.append({"type": "function", "function": function.model_dump(exclude={"type"}, exclude_none=True)})
-    return tools
+    tools = validate_typed(body.tools, "tools", ("function",), FunctionTool, "function tools")
+    return [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)} for tool in tools]
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
