@@ -16,8 +16,8 @@ from ninfer_offload.serve.context import Prepared, ServeContext
 from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.generation import TextGeneration
 from ninfer_offload.serve.protocol import ChatCompletionRequest, ToolCall
-from ninfer_offload.serve.reasoning import ReasoningStream, prompt_leaves_thinking_open
-from ninfer_offload.serve.tool_calls import ToolCallStream
+from ninfer_offload.serve.reasoning import ReasoningStream, prompt_leaves_thinking_open, split_reasoning
+from ninfer_offload.serve.tool_calls import ToolCallStream, parse_tool_calls
 
 # Names the renderer itself passes to the template (or binds), which chat_template_kwargs cannot replace.
 _RESERVED_TEMPLATE_NAMES = frozenset({"self", "messages", "tools", "documents"})
@@ -192,17 +192,12 @@ class Reply:
 
 async def whole_reply(chat: PreparedChat, generation: TextGeneration) -> Reply:
     """Generate to the end and split the reply, as `ReplyStream` splits it streamed."""
-    stream = ReplyStream(chat)
-    parts: dict[str, list[str]] = {"reasoning": [], "content": []}
-    async for delta in generation.deltas():
-        for kind, value in stream.feed(delta):
-            if kind != "tool_call":
-                parts[kind].append(value)
-    for kind, value in stream.flush():
-        if kind != "tool_call":
-            parts[kind].append(value)
-    reasoning = "".join(parts["reasoning"]) if chat.thinking else None
-    return Reply(reasoning, "".join(parts["content"]) or None, stream.calls)
+    text = "".join([delta async for delta in generation.deltas()])
+    reasoning, content = split_reasoning(text, chat.thinking)
+    calls: list[dict] = []
+    if chat.tools and content:
+        content, calls = parse_tool_calls(content, chat.tools)
+    return Reply(reasoning, content, calls)
 
 
 @dataclass(frozen=True)
