@@ -445,7 +445,9 @@ GOOD = {"model": MODEL, "messages": USER, "max_tokens": 2}
         ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "lighthouse " * 400}]}, 400, "messages"),
         ("/v1/chat/completions", {**GOOD, "max_tokens": CONTEXT}, 400, "max_tokens"),
         ("/v1/chat/completions", {**GOOD, "n": 2}, 400, "n"),
-        ("/v1/chat/completions", {**GOOD, "tool_choice": "required", "tools": [WEATHER_TOOL]}, 400, "tool_choice"),
+        ("/v1/chat/completions", {**GOOD, "tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER_TOOL]}, 400,
+         "tool_choice"),
+        ("/v1/chat/completions", {**GOOD, "tool_choice": "required"}, 400, "tool_choice"),
         (
             "/v1/chat/completions",
             {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

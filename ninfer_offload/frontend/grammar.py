@@ -89,10 +89,13 @@ class GrammarCompiler:
             raise NinferError(f"invalid JSON schema: {err}") from None
         return self._constraint(grammar, self.reasoning_end if thinking else None, "JSON schema")
 
-    def tool_calls(self, tools: list[dict]) -> GrammarConstraint:
+    def tool_calls(self, tools: list[dict], forced: bool = False, parallel: bool = True, thinking: bool = False) -> GrammarConstraint:
         """Free text (reasoning and content), then only well-formed tool calls (the model's XML format)
-        to the given OpenAI `tools`, with each argument valid against its parameter's schema."""
-        return self._constraint(llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(tools, self.reasoning_tags)), None, "tool schema")
+        to the given OpenAI `tools`, with each argument valid against its parameter's schema. `forced`:
+        no content, at least one call (with `thinking`, after the reasoning closes); `parallel` False:
+        at most one call."""
+        grammar = llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(tools, self.reasoning_tags, forced, parallel))
+        return self._constraint(grammar, self.reasoning_end if forced and thinking else None, "tool schema")
 
     def _constraint(self, grammar: str, start_after: int | None, source: str) -> GrammarConstraint:
         """A constraint of a compiled grammar; NinferError naming `source` when llguidance refuses it."""
@@ -108,20 +111,21 @@ def _is_free_string(spec: object) -> bool:
     return isinstance(spec, dict) and spec.get("type") == "string" and not set(spec) - {"type", "description", "title"}
 
 
-def tool_call_grammar(tools: list[dict], reasoning_tags: list[str]) -> str:
+def tool_call_grammar(tools: list[dict], reasoning_tags: list[str], forced: bool = False, parallel: bool = True) -> str:
     """A Lark grammar (llguidance dialect) of free text followed by tool calls in the model's format
 
         <tool_call>⏎<function=NAME>⏎<parameter=P>⏎VALUE⏎</parameter>⏎...</function>⏎</tool_call>[⏎]
 
     Parameters come in their schema's order, the required ones mandatory; a plain string value is
     free text, any other value is JSON valid against its schema. The text before the calls may hold
-    the `reasoning_tags` tokens."""
+    the `reasoning_tags` tokens. `forced`: no free text, one call or more; `parallel` False: one call at most."""
     newline, close_parameter, close_function = json.dumps("\n"), json.dumps("\n</parameter>\n"), json.dumps("</function>\n")
     functions = " | ".join(f"function_{i}" for i in range(len(tools)))
-    rules = [
-        "start: free call*",
-        "free: (" + " | ".join(["TEXT", *reasoning_tags]) + ")*",
-        r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
+    calls = ("call+" if parallel else "call") if forced else ("call*" if parallel else "call?")
+    rules = [f"start: {calls}" if forced else f"start: free {calls}"]
+    if not forced:
+        rules += ["free: (" + " | ".join(["TEXT", *reasoning_tags]) + ")*", r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/"]
+    rules += [
         r"free_value[lazy]: /(?s:.*)\n<\/parameter>\n/",  # the shortest text that closes the parameter
         f"call: <tool_call> {newline} ({functions}) </tool_call> {newline}?",
     ]

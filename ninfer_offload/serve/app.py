@@ -17,7 +17,9 @@ from ninfer_offload.serve.completions import completion
 from ninfer_offload.serve.context import ServeContext
 from ninfer_offload.serve.errors import ErrorGuard, install_error_handlers
 from ninfer_offload.serve.guards import ApiKeyGuard, BodyLimit, HostGuard
+from ninfer_offload.serve.messages import count_tokens, create_message
 from ninfer_offload.serve.rehearsal import rehearse
+from ninfer_offload.serve.responses import create_response
 from ninfer_offload.serve.scheduler import Scheduler
 
 log = logging.getLogger("ninfer.serve")
@@ -95,6 +97,18 @@ def create_app(
     @api.post("/completions")
     async def completions(request: Request) -> Response:
         return await completion(ctx, request)
+
+    @api.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(ctx, request)
+
+    @api.post("/messages")
+    async def messages(request: Request) -> Response:
+        return await create_message(ctx, request)
+
+    @api.post("/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await count_tokens(ctx, request)
 
     app.include_router(api)
     return app

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -76,12 +76,27 @@ def refuse_long_list(data: dict[str, Any], field: str, max_context: int) -> None
         )
 
 
-def validate(data: dict[str, Any], model: type[Body], required_first: Sequence[str] = ()) -> Body:
-    """`model` from the decoded body; 422 naming the field (missing fields by name)."""
+def validate(data: Any, model: type[Body], required_first: Sequence[str] = (), location: Sequence[str | int] = ()) -> Body:
+    """`model` from the decoded body (or the part of it at `location`); 422 naming the field (missing
+    top-level fields by name)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False), required_first) from None
+        errors = [{**error, "loc": (*location, *error["loc"])} for error in exc.errors(include_url=False)]
+        raise validation_error(errors, required_first) from None
+
+
+def validate_typed(items: list[dict[str, Any]], field: str, accepted: Collection[str | None], model: type[Body], kinds: str) -> list[Body]:
+    """Each item of the list `field` as `model`; 400 naming the `type` of an item whose type is not
+    `accepted` (`kinds` says which are, in the error)."""
+    checked = []
+    for index, item in enumerate(items):
+        kind = item.get("type")
+        if kind not in accepted:
+            message = f"{field}.{index}.type: only {kinds} are supported (got {kind!r})"
+            raise APIError(400, message, param=f"{field}.{index}.type", code="unsupported_value")
+        checked.append(validate(item, model, location=(field, index)))
+    return checked
 
 
 def check_nesting(value: Any, param: str) -> None:

@@ -108,8 +108,8 @@ class ServeContext:
             )
         return self.frontend.encode(prompt)  # releases the GIL: the event loop keeps serving meanwhile
 
-    def token_budget(self, prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
-        """`max_tokens` checked against the context (vLLM's rule); None means all the room left."""
+    def token_budget(self, prompt_tokens: int, requested: int | None, prompt_param: str, limit_param: str = "max_tokens") -> int:
+        """The completion limit (`limit_param`) checked against the context (vLLM's rule); None means all the room left."""
         if prompt_tokens == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
         room = self.max_context - prompt_tokens
@@ -119,8 +119,8 @@ class ServeContext:
                 400,
                 f"This model's maximum context length is {self.max_context} tokens. However, you requested "
                 f"{asked} tokens ({prompt_tokens} in the prompt, {requested or 0} for the completion). "
-                "Please shorten the prompt or lower max_tokens.",
-                param=prompt_param if room <= 0 else "max_tokens",
+                f"Please shorten the prompt or lower {limit_param}.",
+                param=prompt_param if room <= 0 else limit_param,
                 code="context_length_exceeded",
             )
         return requested if requested is not None else room

@@ -1,5 +1,6 @@
-"""OpenAI-style error bodies, the handlers that turn every refused request into one, and the last
-resort that answers any other failure as JSON too (never a text/plain 500)."""
+"""Error bodies, the handlers that turn every refused request into one, and the last resort that
+answers any other failure as JSON too (never a text/plain 500). Errors take OpenAI's shape, except
+under `/v1/messages`, where they take Anthropic's (`error_response` picks by the request's path)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ _TYPES = {
     503: "server_error",
 }
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
 
 
 class APIError(Exception):
@@ -43,6 +56,10 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+    def body(self) -> dict:
+        """The OpenAI error JSON object of this error."""
+        return error_body(self.status, self.message, self.param, self.code)
 
 
 class ErrorJSON(JSONResponse):
@@ -57,11 +74,44 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
 
 
+def speaks_anthropic(path: str) -> bool:
+    """Whether `path` belongs to the Anthropic Messages API (its errors take Anthropic's shape)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_status(status: int) -> int:
+    """Anthropic answers a request body that fails validation with 400, not 422."""
+    return 400 if status == 422 else status
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error JSON object for one failure (the field is named in `message`)."""
+    kind = _ANTHROPIC_TYPES.get(anthropic_status(status), "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class ErrorResponse(ErrorJSON):
+    """An error in OpenAI's shape, answered in Anthropic's when the request's path is under `/v1/messages`."""
+
+    def __init__(self, status: int, message: str, param: str | None, code: str | None, headers: dict[str, str] | None) -> None:
+        super().__init__(error_body(status, message, param, code), status_code=status, headers=headers)
+        self.error = (status, message)
+        self.extra_headers = headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not speaks_anthropic(scope.get("path", "")):
+            await super().__call__(scope, receive, send)
+            return
+        status, message = self.error
+        anthropic = ErrorJSON(anthropic_error_body(status, message), status_code=anthropic_status(status), headers=self.extra_headers)
+        await anthropic(scope, receive, send)
+
+
 def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    """A JSON response carrying `error_body`."""
-    return ErrorJSON(error_body(status, message, param, code), status_code=status, headers=headers)
+    """A JSON response carrying the error in the shape of the API the request's path belongs to."""
+    return ErrorResponse(status, message, param, code, headers)
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|.*[\[\-].*)$")
@@ -93,7 +143,7 @@ def validation_error(errors: Sequence[dict], required_first: Sequence[str] = ())
 
 def install_error_handlers(app: FastAPI) -> None:
     """Make `APIError`, validation errors and HTTP errors (unknown route, wrong method, body too
-    large) answer in OpenAI's format."""
+    large) answer through `error_response`."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -54,17 +54,22 @@ class HostGuard:
 
 
 class ApiKeyGuard:
-    """Require `Authorization: Bearer KEY` on every `/v1/` route (checked before the body is read)."""
+    """Require the key as `Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's clients) on every
+    `/v1/` route (checked before the body is read)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode()
 
+    def _accepts(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return bearer or (b"x-api-key" in headers and hmac.compare_digest(headers[b"x-api-key"].strip(), self.api_key))
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                message = "missing or invalid API key (send 'Authorization: Bearer KEY')"
+            if not self._accepts(dict(scope["headers"])):
+                message = "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
                 await error_response(401, message, code="invalid_api_key")(scope, receive, send)
                 return
         await self.app(scope, receive, send)

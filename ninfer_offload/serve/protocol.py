@@ -117,11 +117,23 @@ class SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """`{"type": "function", "function": {"name": ...}}`: a call to that function is forced."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -138,19 +150,26 @@ class ChatCompletionRequest(SamplingFields):
         """`max_completion_tokens` (the newer name) or `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(
-                400,
-                "tool_choice must be 'auto' or 'none' (forced tool calls are not supported)",
-                param="tool_choice",
-                code="unsupported_value",
-            )
-
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    def callable_tools(self, param: str = "tool_choice") -> list[Tool]:
+        """The tools a reply may call: all of them, or the one `tool_choice` names (400 naming
+        `param` when no tool has that name, or when a call is forced without tools)."""
+        if self.forces_tool_call and not self.tools:
+            raise APIError(400, f"{param} forces a tool call, but no tools are given", param=param, code="invalid_value")
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return list(self.tools or [])
+        name = self.tool_choice.function.name
+        named = [tool for tool in self.tools if tool.function.name == name]
+        if not named:
+            raise APIError(400, f"{param} names the function '{name}', which is not among the tools", param=param, code="invalid_value")
+        return named
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
 
 class CompletionRequest(SamplingFields):
