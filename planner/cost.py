@@ -8,12 +8,14 @@ by the miss path (read over PCIe zero-copy, or computed on the host at a cost pe
 "auto" the faster). Prefill of a chunk is
 compute- or weight-bound on the GPU plus one read of every host-resident expert the chunk touches,
 partly overlapped. The timings come from the profile's `[engine]` table, measured by
-`bench/resident.py` and `bench/offload.py`; a card without one borrows the benchmark machine's
-(`CALIBRATED_PROFILE`), which the assumptions say.
+`bench/resident.py` and `bench/offload.py`; a card without a complete one borrows the missing ones from
+the shipped profile with a complete table nearest to it in memory bandwidth (`calibration_profile`),
+which the assumptions say and `ninfer plan` warns about.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ninfer_offload.artifact.dims import ModelDims
@@ -21,22 +23,41 @@ from ninfer_offload.planner.memory import gdn_state_bytes, kv_layer_bytes_per_to
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.placement import Prediction
 from ninfer_offload.planner.routing import RoutingStats
-from ninfer_offload.profiles import ENGINE_KEYS, DeviceProfile, load_profile
-
-CALIBRATED_PROFILE = "h200"  # the card the benchmarks measured the engine timings on
+from ninfer_offload.profiles import ENGINE_KEYS, DeviceProfile, load_profile, shipped_names
 # Host expert kernels consume records at this share of DRAM bandwidth, all cores: measured 0.63
 # (bf16 activations; 0.59 float32) on the H200 host's 16 Emerald Rapids vCPUs and 0.85 on 2 Zen 5
 # cores (bench/results/cpu_experts_*.json).
 CPU_EXPERT_SHARE_OF_DRAM = 0.6
 
 
+def _complete(profile: DeviceProfile) -> bool:
+    return all(key in (profile.engine or {}) for key in ENGINE_KEYS)
+
+
+@functools.lru_cache(maxsize=1)
+def _calibrated_profiles() -> tuple[DeviceProfile, ...]:
+    """The shipped profiles whose `[engine]` table is complete (the cards the benchmarks measured)."""
+    return tuple(p for p in map(load_profile, shipped_names()) if _complete(p))
+
+
+def calibration_profile(profile: DeviceProfile) -> DeviceProfile | None:
+    """The shipped profile whose engine timings `profile` borrows: None when its own `[engine]` table is
+    complete, else the calibrated one nearest in memory bandwidth (ties by name)."""
+    if _complete(profile):
+        return None
+    return min(_calibrated_profiles(), key=lambda p: (abs(p.memory_bandwidth_gbs - profile.memory_bandwidth_gbs), p.name))
+
+
 def engine_timings(profile: DeviceProfile) -> tuple[dict[str, float], str]:
-    """The profile's measured engine timings, completed from the benchmark machine's, and where they come from."""
+    """The profile's measured engine timings, completed from `calibration_profile`'s, and where they come from."""
     own = profile.engine or {}
-    if all(key in own for key in ENGINE_KEYS):
+    reference = calibration_profile(profile)
+    if reference is None:
         return dict(own), f"engine timings measured on {profile.name}"
-    reference = load_profile(CALIBRATED_PROFILE).engine
-    return {**reference, **own}, f"engine timings measured on the {CALIBRATED_PROFILE} ({profile.name} has no complete [engine] table)"
+    return {**reference.engine, **own}, (
+        f"engine timings measured on the {reference.name}, the nearest measured card in memory bandwidth "
+        f"({profile.name} has no complete [engine] table)"
+    )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Rich rendering of placements for `ninfer plan`: one plan in detail, or several side by side.
 
 Tables fit the terminal: below WIDE columns (an 80-column terminal, or output to a pipe) they drop
-their vertical rules and the side-by-side figures take their short forms.
+their vertical rules and the side-by-side figures take their short forms. Every string that comes from
+the user, a profile or an artifact (names, sources, reasons, assumptions) is printed as it is: rich's
+markup in it (`[engine]`) is escaped.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from statistics import mean
 
 from rich import box
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 
 from ninfer_offload.planner.cost import general_assumptions
@@ -46,20 +49,22 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
     o = p.options
     spec = f"MTP x{o.drafts}" + (" + proposal head" if o.proposal_head else "") if o.speculating else "none"
     head = Table.grid(padding=(0, 2))
-    head.add_row("profile", p.profile)
-    head.add_row("model", source)
+    head.add_row("profile", escape(p.profile))
+    head.add_row("model", escape(source))
     head.add_row(
         "options",
         f"context {o.max_context}, concurrency {o.concurrency}, KV {o.kv_dtype}, speculation {spec}, "
         f"vision {'on' if o.vision else 'off'}, prefill chunk {o.prefill_chunk}",
     )
-    head.add_row("status", "[green]feasible[/]" if p.feasible else f"[red]does not fit[/]: {p.reason}")
+    head.add_row("status", "[green]feasible[/]" if p.feasible else f"[red]does not fit[/]: {escape(p.reason)}")
+    for note in p.notes:
+        head.add_row("note", escape(note))
 
     components = _table("Weights by component", compact)
     for col in ("component", "stored", "placement", "VRAM", "pinned host"):
         components.add_column(col, justify="left" if col in ("component", "placement") else "right")
     for name, c in p.components.items():
-        components.add_row(name, gib(c.bytes), c.placement, gib(c.vram_bytes), gib(c.host_bytes))
+        components.add_row(escape(name), gib(c.bytes), c.placement, gib(c.vram_bytes), gib(c.host_bytes))
 
     memory = _table("Memory", compact)
     memory.add_column("item")
@@ -79,7 +84,7 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
     experts.add_row("resident", f"{p.experts_resident} of {p.experts_total}")
     experts.add_row("per layer min / mean / max", _expert_line(p, compact))
     experts.add_row("routing mass covered", f"{p.routing_mass_resident:.1%}")
-    experts.add_row("routing statistics", p.routing_stats)
+    experts.add_row("routing statistics", escape(p.routing_stats))
     experts.add_row("staging slots", str(p.staging_slots))
     experts.add_row("KV capacity (tokens)", f"{p.kv_capacity_tokens:,}")
 
@@ -114,7 +119,7 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], com
     table = _table("Plans side by side", compact)
     table.add_column("")
     for p in plans:
-        table.add_column(p.profile, justify="right")
+        table.add_column(escape(p.profile), justify="right")
     rows = [
         ("feasible", lambda p: "yes" if p.feasible else "no"),
         ("memory bandwidth GB/s", lambda p: f"{by_name[p.profile].memory_bandwidth_gbs:g}"),
@@ -137,7 +142,7 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], com
         table.add_row(label, *(cell(p) for p in plans))
     for p in plans:
         if not p.feasible:
-            table.caption = (table.caption + "\n" if table.caption else "") + f"{p.profile}: {p.reason}"
+            table.caption = (table.caption + "\n" if table.caption else "") + escape(f"{p.profile}: {p.reason}")
     options = plans[0].options
     lines = [
         *dict.fromkeys(p.predicted.assumptions[0] for p in plans if p.predicted),  # where each card's engine timings come from
@@ -150,7 +155,7 @@ def _assumption_table(lines, compact: bool) -> Table:
     table = _table("Assumptions", compact, show_header=False)
     table.add_column("assumption")
     for line in lines:
-        table.add_row(f"- {line}")
+        table.add_row(escape(f"- {line}"))
     return table
 
 
