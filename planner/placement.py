@@ -33,6 +33,7 @@ class Prediction:
     vram_bytes_per_token: int
     pcie_bytes_per_token: float
     assumptions: tuple[str, ...]
+    cache_hit_rate: float | None = None  # expert requests of a decode token served from VRAM, simulated; None: all resident
 
     @property
     def speculation_speedup(self) -> float | None:
@@ -93,6 +94,7 @@ class Placement:
                 "pcie_bytes_per_token": p.pcie_bytes_per_token,
                 "speculation_speedup": p.speculation_speedup,
                 "speculates": p.speculates,
+                "cache_hit_rate": p.cache_hit_rate,
                 "assumptions": list(p.assumptions),
             }
         return {
@@ -195,12 +197,13 @@ PLAN_SCHEMA: dict = {
             "additionalProperties": False,
             "required": [
                 "decode_tok_s", "decode_tok_s_mtp", "prefill_tok_s", "vram_bytes_per_token", "pcie_bytes_per_token",
-                "speculation_speedup", "speculates", "assumptions",
+                "speculation_speedup", "speculates", "cache_hit_rate", "assumptions",
             ],
             "properties": {
                 "decode_tok_s": _NUMBER, "decode_tok_s_mtp": {"type": ["number", "null"], "minimum": 0},
                 "prefill_tok_s": _NUMBER, "vram_bytes_per_token": _INT, "pcie_bytes_per_token": _NUMBER,
                 "speculation_speedup": {"type": ["number", "null"], "minimum": 0}, "speculates": {"type": "boolean"},
+                "cache_hit_rate": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
                 "assumptions": {"type": "array", "items": {"type": "string"}},
             },
         },

@@ -18,6 +18,7 @@ from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.formats import elements
 from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
 from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.cache_split import simulate_decode_cache
 from ninfer_offload.planner.cost import WeightTraffic, predict
 from ninfer_offload.planner.memory import prefill_staging_slots, staging_slots, state_pool_bytes, workspace_bytes
 from ninfer_offload.planner.options import PlanOptions
@@ -166,7 +167,8 @@ def plan(
         mtp_dense_bytes=mtp - sum(b.bank_bytes for b in mtp_banks),
         mtp_expert_bytes=mtp_banks[0].expert_bytes if mtp_banks else 0,
     )
-    placement.predicted = predict(dims, profile, options, weights, stats, resident, placement.expert_bytes)
+    cache = simulate_decode_cache(stats, dims.top_k, resident, slots, placement.expert_bytes) if host_experts else None
+    placement.predicted = predict(dims, profile, options, weights, stats, resident, placement.expert_bytes, cache)
     return placement
 
 

@@ -95,6 +95,8 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
         speed.add_column("item")
         speed.add_column("value", justify="right")
         speed.add_row("decode tok/s (batch 1)", _rate(r.decode_tok_s))
+        if r.cache_hit_rate is not None:
+            speed.add_row("expert cache hit rate", f"{r.cache_hit_rate:.1%}")
         speed.add_row("decode tok/s with MTP", _rate(r.decode_tok_s_mtp))
         speed.add_row("speculation", _speculation(r))
         speed.add_row("prefill tok/s", _rate(r.prefill_tok_s))
@@ -131,6 +133,7 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], com
         ("experts resident", lambda p: f"{p.experts_resident}/{p.experts_total}"),
         ("per layer min/mean/max", lambda p: _expert_line(p, compact)),
         ("routing mass covered", lambda p: f"{p.routing_mass_resident:.1%}"),
+        ("cache hit rate", lambda p: "-" if p.predicted is None or p.predicted.cache_hit_rate is None else f"{p.predicted.cache_hit_rate:.1%}"),
         ("token embedding", lambda p: p.components["token_embedding"].placement),
         ("staging slots", lambda p: str(p.staging_slots)),
         ("KV capacity (tokens)", lambda p: f"{p.kv_capacity_tokens:,}"),

@@ -59,9 +59,10 @@ def plan_load(
     inventory: Inventory, profile: DeviceProfile, options: PlanOptions, routing_stats: RoutingStats | None = None, auto: bool = False
 ) -> Placement:
     """The plan of a load asking for `options`; with `auto` (`--spec auto`) and speculative options, the plan
-    `decide_speculation` chooses, its reason in the plan's notes."""
+    `decide_speculation` chooses, its reason in the plan's notes where it fits."""
     if not (auto and options.speculating):
         return plan(inventory, profile, options, routing_stats)
     decision = decide_speculation(inventory, profile, options, routing_stats)
-    decision.placement.notes.append(f"--spec auto: {decision.reason}")
+    if decision.placement.feasible:  # (else its reason says what does not fit)
+        decision.placement.notes.append(f"--spec auto: {decision.reason}")
     return decision.placement

@@ -76,10 +76,11 @@ def _warn_budget(options: PlanOptions, text: Optional[str], profiles: list[Devic
 
 
 def _warn_calibration(profiles: list[DeviceProfile]) -> None:
-    """One line on stderr for each card without a complete [engine] table: whose timings its plan borrows."""
+    """One line on stderr for each profile of the user's without a complete [engine] table: whose timings its plan
+    borrows (the shipped ones say it in their assumptions)."""
     for p in profiles:
         reference = calibration_profile(p)
-        if reference is not None:
+        if reference is not None and not p.source.startswith("shipped:"):
             typer.echo(
                 f"warning: {p.name} has no complete [engine] table; its speed is predicted with the engine timings of "
                 f"{reference.name}, the nearest measured card in memory bandwidth",
