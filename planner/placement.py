@@ -56,8 +56,9 @@ class Placement:
     vram_total_bytes: int
     vram_budget_bytes: int
     vram_used_bytes: int
-    host_pinned_bytes: int
+    host_pinned_bytes: int  # the expert pool of an offloaded load (every record, as locked) and a host-resident embedding
     host_budget_bytes: int
+    host_process_bytes: int  # the process's host memory: the pinned bytes and the runtime's own (`planner.RUNTIME_HOST_BYTES`)
     components: dict[str, ComponentPlacement]
     runtime: dict[str, int]  # VRAM not holding weights: reserve, kv_cache, gdn_state, workspace, staging, prefill_staging
     resident_experts: list[list[int]]  # per text layer, expert ids hottest first
@@ -109,6 +110,7 @@ class Placement:
             "vram_free_bytes": self.vram_free_bytes,
             "host_pinned_bytes": self.host_pinned_bytes,
             "host_budget_bytes": self.host_budget_bytes,
+            "host_process_bytes": self.host_process_bytes,
             "components": {
                 name: {"bytes": c.bytes, "placement": c.placement, "vram_bytes": c.vram_bytes, "host_bytes": c.host_bytes}
                 for name, c in self.components.items()
@@ -136,7 +138,7 @@ PLAN_SCHEMA: dict = {
     "additionalProperties": False,
     "required": [
         "schema", "profile", "feasible", "reason", "options", "vram_total_bytes", "vram_budget_bytes",
-        "vram_used_bytes", "vram_free_bytes", "host_pinned_bytes", "host_budget_bytes", "components", "runtime",
+        "vram_used_bytes", "vram_free_bytes", "host_pinned_bytes", "host_budget_bytes", "host_process_bytes", "components", "runtime",
         "experts_total", "experts_resident", "experts_resident_per_layer", "resident_expert_ids",
         "expert_bytes_per_layer", "routing_mass_resident", "routing_stats", "staging_slots", "kv_capacity_tokens",
         "predicted",
@@ -170,6 +172,7 @@ PLAN_SCHEMA: dict = {
         "vram_free_bytes": {"type": "integer"},
         "host_pinned_bytes": _INT,
         "host_budget_bytes": _INT,
+        "host_process_bytes": _INT,
         "components": {
             "type": "object",
             "additionalProperties": {

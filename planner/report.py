@@ -77,6 +77,7 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
     memory.add_row("VRAM budget (card)", f"{gib(p.vram_budget_bytes)} ({gib(p.vram_total_bytes)})")
     memory.add_row("VRAM free", gib(p.vram_free_bytes))
     memory.add_row("pinned host used / budget", f"{gib(p.host_pinned_bytes)} / {gib(p.host_budget_bytes)}")
+    memory.add_row("host memory of the process", gib(p.host_process_bytes))
 
     experts = _table("Routed experts (text layers)", compact)
     experts.add_column("item")
@@ -115,6 +116,11 @@ def _speculation(prediction) -> str:
     return f"{verdict}: x{speedup:.2f} projected (on from x{SPECULATION_MIN_SPEEDUP:g})"
 
 
+def _hit_rate(p: Placement) -> str:
+    rate = p.predicted.cache_hit_rate if p.predicted is not None else None
+    return "-" if rate is None else f"{rate:.1%}"
+
+
 def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], compact: bool = False) -> Group:
     """Key figures of several plans, one column per profile, then the shared assumptions."""
     by_name = {profile.name: profile for profile in profiles}
@@ -130,10 +136,11 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], com
         ("VRAM budget", lambda p: gib(p.vram_budget_bytes)),
         ("VRAM used", lambda p: gib(p.vram_used_bytes)),
         ("pinned host", lambda p: gib(p.host_pinned_bytes)),
+        ("host memory", lambda p: gib(p.host_process_bytes)),
         ("experts resident", lambda p: f"{p.experts_resident}/{p.experts_total}"),
         ("per layer min/mean/max", lambda p: _expert_line(p, compact)),
         ("routing mass covered", lambda p: f"{p.routing_mass_resident:.1%}"),
-        ("cache hit rate", lambda p: "-" if p.predicted is None or p.predicted.cache_hit_rate is None else f"{p.predicted.cache_hit_rate:.1%}"),
+        ("cache hit rate", _hit_rate),
         ("token embedding", lambda p: p.components["token_embedding"].placement),
         ("staging slots", lambda p: str(p.staging_slots)),
         ("KV capacity (tokens)", lambda p: f"{p.kv_capacity_tokens:,}"),

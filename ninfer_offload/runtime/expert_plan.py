@@ -21,14 +21,13 @@ import torch
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_split import hand_to_cache
-from ninfer_offload.planner.memory import LoadOptions, expert_arena_bytes, prefill_staging_slots, staging_slots
+from ninfer_offload.planner.memory import LoadOptions, expert_arena_bytes, pool_bytes, prefill_staging_slots, staging_slots
 from ninfer_offload.planner.placement import Placement
 from ninfer_offload.planner.planner import plan
 from ninfer_offload.planner.request import LoadRequest
 from ninfer_offload.planner.routing import default_routing_stats
 from ninfer_offload.profiles import DeviceProfile, load_profile
 from ninfer_offload.runtime.expert_store import ExpertPlacement
-from ninfer_offload.runtime.host_pool import pool_bytes
 
 GiB = 2**30
 
@@ -54,7 +53,7 @@ class LoadPlan:
         return self.host_ram_bytes(pinned=False)
 
     def host_ram_bytes(self, pinned: bool) -> int:
-        """RAM the host pool takes (`host_pool.pool_bytes`: its page-locked chunks when `pinned`)."""
+        """RAM the host pool takes (`planner.memory.pool_bytes`: its page-locked chunks when `pinned`)."""
         if not self.placement.offloaded:
             return 0
         experts = self.placement.scores.shape[1]
