@@ -26,6 +26,7 @@ from ninfer_offload.planner.options import DEFAULT_MTP_ACCEPTANCE, has_mtp
 from ninfer_offload.planner.request import DEFAULT_DRAFT_TOKENS, LoadRequest
 from ninfer_offload.planner.routing import load_routing_stats
 from ninfer_offload.planner.speculation import plan_load
+from ninfer_offload.planner.tensor_parallel import tensor_parallel_plan
 from ninfer_offload.profiles import DeviceProfile, load_profile, shipped_names
 
 OFFICIAL = "official Qwen3.6-35B-A3B inventory (generated, docs/format.md §8)"
@@ -73,6 +74,19 @@ def _warn_budget(options: PlanOptions, text: Optional[str], profiles: list[Devic
                 f"warning: --vram-budget {text} is more than the {p.vram_bytes / 2**30:.1f} GiB of {p.name}; planning with the whole card",
                 err=True,
             )
+
+
+def _way_out(inventory: Inventory, profile: DeviceProfile, options: PlanOptions) -> str:
+    """What serves the load when no single card does: vLLM with tensor parallelism over K cards (docs/multi_gpu.md)."""
+    tp = tensor_parallel_plan(inventory, profile, options)
+    asked = f"{options.concurrency} sequence{'s' if options.concurrency > 1 else ''} of {options.max_context:,} tokens"
+    sizes = f"bf16 weights {tp.weights_bytes / 2**30:.1f} GiB, KV cache and GDN state {tp.state_bytes / 2**30:.1f} GiB"
+    if tp.cards is None:
+        return f"no single {profile.name} serves {asked}, nor vLLM over 8 of them ({sizes})"
+    return (
+        f"no single {profile.name} serves {asked}; vLLM serving the Hugging Face checkpoint with tensor parallelism "
+        f"and MTP does on {tp.cards} of them ({sizes}):\n  {tp.command}"
+    )
 
 
 def _warn_calibration(profiles: list[DeviceProfile]) -> None:
@@ -152,5 +166,7 @@ def plan(
         print_plans(plans, profiles, source)
         if plot is not None:
             typer.echo(f"plot written to {plot}")
+        if profile != "all" and not plans[0].feasible:
+            typer.echo(_way_out(inventory, profiles[0], options))
     if profile != "all" and not plans[0].feasible:
         raise NinferError(plans[0].reason)
