@@ -224,7 +224,8 @@ def belady_hit_rate(trace: np.ndarray, capacity: int, num_experts: int, count_fr
 
 
 def simulate_cache(trace: np.ndarray, policy: CachePolicy, pinned: np.ndarray, capacity: int, limit: int, lag: int = 1) -> dict:
-    """Replays `trace` through the runtime cache: {"hit_rate", "promotions_per_token"}.
+    """Replays `trace` through the runtime cache: {"hit_rate", "promotions_per_token", "misses_per_layer" (float
+    [layers], misses per token), "layers_missing_per_token" (layers with at least one miss, per token)}.
 
     A request hits when its expert is pinned or in a cache slot. The slots start with the policy's
     highest-scoring unpinned experts. After each token the policy observes that token's uses and
@@ -244,10 +245,14 @@ def simulate_cache(trace: np.ndarray, policy: CachePolicy, pinned: np.ndarray, c
     claimed[start] = True
     ready_at = np.zeros(layers * experts, dtype=np.int64)
     offsets = np.arange(layers, dtype=np.int64)[:, None] * experts
-    hits = promotions = 0
+    misses = np.zeros(layers, dtype=np.int64)
+    missing_layers = promotions = 0
     for t in range(tokens):
         wanted = (offsets + trace[t]).ravel()
-        hits += int(np.count_nonzero(always[wanted] | (claimed[wanted] & (ready_at[wanted] <= t))))
+        hit = always[wanted] | (claimed[wanted] & (ready_at[wanted] <= t))
+        missed = np.count_nonzero(~hit.reshape(layers, -1), axis=1)
+        misses += missed
+        missing_layers += int(np.count_nonzero(missed))
         policy.observe(np.bincount(wanted, minlength=layers * experts).reshape(layers, experts))
         if not policy.adaptive:
             continue
@@ -259,4 +264,10 @@ def simulate_cache(trace: np.ndarray, policy: CachePolicy, pinned: np.ndarray, c
             claimed[layer * experts + expert] = True
             ready_at[layer * experts + expert] = t + lag
         promotions += len(promote)
-    return {"hit_rate": hits / max(trace.size, 1), "promotions_per_token": promotions / max(tokens, 1)}
+    per_token = max(tokens, 1)
+    return {
+        "hit_rate": 1.0 - int(misses.sum()) / max(trace.size, 1),
+        "promotions_per_token": promotions / per_token,
+        "misses_per_layer": misses / per_token,
+        "layers_missing_per_token": missing_layers / per_token,
+    }

@@ -153,7 +153,8 @@ def test_belady_bounds_lru():
 def test_simulated_lru_on_a_hand_sequence():
     trace = single(0, 1, 2, 0, 1, 3, 0, 1)
     result = simulate_cache(trace, LruPolicy(np.zeros((1, 4))), np.zeros((1, 4), bool), 2, limit=4)
-    assert result == {"hit_rate": 0.0, "promotions_per_token": 1.0}  # LRU thrashes where Belady gets 4 of 8
+    assert (result["hit_rate"], result["promotions_per_token"]) == (0.0, 1.0)  # LRU thrashes where Belady gets 4 of 8
+    assert list(result["misses_per_layer"]) == [1.0] and result["layers_missing_per_token"] == 1.0
 
 
 def test_promotions_arrive_after_the_lag():
@@ -170,7 +171,10 @@ def test_static_replay_is_the_plan_and_pins_always_hit(shipped_hits, shipped_tra
     result = simulate_cache(trace, StaticPolicy(shipped_hits), np.zeros((40, 256), bool), 2000, limit=64)
     top = np.argsort(-shipped_hits, axis=None, kind="stable")[:2000]
     resident = np.isin(np.arange(40)[None, :, None] * 256 + trace, top)
-    assert result == {"hit_rate": pytest.approx(resident.mean()), "promotions_per_token": 0.0}
+    assert result["hit_rate"] == pytest.approx(resident.mean()) and result["promotions_per_token"] == 0.0
+    # Misses counted per layer and per token: the requests outside the static set, and the layers with any.
+    np.testing.assert_allclose(result["misses_per_layer"], (~resident).sum(axis=(0, 2)) / len(trace))
+    assert result["layers_missing_per_token"] == pytest.approx((~resident).any(axis=2).sum() / len(trace))
     pinned = shipped_hits > 0
     assert simulate_cache(trace, LruPolicy(shipped_hits), pinned, 0, limit=64)["hit_rate"] == 1.0
 

@@ -4,7 +4,8 @@
 
 "auto" (the default of `ninfer generate` and `ninfer serve`) speculates with the MTP layer where the
 artifact has MTP weights and the cost model projects at least `SPECULATION_MIN_SPEEDUP` over plain
-decoding at the stated acceptance (`DEFAULT_MTP_ACCEPTANCE`) for the load's card, budget and sequences:
+decoding at the stated acceptance (`DEFAULT_MTP_ACCEPTANCE`) for the load's card, budget and sequences
+(`planner.speculation.decide_speculation`, which `ninfer plan` decides by too):
 the card is the request's profile, or on a GPU this machine's (`--profile auto`: stored by `ninfer
 profile`, else measured). Without a card to project for (a CPU load without `--profile`) it decodes plainly.
 """
@@ -17,10 +18,10 @@ import torch
 
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
-from ninfer_offload.planner import plan
 from ninfer_offload.planner.memory import LoadOptions
-from ninfer_offload.planner.options import DEFAULT_MTP_ACCEPTANCE, SPECULATION_MIN_SPEEDUP, model_defaults
+from ninfer_offload.planner.options import has_mtp
 from ninfer_offload.planner.request import DEFAULT_DRAFT_TOKENS, LoadRequest
+from ninfer_offload.planner.speculation import decide_speculation
 from ninfer_offload.profiles import DeviceProfile, load_profile
 
 
@@ -57,10 +58,10 @@ def resolve_speculation(
     flag to change (the request's own values were checked when it was made). `load`: the load's footprint
     options as they would be with MTP speculation (what "auto" projects)."""
     spec, proposal_head = request.spec, request.proposal_head
-    has_mtp = model_defaults(inventory)["speculative"] == "mtp"
-    if spec == "mtp" and not has_mtp:
+    mtp = has_mtp(inventory)
+    if spec == "mtp" and not mtp:
         raise NinferError(f"{name} has no MTP weights to draft with; use --spec none")
-    if proposal_head and not has_mtp:
+    if proposal_head and not mtp:
         raise NinferError(f"{name} has no MTP weights, which the proposal head drafts from; drop --proposal-head")
     if proposal_head and spec == "none":
         raise NinferError("the proposal head drafts for MTP speculation; drop --proposal-head or use --spec mtp")
@@ -71,7 +72,7 @@ def resolve_speculation(
         return Speculation("mtp", drafts, proposal_head)
     if spec == "none":
         return Speculation("none", request.draft_tokens or 0, False)
-    if not has_mtp:
+    if not mtp:
         return Speculation("none", 0, False, f"{name} has no MTP weights")
     speculates, reason = _projection(request, inventory, device, load)
     return Speculation("mtp", drafts, proposal_head, reason) if speculates else Speculation("none", 0, False, reason)
@@ -88,12 +89,5 @@ def _projection(request: LoadRequest, inventory: Inventory, device: torch.device
             return False, f"off, no profile of this card to project for ({err})"
     else:
         return False, "off, speculation is projected for a GPU (give --profile, or --spec mtp to force it)"
-    placement = plan(inventory, profile, request.plan_options(load))
-    if not placement.feasible:
-        return False, f"off, MTP does not fit {profile.name}: {placement.reason}"
-    speedup = placement.predicted.speculation_speedup
-    verdict = "on" if placement.predicted.speculates else "off"
-    return placement.predicted.speculates, (
-        f"{verdict}, x{speedup:.2f} projected for {profile.name} at {DEFAULT_MTP_ACCEPTANCE:g} acceptance "
-        f"(on from x{SPECULATION_MIN_SPEEDUP:g})"
-    )
+    decision = decide_speculation(inventory, profile, request.plan_options(load))
+    return decision.speculates, decision.reason
