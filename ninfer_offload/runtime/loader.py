@@ -115,7 +115,8 @@ def load_model(
         register_pinned_allocations()  # before the store's and the packing threads' pinned buffers
     console = Console(stderr=True) if progress else None
     if console is not None and miss_path is not None:
-        console.print("compiling the CPU expert kernels (numba: about 25 s the first time, then read from its cache)", highlight=False)
+        compiling = "compiling the CPU expert kernels (numba: about 25 s the first time, then read from its cache)"
+        console.print(compiling, highlight=False, soft_wrap=True)
     began = time.perf_counter()
     store = ExpertStore(
         layouts, config.hidden_size, config.num_experts, config.top_k, placement, device, miss_path, cache_policy,
