@@ -46,13 +46,12 @@ def _parse_ids(text: str) -> list[int]:
         raise NinferError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def _check_utf8(text: str, flag: str) -> str:
-    """`text` as given on the command line, refused when its bytes were not UTF-8 (Python keeps them as lone surrogates)."""
+def _check_utf8(text: str, flag: str) -> None:
+    """Refuse a command-line value whose bytes were not UTF-8 (Python keeps them as lone surrogates)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
         raise NinferError(f"{flag} is not valid UTF-8 text (byte {err.start} of it cannot be decoded)") from None
-    return text
 
 
 def _read_messages(path: Path) -> tuple[list[dict], list[dict] | None]:

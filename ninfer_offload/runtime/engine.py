@@ -137,7 +137,7 @@ class Engine:
         VRAM or host memory, the plan's profile and VRAM budget, the cache policy and miss path, context,
         sequences, speculation, prefill chunk, dtype, backend, CUDA graphs). Without a request the keyword
         `options` make one: `Engine.load(path, device="cuda", experts="host", spec="mtp")`. `progress`
-        shows the load's progress on stderr."""
+        shows the load's progress on stderr: a bar on a terminal, and a line before the CPU expert kernels compile."""
         if request is None:
             request = LoadRequest(**options)
         elif options:

@@ -8,7 +8,8 @@ Definitions:
 - presence / frequency (OpenAI): `logit -= presence * [count > 0] + frequency * count`, counting
   the output tokens in `history`;
 - top-k keeps the k largest logits (0: off; -1, vLLM's spelling of off, is read as 0); top-p keeps
-  the smallest set of most likely tokens whose probability reaches p; min-p keeps tokens whose probability is at least `min_p * p_max`.
+  the smallest set of most likely tokens whose probability reaches p; min-p keeps tokens whose
+  probability is at least `min_p * p_max`.
 """
 
 from __future__ import annotations
