@@ -160,3 +160,11 @@ def test_do_sample_false_means_greedy_unless_a_temperature_is_given():
 def test_config_value_of_the_wrong_type():
     with pytest.raises(NinferError, match="generation_config.json holds a sampling value of the wrong type"):
         sampling_from_config({"top_k": "many"})
+
+
+def test_top_k_minus_one_means_off_as_zero_does():
+    """The one top_k rule of `ninfer generate --top-k` and the server's `top_k`: 0 is off, -1 (vLLM's spelling) too."""
+    assert sampling_from_config({}, top_k=-1) == sampling_from_config({}, top_k=0) == SamplingParams(top_k=0)
+    assert sampling_from_config({"top_k": -1}).top_k == 0
+    with pytest.raises(NinferError, match=r"^top_k must be an integer >= 0 \(0 or -1 disables it\)$"):
+        sampling_from_config({}, top_k=-2)

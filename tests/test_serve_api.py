@@ -482,6 +482,17 @@ def test_unknown_fields_are_ignored(server):
     assert server.post("/v1/chat/completions", body).status_code == 200
 
 
+def test_top_k_follows_the_cli_rule(server):
+    """0 or -1 (vLLM's spelling) turns top-k off, as `ninfer generate --top-k` reads them; below that is the sampler's 422."""
+    for top_k in (0, -1):
+        assert server.post("/v1/chat/completions", {**GOOD, "top_k": top_k}).status_code == 200
+    refused = server.post("/v1/chat/completions", {**GOOD, "top_k": -2})
+    assert refused.status_code == 422
+    assert refused.json()["error"] | {"code": None} == {
+        "message": "top_k must be an integer >= 0 (0 or -1 disables it)", "type": "invalid_request_error", "param": "top_k", "code": None
+    }
+
+
 def test_errors_raised_by_the_client_library(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError):

@@ -66,6 +66,14 @@ def _options(inventory: Inventory, request: LoadRequest, given: dict) -> PlanOpt
     return PlanOptions(**{key: value for key, value in given.items() if value is not None})
 
 
+def _check_plot(path: Path) -> None:
+    """--plot names a .png file in a directory that exists (checked before planning)."""
+    if path.suffix.lower() != ".png":
+        raise NinferError(f"--plot writes a PNG image: give a file name ending in .png, got {path}")
+    if not path.parent.is_dir():
+        raise NinferError(f"--plot {path}: no such directory {path.parent}")
+
+
 def _warn_budget(options: PlanOptions, text: Optional[str], profiles: list[DeviceProfile]) -> None:
     """One line on stderr for each card smaller than --vram-budget: the plan uses the whole card."""
     for p in profiles:
@@ -142,6 +150,8 @@ def plan(
         mtp_acceptance=mtp_acceptance,
         at_context=at_context,
     )
+    if plot is not None:
+        _check_plot(plot)
     inventory, source = _inventory(artifact)
     options = _options(inventory, request, given)
     top_k = int(inventory.text_config.get("num_experts_per_tok", 1))
@@ -156,7 +166,10 @@ def plan(
         from ninfer_offload.planner.plot import speed_curve, write_plot
 
         curves = {p.name: speed_curve(inventory, p, options, stats, auto=auto) for p in profiles}
-        write_plot(plot, curves, plans, f"Predicted decode speed vs VRAM budget ({source.split(' (')[0]})")
+        try:
+            write_plot(plot, curves, plans, f"Predicted decode speed vs VRAM budget ({source.split(' (')[0]})")
+        except OSError as err:
+            raise NinferError(f"cannot write --plot {plot}: {err.strerror or err}") from None
     if as_json:
         documents = [p.to_json() for p in plans]
         typer.echo(json.dumps(documents if profile == "all" else documents[0], indent=2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -28,17 +29,37 @@ def _configure_logging(level: str) -> None:
 
 
 def _check_can_listen(host: str, port: int) -> None:
-    """A one-line error before the model loads when HOST:PORT cannot be bound (a busy port)."""
-    if port == 0:
-        return
+    """A one-line error before the model loads when HOST:PORT cannot be bound: an address that is not this
+    machine's (or no address at all), a busy port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         try:
             probe.bind((host, port))
+        except socket.gaierror as err:
+            reason = f"no such address or host name ({err.strerror})"
+            raise NinferError(f"cannot listen on {host}:{port}: {reason}; give another --host") from None
+        except (TypeError, UnicodeError):  # a name the resolver cannot even encode
+            raise NinferError(f"cannot listen on {host!r}: not a valid host name; give another --host") from None
         except OSError as err:
-            reason = err.strerror or err
-            raise NinferError(f"cannot listen on {host}:{port}: {reason}; choose another --port (0 picks a free one)") from None
+            if err.errno == errno.EADDRNOTAVAIL:
+                remedy = "it is not an address of this machine; give another --host"
+            else:
+                remedy = "choose another --port (0 picks a free one)"
+            raise NinferError(f"cannot listen on {host}:{port}: {err.strerror or err}; {remedy}") from None
+
+
+def _frontend(artifact: Path, template: str | None):
+    """The model's text frontend, read from the artifact before the slow load: a model without a chat template
+    (and no --chat-template) is refused there."""
+    from ninfer_offload.artifact.reader import open_artifact
+    from ninfer_offload.frontend import Frontend
+
+    with open_artifact(artifact) as opened:
+        frontend = Frontend.from_artifact(opened, chat_template=template)
+    if frontend.template is None:
+        raise NinferError("the model has no chat template; pass one with --chat-template FILE")
+    return frontend
 
 
 @load_options(*PLACEMENT, *SPECULATION, "max_context")
@@ -70,7 +91,9 @@ def serve(
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise NinferError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     if not artifact.is_file():
-        raise NinferError(f"no such artifact file: {artifact}")
+        from ninfer_offload.artifact.reader import not_an_artifact_file
+
+        raise not_an_artifact_file(artifact)
     template = None
     if chat_template is not None:
         try:
@@ -78,7 +101,6 @@ def serve(
         except (OSError, UnicodeDecodeError) as err:
             raise NinferError(f"cannot read chat template {chat_template}: {err}") from None
 
-    from ninfer_offload.frontend import Frontend
     from ninfer_offload.runtime.engine import Engine
     from ninfer_offload.serve.app import create_app
     from ninfer_offload.serve.guards import LOOPBACK_NAMES, is_loopback
@@ -93,11 +115,10 @@ def serve(
     allowed_hosts = [*LOOPBACK_NAMES, *extra_hosts] if is_loopback(host) or extra_hosts else None
     _check_can_listen(host, port)
     request = LoadRequest(**load, max_sequences=max_concurrency)
+    frontend = _frontend(artifact, template)
+    log.info("loading %s on %s", artifact, device)
     start = time.perf_counter()
-    engine = Engine.load(artifact, request, device=device)
-    frontend = Frontend.from_artifact(engine.artifact, chat_template=template)
-    if frontend.template is None:
-        raise NinferError("the model has no chat template; pass one with --chat-template FILE")
+    engine = Engine.load(artifact, request, device=device, progress=True)
     config = engine.config
     log.info(
         "loaded %s in %.1fs: %d layers, %d experts (top-%d), vocab %d, %s %s, context %d tokens",
@@ -105,11 +126,15 @@ def serve(
         config.vocab_size, engine.device, str(engine.dtype).removeprefix("torch."), engine.max_context,
     )
     log.info(engine.placement_report())
-    warm_up = engine.warm_up(prefill_chunk)
-    log.info(
-        "warm-up (kernels compiled, decode steps captured) took %.1fs: prefills %.1fs, decode step captures %.1fs",
-        warm_up.seconds, warm_up.prefills, warm_up.captures,
-    )
+    if engine.needs_warm_up:
+        log.info("warming up: compiling the kernels and capturing the decode steps")
+        warm_up = engine.warm_up(prefill_chunk)
+        log.info(
+            "warm-up (kernels compiled, decode steps captured) took %.1fs: prefills %.1fs, decode step captures %.1fs",
+            warm_up.seconds, warm_up.prefills, warm_up.captures,
+        )
+    else:
+        log.info("no warm-up on %s: its eager ops compile nothing and capture no steps", engine.device)
     # The loaded engine's ~450,000 Python objects out of the garbage collector's reach for the process's life: a full
     # collection over them took 120-150 ms on an H100 machine's host, a pause inside whichever request would trigger it.
     gc.collect()

@@ -137,7 +137,7 @@ class Engine:
         VRAM or host memory, the plan's profile and VRAM budget, the cache policy and miss path, context,
         sequences, speculation, prefill chunk, dtype, backend, CUDA graphs). Without a request the keyword
         `options` make one: `Engine.load(path, device="cuda", experts="host", spec="mtp")`. `progress`
-        shows the load's progress on stderr."""
+        shows the load's progress on stderr: a bar on a terminal, and a line before the CPU expert kernels compile."""
         if request is None:
             request = LoadRequest(**options)
         elif options:
@@ -184,7 +184,7 @@ class Engine:
 
     def placement_report(self) -> str:
         """One line: where the routed experts went (and the plan behind it), and the VRAM in use against the plan."""
-        line = self.expert_plan.summary()
+        line = self.expert_plan.summary(self.device)
         if self.store.offloaded:
             line += f"; misses {self.store.miss_path or 'pcie'}, cache policy {self.store.cache.policy.name}"
         if self.device.type == "cuda":
@@ -377,6 +377,12 @@ class Engine:
         from ninfer_offload.runtime.generate import generate
 
         return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids)
+
+    @property
+    def needs_warm_up(self) -> bool:
+        """Whether `warm_up` has work to do: kernels to compile and steps to capture are a CUDA load's (a CPU load
+        runs torch's eager ops, its warm-up is empty)."""
+        return self.device.type == "cuda"
 
     def warm_up(self, longest_prefill: int | None = None) -> WarmUpTimes:
         """Compile the kernels and capture the decode steps requests will use, before the first request:

@@ -59,12 +59,13 @@ class LoadPlan:
         experts = self.placement.scores.shape[1]
         return pool_bytes([experts * b for b in self.expert_bytes], pinned)
 
-    def summary(self) -> str:
-        """One line: where the experts go (and the plan behind it)."""
+    def summary(self, device: torch.device) -> str:
+        """One line: where the experts go on `device` (and the plan behind it)."""
         pinned = sum(len(ids) for ids in self.placement.pinned)
         total = self.placement.scores.size
+        arena = "pinned in VRAM" if device.type == "cuda" else f"in {device.type} memory (no VRAM on a {device.type} load)"
         line = (
-            f"{pinned:,} of {total:,} experts pinned in VRAM, {self.placement.cache_slots:,} cache slots, "
+            f"{pinned:,} of {total:,} experts {arena}, {self.placement.cache_slots:,} cache slots, "
             f"{self.placement.staging_slots:,} prefill staging slots "
             f"(expert arena {_size(self.arena_bytes)}), {_size(self.host_bytes)} of expert records in host memory"
         )

@@ -7,8 +7,9 @@ Definitions:
   logit is divided by the penalty, a negative one multiplied by it;
 - presence / frequency (OpenAI): `logit -= presence * [count > 0] + frequency * count`, counting
   the output tokens in `history`;
-- top-k keeps the k largest logits; top-p keeps the smallest set of most likely tokens whose
-  probability reaches p; min-p keeps tokens whose probability is at least `min_p * p_max`.
+- top-k keeps the k largest logits (0: off; -1, vLLM's spelling of off, is read as 0); top-p keeps
+  the smallest set of most likely tokens whose probability reaches p; min-p keeps tokens whose
+  probability is at least `min_p * p_max`.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class SamplingParams:
                 self.temperature == 0 or _within(self.temperature, MIN_TEMPERATURE, math.inf),
                 f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}",
             ),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (0 disables it)"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (0 or -1 disables it)"),
             ("top_p", _within(self.top_p, 0.0, 1.0) and self.top_p > 0, "top_p must be in (0, 1]"),
             ("min_p", _within(self.min_p, 0.0, 1.0), "min_p must be in [0, 1]"),
             ("presence_penalty", _within(self.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT), "presence_penalty must be in [-2, 2]"),
@@ -105,18 +106,21 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
 
+TOP_K_OFF = -1  # vLLM's top_k for "off", read as 0 (this sampler's and transformers' off)
 _CONFIG_DEFAULTS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
 
 
 def sampling_from_config(generation_config: Mapping[str, Any], greedy: bool = False, **given: Any) -> SamplingParams:
     """SamplingParams from the values `given` (None = unset), else the model's generation_config.json
     values, else the SamplingParams defaults. `do_sample: false` there means greedy unless a
-    temperature is given."""
+    temperature is given; a top_k of -1 means off, as 0 does."""
     try:
         values = {name: kind(generation_config[name]) for name, kind in _CONFIG_DEFAULTS.items() if generation_config.get(name) is not None}
     except (TypeError, ValueError):
         raise NinferError("generation_config.json holds a sampling value of the wrong type") from None
     values.update({name: value for name, value in given.items() if value is not None})
+    if values.get("top_k") == TOP_K_OFF:
+        values["top_k"] = 0
     greedy = greedy or (generation_config.get("do_sample") is False and given.get("temperature") is None)
     return SamplingParams(**values, greedy=greedy)
 

@@ -83,7 +83,7 @@ class ServeContext:
             return sampling_from_config(
                 self.frontend.generation_config,
                 temperature=body.temperature,
-                top_k=None if body.top_k is None else max(body.top_k, 0),  # -1 (vLLM) disables top-k
+                top_k=body.top_k,
                 top_p=body.top_p,
                 min_p=body.min_p,
                 presence_penalty=body.presence_penalty,

@@ -88,7 +88,7 @@ class SamplingFields(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = Field(None, ge=-1)  # -1: disabled (vLLM)
+    top_k: int | None = None  # 0 or -1 (vLLM's spelling): off
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
