@@ -20,8 +20,10 @@ and p95, and the server's own log line of each request (`server_requests`: time 
 decode rate as the engine thread saw them; `server_ttft_p50_s` / `_p95_s` of the N concurrent ones: the
 first token, where the client's TTFT waits for the first text, which random weights may not give at once).
 Fairness per level, from the same burst: `decode_tok_s_spread` (the fastest client's decode tok/s over the
-slowest's: no sequence of the batch starved when near 1) and `admission_stall_max_s`, the longest gap between
-two tokens of a running stream while another request waited for its first token (its admission and prefill),
+slowest's: no sequence of the batch starved when near 1; `server_decode_tok_s_spread` the same of the rates the
+server logged, from each one's first token, where a client's clock starts at its first text) and
+`admission_stall_max_s`, the longest gap between two tokens of a running stream while another request waited
+for its first token (its admission and prefill: one prefill piece per step, so about one piece and one step),
 beside `inter_token_p50_s`, the median gap of every stream of the burst (`admission_stall_ratio` = stall / it).
 Extra server options (`--serve-arg`, repeatable) are passed through, e.g. `--serve-arg=--miss-path=cpu`.
 Both decode plainly (`--spec none`) unless such an option says otherwise (`--serve-arg=--spec=mtp`).
@@ -60,6 +62,7 @@ PROMPT = "Write a long story about a lighthouse keeper who finds a message in a 
 NEW_PROMPT = PROMPT + " The bottle is green, the message is old, and the storm has not ended yet."
 WARM_UP = re.compile(r"warm-up .* took ([0-9.]+)s: prefills ([0-9.]+)s, decode step captures ([0-9.]+)s")
 SERVER_TTFT = re.compile(r" ttft=([0-9.]+)s ")
+SERVER_DECODE = re.compile(r" decode=([0-9.]+) tok/s ")
 TRACE_ROUTING_LINE = "benchmark routing: each sequence by its own stretch"
 
 
@@ -215,7 +218,9 @@ def level(server: Server, clients: int, max_tokens: int, bursts: int) -> dict:
     requests = [line.split(" ninfer ", 1)[-1].strip() for line in server.log[listening:] if " prompt=" in line]
     logged = [float(m.group(1)) if (m := SERVER_TTFT.search(line)) else None for line in requests]
     after = 1 + bursts * clients  # the first request's line, then each burst's (logged as they end)
-    server_ttfts = [t for t in logged[1 + median * clients : 1 + (median + 1) * clients] if t is not None]
+    in_median = slice(1 + median * clients, 1 + (median + 1) * clients)
+    server_ttfts = [t for t in logged[in_median] if t is not None]
+    server_rates = [float(m.group(1)) for line in requests[in_median] if (m := SERVER_DECODE.search(line))]
     return {
         "clients": clients,
         "server_warm_up_s": warm_up[0] and float(warm_up[0]),
@@ -239,13 +244,14 @@ def level(server: Server, clients: int, max_tokens: int, bursts: int) -> dict:
         "server_ttft_p95_s": percentile(server_ttfts, 0.95) if server_ttfts else None,
         "server_requests": requests,
         **fairness(results),
+        "server_decode_tok_s_spread": max(server_rates) / min(server_rates) if server_rates and min(server_rates) > 0 else None,
         **runs[median][2],
     }
 
 
 def generate_tok_s(artifact: Path, device: str, max_tokens: int, extra: list[str], env: dict) -> float:
     """Decode tok/s of `ninfer generate --json` with the same artifact, device and placement options."""
-    shared = r"--(experts|profile|vram-budget|cache-policy|miss-path|spec|draft-tokens|proposal-head)"
+    shared = r"--(experts|profile|vram-budget|cache-policy|miss-path|spec|draft-tokens|proposal-head|max-context)"
     placement = [arg for arg in extra if re.match(shared, arg)]
     run = subprocess.run(
         [sys.executable, "-m", "ninfer_offload", "generate", str(artifact), "--device", device, "--prompt", PROMPT, "--greedy",
@@ -273,7 +279,7 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no git metadata)")
     args = parser.parse_args()
     budget = parse_size(args.vram_budget) if args.vram_budget is not None else None
-    extra = args.serve_arg + ([f"--vram-budget={budget}"] if budget is not None else [])
+    extra = args.serve_arg + ([f"--vram-budget={budget}B"] if budget is not None else [])
     env = {key: value for key, value in os.environ.items() if key != BENCH_ROUTING}
     if args.routing == "trace":
         env[BENCH_ROUTING] = "trace"
