@@ -104,3 +104,31 @@ def test_the_serve_and_generate_commands_turn_it_on_from_the_environment(tiny_ar
         assert engine.store.trace_routing.offsets.numel() == engine.state.sequences + 1
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_steps_route_as_the_eager_ones(tiny_artifact_official):
+    """Replayed CUDA graphs (captured by the warm-up, after its eager run of the same context) gather each row's
+    experts at every replay: their logits match the eager steps' under the same per-sequence trace."""
+    runs = []
+    for graphs in (True, False):
+        engine = Engine.load(
+            tiny_artifact_official, device="cuda", dtype="float32", experts="host", num_slots=5, max_sequences=len(PROMPTS),
+            spec="none", cuda_graphs=graphs,
+        )
+        engine.store.route_by_trace(SequenceTraceRouting.for_engine(engine, seed=3))
+        engine.warm_up()
+        assert (engine.graphs is not None) == graphs
+        sessions = [engine.session() for _ in PROMPTS]
+        tokens = [int(session.prefill(prompt).argmax()) for session, prompt in zip(sessions, PROMPTS)]
+        steps = []
+        for _ in range(STEPS):
+            steps.append(engine.step_batch(sessions, tokens).float().cpu())
+            tokens = steps[-1].argmax(-1).tolist()
+        runs.append(steps)
+        for session in sessions:
+            session.close()
+        engine.close()
+    for captured, eager in zip(*runs):
+        assert torch.allclose(captured, eager, rtol=0, atol=1e-3 * eager.abs().max().item())

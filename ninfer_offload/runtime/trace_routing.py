@@ -29,8 +29,12 @@ class SequenceTraceRouting:
 
     def __init__(self, trace: np.ndarray, slots: int, device: torch.device):
         self.tokens, self.layers, _ = trace.shape
-        self.trace = torch.from_numpy(np.ascontiguousarray(trace.transpose(1, 0, 2)).astype(np.int64)).to(device)
+        # [layers, tokens, k] int16 (expert ids < 32768, as the trace generator holds them): 12 MB for the full model's
+        # 40 layers and 9 slots of TOKENS_PER_SLOT, beside the plan's VRAM
+        self.trace = torch.from_numpy(np.ascontiguousarray(trace.transpose(1, 0, 2)).astype(np.int16)).to(device)
         self.offsets = torch.tensor([s * self.tokens // slots for s in range(slots)], dtype=torch.int64, device=device)
+        self._step: StepContext | None = None  # the step whose rows `_ids` holds (set at its layer 0)
+        self._ids: torch.Tensor | None = None
 
     @classmethod
     def for_engine(cls, engine, seed: int = 0) -> "SequenceTraceRouting":
@@ -48,5 +52,12 @@ class SequenceTraceRouting:
         return torch.remainder(self.offsets[slot_of_row] + ctx.positions, self.tokens)
 
     def ids(self, layer: int, ctx: StepContext) -> torch.Tensor:
-        """[N, top_k] int64: the experts of layer `layer` for each row of the step `ctx` describes."""
-        return self.trace[layer][self.trace_tokens(ctx)]
+        """[N, top_k] int64: the experts of layer `layer` for each row of the step `ctx` describes. Every layer's are
+        gathered at layer 0, which every forward of the target runs first (so a captured step records the gather:
+        the eager run before a capture uses the same context object, which rules out recognising the step by it)."""
+        if layer == 0:
+            self._ids = self.trace[:, self.trace_tokens(ctx)].to(torch.int64)  # [layers, N, k]
+            self._step = ctx
+        elif ctx is not self._step:
+            raise RuntimeError(f"trace routing: layer {layer} ran before layer 0 of its step, where the experts are gathered")
+        return self._ids[layer]
