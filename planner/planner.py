@@ -14,6 +14,8 @@ DFlash and DFlash2 weights are never loaded (speculation uses MTP); they are rep
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.formats import elements
 from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
@@ -187,6 +189,21 @@ def plan(
     return placement
 
 
+def largest_concurrency(
+    inventory: Inventory, profile: DeviceProfile, options: PlanOptions, routing_stats: RoutingStats | None = None
+) -> int:
+    """The most sequences, up to `options.concurrency`, of `options.max_context` tokens each whose plan fits
+    (`plan(...).feasible`; more sequences never fit where fewer do not); 0 when not even one does."""
+    fits, refused = 0, options.concurrency + 1
+    while refused - fits > 1:
+        middle = (fits + refused) // 2
+        if plan(inventory, profile, replace(options, concurrency=middle), routing_stats).feasible:
+            fits = middle
+        else:
+            refused = middle
+    return fits
+
+
 def _bytes(tensors) -> int:
     return sum(t.bytes for t in tensors)
 
@@ -219,7 +236,7 @@ def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptio
         if options.kv_dtype == "bf16":
             hints.append("--kv-dtype fp8")
         if options.concurrency > 1:
-            hints.append("a lower --concurrency")
+            hints.append("fewer concurrent sequences")
         if options.speculating:
             hints.append("--spec none" + (" or --no-proposal-head" if options.proposal_head else ""))
         if options.vision:

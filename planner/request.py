@@ -38,7 +38,7 @@ class LoadRequest:
     experts: auto, resident or host (`EXPERT_MODES`). profile / vram_budget: plan the load for a card (a
     profile name, TOML file, `DeviceProfile` or "auto" for this one) and at most `vram_budget` bytes of
     it (a size such as "12GiB" is read). num_slots: cache slots of an `experts="host"` load. cache_policy:
-    decayed, lru or static. miss_path: pcie, cpu or auto (None reads as pcie). max_context: tokens per
+    decayed, batch, lru or static. miss_path: pcie, cpu or auto (None reads as pcie). max_context: tokens per
     sequence (None: min(the model's, DEFAULT_MAX_CONTEXT)). max_sequences: sequences open at once.
     kv_dtype: "fp8" or None (the compute dtype). spec: none, mtp or auto; draft_tokens: MTP drafts per
     step with speculation (None: DEFAULT_DRAFT_TOKENS), without it the most tokens a multi-token step may

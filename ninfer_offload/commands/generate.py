@@ -19,6 +19,7 @@ from pathlib import Path
 
 import typer
 
+from ninfer_offload.commands.bench_routing import apply_bench_routing
 from ninfer_offload.commands.load_options import PLACEMENT, SPECULATION, load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.request import DEFAULT_MAX_CONTEXT, LoadRequest
@@ -228,6 +229,7 @@ def generate(
     if schema is not None:
         constraint = GrammarCompiler.for_frontend(frontend, frontend.vocab_size).json(schema, thinking)
     engine = Engine.load(artifact, request, device=device, progress=not json_out)
+    apply_bench_routing(engine)
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
     typer.echo(f"decoding with {engine.speculation.describe()}", err=True)

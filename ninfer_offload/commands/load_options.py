@@ -35,7 +35,8 @@ OPTIONS: dict[str, tuple[object, typer.models.OptionInfo]] = {
     )),
     "cache_policy": (str, typer.Option(
         DEFAULT_CACHE_POLICY, "--cache-policy",
-        help="Expert cache in VRAM: decayed (frequency), lru or static (the plan's experts only).",
+        help="Expert cache in VRAM: decayed (frequency), batch (frequency blended with the plan's rate per step's rows), "
+        "lru or static (the plan's experts only).",
     )),
     "miss_path": (str, typer.Option(
         "pcie", "--miss-path",

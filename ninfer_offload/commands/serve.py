@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 
+from ninfer_offload.commands.bench_routing import apply_bench_routing
 from ninfer_offload.commands.load_options import PLACEMENT, SPECULATION, load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.request import LoadRequest
@@ -126,6 +127,9 @@ def serve(
         config.vocab_size, engine.device, str(engine.dtype).removeprefix("torch."), engine.max_context,
     )
     log.info(engine.placement_report())
+    routing = apply_bench_routing(engine)
+    if routing is not None:
+        log.info(routing)
     if engine.needs_warm_up:
         log.info("warming up: compiling the kernels and capturing the decode steps")
         warm_up = engine.warm_up(prefill_chunk)

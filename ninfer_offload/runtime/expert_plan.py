@@ -23,7 +23,7 @@ from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_split import hand_to_cache
 from ninfer_offload.planner.memory import LoadOptions, expert_arena_bytes, pool_bytes, prefill_staging_slots, staging_slots
 from ninfer_offload.planner.placement import Placement
-from ninfer_offload.planner.planner import plan
+from ninfer_offload.planner.planner import largest_concurrency, plan
 from ninfer_offload.planner.request import LoadRequest
 from ninfer_offload.planner.routing import default_routing_stats
 from ninfer_offload.profiles import DeviceProfile, load_profile
@@ -103,8 +103,15 @@ def expert_load_plan(
         if free_vram is None or fits.arena_bytes <= free_vram:
             return fits
     profile = _profile(request.profile, device)
-    placement = plan(inventory, profile, request.plan_options(load), stats)
+    options = request.plan_options(load)
+    placement = plan(inventory, profile, options, stats)
     if not placement.feasible:
+        fitting = largest_concurrency(inventory, profile, options, stats) if load.sequences > 1 else 0
+        if fitting:
+            raise NinferError(
+                f"cannot load for {profile.name}: {load.sequences} sequences of {load.capacity} tokens do not fit, at most "
+                f"{fitting} do (--max-concurrency {fitting}): {placement.reason}"
+            )
         raise NinferError(f"cannot load for {profile.name}: {placement.reason}")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
