@@ -542,7 +542,8 @@ def test_body_limit_413(guarded):
     def chunks():  # no content-length: the streamed size is counted
         yield json.dumps(body).encode()
 
-    streamed = httpx.post(f"{guarded.url}/v1/completions", content=chunks(), headers={"authorization": "Bearer sekret"})
+    headers = {"authorization": "Bearer sekret", "content-type": "application/json"}
+    streamed = httpx.post(f"{guarded.url}/v1/completions", content=chunks(), headers=headers)
     assert streamed.status_code == 413
 
 

@@ -62,7 +62,8 @@ class ServeProcess:
 
 
 def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact, speculating_card):
-    args = ["--served-model-name", "tiny", "--max-context", "1024", "--max-concurrency", "2", "--profile", str(speculating_card)]
+    args = ["--served-model-name", "tiny", "--max-context", "1024", "--max-concurrency", "2", "--profile", str(speculating_card),
+            "--allowed-origin", "http://app.lan:3000"]
     server = ServeProcess(str(tiny_artifact), *args)
     try:
         assert server.wait_for(r"loaded .* 6 layers, 8 experts \(top-2\), vocab 512, cpu float32")
@@ -74,6 +75,9 @@ def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact, speculatin
         assert response.status_code == 200
         request_id = response.json()["id"]
         assert server.wait_for(rf"{request_id} prompt=\d+ completion=\d+ queued=\S+ ttft=\S+ total=\S+ decode=.* finish=(stop|length)")
+        for origin, status in (("http://app.lan:3000", 200), ("http://evil.example", 403)):
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, headers={"origin": origin}).status_code == status
 
         body = {"model": "tiny", "prompt": "Once", "max_tokens": 60, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as stream:

@@ -6,6 +6,7 @@ import errno
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -27,6 +28,15 @@ def _configure_logging(level: str) -> None:
     log.addHandler(handler)
     log.setLevel(level.upper())
     log.propagate = False
+
+
+class _Stopped(BaseException):
+    """SIGTERM arrived before the server took over the signals (during the model load); a BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise _Stopped
 
 
 def _check_can_listen(host: str, port: int) -> None:
@@ -77,6 +87,10 @@ def serve(
         None, "--allowed-host",
         help="Also accept this Host header name (repeatable); on a loopback address only localhost, 127.0.0.1 and [::1] are.",
     ),
+    allowed_origin: list[str] | None = typer.Option(
+        None, "--allowed-origin",
+        help="Also accept POSTs from web pages of this origin, e.g. http://app.lan:3000 (repeatable; * for any).",
+    ),
     served_model_name: str | None = typer.Option(None, help="Model id clients must send (default: the file name without .ninfer)."),
     chat_template: Path | None = typer.Option(None, help="Jinja chat template file replacing the model's."),
     shutdown_timeout: float = typer.Option(30.0, min=0, help="Seconds in-flight requests get to finish on SIGINT/SIGTERM."),
@@ -102,10 +116,7 @@ def serve(
         except (OSError, UnicodeDecodeError) as err:
             raise NinferError(f"cannot read chat template {chat_template}: {err}") from None
 
-    from ninfer_offload.runtime.engine import Engine
-    from ninfer_offload.serve.app import create_app
     from ninfer_offload.serve.guards import LOOPBACK_NAMES, is_loopback
-    from ninfer_offload.serve.server import graceful_server
 
     _configure_logging(log_level)
     if not is_loopback(host) and api_key is None:
@@ -115,7 +126,29 @@ def serve(
     extra_hosts = list(allowed_host or [])
     allowed_hosts = [*LOOPBACK_NAMES, *extra_hosts] if is_loopback(host) or extra_hosts else None
     _check_can_listen(host, port)
-    request = LoadRequest(**load, max_sequences=max_concurrency)
+    options = dict(
+        max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk, api_key=api_key,
+        allowed_hosts=allowed_hosts, allowed_origins=list(allowed_origin or []),
+    )
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)  # until the server takes the signals over
+    try:
+        request = LoadRequest(**load, max_sequences=max_concurrency)
+        _load_and_serve(artifact, device, template, request, served_model_name, options, host, port, log_level, shutdown_timeout)
+    except _Stopped:
+        log.info("stopped by SIGTERM before serving")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _load_and_serve(
+    artifact: Path, device: str, template: str | None, request: LoadRequest, served_model_name: str | None, options: dict,
+    host: str, port: int, log_level: str, shutdown_timeout: float,
+) -> None:
+    """Load the model and serve it until a signal stops the server (`options`: `create_app`'s)."""
+    from ninfer_offload.runtime.engine import Engine
+    from ninfer_offload.serve.app import create_app
+    from ninfer_offload.serve.server import graceful_server
+
     frontend = _frontend(artifact, template)
     log.info("loading %s on %s", artifact, device)
     start = time.perf_counter()
@@ -132,7 +165,7 @@ def serve(
         log.info(routing)
     if engine.needs_warm_up:
         log.info("warming up: compiling the kernels and capturing the decode steps")
-        warm_up = engine.warm_up(prefill_chunk)
+        warm_up = engine.warm_up(options["prefill_chunk"])
         log.info(
             "warm-up (kernels compiled, decode steps captured) took %.1fs: prefills %.1fs, decode step captures %.1fs",
             warm_up.seconds, warm_up.prefills, warm_up.captures,
@@ -144,13 +177,10 @@ def serve(
     gc.collect()
     gc.freeze()
     name = served_model_name or artifact.name.removesuffix(".ninfer")
-    app = create_app(
-        engine, frontend, name, engine.max_context,
-        max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk, api_key=api_key,
-        allowed_hosts=allowed_hosts,
-    )
+    app = create_app(engine, frontend, name, engine.max_context, **options)
     log.info(
         "serving model '%s' at /v1 (%d concurrent sequences, queue %d, %s%s)",
-        name, max_concurrency, max_queue, engine.speculation.describe(), ", API key required" if api_key else "",
+        name, options["max_concurrency"], options["max_queue"], engine.speculation.describe(),
+        ", API key required" if options["api_key"] else "",
     )
     graceful_server(app, host, port, log_level.lower(), shutdown_timeout).run()

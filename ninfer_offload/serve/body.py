@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Collection, Sequence
 from typing import Any, TypeVar
 
@@ -21,8 +22,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body (an empty body is `{}`). 400 for invalid UTF-8 or JSON, a
-    value other than an object, or a string holding a lone UTF-16 surrogate (no text can carry one)."""
+    """The JSON object of a request body (an empty body is `{}`). 400 for invalid UTF-8 or JSON, an
+    integer too long to read, a value other than an object, or a string holding a lone UTF-16 surrogate (no text can carry one)."""
     if not raw or raw.isspace():
         return {}
     try:
@@ -34,6 +35,9 @@ def decode_json(raw: bytes) -> dict[str, Any]:
         raise APIError(400, message, code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError:  # an integer literal past Python's int-string limit
+        message = f"request body holds an integer with more than {sys.get_int_max_str_digits()} digits"
+        raise APIError(400, message, code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     if _SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape can put a surrogate into a str

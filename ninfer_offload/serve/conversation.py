@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ninfer_offload.errors import NinferError
+from ninfer_offload.frontend.grammar import schema_problem
 from ninfer_offload.serve.body import check_nesting, nesting_error
 from ninfer_offload.serve.context import Prepared, ServeContext
 from ninfer_offload.serve.errors import APIError
@@ -68,11 +69,17 @@ def render_prompt(ctx: ServeContext, body: ChatCompletionRequest, names: FieldNa
 
 
 def _check_free_form(body: ChatCompletionRequest, names: FieldNames) -> None:
-    """Refuse free-form JSON nested too deeply for the template (which recurses over it)."""
+    """Refuse free-form JSON nested too deeply for the template (which recurses over it), and tool
+    parameters that are not a JSON schema."""
     if body.chat_template_kwargs:
         check_nesting(body.chat_template_kwargs, "chat_template_kwargs")
     for index, tool in enumerate(body.tools or []):
-        check_nesting(tool.function.parameters, names.tool_schema.format(index))
+        param = names.tool_schema.format(index)
+        check_nesting(tool.function.parameters, param)
+        problem = schema_problem(tool.function.parameters) if tool.function.parameters is not None else None
+        if problem:
+            message = f"{param} of tool '{tool.function.name}' is not a valid JSON schema: {problem}"
+            raise APIError(400, message, param=param, code="invalid_value")
     for index, message in enumerate(body.messages):
         for number, call in enumerate(message.tool_calls or []):
             _check_arguments(call, names.tool_arguments.format(index, number))
@@ -98,14 +105,14 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
     for index, message in enumerate(body.messages):
         data = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
-            for part in message.content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        400,
-                        f"messages.{index}.content: only text content parts are supported (got '{part.type}')",
-                        param=f"messages.{index}.content",
-                        code="unsupported_value",
-                    )
+            for number, part in enumerate(message.content):
+                param = f"messages.{index}.content"
+                if part.type != "text":
+                    reason = f"{param}.{number}: only text content parts are supported (got '{part.type}')"
+                    raise APIError(400, reason, param=param, code="unsupported_value")
+                if part.text is None:
+                    param = f"{param}.{number}.text"
+                    raise APIError(400, f"{param}: a text part needs a 'text' string", param=param, code="invalid_value")
             data["content"] = "".join(part.text for part in message.content)
         if data["role"] == "developer":
             data["role"] = "system"
@@ -136,16 +143,17 @@ def _constraint(ctx: ServeContext, body: ChatCompletionRequest, thinking: bool, 
     if constrained and body.uses_tools:
         message = f"{names.response_format} cannot be combined with tools"
         raise APIError(400, message, param=names.response_format, code="unsupported_value")
+    if not constrained and not body.uses_tools:
+        return None
+    param = names.response_format if constrained else "tools"
+    grammars = ctx.grammars(param)
     try:
         if constrained:
-            return ctx.grammars.json(body.response_format.schema(), thinking)
-        if body.uses_tools:
-            tools = [tool.model_dump(exclude_none=True) for tool in callable_tools]
-            return ctx.grammars.tool_calls(tools, body.forces_tool_call, body.parallel_tool_calls, thinking)
+            return grammars.json(body.response_format.schema(), thinking)
+        tools = [tool.model_dump(exclude_none=True) for tool in callable_tools]
+        return grammars.tool_calls(tools, body.forces_tool_call, body.parallel_tool_calls, thinking)
     except NinferError as exc:
-        param = names.response_format if constrained else "tools"
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
-    return None
 
 
 @dataclass

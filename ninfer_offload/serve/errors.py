@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("ninfer.serve")
@@ -26,7 +27,9 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -50,12 +53,18 @@ ANTHROPIC_PATH = "/v1/messages"
 class APIError(Exception):
     """A request the server refuses, reported as `{"error": {message, type, param, code}}`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code, self.headers)
 
     def body(self) -> dict:
         """The OpenAI error JSON object of this error."""
@@ -147,7 +156,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -163,7 +172,8 @@ def install_error_handlers(app: FastAPI) -> None:
 class ErrorGuard:
     """The last resort, outermost: an exception that escapes the app becomes a 500 JSON error with a
     request id (its traceback logged) and the connection stays usable; a request cancelled by the
-    end of the shutdown window gets a 503 JSON error."""
+    end of the shutdown window gets a 503 JSON error; a client gone before its body arrived is one
+    log line."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -181,6 +191,8 @@ class ErrorGuard:
 
         try:
             await self.app(scope, receive, tracked)
+        except ClientDisconnect:
+            log.info("%s %s: the client disconnected before sending its whole body", scope.get("method"), scope.get("path"))
         except asyncio.CancelledError:
             if not started:
                 await error_response(503, "the server is shutting down", code="shutting_down")(scope, receive, send)
