@@ -93,7 +93,9 @@ def test_streamed_text_is_the_generated_text(tiny_artifact, tiny_engine, fronten
     assert run.stdout == frontend.decode(result.token_ids) + "\n"
     assert result.finish_reason == "length"  # the decode passes made one token fewer than the text has
     assert f"| decode: {result.decode_tokens} tokens, {result.decode_steps} steps in " in run.stderr
-    assert run.stderr.startswith("prefill: ") and "tok/s" in run.stderr and "warm-up" not in run.stderr
+    speculation, summary = run.stderr.splitlines()
+    assert speculation.startswith("decoding with no speculation (--spec auto: off, speculation is projected for a GPU")
+    assert summary.startswith("prefill: ") and "tok/s" in summary and "warm-up" not in run.stderr
 
 
 def test_messages_file_tools_and_template_override(tmp_path, tiny_artifact, frontend):

@@ -35,9 +35,10 @@ def test_serve_refuses_too_many_sequences_naming_the_most_that_fit(tiny_artifact
         capture_output=True, text=True, timeout=120,
     )
     lines = run.stderr.strip().splitlines()
-    assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: cannot load for small_card: "), run.stderr
-    found = re.search(rf"{ASKED} sequences of {CONTEXT} tokens do not fit, at most (\d+) do \(--max-concurrency (\d+)\)", lines[0])
-    assert found and found[1] == found[2], lines[0]
+    assert run.returncode == 2 and lines[-1].startswith("error: cannot load for small_card: "), run.stderr
+    assert not any(" loaded " in line for line in lines), run.stderr  # refused before any weight was read
+    found = re.search(rf"{ASKED} sequences of {CONTEXT} tokens do not fit, at most (\d+) do \(--max-concurrency (\d+)\)", lines[-1])
+    assert found and found[1] == found[2], lines[-1]
     fitting = int(found[1])
     assert 1 <= fitting < ASKED
     _load(tiny_artifact_official, small_card, one_sequence_budget, fitting).close()
