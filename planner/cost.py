@@ -125,17 +125,18 @@ def predict(
     cpu_rate = profile.dram_bandwidth_gbs * 1e9 * CPU_EXPERT_SHARE_OF_DRAM
     _, plan_host, plan_layers = _expert_traffic(stats, resident, expert_bytes, 1)
 
-    def step(tokens: int) -> tuple[float, float, float]:
-        """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions, misses served by the
-        miss path ("auto": the faster of the two, as it chooses by measured step time)."""
+    def step(tokens: int, sequences: int = 1) -> tuple[float, float, float]:
+        """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions of `sequences` sequences
+        (each with its own KV cache and GDN state), misses served by the miss path ("auto": the faster of the two, as it
+        chooses by measured step time)."""
         expert_vram, expert_host, host_layers = _expert_traffic(stats, resident, expert_bytes, tokens)
         if cache is not None and plan_host > 0:
             cached_host = expert_host * cache.host_bytes_per_token / plan_host
             expert_vram, expert_host = expert_vram + expert_host - cached_host, cached_host
             host_layers *= cache.host_layers_per_token / plan_layers
         embedding = weights.embedding_row_bytes * tokens
-        vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + dims.num_attention_layers * kv_layer
-        vram += gdn_state_bytes(dims) * (1 + tokens)  # read the state, write one per position
+        vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + sequences * dims.num_attention_layers * kv_layer
+        vram += gdn_state_bytes(dims) * (sequences + tokens)  # read each sequence's state, write one per position
         pcie = 0.0 if weights.embedding_on_device else embedding
         if weights.embedding_on_device:
             vram += embedding
@@ -157,6 +158,11 @@ def predict(
         tokens_per_step = (1 - a ** (drafts + 1)) / (1 - a)
         decode_mtp = tokens_per_step / (draft_seconds + verify_seconds)
 
+    decode_batch = None
+    if options.concurrency > 1:  # a decode step of one token for each sequence: the verify step's per-token cost for each
+        batch = options.concurrency
+        decode_batch = batch / (step(batch, batch)[0] + (batch - 1) * timings["verify_token_s"])
+
     chunk = options.prefill_chunk
     expert_params = 3 * dims.hidden_size * dims.moe_intermediate_size * dims.top_k * dims.num_layers
     attention_flops = dims.num_attention_layers * 4 * context * dims.num_attention_heads * dims.head_dim
@@ -172,6 +178,7 @@ def predict(
     return Prediction(
         decode_tok_s=1.0 / seconds,
         decode_tok_s_mtp=decode_mtp,
+        decode_tok_s_batch=decode_batch,
         prefill_tok_s=chunk / prefill_seconds,
         vram_bytes_per_token=int(vram_bytes),
         pcie_bytes_per_token=pcie_bytes,

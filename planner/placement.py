@@ -34,6 +34,7 @@ class Prediction:
     pcie_bytes_per_token: float
     assumptions: tuple[str, ...]
     cache_hit_rate: float | None = None  # expert requests of a decode token served from VRAM, simulated; None: all resident
+    decode_tok_s_batch: float | None = None  # all sequences' tokens/s decoding --concurrency sequences together (None: one)
 
     @property
     def speculation_speedup(self) -> float | None:
@@ -96,6 +97,7 @@ class Placement:
                 "speculation_speedup": p.speculation_speedup,
                 "speculates": p.speculates,
                 "cache_hit_rate": p.cache_hit_rate,
+                "decode_tok_s_batch": p.decode_tok_s_batch,
                 "assumptions": list(p.assumptions),
             }
         return {
@@ -200,13 +202,14 @@ PLAN_SCHEMA: dict = {
             "additionalProperties": False,
             "required": [
                 "decode_tok_s", "decode_tok_s_mtp", "prefill_tok_s", "vram_bytes_per_token", "pcie_bytes_per_token",
-                "speculation_speedup", "speculates", "cache_hit_rate", "assumptions",
+                "speculation_speedup", "speculates", "cache_hit_rate", "decode_tok_s_batch", "assumptions",
             ],
             "properties": {
                 "decode_tok_s": _NUMBER, "decode_tok_s_mtp": {"type": ["number", "null"], "minimum": 0},
                 "prefill_tok_s": _NUMBER, "vram_bytes_per_token": _INT, "pcie_bytes_per_token": _NUMBER,
                 "speculation_speedup": {"type": ["number", "null"], "minimum": 0}, "speculates": {"type": "boolean"},
                 "cache_hit_rate": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                "decode_tok_s_batch": {"type": ["number", "null"], "minimum": 0},
                 "assumptions": {"type": "array", "items": {"type": "string"}},
             },
         },

@@ -98,6 +98,8 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
         speed.add_row("decode tok/s (batch 1)", _rate(r.decode_tok_s))
         if r.cache_hit_rate is not None:
             speed.add_row("expert cache hit rate", f"{r.cache_hit_rate:.1%}")
+        if r.decode_tok_s_batch is not None:
+            speed.add_row(f"decode tok/s, {p.options.concurrency} sequences in all", _rate(r.decode_tok_s_batch))
         speed.add_row("decode tok/s with MTP", _rate(r.decode_tok_s_mtp))
         speed.add_row("speculation", _speculation(r))
         speed.add_row("prefill tok/s", _rate(r.prefill_tok_s))

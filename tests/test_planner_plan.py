@@ -263,3 +263,19 @@ def test_speculation_is_on_where_the_projected_speedup_pays(inventory):
         assert predicted.speculates is on and (predicted.speculation_speedup >= SPECULATION_MIN_SPEEDUP) is on
     plain = plan(inventory, card, PlanOptions(speculative="none")).predicted
     assert plain.speculation_speedup is None and not plain.speculates
+
+
+def test_a_batch_of_sequences_is_predicted_against_its_measurement(inventory):
+    """Decoding 8 sequences together: between one sequence's rate and 8x it, and within 15 % of the all-resident
+    batch-8 step measured on the H200 at 1K context (`bench/results/resident_h200_a0d2a21.json`)."""
+    import json
+    from pathlib import Path
+
+    measured = json.loads((Path(__file__).parent.parent / "bench/results/resident_h200_a0d2a21.json").read_text())
+    batch8 = next(b["aggregate_tok_s"] for b in measured["batched_decode"] if b["batch"] == 8)
+    options = PlanOptions(max_context=4096, at_context=1024, speculative="none", concurrency=8)
+    predicted = plan(inventory, load_profile("h200"), options).predicted
+    assert predicted.decode_tok_s < predicted.decode_tok_s_batch < 8 * predicted.decode_tok_s
+    assert predicted.decode_tok_s_batch == pytest.approx(batch8, rel=0.15)
+    one = plan(inventory, load_profile("h200"), replace(options, concurrency=1)).predicted
+    assert one.decode_tok_s_batch is None
