@@ -92,6 +92,7 @@ from ninfer_offload.runtime.session import Session
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from profiling import kernels_by_launch, stream_timeline
 from provenance import gpu_report_header
+import vram
 
 GiB = 2**30
 PROMPT_TOKENS = 64
@@ -557,6 +558,7 @@ def main() -> None:
     inventory = None
     for budget_gib in args.budgets:
         budget = int(budget_gib * GiB)
+        vram.start()
         engine, ready = load(args.artifact, profile=args.profile, vram_budget=budget, cache_policy=args.policy)
         equal = logits_equal(engine, reference, check_ids)
         seconds, stats, window = runner.decode(engine, args.warmup, args.tokens)
@@ -606,7 +608,7 @@ def main() -> None:
             "time_to_ready_ratio": ready / report["file_read_s"],
             "load_seconds": engine.load_seconds,  # the load's phases (`LoadedModel.load_seconds`)
             "vram_allocated_bytes": torch.cuda.memory_allocated(),
-            "planned_vram_bytes": placement.vram_used_bytes if placement is not None else None,
+            **vram.against_plan(placement.vram_used_bytes if placement is not None else None),
             "projected_decode_tok_s": projections,
             "logits_equal_resident": equal,
             "placement": engine.placement_report(),

@@ -16,7 +16,8 @@ Everything resident (all experts in VRAM), bf16 activations, batch 1. Measured i
 * batched decode (`--batches`, default 1 and 8): B sequences stepped together as the server steps them,
   step time and aggregate tokens/s against one sequence's (the server's ceiling), the largest
   batch's stages;
-* peak VRAM (torch allocator) against the planner's prediction for the same options;
+* peak VRAM from before the load (torch's peak allocated plus the CUDA context: `vram.py`) against the planner's
+  prediction for the same options (`peak_within_plan`);
 * transformers' `Qwen3_5MoeForCausalLM` (bf16, same GPU, its default attention and kernels on
   this image), by default the full 40-layer model (66.6 GiB: it fits an H200; `--hf-layers A B`
   measures two reduced depths and extrapolates instead), decode after the same contexts and
@@ -44,6 +45,7 @@ from hf_baseline import depth_method, full_depth_seconds, random_model
 from profiling import kernel_breakdown
 from provenance import gpu_report_header
 from tensor_ceiling import ceiling, chunk_sizes, prefill_fraction
+import vram
 
 
 
@@ -287,16 +289,16 @@ def main() -> None:
     max_context = max(args.contexts + args.prefills) + 512
     began = time.perf_counter()
     sequences = max([2, *args.batches])
+    vram.start()
     engine = Engine.load(args.artifact, device="cuda", max_context=max_context, max_sequences=sequences, spec="none")
     report["load_seconds"] = time.perf_counter() - began
     report["vram_after_load_bytes"] = torch.cuda.memory_allocated()
     report["planner"] = planner_prediction(engine, max_context)
     save()
-    torch.cuda.reset_peak_memory_stats()
     bench_engine(engine, args.contexts, args.prefills, bandwidth, report, save)
     if args.batches:
         bench_batches(engine, args.batches, min(args.contexts), report, save)
-    report["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
+    report |= vram.against_plan(report["planner"]["vram_used_bytes"])
     save()
     config = engine.artifact.components["text"].config
     engine.close()
