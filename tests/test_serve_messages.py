@@ -190,5 +190,9 @@ def test_guard_refusals_take_anthropic_shape(server):
     with pytest.raises(anthropic.AuthenticationError):
         wrong_key = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
         wrong_key.messages.create(**GREEDY, messages=GOOD["messages"], max_tokens=2)
+    plain_text = post(server, "/v1/messages", GOOD, **{"content-type": "text/plain"})
+    assert plain_text.status_code == 415 and plain_text.json()["type"] == "error", plain_text.text
+    foreign = post(server, "/v1/messages", GOOD, origin="https://evil.example")
+    assert foreign.status_code == 403 and foreign.json()["error"]["type"] == "permission_error", foreign.text
     chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": GOOD["messages"], "max_tokens": 0})
     assert chat.status_code == 422 and chat.json()["error"]["param"] == "max_tokens"  # OpenAI routes keep OpenAI's shape
