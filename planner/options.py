@@ -13,6 +13,14 @@ from ninfer_offload.errors import NinferError
 # chunk needs crosses PCIe once per chunk: half the bytes).
 PREFILL_CHUNK = 4096
 
+# The prompt cache (`runtime.prefix_cache`): a long prefill saves its state about every PROMPT_CACHE_EVERY tokens
+# (rounded up to whole prefill chunks); its device tier defaults to PROMPT_CACHE_VRAM_SHARE of the VRAM the plan may use,
+# at most PROMPT_CACHE_VRAM, its host tier to PROMPT_CACHE_HOST.
+PROMPT_CACHE_EVERY = 2048
+PROMPT_CACHE_VRAM_SHARE = 0.1
+PROMPT_CACHE_VRAM = 4 << 30
+PROMPT_CACHE_HOST = 16 << 30
+
 KV_DTYPES = ("bf16", "fp8", "int8")
 SPECULATIVE_MODES = ("none", "mtp")
 MISS_PATHS = ("pcie", "cpu", "auto")  # host-resident experts: read by the GPU over PCIe, computed on the host, or both
