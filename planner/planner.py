@@ -19,8 +19,10 @@ from ninfer_offload.artifact.formats import elements
 from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cost import WeightTraffic, predict
-from ninfer_offload.planner.memory import prefill_staging_slots, staging_slots, state_pool_bytes, workspace_bytes
-from ninfer_offload.planner.options import PlanOptions
+from ninfer_offload.planner.memory import (
+    prefill_staging_slots, prompt_cache_vram_bytes, staging_slots, state_pool_bytes, workspace_bytes,
+)
+from ninfer_offload.planner.options import PROMPT_CACHE_HOST, PlanOptions
 from ninfer_offload.planner.placement import ComponentPlacement, Placement
 from ninfer_offload.planner.routing import RoutingStats, default_routing_stats
 from ninfer_offload.profiles import DeviceProfile
@@ -78,6 +80,10 @@ def plan(
         "staging": 0,
         "prefill_staging": 0,
     }
+    prompt_cache_host = 0
+    if options.prompt_cache:
+        runtime["prompt_cache"] = prompt_cache_vram_bytes(options.prompt_cache_vram, budget)
+        prompt_cache_host = PROMPT_CACHE_HOST if options.prompt_cache_host is None else options.prompt_cache_host
     fixed_weights = (
         _bytes(dense_text) + head + (mtp if options.speculating else 0) + (proposal if use_proposal else 0)
         + (vision if options.vision else 0)
@@ -107,7 +113,7 @@ def plan(
         resident[layer].append(expert)
     resident_bytes = sum(size for _, _, size in order[:chosen])
     host_experts = all_experts - resident_bytes
-    host_pinned = host_experts + (0 if embedding_on_device else embedding)
+    host_pinned = host_experts + (0 if embedding_on_device else embedding) + prompt_cache_host
     vram_used = fixed + runtime["staging"] + runtime["prefill_staging"] + resident_bytes + (embedding if embedding_on_device else 0)
 
     routed_stored = sum(b.bank_bytes for b in banks)
@@ -194,6 +200,13 @@ def _expert_order(stats: RoutingStats, expert_bytes: list[int]) -> list[tuple[in
 def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptions, profile: DeviceProfile) -> str | None:
     """One line saying what does not fit and which option would make it fit, or None."""
     budget = p.vram_budget_bytes
+    cache = p.runtime.get("prompt_cache", 0)
+    if cache and p.vram_used_bytes > budget >= p.vram_used_bytes - cache:
+        fits = budget - (p.vram_used_bytes - cache)
+        return (
+            f"the prompt cache's {_gib(cache)} of VRAM does not fit the budget of {_gib(budget)} on {profile.name}: "
+            f"at most {fits / 2**20:.0f} MiB does beside the rest (--prompt-cache-vram)"
+        )
     if p.vram_used_bytes > budget:
         kv = p.runtime["kv_cache"]
         hints = []
@@ -226,7 +239,8 @@ def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptio
             else f"{HOST_PINNED_SHARE:.0%} of {_gib(profile.ram_bytes)} RAM on {profile.name}"
         )
         return (
-            f"needs {_gib(p.host_pinned_bytes)} pinned host memory for offloaded experts, budget is "
+            f"needs {_gib(p.host_pinned_bytes)} pinned host memory for offloaded experts"
+            f"{' and the prompt cache' if options.prompt_cache else ''}, budget is "
             f"{_gib(p.host_budget_bytes)} ({given}); give a larger --host-budget or --vram-budget, or a profile with more RAM"
         )
     return None

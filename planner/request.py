@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_policy import POLICIES
-from ninfer_offload.planner.memory import LoadOptions
+from ninfer_offload.planner.memory import LoadOptions, prompt_cache_vram_bytes
 from ninfer_offload.planner.options import (
-    MAX_DRAFTS, MISS_PATHS, PREFILL_CHUNK, PROMPT_CACHE_EVERY, PROMPT_CACHE_HOST, PROMPT_CACHE_VRAM, PROMPT_CACHE_VRAM_SHARE,
-    SPECULATIVE_MODES, PlanOptions, parse_size,
+    MAX_DRAFTS, MISS_PATHS, PREFILL_CHUNK, PROMPT_CACHE_EVERY, PROMPT_CACHE_HOST, SPECULATIVE_MODES, PlanOptions, parse_size,
 )
 from ninfer_offload.profiles import DeviceProfile
 
@@ -148,13 +147,9 @@ class LoadRequest:
         return self.profile is not None or self.vram_budget is not None
 
     def prompt_cache_device_bytes(self, budget: int | None) -> int:
-        """The prompt cache's device tier: `prompt_cache_vram`, else PROMPT_CACHE_VRAM_SHARE of `budget` (the VRAM the
-        load may use; None: unknown, as on the CPU) and at most PROMPT_CACHE_VRAM; 0 without a prompt cache."""
-        if not self.prompt_cache:
-            return 0
-        if self.prompt_cache_vram is not None:
-            return self.prompt_cache_vram
-        return PROMPT_CACHE_VRAM if budget is None else min(PROMPT_CACHE_VRAM, int(budget * PROMPT_CACHE_VRAM_SHARE))
+        """The prompt cache's device tier (`planner.memory.prompt_cache_vram_bytes` of `budget`, the VRAM the load may
+        use, None where unknown); 0 without a prompt cache."""
+        return prompt_cache_vram_bytes(self.prompt_cache_vram, budget) if self.prompt_cache else 0
 
     @property
     def prompt_cache_host_bytes(self) -> int:
@@ -179,13 +174,17 @@ class LoadRequest:
             )
         return capacity
 
-    def load_options(self, capacity: int, draft_tokens: int, mtp: bool, element_bytes: int, kv_dtype: str) -> LoadOptions:
+    def load_options(
+        self, capacity: int, draft_tokens: int, mtp: bool, element_bytes: int, kv_dtype: str, prompt_cache_bytes: int = 0
+    ) -> LoadOptions:
         """The footprint's options of this request's state and weights (no expert arena), as the load resolved
         it: `capacity` tokens per sequence, `draft_tokens` (the speculation's), the MTP module loaded or not, the
-        compute dtype's `element_bytes` and the KV cache's `kv_dtype` (a `KV_ELEMENT_BYTES` key)."""
+        compute dtype's `element_bytes`, the KV cache's `kv_dtype` (a `KV_ELEMENT_BYTES` key) and the prompt
+        cache's device tier."""
         return LoadOptions(
             pinned_experts=(), cache_slots=0, staging_slots=0, sequences=self.max_sequences, capacity=capacity,
             draft_tokens=draft_tokens, mtp=mtp, element_bytes=element_bytes, kv_dtype=kv_dtype, proposal_head=self.proposal_head,
+            prompt_cache_bytes=prompt_cache_bytes,
         )
 
     def plan_options(self, load: LoadOptions) -> PlanOptions:
@@ -194,4 +193,6 @@ class LoadRequest:
             max_context=load.capacity, concurrency=load.sequences, kv_dtype="fp8" if load.kv_dtype == "fp8" else "bf16",
             speculative="mtp" if load.mtp else "none", drafts=max(1, load.draft_tokens), proposal_head=load.proposal_head,
             prefill_chunk=self.prefill_chunk, vram_budget=self.vram_budget, miss_path=self.miss_path,
+            prompt_cache=self.prompt_cache, prompt_cache_vram=load.prompt_cache_bytes if self.prompt_cache else None,
+            prompt_cache_host=self.prompt_cache_host_bytes if self.prompt_cache else None,
         )

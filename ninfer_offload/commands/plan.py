@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 
 from ninfer_offload.artifact.inventory import Inventory
-from ninfer_offload.commands.load_options import load_options
+from ninfer_offload.commands.load_options import PROMPT_CACHE, load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner import PlanOptions, parse_size, plan as make_plan
 from ninfer_offload.planner.options import DEFAULT_MTP_ACCEPTANCE, model_defaults
@@ -53,6 +53,9 @@ def _options(inventory: Inventory, request: LoadRequest, given: dict) -> PlanOpt
         "prefill_chunk": request.prefill_chunk,
         "vram_budget": request.vram_budget,
         "miss_path": request.miss_path,
+        "prompt_cache": request.prompt_cache,
+        "prompt_cache_vram": request.prompt_cache_vram,
+        "prompt_cache_host": request.prompt_cache_host,
     }
     if given["max_context"] is not None and given["max_context"] > defaults["max_context"]:
         raise NinferError(f"--max-context {given['max_context']} is beyond the model's maximum context of {defaults['max_context']} tokens")
@@ -69,7 +72,7 @@ def _warn_budget(options: PlanOptions, text: Optional[str], profiles: list[Devic
             )
 
 
-@load_options("vram_budget", "miss_path", "spec", "draft_tokens", "prefill_chunk", spec="auto")
+@load_options("vram_budget", "miss_path", "spec", "draft_tokens", "prefill_chunk", *PROMPT_CACHE, spec="auto")
 def plan(
     artifact: Optional[Path] = typer.Argument(
         None, help="A .ninfer file (only its directory is read). Default: the official Qwen3.6-35B-A3B inventory."

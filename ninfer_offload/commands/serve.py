@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from ninfer_offload.commands.load_options import PLACEMENT, SPECULATION, load_options
+from ninfer_offload.commands.load_options import PLACEMENT, PROMPT_CACHE, SPECULATION, load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.request import LoadRequest
 
@@ -41,7 +41,7 @@ def _check_can_listen(host: str, port: int) -> None:
             raise NinferError(f"cannot listen on {host}:{port}: {reason}; choose another --port (0 picks a free one)") from None
 
 
-@load_options(*PLACEMENT, *SPECULATION, "max_context")
+@load_options(*PLACEMENT, *SPECULATION, *PROMPT_CACHE, "max_context", prompt_cache=True)
 def serve(
     artifact: Path = typer.Argument(..., help="The .ninfer model file to serve."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; the default accepts local clients only."),

@@ -153,6 +153,13 @@ class QueuedTokens:
         return self.host.tolist()
 
 
+def _last_message_end(request: GenerationRequest) -> int:
+    """Where a chat prompt's last message ends: after its last stop id (`<|im_end|>`), 0 if it has none. The next turn
+    shares the prompt up to there but not after (the reply replaces what the template opened, its reasoning among it)."""
+    prompt = request.prompt_ids
+    return next((i + 1 for i in range(len(prompt) - 1, -1, -1) if prompt[i] in request.stop_ids), 0)
+
+
 def queue_greedy_step(engine, sessions: list, picked: torch.Tensor) -> QueuedTokens:
     """Queue the step that adds picked[i] ([B] int64 on the engine's device) to sessions[i]
     (`Engine.step_on_device`), its argmax and those ids' copy to the host, without waiting for the device."""
@@ -216,7 +223,7 @@ class Decoder:
         sequence.cached_tokens = match.tokens
         if sequence.speculator is not None and match.tokens:
             sequence.speculator.resume(match.hidden)
-        sequence.save_points = cache.save_points(len(sequence.prompt), match)
+        sequence.save_points = cache.save_points(len(sequence.prompt), match, (_last_message_end(sequence.request),))
 
     def _piece_room(self, sequence: Sequence, tokens: int) -> int:
         """At most `tokens` of the prompt's next piece, ending at the next save point if it comes before."""

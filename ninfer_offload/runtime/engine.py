@@ -30,7 +30,7 @@ from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.dims import FULL_ATTENTION, ModelDims
 from ninfer_offload.model.state_pool import StatePool
-from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, load_footprint
+from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, load_footprint, workspace_bytes
 from ninfer_offload.planner.request import LoadRequest
 from ninfer_offload.runtime.expert_plan import LoadPlan, expert_load_plan
 from ninfer_offload.runtime.loader import load_model
@@ -162,13 +162,23 @@ class Engine:
             speculation = resolve_speculation(request, inventory, artifact.path.name)
             mtp = request.mtp or speculation.mode == "mtp"
             capacity = request.capacity(config.max_position_embeddings)
-            resolved_load = request.load_options(capacity, speculation.draft_tokens, mtp, _element_bytes(dtype), _KV_NAMES[cache_dtype])
-            state_and_weights = load_footprint(inventory, resolved_load)
             free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
+            cache_bytes = request.prompt_cache_device_bytes(request.vram_budget if request.vram_budget is not None else free)
+            # A default-sized prompt cache of a load planned for no budget takes what the load leaves, never the experts' room.
+            gives_way = free is not None and request.prompt_cache_vram is None and not request.planned
+            resolved_load = request.load_options(
+                capacity, speculation.draft_tokens, mtp, _element_bytes(dtype), _KV_NAMES[cache_dtype], 0 if gives_way else cache_bytes
+            )
+            state_and_weights = load_footprint(inventory, resolved_load)
             expert_plan = expert_load_plan(
                 inventory, resolved, request, resolved_load, None if free is None else free - sum(state_and_weights.values())
             )
             if resolved.type == "cuda":
+                if gives_way and cache_bytes:
+                    left = free - sum(state_and_weights.values()) - expert_plan.arena_bytes
+                    left -= workspace_bytes(config, request.plan_options(resolved_load))
+                    cache_bytes = max(0, min(cache_bytes, left))
+                    state_and_weights["prompt_cache"] = cache_bytes
                 check_fits(state_and_weights | {"experts": expert_plan.arena_bytes}, free, resolved)
             check_host_memory(expert_plan.host_ram_bytes(pinned=resolved.type == "cuda"))
             miss_path = None if request.miss_path == "pcie" else request.miss_path
@@ -188,7 +198,7 @@ class Engine:
         cache = None
         if request.prompt_cache:
             cache = PrefixCache(
-                state, resolved, request.prompt_cache_device_bytes(None), request.prompt_cache_host_bytes,
+                state, resolved, cache_bytes, request.prompt_cache_host_bytes,
                 request.prompt_cache_interval, config.num_layers if mtp else None,
             )
         return cls(artifact, runner, expert_plan, speculation, loaded.load_seconds, cache)

@@ -19,6 +19,7 @@ after it, so the least recently used node is always a leaf of its tier's order.
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -111,12 +112,16 @@ class PrefixCache:
         self.counters = CacheCounters()
         self._root = _Node(None, (), 0, None)
         self._clock = itertools.count(1)
+        self._lock = threading.RLock()  # `stats` may be read from another thread (a server's health route)
 
     # ------------------------------------------------------------------ lookups
     def match(self, prompt: list[int], with_mtp: bool = False) -> Match:
         """The longest saved prefix of `prompt` shorter than it (with `with_mtp` one whose MTP rows were saved too);
         the nodes on its path count as used."""
-        ids = tuple(prompt)
+        with self._lock:
+            return self._match(tuple(prompt), with_mtp)
+
+    def _match(self, ids: tuple[int, ...], with_mtp: bool) -> Match:
         node, pos, branch = self._root, 0, None
         while True:
             best = None
@@ -152,19 +157,23 @@ class PrefixCache:
         with_mtp = match.hidden is not None
         restore(self.pool, slot, list(match.pieces), self.mtp_key if with_mtp else None)
 
-    def save_points(self, prompt_length: int, match: Match) -> list[int]:
+    def save_points(self, prompt_length: int, match: Match, also: tuple[int, ...] = ()) -> list[int]:
         """The positions of a prompt of `prompt_length` tokens that resumed `match` worth saving at, ascending: each
-        multiple of `every` after the resumed tokens, `match.branch`, the prompt's end."""
+        multiple of `every` after the resumed tokens, `match.branch` and the positions `also`, the prompt's end."""
         points = set(range((match.tokens // self.every + 1) * self.every, prompt_length, self.every))
-        if match.branch is not None and match.tokens < match.branch < prompt_length:
-            points.add(match.branch)
+        for point in (match.branch, *also):
+            if point is not None and match.tokens < point < prompt_length:
+                points.add(point)
         return sorted(points | {prompt_length})
 
     # ------------------------------------------------------------------ saves
     def save(self, slot: int, token_ids: list[int], hidden: torch.Tensor | None = None) -> None:
         """Save the state of the sequence in `slot`, which holds `token_ids`; `hidden` (the final-normed hidden state
         of its last token) where its MTP rows are kept too (a sequence drafting with MTP)."""
-        ids = tuple(token_ids)
+        with self._lock:
+            self._save(slot, tuple(token_ids), hidden)
+
+    def _save(self, slot: int, ids: tuple[int, ...], hidden: torch.Tensor | None) -> None:
         node, pos = self._root, 0
         while pos < len(ids):
             child = next((c for c in node.children if c.end <= len(ids) and ids[pos : c.end] == c.tokens), None)
@@ -211,13 +220,15 @@ class PrefixCache:
 
     def memory(self) -> tuple[int, int]:
         """(device bytes, host bytes) of the saved pieces."""
-        nodes = self._nodes()
+        with self._lock:
+            nodes = self._nodes()
         return sum(n.piece.nbytes for n in nodes if not n.on_host), sum(n.piece.nbytes for n in nodes if n.on_host)
 
     def resize(self, device_bytes: int, host_bytes: int) -> None:
         """New bounds for the two tiers, applied at once."""
-        self.device_bytes, self.host_bytes = device_bytes, host_bytes
-        self._fit()
+        with self._lock:
+            self.device_bytes, self.host_bytes = device_bytes, host_bytes
+            self._fit()
 
     def _touch(self, node: _Node) -> None:
         """`node` and its ancestors are used now, the ancestors after it."""
@@ -262,6 +273,10 @@ class PrefixCache:
 
     def stats(self) -> dict:
         """Counters, entries and the memory of each tier, for `/health` and the logs."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         device, host = self.memory()
         return {
             **self.counters.to_json(), "entries": len(self._nodes()), "device_bytes": device, "host_bytes": host,

@@ -110,7 +110,9 @@ def _prepare(ctx: ServeContext, raw: bytes) -> PreparedChat:
     max_tokens = ctx.token_budget(len(prompt_ids), body.token_limit(), "messages")
     tools = [tool.model_dump() for tool in body.tools] if body.uses_tools else None
     thinking = prompt_leaves_thinking_open(prompt)
-    prepared = Prepared(body, prompt_ids, max_tokens, sampling, _constraint(ctx, body, thinking), body.logprob_count())
+    prepared = Prepared(
+        body, prompt_ids, max_tokens, sampling, _constraint(ctx, body, thinking), body.logprob_count(), body.cache_prompt
+    )
     return PreparedChat(prepared, thinking, tools)
 
 

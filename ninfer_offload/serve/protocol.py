@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ninfer_offload.serve.errors import APIError
 
@@ -99,6 +99,7 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+    cache_prompt: StrictBool = True  # an extension: false neither resumes from nor saves to the prompt cache
 
     def check_supported(self) -> None:
         """Refuse the valid-but-unsupported options with a 400 instead of silently ignoring them."""
