@@ -205,7 +205,7 @@ def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptio
         fits = budget - (p.vram_used_bytes - cache)
         return (
             f"the prompt cache's {_gib(cache)} of VRAM does not fit the budget of {_gib(budget)} on {profile.name}: "
-            f"at most {fits / 2**20:.0f} MiB does beside the rest (--prompt-cache-vram)"
+            f"at most {fits >> 20} MiB does beside the rest (--prompt-cache-vram)"
         )
     if p.vram_used_bytes > budget:
         kv = p.runtime["kv_cache"]
