@@ -120,8 +120,12 @@ def serve(
         max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk, api_key=api_key,
         allowed_hosts=allowed_hosts,
     )
+    cache = engine.prompt_cache
     log.info(
-        "serving model '%s' at /v1 (%d concurrent sequences, queue %d, %s%s)",
-        name, max_concurrency, max_queue, engine.speculation.describe(), ", API key required" if api_key else "",
+        "serving model '%s' at /v1 (%d concurrent sequences, queue %d, %s%s%s)",
+        name, max_concurrency, max_queue, engine.speculation.describe(),
+        f", prompt cache {cache.device_bytes / 2**30:.2f} GiB on {engine.device.type} + {cache.host_bytes / 2**30:.2f} GiB host"
+        if cache is not None else "",
+        ", API key required" if api_key else "",
     )
     graceful_server(app, host, port, log_level.lower(), shutdown_timeout).run()
