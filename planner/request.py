@@ -193,6 +193,5 @@ class LoadRequest:
             max_context=load.capacity, concurrency=load.sequences, kv_dtype="fp8" if load.kv_dtype == "fp8" else "bf16",
             speculative="mtp" if load.mtp else "none", drafts=max(1, load.draft_tokens), proposal_head=load.proposal_head,
             prefill_chunk=self.prefill_chunk, vram_budget=self.vram_budget, miss_path=self.miss_path,
-            prompt_cache=self.prompt_cache, prompt_cache_vram=load.prompt_cache_bytes if self.prompt_cache else None,
-            prompt_cache_host=self.prompt_cache_host_bytes if self.prompt_cache else None,
+            prompt_cache=self.prompt_cache, prompt_cache_vram=self.prompt_cache_vram, prompt_cache_host=self.prompt_cache_host,
         )

@@ -175,3 +175,15 @@ def test_resume_and_remember_check_their_session(engine):
             session.remember(ids(13, 4))
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("engine", ["mtp"], indirect=True)
+def test_positions_saved_without_mtp_rows_gain_them_from_a_speculating_sequence(engine):
+    """A request with logprobs decodes plainly and saves no MTP rows, so a speculating request cannot resume there; it
+    saves the first position it could not enter again, with them, and the next speculating request resumes there."""
+    prompt = ids(14, 20)
+    run(engine, [GenerationRequest(prompt, 3, SAMPLINGS["greedy"], logprobs=0)])
+    resumed = [cached_tokens(engine, prompt + ids(15 + i, 3 + i))[1] for i in range(2)]
+    longer = prompt + ids(17, 6)
+    out, last = cached_tokens(engine, longer)
+    assert resumed + [last] == [0, 16, 20] and out == cold(engine, longer)

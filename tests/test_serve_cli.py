@@ -64,11 +64,15 @@ def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact):
     try:
         assert server.wait_for(r"loaded .* 6 layers, 8 experts \(top-2\), vocab 512, cpu float32")
         assert server.wait_for(r"56 of 56 experts pinned in VRAM, 0 cache slots")  # 6 layers and the MTP layer: it speculates
-        assert server.wait_for(r"serving model 'tiny' at /v1 \(2 concurrent sequences, queue 64, 3 MTP drafts per step\)")
+        assert server.wait_for(  # the prompt cache on by default, a tenth of the planned card's 32 GiB on the device
+            r"serving model 'tiny' at /v1 \(2 concurrent sequences, queue 64, 3 MTP drafts per step, prompt cache 3.20 GiB on cpu "
+            r"\+ 16.00 GiB host\)"
+        )
         response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert response.status_code == 200
         request_id = response.json()["id"]
-        assert server.wait_for(rf"{request_id} prompt=\d+ completion=\d+ queued=\S+ ttft=\S+ total=\S+ decode=.* finish=(stop|length)")
+        logged = rf"{request_id} prompt=\d+ cached=0 completion=\d+ queued=\S+ ttft=\S+ total=\S+ decode=.* finish=(stop|length)"
+        assert server.wait_for(logged)
 
         body = {"model": "tiny", "prompt": "Once", "max_tokens": 60, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as stream:

@@ -88,6 +88,23 @@ def _backend_for(device: torch.device, name: str):
     return TritonBackend()
 
 
+def _prompt_cache_bytes(
+    default: int, explicit: bool, expert_plan: LoadPlan, footprint: dict[str, int], free: int | None, config: ModelDims,
+    request: LoadRequest, load,
+) -> int:
+    """The prompt cache's device tier: the size asked for; else a planned load's share of its plan (taken from its budget,
+    `ninfer plan` states it); else, on CUDA, `default` (a share of the free VRAM) at most what the load leaves (its
+    footprint, experts and prefill workspace), never the experts' room; else `default`."""
+    if explicit:
+        return default
+    if expert_plan.plan is not None:
+        return expert_plan.plan.runtime["prompt_cache"]
+    if free is None:
+        return default
+    left = free - sum(footprint.values()) - expert_plan.arena_bytes - workspace_bytes(config, request.plan_options(load))
+    return max(0, min(default, left))
+
+
 @dataclass(frozen=True)
 class WarmUpTimes:
     """Seconds `Engine.warm_up` spent prefilling (kernels compiled, short prompt chunks captured) and
@@ -163,22 +180,21 @@ class Engine:
             mtp = request.mtp or speculation.mode == "mtp"
             capacity = request.capacity(config.max_position_embeddings)
             free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
-            cache_bytes = request.prompt_cache_device_bytes(request.vram_budget if request.vram_budget is not None else free)
-            # A default-sized prompt cache of a load planned for no budget takes what the load leaves, never the experts' room.
-            gives_way = free is not None and request.prompt_cache_vram is None and not request.planned
+            cache_bytes = request.prompt_cache_device_bytes(free)
+            explicit = request.prompt_cache_vram is not None
             resolved_load = request.load_options(
-                capacity, speculation.draft_tokens, mtp, _element_bytes(dtype), _KV_NAMES[cache_dtype], 0 if gives_way else cache_bytes
+                capacity, speculation.draft_tokens, mtp, _element_bytes(dtype), _KV_NAMES[cache_dtype], cache_bytes if explicit else 0
             )
             state_and_weights = load_footprint(inventory, resolved_load)
             expert_plan = expert_load_plan(
                 inventory, resolved, request, resolved_load, None if free is None else free - sum(state_and_weights.values())
             )
+            if request.prompt_cache:
+                cache_bytes = _prompt_cache_bytes(
+                    cache_bytes, explicit, expert_plan, state_and_weights, free, config, request, resolved_load
+                )
+                state_and_weights["prompt_cache"] = cache_bytes
             if resolved.type == "cuda":
-                if gives_way and cache_bytes:
-                    left = free - sum(state_and_weights.values()) - expert_plan.arena_bytes
-                    left -= workspace_bytes(config, request.plan_options(resolved_load))
-                    cache_bytes = max(0, min(cache_bytes, left))
-                    state_and_weights["prompt_cache"] = cache_bytes
                 check_fits(state_and_weights | {"experts": expert_plan.arena_bytes}, free, resolved)
             check_host_memory(expert_plan.host_ram_bytes(pinned=resolved.type == "cuda"))
             miss_path = None if request.miss_path == "pcie" else request.miss_path

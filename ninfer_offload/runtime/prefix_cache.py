@@ -56,8 +56,8 @@ class _Node:
 class Match:
     """Where a prompt meets the cache: `tokens` cached prompt tokens to resume (0: none), the pieces that restore them
     (held here, so they stay valid whatever the cache evicts meanwhile), the hidden state of the last resumed token
-    (with MTP), and `branch`: a position past `tokens` where the prompt leaves a saved node's tokens (None if it
-    does not), worth saving at."""
+    (with MTP), and `branch`: a position past `tokens` worth saving at (None if none): where the prompt leaves a saved
+    node's tokens, or the end of the node a match with MTP could not enter for want of its MTP rows."""
 
     tokens: int
     pieces: tuple[StatePiece, ...]
@@ -131,9 +131,12 @@ class PrefixCache:
                     best = child
                 elif 0 < common and pos + common < len(ids):
                     branch = pos + common
-            if best is None or best.end >= len(ids) or (with_mtp and best.piece.mtp_kv is None):
+            if best is not None and best.end < len(ids) and with_mtp and best.piece.mtp_kv is None:
+                branch = best.end  # saved without MTP rows: saving there again adds them
+                break
+            if best is None or best.end >= len(ids):
                 if best is not None:
-                    branch = None  # the prompt runs on into a node it cannot resume from: nothing to split
+                    branch = None  # the prompt ends inside or at the end of a node: the prompt's end is saved anyway
                 break
             node, pos, branch = best, best.end, None
         self.counters.lookups += 1
@@ -180,10 +183,16 @@ class PrefixCache:
             if child is None:
                 break
             node, pos = child, child.end
-        if pos == len(ids):
+        if pos == len(ids):  # saved already; with MTP rows now if it lacked them and its ancestors have them
+            parent = node.parent
+            if parent is not None and node.piece.mtp_kv is None and self._with_mtp(parent, hidden):
+                node.piece = capture(self.pool, slot, node.start, node.end, self.mtp_key, hidden)
+                node.on_host = False
+                self.counters.saves += 1
             self._touch(node)
+            self._fit()
             return
-        with_mtp = hidden is not None and self.mtp_key is not None and all(n.piece.mtp_kv is not None for n in node.path())
+        with_mtp = self._with_mtp(node, hidden)
         piece = capture(self.pool, slot, pos, len(ids), self.mtp_key if with_mtp else None, hidden)
         added = _Node(node, ids[pos:], len(ids), piece)
         inside = next((c for c in node.children if c.tokens[: len(added.tokens)] == added.tokens), None)
@@ -196,6 +205,11 @@ class PrefixCache:
         self.counters.saves += 1
         self._touch(added)
         self._fit()
+
+    def _with_mtp(self, parent: _Node, hidden: torch.Tensor | None) -> bool:
+        """Whether a position saved after `parent` keeps the MTP layer's rows: the saver gives its hidden state, the
+        engine has the layer, and every node up to `parent` kept them too."""
+        return hidden is not None and self.mtp_key is not None and all(n.piece.mtp_kv is not None for n in parent.path())
 
     def _trim(self, node: _Node, start: int) -> None:
         """Drop the tokens before `start` from `node` (a new parent holds them)."""
