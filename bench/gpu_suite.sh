@@ -41,6 +41,7 @@ for bench in $BENCHES; do
     sweep) python3 bench/sweep_decode.py --out "$OUT/sweep.json" --commit "$COMMIT" 2>&1 | tail -100 ;;
     paths) python3 bench/sweep_decode.py --sweeps paths --out "$OUT/paths.json" --commit "$COMMIT" 2>&1 | tail -60 ;;
     kernels) python3 bench/kernel_sweeps.py --out "$OUT/kernels.json" --commit "$COMMIT" 2>&1 | tail -60 ;;
+    few_tokens) python3 bench/few_tokens_sweep.py --out "$OUT/few_tokens.json" --commit "$COMMIT" $FEW_TOKENS_ARGS 2>&1 | tail -30 ;;
     kernel_formats) python3 bench/kernel_sweeps.py --sweeps formats --out "$OUT/kernel_formats.json" --commit "$COMMIT" 2>&1 | tail -30 ;;
     l2) python3 bench/l2_residency.py --out "$OUT/l2_residency.json" --commit "$COMMIT" 2>&1 | tail -7 ;;
     attention) python3 bench/sweep_decode.py --sweeps attention --out "$OUT/attention.json" --commit "$COMMIT" 2>&1 | tail -33 ;;

@@ -92,6 +92,7 @@ from ninfer_offload.runtime.session import Session
 from hf_baseline import depth_method, full_depth_seconds, import_torch_kernels, random_model
 from profiling import kernels_by_launch, stream_timeline
 from provenance import gpu_report_header
+import vram
 
 GiB = 2**30
 PROMPT_TOKENS = 64
@@ -214,19 +215,19 @@ class TraceRun:
             queued = following
         return token if queued is None else queued.read()[0]
 
-    def prefill(self, engine: Engine, offset: int, repeats: int = 2) -> float:
-        """Seconds of a fresh PREFILL_TOKENS-token prefill, chunk by chunk (trace tokens from `offset`): the
+    def prefill(self, engine: Engine, offset: int, repeats: int = 2, tokens: int = PREFILL_TOKENS) -> float:
+        """Seconds of a fresh `tokens`-token prefill, chunk by chunk (trace tokens from `offset`): the
         fastest of `repeats`. Single prefills vary: after a warm-up one, runs at 4c454ed, 98e0c39 and
         2d78901 measured the resident 4K prefill at 14.2K, 26.8K and 16.4K tok/s, which moved the
         roofline (the larger of that time and the PCIe time) and so the offloaded fraction."""
-        ids = list(np.random.default_rng(0).integers(1, 500, PREFILL_TOKENS))
+        ids = list(np.random.default_rng(0).integers(1, 500, tokens))
         best = float("inf")
         for _ in range(repeats):
             session = engine.session()
             torch.cuda.synchronize()
             began = time.perf_counter()
             chunk = engine.prefill_chunk
-            for c0 in range(0, PREFILL_TOKENS, chunk):
+            for c0 in range(0, tokens, chunk):
                 self.rows(engine, offset + c0, chunk)
                 session.prefill(ids[c0 : c0 + chunk])
             torch.cuda.synchronize()
@@ -272,9 +273,10 @@ def step_time_ratio(seconds: float, resident_step: float, pcie_bytes_per_token: 
     return seconds / (resident_step + pcie_bytes_per_token / h2d)
 
 
-def roofline_fraction(seconds: float, resident_tok_s: float, pcie_bytes: int, h2d: float) -> float:
-    """A 4K prefill of `seconds` against its roofline: the larger of the resident prefill's time and the PCIe time."""
-    return max(PREFILL_TOKENS / resident_tok_s, pcie_bytes / h2d) / seconds
+def roofline_fraction(seconds: float, resident_tok_s: float, pcie_bytes: int, h2d: float, tokens: int = PREFILL_TOKENS) -> float:
+    """A prefill of `tokens` tokens in `seconds` against its roofline: the larger of the resident prefill's time and the
+    PCIe time."""
+    return max(tokens / resident_tok_s, pcie_bytes / h2d) / seconds
 
 
 def resident_prefill_by_chunk(runner: TraceRun, resident: Engine, offset: int, default_s: float) -> dict[int, float]:
@@ -338,12 +340,12 @@ def _difference(after: dict | None, before: dict | None) -> dict:
     }
 
 
-def prefill_pcie_bytes(engine: Engine, trace: np.ndarray, offset: int) -> int:
-    """Bytes of the distinct experts not in VRAM that each prefill chunk needs, summed over chunks."""
+def prefill_pcie_bytes(engine: Engine, trace: np.ndarray, offset: int, tokens: int = PREFILL_TOKENS) -> int:
+    """Bytes of the distinct experts not in VRAM that each chunk of a `tokens`-token prefill needs, summed over chunks."""
     in_vram = engine.store.cache.in_vram if engine.store.offloaded else engine.store.pinned
     total = 0
-    for c0 in range(0, PREFILL_TOKENS, engine.prefill_chunk):
-        chunk = trace[offset + c0 : offset + c0 + engine.prefill_chunk]
+    for c0 in range(0, tokens, engine.prefill_chunk):
+        chunk = trace[offset + c0 : offset + c0 + min(engine.prefill_chunk, tokens - c0)]
         for layer in range(trace.shape[1]):
             needed = np.unique(chunk[:, layer])
             total += int((~in_vram[layer, needed]).sum()) * engine.store.layouts[layer].nbytes
@@ -556,6 +558,7 @@ def main() -> None:
     inventory = None
     for budget_gib in args.budgets:
         budget = int(budget_gib * GiB)
+        vram.start()
         engine, ready = load(args.artifact, profile=args.profile, vram_budget=budget, cache_policy=args.policy)
         equal = logits_equal(engine, reference, check_ids)
         seconds, stats, window = runner.decode(engine, args.warmup, args.tokens)
@@ -605,7 +608,7 @@ def main() -> None:
             "time_to_ready_ratio": ready / report["file_read_s"],
             "load_seconds": engine.load_seconds,  # the load's phases (`LoadedModel.load_seconds`)
             "vram_allocated_bytes": torch.cuda.memory_allocated(),
-            "planned_vram_bytes": placement.vram_used_bytes if placement is not None else None,
+            **vram.against_plan(placement.vram_used_bytes if placement is not None else None),
             "projected_decode_tok_s": projections,
             "logits_equal_resident": equal,
             "placement": engine.placement_report(),

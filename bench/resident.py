@@ -9,12 +9,15 @@ Everything resident (all experts in VRAM), bf16 activations, batch 1. Measured i
   comparison); the roofline of that step: bytes it must read (all non-expert text weights but one
   embedding row, the 8 routed experts of every layer, the KV cache rows, the GDN states read and
   written) / device bandwidth; `roofline_fraction` = measured / roofline tokens/s;
-* prefill tokens/s for fresh prompts of each length (one `prefill` call);
+* prefill tokens/s for fresh prompts of each length (one `prefill` call), and its FLOP rate against the
+  tensor ceiling of the same chunks (`tensor_ceiling`: cuBLAS bf16 GEMMs of the forward's products, measured
+  in the run; `prefill[].tensor_fraction`);
 * a per-stage breakdown of one captured decode step (torch profiler kernel times by stage);
 * batched decode (`--batches`, default 1 and 8): B sequences stepped together as the server steps them,
   step time and aggregate tokens/s against one sequence's (the server's ceiling), the largest
   batch's stages;
-* peak VRAM (torch allocator) against the planner's prediction for the same options;
+* peak VRAM from before the load (torch's peak allocated plus the CUDA context: `vram.py`) against the planner's
+  prediction for the same options (`peak_within_plan`);
 * transformers' `Qwen3_5MoeForCausalLM` (bf16, same GPU, its default attention and kernels on
   this image), by default the full 40-layer model (66.6 GiB: it fits an H200; `--hf-layers A B`
   measures two reduced depths and extrapolates instead), decode after the same contexts and
@@ -41,6 +44,8 @@ from ninfer_offload.runtime.engine import Engine
 from hf_baseline import depth_method, full_depth_seconds, random_model
 from profiling import kernel_breakdown
 from provenance import gpu_report_header
+from tensor_ceiling import ceiling, chunk_sizes, prefill_fraction
+import vram
 
 
 
@@ -105,6 +110,7 @@ def random_ids(count: int, vocab: int, seed: int) -> list[int]:
 def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandwidth: float, report: dict, save) -> None:
     vocab = engine.config.vocab_size
     report["prefill"] = []
+    ceilings: dict[int, dict] = {}
     for length in prefills:
         ids = random_ids(length, vocab, length)
         runs = []
@@ -113,7 +119,13 @@ def bench_engine(engine: Engine, contexts: list[int], prefills: list[int], bandw
             runs.append(timed(lambda: session.prefill(ids), 1))
             session.close()
         seconds = runs[-1]
-        report["prefill"].append({"tokens": length, "seconds": seconds, "tok_s": length / seconds})
+        for size in chunk_sizes(length, engine.prefill_chunk) - ceilings.keys():
+            ceilings[size] = ceiling(engine.config, size, engine.device)
+        report["prefill"].append({
+            "tokens": length, "seconds": seconds, "tok_s": length / seconds,
+            **prefill_fraction(engine.config, length, engine.prefill_chunk, seconds, ceilings),
+        })
+        report["tensor_ceiling"] = [ceilings[size] for size in sorted(ceilings)]
         save()
     if prefills:  # where the longest prefill's time goes
         ids = random_ids(max(prefills), vocab, max(prefills))
@@ -277,16 +289,16 @@ def main() -> None:
     max_context = max(args.contexts + args.prefills) + 512
     began = time.perf_counter()
     sequences = max([2, *args.batches])
+    vram.start()
     engine = Engine.load(args.artifact, device="cuda", max_context=max_context, max_sequences=sequences, spec="none")
     report["load_seconds"] = time.perf_counter() - began
     report["vram_after_load_bytes"] = torch.cuda.memory_allocated()
     report["planner"] = planner_prediction(engine, max_context)
     save()
-    torch.cuda.reset_peak_memory_stats()
     bench_engine(engine, args.contexts, args.prefills, bandwidth, report, save)
     if args.batches:
         bench_batches(engine, args.batches, min(args.contexts), report, save)
-    report["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
+    report |= vram.against_plan(report["planner"]["vram_used_bytes"])
     save()
     config = engine.artifact.components["text"].config
     engine.close()
@@ -309,7 +321,8 @@ def main() -> None:
               f"{point['roofline_tok_s']:.0f} -> {100 * point['roofline_fraction']:.1f}%, "
               f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
     for point in report["prefill"]:
-        print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, "
+        print(f"prefill {point['tokens']:6d}: {point['tok_s']:9.0f} tok/s, {point['tflops']:.0f} TFLOPS = "
+              f"{point['tensor_fraction']:.2f} of the {point['tensor_ceiling_tflops']:.0f} TFLOPS cuBLAS ceiling, "
               f"x{point.get('speedup_vs_transformers', float('nan')):.1f} vs transformers")
     for point in report.get("batched_decode", []):
         print(f"batch {point['batch']}: step {point['step_ms']:.2f} ms, {point['aggregate_tok_s']:.0f} tok/s "

@@ -14,6 +14,7 @@ app = typer.Typer(
     help="Run Qwen3.6-35B-A3B .ninfer artifacts on GPUs too small to hold them.",
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: typer's rich help gives flags a value type (`--json <bool>`)
 )
 
 
@@ -29,8 +30,9 @@ def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
     """ninfer-offload command line."""
-    if context.invoked_subcommand is None:
-        typer.echo(context.get_help())
+    if context.invoked_subcommand is None:  # no command: the help, as a usage error
+        typer.echo(context.get_help(), err=True)
+        raise typer.Exit(2)
 
 
 def _register() -> None:

@@ -19,6 +19,7 @@ FP32, BF16, INT64 = 4, 2, 8
 KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1}
 INT8_SCALE_BYTES = 2  # int8 KV keeps one fp16 scale per (token, KV head) for K and for V
 ROUTED_ROLES = ("routed_gate_up", "routed_down")
+PINNED_ALIGN = 256  # where pinned host tensors start (the MoE kernels read expert records at multiples of it)
 
 
 def kv_layer_bytes_per_token(dims: ModelDims, kv_dtype: str) -> int:
@@ -173,3 +174,25 @@ def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]
         ),
         **({"prompt_cache": options.prompt_cache_bytes} if options.prompt_cache_bytes else {}),
     }
+
+
+def chunk_layers(sizes: list[int]) -> list[tuple[int, range]]:
+    """(locked bytes, layers) of each chunk for layer pools of `sizes` bytes (multiples of PINNED_ALIGN), in
+    layer order: the split into runs of consecutive layers, each in the power of two that holds it and its
+    alignment slack, that locks the fewest bytes (of those, the one with the smallest first chunks)."""
+    n = len(sizes)
+    best: list[tuple[int, list[tuple[int, range]]]] = [(0, [])] * (n + 1)  # from layer i on: (bytes, its chunks)
+    for start in range(n - 1, -1, -1):
+        options = []
+        for end in range(start + 1, n + 1):
+            size = 1 << (sum(sizes[start:end]) + PINNED_ALIGN - 1).bit_length()
+            total, rest = best[end]
+            options.append((size + total, [size, *(s for s, _ in rest)], [(size, range(start, end)), *rest]))
+        total, _, chunks = min(options, key=lambda option: option[:2])
+        best[start] = (total, chunks)
+    return best[0][1]
+
+
+def pool_bytes(sizes: list[int], pinned: bool) -> int:
+    """RAM a pool of layers of `sizes` bytes takes: its chunks when `pinned`, else the records."""
+    return sum(size for size, _ in chunk_layers(sizes)) if pinned else sum(sizes)

@@ -49,21 +49,15 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _UNITS[unit])
 
 
-def model_defaults(inventory: Inventory) -> dict:
-    """The options whose default depends on the model: its own maximum context, and speculation
-    with MTP (drafting with the proposal head) only when the artifact has those components."""
-    mtp = bool(inventory.select("mtp"))
-    return {
-        "max_context": int(inventory.text_config["max_position_embeddings"]),
-        "speculative": "mtp" if mtp else "none",
-        "proposal_head": mtp and bool(inventory.select("proposal")),
-    }
+def has_mtp(inventory: Inventory) -> bool:
+    """Whether the artifact carries the MTP layer that speculation drafts with."""
+    return bool(inventory.select("mtp"))
 
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """Plan options. Defaults are `ninfer plan`'s: MTP with 3 drafts and the proposal head,
-    262,144-token context, fp8 KV, one sequence, vision off."""
+    """Plan options. Defaults: MTP with 3 drafts and the proposal head, 262,144-token context, fp8 KV, one
+    sequence, vision off (`ninfer plan` starts from a load's instead, `commands.plan`)."""
 
     max_context: int = 262144
     concurrency: int = 1

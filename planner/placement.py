@@ -33,6 +33,8 @@ class Prediction:
     vram_bytes_per_token: int
     pcie_bytes_per_token: float
     assumptions: tuple[str, ...]
+    cache_hit_rate: float | None = None  # expert requests of a decode token served from VRAM, simulated; None: all resident
+    decode_tok_s_batch: float | None = None  # all sequences' tokens/s decoding --concurrency sequences together (None: one)
 
     @property
     def speculation_speedup(self) -> float | None:
@@ -55,8 +57,9 @@ class Placement:
     vram_total_bytes: int
     vram_budget_bytes: int
     vram_used_bytes: int
-    host_pinned_bytes: int
+    host_pinned_bytes: int  # the expert pool of an offloaded load (every record, as locked) and a host-resident embedding
     host_budget_bytes: int
+    host_process_bytes: int  # the process's host memory: the pinned bytes and the runtime's own (`planner.RUNTIME_HOST_BYTES`)
     components: dict[str, ComponentPlacement]
     runtime: dict[str, int]  # VRAM not holding weights: reserve, kv_cache, gdn_state, workspace, staging, prefill_staging
     resident_experts: list[list[int]]  # per text layer, expert ids hottest first
@@ -93,6 +96,8 @@ class Placement:
                 "pcie_bytes_per_token": p.pcie_bytes_per_token,
                 "speculation_speedup": p.speculation_speedup,
                 "speculates": p.speculates,
+                "cache_hit_rate": p.cache_hit_rate,
+                "decode_tok_s_batch": p.decode_tok_s_batch,
                 "assumptions": list(p.assumptions),
             }
         return {
@@ -107,6 +112,7 @@ class Placement:
             "vram_free_bytes": self.vram_free_bytes,
             "host_pinned_bytes": self.host_pinned_bytes,
             "host_budget_bytes": self.host_budget_bytes,
+            "host_process_bytes": self.host_process_bytes,
             "components": {
                 name: {"bytes": c.bytes, "placement": c.placement, "vram_bytes": c.vram_bytes, "host_bytes": c.host_bytes}
                 for name, c in self.components.items()
@@ -134,7 +140,7 @@ PLAN_SCHEMA: dict = {
     "additionalProperties": False,
     "required": [
         "schema", "profile", "feasible", "reason", "options", "vram_total_bytes", "vram_budget_bytes",
-        "vram_used_bytes", "vram_free_bytes", "host_pinned_bytes", "host_budget_bytes", "components", "runtime",
+        "vram_used_bytes", "vram_free_bytes", "host_pinned_bytes", "host_budget_bytes", "host_process_bytes", "components", "runtime",
         "experts_total", "experts_resident", "experts_resident_per_layer", "resident_expert_ids",
         "expert_bytes_per_layer", "routing_mass_resident", "routing_stats", "staging_slots", "kv_capacity_tokens",
         "predicted",
@@ -172,6 +178,7 @@ PLAN_SCHEMA: dict = {
         "vram_free_bytes": {"type": "integer"},
         "host_pinned_bytes": _INT,
         "host_budget_bytes": _INT,
+        "host_process_bytes": _INT,
         "components": {
             "type": "object",
             "additionalProperties": {
@@ -199,12 +206,14 @@ PLAN_SCHEMA: dict = {
             "additionalProperties": False,
             "required": [
                 "decode_tok_s", "decode_tok_s_mtp", "prefill_tok_s", "vram_bytes_per_token", "pcie_bytes_per_token",
-                "speculation_speedup", "speculates", "assumptions",
+                "speculation_speedup", "speculates", "cache_hit_rate", "decode_tok_s_batch", "assumptions",
             ],
             "properties": {
                 "decode_tok_s": _NUMBER, "decode_tok_s_mtp": {"type": ["number", "null"], "minimum": 0},
                 "prefill_tok_s": _NUMBER, "vram_bytes_per_token": _INT, "pcie_bytes_per_token": _NUMBER,
                 "speculation_speedup": {"type": ["number", "null"], "minimum": 0}, "speculates": {"type": "boolean"},
+                "cache_hit_rate": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                "decode_tok_s_batch": {"type": ["number", "null"], "minimum": 0},
                 "assumptions": {"type": "array", "items": {"type": "string"}},
             },
         },

@@ -14,13 +14,16 @@ DFlash and DFlash2 weights are never loaded (speculation uses MTP); they are rep
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.formats import elements
 from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
 from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.cache_split import simulate_decode_cache
 from ninfer_offload.planner.cost import WeightTraffic, predict
 from ninfer_offload.planner.memory import (
-    prefill_staging_slots, prompt_cache_vram_bytes, staging_slots, state_pool_bytes, workspace_bytes,
+    pool_bytes, prefill_staging_slots, prompt_cache_vram_bytes, staging_slots, state_pool_bytes, workspace_bytes,
 )
 from ninfer_offload.planner.options import PROMPT_CACHE_HOST, PlanOptions
 from ninfer_offload.planner.placement import ComponentPlacement, Placement
@@ -28,6 +31,10 @@ from ninfer_offload.planner.routing import RoutingStats, default_routing_stats
 from ninfer_offload.profiles import DeviceProfile
 
 HOST_PINNED_SHARE = 0.75  # default pinned budget: 3/4 of host RAM (the rest: OS, page cache, programs)
+# Host memory of the process besides its pinned buffers (Python, torch, the CUDA context's host side, the loader's
+# buffers): a 15 GiB load on the H200 held 19.5 GB of anonymous memory (RssAnon) with 17.3 GiB of expert records
+# (17.5 GiB as locked), 0.7 GiB more; counted as 1 GiB.
+RUNTIME_HOST_BYTES = 2**30
 ROUTED = ("routed_gate_up", "routed_down")
 GiB = 2**30
 
@@ -113,7 +120,12 @@ def plan(
         resident[layer].append(expert)
     resident_bytes = sum(size for _, _, size in order[:chosen])
     host_experts = all_experts - resident_bytes
-    host_pinned = host_experts + (0 if embedding_on_device else embedding) + prompt_cache_host
+    # An offloaded load keeps every expert record in its host pool (the cache promotes and evicts from it), the MTP
+    # layer's too when it is loaded.
+    pool_banks = banks + (inventory.banks_of("mtp") if options.speculating else [])
+    pool_layers = [b.expert_bytes * b.num_experts for b in pool_banks]
+    expert_pool = pool_bytes(pool_layers, pinned=True) if host_experts else 0
+    host_pinned = expert_pool + (0 if embedding_on_device else embedding) + prompt_cache_host
     vram_used = fixed + runtime["staging"] + runtime["prefill_staging"] + resident_bytes + (embedding if embedding_on_device else 0)
 
     routed_stored = sum(b.bank_bytes for b in banks)
@@ -147,6 +159,7 @@ def plan(
         vram_used_bytes=vram_used,
         host_pinned_bytes=host_pinned,
         host_budget_bytes=host_budget,
+        host_process_bytes=host_pinned + RUNTIME_HOST_BYTES,
         components=components,
         runtime=runtime,
         resident_experts=resident,
@@ -158,6 +171,11 @@ def plan(
         kv_capacity_tokens=options.max_context * options.concurrency,
     )
     reason = _infeasible(placement, fixed, fixed_weights, options, profile)
+    if not reason and placement.host_process_bytes > host_budget:
+        placement.notes.append(
+            f"host memory {_gib(placement.host_process_bytes)} (pinned {_gib(host_pinned)}, the runtime {_gib(RUNTIME_HOST_BYTES)}) "
+            f"is more than {_gib(host_budget)}: little RAM left for the OS, page cache and other programs"
+        )
     if reason:
         placement.feasible, placement.reason = False, reason
         return placement
@@ -172,8 +190,24 @@ def plan(
         mtp_dense_bytes=mtp - sum(b.bank_bytes for b in mtp_banks),
         mtp_expert_bytes=mtp_banks[0].expert_bytes if mtp_banks else 0,
     )
-    placement.predicted = predict(dims, profile, options, weights, stats, resident, placement.expert_bytes)
+    cache = simulate_decode_cache(stats, dims.top_k, resident, slots, placement.expert_bytes) if host_experts else None
+    placement.predicted = predict(dims, profile, options, weights, stats, resident, placement.expert_bytes, cache)
     return placement
+
+
+def largest_concurrency(
+    inventory: Inventory, profile: DeviceProfile, options: PlanOptions, routing_stats: RoutingStats | None = None
+) -> int:
+    """The most sequences, up to `options.concurrency`, of `options.max_context` tokens each whose plan fits
+    (`plan(...).feasible`; more sequences never fit where fewer do not); 0 when not even one does."""
+    fits, refused = 0, options.concurrency + 1
+    while refused - fits > 1:
+        middle = (fits + refused) // 2
+        if plan(inventory, profile, replace(options, concurrency=middle), routing_stats).feasible:
+            fits = middle
+        else:
+            refused = middle
+    return fits
 
 
 def _bytes(tensors) -> int:
@@ -215,7 +249,7 @@ def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptio
         if options.kv_dtype == "bf16":
             hints.append("--kv-dtype fp8")
         if options.concurrency > 1:
-            hints.append("a lower --concurrency")
+            hints.append("fewer concurrent sequences")
         if options.speculating:
             hints.append("--spec none" + (" or --no-proposal-head" if options.proposal_head else ""))
         if options.vision:
@@ -233,13 +267,19 @@ def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptio
             what += f", prefill staging {_gib(p.runtime['prefill_staging'])}"
         remedy = "; try " + ", ".join(hints) if hints else "; this card is too small for this model"
         return f"needs {_gib(p.vram_used_bytes)} VRAM ({what}), budget is {_gib(budget)} on {profile.name}{remedy}"
+    if p.host_process_bytes > profile.ram_bytes:
+        return (
+            f"needs {_gib(p.host_process_bytes)} of host memory (pinned expert pool and embedding {_gib(p.host_pinned_bytes)}, "
+            f"the runtime {_gib(RUNTIME_HOST_BYTES)}), {profile.name} has {_gib(profile.ram_bytes)} RAM; give a larger "
+            "--vram-budget or a profile with more RAM"
+        )
     if p.host_pinned_bytes > p.host_budget_bytes:
         given = (
             "given by --host-budget" if options.host_budget is not None
             else f"{HOST_PINNED_SHARE:.0%} of {_gib(profile.ram_bytes)} RAM on {profile.name}"
         )
         return (
-            f"needs {_gib(p.host_pinned_bytes)} pinned host memory for offloaded experts"
+            f"needs {_gib(p.host_pinned_bytes)} pinned host memory for the expert pool and embedding"
             f"{' and the prompt cache' if options.prompt_cache else ''}, budget is "
             f"{_gib(p.host_budget_bytes)} ({given}); give a larger --host-budget or --vram-budget, or a profile with more RAM"
         )

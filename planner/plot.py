@@ -8,21 +8,27 @@ from pathlib import Path
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.placement import Placement
-from ninfer_offload.planner.planner import plan
 from ninfer_offload.planner.routing import RoutingStats
+from ninfer_offload.planner.speculation import plan_load
 from ninfer_offload.profiles import DeviceProfile
 
 GiB = 2**30
 
 
 def speed_curve(
-    inventory: Inventory, profile: DeviceProfile, options: PlanOptions, routing_stats: RoutingStats | None, points: int = 48
+    inventory: Inventory,
+    profile: DeviceProfile,
+    options: PlanOptions,
+    routing_stats: RoutingStats | None,
+    points: int = 48,
+    auto: bool = False,
 ) -> list[tuple[float, float, float | None]]:
-    """(budget GiB, decode tok/s, decode tok/s with MTP) for feasible budgets up to the card's VRAM."""
+    """(budget GiB, decode tok/s, decode tok/s with MTP) for feasible budgets up to the card's VRAM, each planned as
+    `ninfer plan` plans it (`auto`: `--spec auto`)."""
     curve = []
     for i in range(1, points + 1):
         budget = profile.vram_bytes * i // points
-        p = plan(inventory, profile, replace(options, vram_budget=budget), routing_stats)
+        p = plan_load(inventory, profile, replace(options, vram_budget=budget), routing_stats, auto)
         if p.feasible and p.predicted is not None:
             curve.append((budget / GiB, p.predicted.decode_tok_s, p.predicted.decode_tok_s_mtp))
     return curve

@@ -1,7 +1,9 @@
 """Rich rendering of placements for `ninfer plan`: one plan in detail, or several side by side.
 
 Tables fit the terminal: below WIDE columns (an 80-column terminal, or output to a pipe) they drop
-their vertical rules and the side-by-side figures take their short forms.
+their vertical rules and the side-by-side figures take their short forms. Every string that comes from
+the user, a profile or an artifact (names, sources, reasons, assumptions) is printed as it is: rich's
+markup in it (`[engine]`) is escaped.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from statistics import mean
 
 from rich import box
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 
 from ninfer_offload.planner.cost import general_assumptions
@@ -46,20 +49,22 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
     o = p.options
     spec = f"MTP x{o.drafts}" + (" + proposal head" if o.proposal_head else "") if o.speculating else "none"
     head = Table.grid(padding=(0, 2))
-    head.add_row("profile", p.profile)
-    head.add_row("model", source)
+    head.add_row("profile", escape(p.profile))
+    head.add_row("model", escape(source))
     head.add_row(
         "options",
         f"context {o.max_context}, concurrency {o.concurrency}, KV {o.kv_dtype}, speculation {spec}, "
         f"vision {'on' if o.vision else 'off'}, prefill chunk {o.prefill_chunk}",
     )
-    head.add_row("status", "[green]feasible[/]" if p.feasible else f"[red]does not fit[/]: {p.reason}")
+    head.add_row("status", "[green]feasible[/]" if p.feasible else f"[red]does not fit[/]: {escape(p.reason)}")
+    for note in p.notes:
+        head.add_row("note", escape(note))
 
     components = _table("Weights by component", compact)
     for col in ("component", "stored", "placement", "VRAM", "pinned host"):
         components.add_column(col, justify="left" if col in ("component", "placement") else "right")
     for name, c in p.components.items():
-        components.add_row(name, gib(c.bytes), c.placement, gib(c.vram_bytes), gib(c.host_bytes))
+        components.add_row(escape(name), gib(c.bytes), c.placement, gib(c.vram_bytes), gib(c.host_bytes))
 
     memory = _table("Memory", compact)
     memory.add_column("item")
@@ -72,6 +77,7 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
     memory.add_row("VRAM budget (card)", f"{gib(p.vram_budget_bytes)} ({gib(p.vram_total_bytes)})")
     memory.add_row("VRAM free", gib(p.vram_free_bytes))
     memory.add_row("pinned host used / budget", f"{gib(p.host_pinned_bytes)} / {gib(p.host_budget_bytes)}")
+    memory.add_row("host memory of the process", gib(p.host_process_bytes))
 
     experts = _table("Routed experts (text layers)", compact)
     experts.add_column("item")
@@ -79,7 +85,7 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
     experts.add_row("resident", f"{p.experts_resident} of {p.experts_total}")
     experts.add_row("per layer min / mean / max", _expert_line(p, compact))
     experts.add_row("routing mass covered", f"{p.routing_mass_resident:.1%}")
-    experts.add_row("routing statistics", p.routing_stats)
+    experts.add_row("routing statistics", escape(p.routing_stats))
     experts.add_row("staging slots", str(p.staging_slots))
     experts.add_row("KV capacity (tokens)", f"{p.kv_capacity_tokens:,}")
 
@@ -90,6 +96,10 @@ def render_plan(p: Placement, source: str, compact: bool = False) -> Group:
         speed.add_column("item")
         speed.add_column("value", justify="right")
         speed.add_row("decode tok/s (batch 1)", _rate(r.decode_tok_s))
+        if r.cache_hit_rate is not None:
+            speed.add_row("expert cache hit rate", f"{r.cache_hit_rate:.1%}")
+        if r.decode_tok_s_batch is not None:
+            speed.add_row(f"decode tok/s, {p.options.concurrency} sequences in all", _rate(r.decode_tok_s_batch))
         speed.add_row("decode tok/s with MTP", _rate(r.decode_tok_s_mtp))
         speed.add_row("speculation", _speculation(r))
         speed.add_row("prefill tok/s", _rate(r.prefill_tok_s))
@@ -108,13 +118,18 @@ def _speculation(prediction) -> str:
     return f"{verdict}: x{speedup:.2f} projected (on from x{SPECULATION_MIN_SPEEDUP:g})"
 
 
+def _hit_rate(p: Placement) -> str:
+    rate = p.predicted.cache_hit_rate if p.predicted is not None else None
+    return "-" if rate is None else f"{rate:.1%}"
+
+
 def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], compact: bool = False) -> Group:
     """Key figures of several plans, one column per profile, then the shared assumptions."""
     by_name = {profile.name: profile for profile in profiles}
     table = _table("Plans side by side", compact)
     table.add_column("")
     for p in plans:
-        table.add_column(p.profile, justify="right")
+        table.add_column(escape(p.profile), justify="right")
     rows = [
         ("feasible", lambda p: "yes" if p.feasible else "no"),
         ("memory bandwidth GB/s", lambda p: f"{by_name[p.profile].memory_bandwidth_gbs:g}"),
@@ -123,9 +138,11 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], com
         ("VRAM budget", lambda p: gib(p.vram_budget_bytes)),
         ("VRAM used", lambda p: gib(p.vram_used_bytes)),
         ("pinned host", lambda p: gib(p.host_pinned_bytes)),
+        ("host memory", lambda p: gib(p.host_process_bytes)),
         ("experts resident", lambda p: f"{p.experts_resident}/{p.experts_total}"),
         ("per layer min/mean/max", lambda p: _expert_line(p, compact)),
         ("routing mass covered", lambda p: f"{p.routing_mass_resident:.1%}"),
+        ("cache hit rate", _hit_rate),
         ("token embedding", lambda p: p.components["token_embedding"].placement),
         ("staging slots", lambda p: str(p.staging_slots)),
         ("KV capacity (tokens)", lambda p: f"{p.kv_capacity_tokens:,}"),
@@ -137,7 +154,7 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], com
         table.add_row(label, *(cell(p) for p in plans))
     for p in plans:
         if not p.feasible:
-            table.caption = (table.caption + "\n" if table.caption else "") + f"{p.profile}: {p.reason}"
+            table.caption = (table.caption + "\n" if table.caption else "") + escape(f"{p.profile}: {p.reason}")
     options = plans[0].options
     lines = [
         *dict.fromkeys(p.predicted.assumptions[0] for p in plans if p.predicted),  # where each card's engine timings come from
@@ -150,7 +167,7 @@ def _assumption_table(lines, compact: bool) -> Table:
     table = _table("Assumptions", compact, show_header=False)
     table.add_column("assumption")
     for line in lines:
-        table.add_row(f"- {line}")
+        table.add_row(escape(f"- {line}"))
     return table
 
 

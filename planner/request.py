@@ -23,7 +23,7 @@ from ninfer_offload.planner.options import (
 from ninfer_offload.profiles import DeviceProfile
 
 EXPERT_MODES = ("auto", "resident", "host")  # all in VRAM where they fit (else as planned), all in VRAM, all in host memory
-SPEC_CHOICES = ("auto", *SPECULATIVE_MODES)  # auto: mtp when the artifact has MTP weights, else none
+SPEC_CHOICES = ("auto", *SPECULATIVE_MODES)  # auto: mtp where the artifact has MTP weights and the cost model projects it pays
 DRAFT_MODELS = ("dflash", "dflash2")  # draft models some artifacts carry (components of these names), never run
 DEFAULT_DRAFT_TOKENS = 3
 DEFAULT_CACHE_POLICY = "decayed"
@@ -40,7 +40,7 @@ class LoadRequest:
     experts: auto, resident or host (`EXPERT_MODES`). profile / vram_budget: plan the load for a card (a
     profile name, TOML file, `DeviceProfile` or "auto" for this one) and at most `vram_budget` bytes of
     it (a size such as "12GiB" is read). num_slots: cache slots of an `experts="host"` load. cache_policy:
-    decayed, lru or static. miss_path: pcie, cpu or auto (None reads as pcie). max_context: tokens per
+    decayed, batch, lru or static. miss_path: pcie, cpu or auto (None reads as pcie). max_context: tokens per
     sequence (None: min(the model's, DEFAULT_MAX_CONTEXT)). max_sequences: sequences open at once.
     kv_dtype: "fp8" or None (the compute dtype). spec: none, mtp or auto; draft_tokens: MTP drafts per
     step with speculation (None: DEFAULT_DRAFT_TOKENS), without it the most tokens a multi-token step may

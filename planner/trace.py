@@ -102,6 +102,17 @@ def routing_trace(
     return _generate(_hits_cdf(hits, top_k), top_k, tokens, window, p_next, p_window, seed)
 
 
+def batch_trace(trace: np.ndarray, sequences: int) -> np.ndarray:
+    """The requests of decode steps over `sequences` sequences that route as consecutive stretches of `trace`
+    (sequence s as its tokens s * n .. (s + 1) * n - 1, n = tokens // sequences): [n, layers, sequences * top_k],
+    step t's picks of every sequence side by side, so `simulate_cache` and `belady_hit_rate` take it as a
+    trace whose tokens are the batch's steps (an expert that several sequences pick counts once per sequence)."""
+    steps = trace.shape[0] // sequences
+    if steps < 1:
+        raise NinferError(f"a trace of {trace.shape[0]} tokens cannot give {sequences} sequences a step each")
+    return np.concatenate([trace[s * steps : (s + 1) * steps] for s in range(sequences)], axis=2)
+
+
 def _items(trace: np.ndarray, num_experts: int) -> np.ndarray:
     """Flat (layer, expert) id of every request, in request order (token, layer, pick)."""
     layers = trace.shape[1]
@@ -223,8 +234,12 @@ def belady_hit_rate(trace: np.ndarray, capacity: int, num_experts: int, count_fr
     return hits / (items.size - first)
 
 
-def simulate_cache(trace: np.ndarray, policy: CachePolicy, pinned: np.ndarray, capacity: int, limit: int, lag: int = 1) -> dict:
-    """Replays `trace` through the runtime cache: {"hit_rate", "promotions_per_token"}.
+def simulate_cache(
+    trace: np.ndarray, policy: CachePolicy, pinned: np.ndarray, capacity: int, limit: int, lag: int = 1, count_from: int = 0
+) -> dict:
+    """Replays `trace` through the runtime cache: {"hit_rate", "promotions_per_token", "misses_per_layer" (float
+    [layers], misses per token), "layers_missing_per_token" (layers with at least one miss, per token)}, of the
+    tokens from `count_from` on (the ones before only warm the cache up).
 
     A request hits when its expert is pinned or in a cache slot. The slots start with the policy's
     highest-scoring unpinned experts. After each token the policy observes that token's uses and
@@ -244,10 +259,15 @@ def simulate_cache(trace: np.ndarray, policy: CachePolicy, pinned: np.ndarray, c
     claimed[start] = True
     ready_at = np.zeros(layers * experts, dtype=np.int64)
     offsets = np.arange(layers, dtype=np.int64)[:, None] * experts
-    hits = promotions = 0
+    misses = np.zeros(layers, dtype=np.int64)
+    missing_layers = promotions = 0
     for t in range(tokens):
         wanted = (offsets + trace[t]).ravel()
-        hits += int(np.count_nonzero(always[wanted] | (claimed[wanted] & (ready_at[wanted] <= t))))
+        hit = always[wanted] | (claimed[wanted] & (ready_at[wanted] <= t))
+        if t >= count_from:
+            missed = np.count_nonzero(~hit.reshape(layers, -1), axis=1)
+            misses += missed
+            missing_layers += int(np.count_nonzero(missed))
         policy.observe(np.bincount(wanted, minlength=layers * experts).reshape(layers, experts))
         if not policy.adaptive:
             continue
@@ -258,5 +278,11 @@ def simulate_cache(trace: np.ndarray, policy: CachePolicy, pinned: np.ndarray, c
         for layer, expert in promote:
             claimed[layer * experts + expert] = True
             ready_at[layer * experts + expert] = t + lag
-        promotions += len(promote)
-    return {"hit_rate": hits / max(trace.size, 1), "promotions_per_token": promotions / max(tokens, 1)}
+        promotions += len(promote) if t >= count_from else 0
+    counted = max(tokens - count_from, 1)
+    return {
+        "hit_rate": 1.0 - int(misses.sum()) / max((tokens - count_from) * layers * trace.shape[2], 1),
+        "promotions_per_token": promotions / counted,
+        "misses_per_layer": misses / counted,
+        "layers_missing_per_token": missing_layers / counted,
+    }

@@ -109,6 +109,15 @@ def small_card(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def speculating_card(tmp_path_factory):
+    """A device profile (the RTX 5090's) on which drafting and verifying cost next to nothing, so that the cost
+    model projects speculation to pay and `--spec auto` speculates."""
+    path = tmp_path_factory.mktemp("profiles") / "speculating_card.toml"
+    path.write_text('base = "rtx5090"\n[engine]\nmtp_draft_step_s = 1e-6\nverify_token_s = 1e-6\nspec_round_s = 1e-6\n')
+    return path
+
+
+@pytest.fixture(scope="session")
 def half_expert_budget(tiny_artifact_official, small_card) -> int:
     """A VRAM budget on `small_card` that holds everything of the official tiny artifact but half of the
     routed experts (and the embedding), plus the prefill staging buffer an offloaded load sets aside."""

@@ -42,10 +42,28 @@ def test_usage_errors_are_one_line(args, fragment):
     one_line_error(ninfer(*args), fragment)
 
 
-def test_help_still_shows():
+def test_bare_ninfer_prints_the_help_as_a_usage_error():
     bare = ninfer()
-    assert bare.returncode == 0 and "Usage: ninfer" in bare.stdout and "tiny" in bare.stdout
-    assert ninfer("generate", "--help").returncode == 0
+    assert bare.returncode == 2 and "Usage: ninfer" in bare.stderr and "tiny" in bare.stderr and bare.stdout == ""
+
+
+def test_help_shows_no_value_type_on_flags():
+    """A flag takes no value: `--greedy`, `--json`, `--help` show none (they once read `<bool>`)."""
+    for args in (["--help"], ["generate", "--help"], ["serve", "--help"]):
+        run = ninfer(*args)
+        assert run.returncode == 0 and "Usage: ninfer" in run.stdout, run.stderr
+        assert "<bool>" not in run.stdout and "--help " in run.stdout
+
+
+@pytest.mark.parametrize(
+    "plot, fragment",
+    [
+        ("/nonexistent/x.png", "--plot /nonexistent/x.png: no such directory /nonexistent"),
+        ("x.txt", "--plot writes a PNG image: give a file name ending in .png, got x.txt"),
+    ],
+)
+def test_plan_plot_path_is_checked(plot, fragment):
+    one_line_error(ninfer("plan", "--plot", plot), fragment)
 
 
 @pytest.fixture
@@ -105,9 +123,16 @@ def test_plan_and_generate_refuse_a_load_option_alike(args, message, tiny_artifa
     assert message in str(plan.exception) and "\n" not in str(plan.exception)
 
 
-def test_valid_options_reach_the_load(tiny_artifact, no_load):
-    result = CliRunner().invoke(app, ["generate", str(tiny_artifact), "--prompt", "a", "--experts", "host", "--miss-path", "cpu"])
+@pytest.mark.parametrize("options", [["--experts", "host", "--miss-path", "cpu"], ["--top-k", "-1"], ["--top-k", "0"]])
+def test_valid_options_reach_the_load(tiny_artifact, no_load, options):
+    """-1 turns top-k off as 0 does (the server's rule too)."""
+    result = CliRunner().invoke(app, ["generate", str(tiny_artifact), "--prompt", "a", *options])
     assert isinstance(result.exception, AssertionError) and "Engine.load was called" in str(result.exception)
+
+
+def test_a_negative_top_k_other_than_minus_one_is_refused(tiny_artifact, no_load):
+    result = CliRunner().invoke(app, ["generate", str(tiny_artifact), "--prompt", "a", "--top-k", "-2"])
+    assert isinstance(result.exception, NinferError) and str(result.exception) == "--top-k must be an integer >= 0 (0 or -1 disables it)"
 
 
 def test_engine_messages_name_the_flags(tiny_artifact):

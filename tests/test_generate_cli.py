@@ -57,11 +57,14 @@ def test_a_prompt_prefilled_in_small_chunks_gives_the_same_output(tiny_artifact,
     assert json.loads(run.stdout)["ids"] == reprefill_greedy
 
 
-@pytest.mark.parametrize("drafts", [["--spec", "auto"], ["--spec", "mtp", "--draft-tokens", 2]])
-def test_json_greedy_with_mtp_drafts_is_the_same_output(tiny_artifact, reprefill_greedy, drafts):
-    """`auto` (the artifact has MTP weights) with 3 drafts, or as asked."""
+@pytest.mark.parametrize("drafts", [["--profile", "SPECULATING_CARD"], ["--spec", "mtp", "--draft-tokens", 2]])
+def test_json_greedy_with_mtp_drafts_is_the_same_output(tiny_artifact, reprefill_greedy, speculating_card, drafts):
+    """`--spec auto` (the default) with 3 drafts on a card where they pay, or as asked."""
+    drafts = [str(speculating_card) if arg == "SPECULATING_CARD" else arg for arg in drafts]
     run = ninfer(tiny_artifact, "--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 16, *drafts, "--json")
     assert run.returncode == 0, run.stderr
+    if "--profile" in drafts:
+        assert "decoding with 3 MTP drafts per step (--spec auto: on, x2.60 projected for speculating_card" in run.stderr
     out = json.loads(run.stdout)
     assert out["ids"] == reprefill_greedy
     spec = out["speculation"]
@@ -81,12 +84,18 @@ def test_proposal_head_drafts_give_the_plain_output(tiny_artifact, tiny_artifact
 
 
 def test_streamed_text_is_the_generated_text(tiny_artifact, tiny_engine, frontend):
+    """The text streams to stdout; stderr counts the decode tokens as --json's `decode_tokens` does, and on a
+    CPU load reports no warm-up (there is none)."""
     run = ninfer(tiny_artifact, "--prompt", "Hello, how are you?", "--greedy", "--max-tokens", 12, "--no-thinking")
     assert run.returncode == 0, run.stderr
     prompt = frontend.encode(frontend.render([{"role": "user", "content": "Hello, how are you?"}], enable_thinking=False))
-    ids = generate(tiny_engine, prompt, 12, SamplingParams(greedy=True), frontend.stop_ids).run().token_ids
-    assert run.stdout == frontend.decode(ids) + "\n"
-    assert "prefill: " in run.stderr and "decode: " in run.stderr and "tok/s" in run.stderr
+    result = generate(tiny_engine, prompt, 12, SamplingParams(greedy=True), frontend.stop_ids).run()
+    assert run.stdout == frontend.decode(result.token_ids) + "\n"
+    assert result.finish_reason == "length"  # the decode passes made one token fewer than the text has
+    assert f"| decode: {result.decode_tokens} tokens, {result.decode_steps} steps in " in run.stderr
+    speculation, summary = run.stderr.splitlines()
+    assert speculation.startswith("decoding with no speculation (--spec auto: off, speculation is projected for a GPU")
+    assert summary.startswith("prefill: ") and "tok/s" in summary and "warm-up" not in run.stderr
 
 
 def test_messages_file_tools_and_template_override(tmp_path, tiny_artifact, frontend):
@@ -122,12 +131,31 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tiny_artifact):
     one_line_error(ninfer(tiny_artifact), "exactly one of")
     one_line_error(ninfer(tmp_path / "missing.ninfer", "--prompt", "a"), "no such artifact file")
     one_line_error(ninfer(tiny_artifact, "--prompt-ids", "1,x"), "comma-separated integers")
+    one_line_error(ninfer(tiny_artifact, "--prompt-ids", "1,,2"), "--prompt-ids must be comma-separated integers, got '1,,2'")
     one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--experts", "gpu"), "experts must be one of")
     one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--max-tokens", 0), "--max-tokens must be >= 1")
     one_line_error(ninfer(tiny_artifact, "--messages", tmp_path / "none.json"), "cannot read messages file")
     (tmp_path / "bad.json").write_text("[{")
     one_line_error(ninfer(tiny_artifact, "--messages", tmp_path / "bad.json"), "not valid JSON")
     one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--chat-template", tmp_path / "none.jinja"), "cannot read chat template")
+
+
+def test_a_prompt_of_invalid_utf8_bytes_is_a_one_line_error(tiny_artifact):
+    run = subprocess.run(
+        [sys.executable, "-m", "ninfer_offload", "generate", str(tiny_artifact), "--prompt", b"caf\xe9 \xff"],
+        capture_output=True, text=True, timeout=300,
+    )
+    one_line_error(run, "--prompt is not valid UTF-8 text (byte 3 of it cannot be decoded)")
+
+
+def test_a_directory_is_named_as_one(tmp_path, tiny_checkpoint):
+    """A Hugging Face checkpoint's directory gets the command that converts it."""
+    message = (
+        f"{tiny_checkpoint} is a directory holding a Hugging Face checkpoint, not a .ninfer artifact: "
+        f"convert it first with 'ninfer convert {tiny_checkpoint} {tiny_checkpoint.name}.ninfer'"
+    )
+    one_line_error(ninfer(tiny_checkpoint, "--prompt", "a"), message)
+    one_line_error(ninfer(tmp_path, "--prompt", "a"), f"{tmp_path} is a directory, not a .ninfer artifact file")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
@@ -149,6 +177,6 @@ def test_a_vram_budget_offloads_experts_and_reports_the_cache(tiny_artifact_offi
     out = json.loads(got.stdout)
     assert out["ids"] == json.loads(want.stdout)["ids"]
     assert 0 < out["experts"]["hit_rate"] < 1 and out["experts"]["pcie_bytes_per_token"] > 0
-    assert "plan small_card" in got.stderr and "experts pinned in VRAM" in got.stderr
+    assert "plan small_card" in got.stderr and "experts in cpu memory (no VRAM on a cpu load)" in got.stderr
     small = ninfer(tiny_artifact_official, "--prompt-ids", ids, "--profile", profile, "--vram-budget", "1KiB")
     one_line_error(small, "budget")

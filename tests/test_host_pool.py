@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from ninfer_offload.runtime.host_pool import HostPool, chunk_layers, pool_bytes
-from ninfer_offload.runtime.memory_check import PINNED_ALIGN
+from ninfer_offload.planner.memory import PINNED_ALIGN, chunk_layers, pool_bytes
+from ninfer_offload.runtime.host_pool import HostPool
 
 FULL_SIZE_LAYER = 256 * 1_812_480  # 256 records of the full-size model's official recipe (464 MB)
 

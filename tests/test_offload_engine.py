@@ -77,7 +77,7 @@ def test_plan_decides_where_each_expert_lives(tiny_artifact_official, resident, 
     assert "plan small_card" in engine.placement_report()
 
 
-@pytest.mark.parametrize("policy", ["static", "lru", "decayed"])
+@pytest.mark.parametrize("policy", ["static", "lru", "decayed", "batch"])
 def test_every_cache_policy_gives_the_resident_logits(tiny_artifact_official, resident, policy):
     engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy=policy, spec="none")
     for got, want in zip(_run(engine), _run(resident)):

@@ -7,6 +7,7 @@ import pytest
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_policy import (
+    BatchPolicy,
     POLICIES,
     DecayedFrequencyPolicy,
     LruPolicy,
@@ -51,9 +52,9 @@ def naive_promotions(scores, cached, pinned, free_slots, limit, margin):
 
 def test_make_policy_names_and_unknown_name():
     initial = np.ones((2, 4))
-    assert POLICIES == ("static", "lru", "decayed")
-    assert [type(make_policy(n, initial)) for n in POLICIES] == [StaticPolicy, LruPolicy, DecayedFrequencyPolicy]
-    with pytest.raises(NinferError, match="unknown cache policy 'fifo': choose one of static, lru, decayed"):
+    assert POLICIES == ("static", "lru", "decayed", "batch")
+    assert [type(make_policy(n, initial)) for n in POLICIES] == [StaticPolicy, LruPolicy, DecayedFrequencyPolicy, BatchPolicy]
+    with pytest.raises(NinferError, match="unknown cache policy 'fifo': choose one of static, lru, decayed, batch"):
         make_policy("fifo", initial)
 
 
@@ -107,6 +108,22 @@ def test_decayed_counts_every_use_of_an_observation():
     np.testing.assert_allclose(policy.scores(), [[4.0, 1.0, -np.inf]])
     with pytest.raises(NinferError, match="decay"):
         DecayedFrequencyPolicy(np.zeros((1, 3)), decay=1.0)
+
+
+def test_batch_policy_blends_each_step_with_the_plans_rate_for_its_rows():
+    """Score = score x 0.9 + uses + 2 x rows x plan rate: over wide steps an expert the plan ranks high keeps its
+    place against one a single sequence of each step picks, where plain decayed frequency forgets the plan."""
+    initial = np.array([[1.0, 0.6, 0.4, 0.0]])  # 2 picks per token
+    batch, decayed = make_policy("batch", initial), make_policy("decayed", initial)
+    step = np.array([[7, 0, 1, 0]])  # 8 picks: a step of 4 rows (sequences) of 2
+    start = batch.scores().copy()
+    batch.observe(step)
+    assert np.allclose(batch.scores(), start * 0.9 + step + 2 * 4 * initial)
+    for _ in range(40):
+        batch.observe(step)
+        decayed.observe(step)
+    assert batch.scores()[0, 1] > batch.scores()[0, 2] and decayed.scores()[0, 1] < decayed.scores()[0, 2]
+    assert batch.scores()[0, 3] == -np.inf  # never used, never ranked
 
 
 def test_promotions_respect_the_limit_best_first():

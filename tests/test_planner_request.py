@@ -15,7 +15,7 @@ from ninfer_offload.planner.request import DEFAULT_MAX_CONTEXT, LoadRequest
     [
         ({"experts": "disk"}, "--experts must be one of auto, resident, host, got 'disk'"),
         ({"miss_path": "gpu"}, "--miss-path must be one of pcie, cpu, auto, got 'gpu'"),
-        ({"cache_policy": "fifo"}, "--cache-policy must be one of static, lru, decayed, got 'fifo'"),
+        ({"cache_policy": "fifo"}, "--cache-policy must be one of static, lru, decayed, batch, got 'fifo'"),
         ({"experts": "resident", "vram_budget": "8GiB"}, "--experts resident keeps every expert in VRAM"),
         ({"miss_path": "cpu"}, "--miss-path cpu computes experts kept in host memory: add --experts host or a --vram-budget"),
         ({"vram_budget": 0}, "--vram-budget must be more than 0"),

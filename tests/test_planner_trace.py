@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from ninfer_offload.errors import NinferError
-from ninfer_offload.planner.cache_policy import LruPolicy, StaticPolicy
+from ninfer_offload.planner.cache_policy import LruPolicy, StaticPolicy, make_policy
 from ninfer_offload.planner.routing import shipped_routing_stats
-from ninfer_offload.planner.trace import belady_hit_rate, calibrate_mixture, reuse_stats, routing_trace, simulate_cache
+from ninfer_offload.planner.trace import (
+    batch_trace, belady_hit_rate, calibrate_mixture, reuse_stats, routing_trace, simulate_cache,
+)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +155,8 @@ def test_belady_bounds_lru():
 def test_simulated_lru_on_a_hand_sequence():
     trace = single(0, 1, 2, 0, 1, 3, 0, 1)
     result = simulate_cache(trace, LruPolicy(np.zeros((1, 4))), np.zeros((1, 4), bool), 2, limit=4)
-    assert result == {"hit_rate": 0.0, "promotions_per_token": 1.0}  # LRU thrashes where Belady gets 4 of 8
+    assert (result["hit_rate"], result["promotions_per_token"]) == (0.0, 1.0)  # LRU thrashes where Belady gets 4 of 8
+    assert list(result["misses_per_layer"]) == [1.0] and result["layers_missing_per_token"] == 1.0
 
 
 def test_promotions_arrive_after_the_lag():
@@ -170,7 +173,10 @@ def test_static_replay_is_the_plan_and_pins_always_hit(shipped_hits, shipped_tra
     result = simulate_cache(trace, StaticPolicy(shipped_hits), np.zeros((40, 256), bool), 2000, limit=64)
     top = np.argsort(-shipped_hits, axis=None, kind="stable")[:2000]
     resident = np.isin(np.arange(40)[None, :, None] * 256 + trace, top)
-    assert result == {"hit_rate": pytest.approx(resident.mean()), "promotions_per_token": 0.0}
+    assert result["hit_rate"] == pytest.approx(resident.mean()) and result["promotions_per_token"] == 0.0
+    # Misses counted per layer and per token: the requests outside the static set, and the layers with any.
+    np.testing.assert_allclose(result["misses_per_layer"], (~resident).sum(axis=(0, 2)) / len(trace))
+    assert result["layers_missing_per_token"] == pytest.approx((~resident).any(axis=2).sum() / len(trace))
     pinned = shipped_hits > 0
     assert simulate_cache(trace, LruPolicy(shipped_hits), pinned, 0, limit=64)["hit_rate"] == 1.0
 
@@ -188,3 +194,35 @@ def test_adaptive_beats_static_on_a_local_trace(shipped_hits, shipped_trace):
 def test_belady_grows_with_capacity(shipped_trace):
     rates = [belady_hit_rate(shipped_trace[:256], capacity, 256) for capacity in (0, 500, 1000, 2000, 4000)]
     assert rates[0] == 0.0 and (np.diff(rates) > 0).all()
+
+
+def test_a_batch_trace_holds_each_sequences_token_of_the_step(shipped_trace):
+    batch = batch_trace(shipped_trace[:90], 3)
+    assert batch.shape == (30, 40, 24)
+    for step in (0, 17, 29):
+        for sequence in range(3):
+            assert np.array_equal(batch[step, :, sequence * 8 : (sequence + 1) * 8], shipped_trace[sequence * 30 + step])
+    with pytest.raises(NinferError, match="cannot give 4 sequences a step each"):
+        batch_trace(shipped_trace[:3], 4)
+
+
+def test_hits_count_from_a_token_on():
+    trace, none = single(0, 0, 0, 0), np.zeros((1, 4), bool)
+    result = simulate_cache(trace, LruPolicy(np.zeros((1, 4))), none, 1, limit=1, lag=2, count_from=2)
+    # the miss and the promotion were in the warm-up
+    assert (result["hit_rate"], result["promotions_per_token"], result["misses_per_layer"].tolist()) == (1.0, 0.0, [0.0])
+
+
+def test_the_batch_policy_beats_decayed_frequency_on_a_batch(shipped_hits, shipped_trace):
+    """Four sequences of the calibrated trace (seed 1; the policy's prior weight was picked on seed 0), the 15 GiB
+    plan's pinned experts and slots (bench/cache_batch.py's defaults): more hits with the plan's rate blended in."""
+    trace = batch_trace(shipped_trace[: 4 * 320], 4)
+    pinned = np.zeros(shipped_hits.size, dtype=bool)
+    pinned[np.argsort(-shipped_hits, axis=None, kind="stable")[:4631]] = True
+    pinned = pinned.reshape(shipped_hits.shape)
+    rates = {
+        name: simulate_cache(trace, make_policy(name, shipped_hits), pinned, 1461, limit=16, lag=3, count_from=64)["hit_rate"]
+        for name in ("decayed", "batch")
+    }
+    assert rates["batch"] > rates["decayed"] + 0.005, rates
+    assert rates["batch"] < belady_hit_rate(trace, 4631 + 1461, 256, 64)

@@ -1,7 +1,9 @@
-"""The README's "Try it without the 35B model" commands run as written, in a fresh directory, so the README cannot drift."""
+"""The README's "Try it without the 35B model" commands run as written, in a fresh directory, so the README cannot drift;
+its install and real-model commands hold no placeholder and pin what pip would otherwise replace; it stays short."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,6 +16,8 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+PYPROJECT = README.parent / "pyproject.toml"
+MAX_LINES = 450
 SECTION = "## Try it without the 35B model"
 PORT = 8080  # the port the README's serve example uses
 
@@ -60,3 +64,26 @@ def test_readme_walkthrough_runs_as_written(tmp_path):
     assert "verify: the resources parse and every binding the loader reads resolves" in outputs[0]
     assert "status   feasible" in outputs[0]
     assert '"choices"' in outputs[1] and '"chat.completion"' in outputs[1]
+    completion = next(line for line in outputs[1].splitlines() if line.startswith("{"))  # after uvicorn's access lines
+    reply = json.loads(completion)["choices"][0]["message"]  # thinking off: the text is the content
+    assert isinstance(reply["content"], str) and reply.get("reasoning_content") is None
+
+
+def test_readme_stays_short():
+    assert len(README.read_text(encoding="utf-8").splitlines()) <= MAX_LINES, "put the detail in docs/"
+
+
+def test_install_pins_the_cpu_torch_wheel_to_the_supported_range():
+    """A CPU wheel outside pyproject's torch range would be replaced by the CUDA build at `pip install -e .`."""
+    supported = re.search(r'"torch(>=[^"]+)"', PYPROJECT.read_text(encoding="utf-8")).group(1)
+    cpu_wheel = next(line for line in README.read_text(encoding="utf-8").splitlines() if "download.pytorch.org/whl/cpu" in line)
+    assert cpu_wheel.startswith(f'pip install "torch{supported}" --index-url '), cpu_wheel
+
+
+def test_commands_hold_no_placeholders_and_the_real_model_runs_as_served():
+    """No `<repository URL>` to fill in; `generate` on the 35B model places the experts as `serve` does (auto)."""
+    text = README.read_text(encoding="utf-8")
+    assert not re.search(r"<[^>\n]*\b(url|URL)\b[^>\n]*>", text)
+    real = text.split("## Getting the real model", 1)[1].split("\n## ", 1)[0]
+    runs = [line for line in real.splitlines() if line.startswith(("ninfer generate ", "ninfer serve "))]
+    assert len(runs) == 2 and not any("--experts" in line for line in runs), runs

@@ -132,11 +132,23 @@ def test_draw_frequencies_follow_the_distribution():
         ({"min_p": 2.0}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": math.inf}, "presence_penalty"),
+        ({"logit_bias": ((1, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((1, math.nan),)}, "logit_bias"),
     ],
 )
 def test_invalid_params_are_clear_errors(params, message):
     with pytest.raises(NinferError, match=message):
         SamplingParams(**params)
+
+
+def test_logit_bias_is_added_after_the_penalties_greedy_included():
+    biased = apply_penalties(LOGITS, SamplingParams(presence_penalty=1.0, logit_bias=((3, 2.0), (0, -1.0))), history=[3])
+    torch.testing.assert_close(biased, LOGITS + torch.tensor([-1.0, 0.0, 0.0, 1.0]))
+    assert Sampler(SamplingParams(temperature=0, logit_bias=((3, 100.0),))).sample(LOGITS, []) == 3
+    assert Sampler(SamplingParams(temperature=0, logit_bias=((0, -100.0),))).sample(LOGITS, []) == 1
+    with pytest.raises(NinferError, match="outside the vocabulary"):
+        apply_penalties(LOGITS, SamplingParams(logit_bias=((4, 1.0),)), history=[])
 
 
 QWEN_CONFIG = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1, 2]}
@@ -160,3 +172,11 @@ def test_do_sample_false_means_greedy_unless_a_temperature_is_given():
 def test_config_value_of_the_wrong_type():
     with pytest.raises(NinferError, match="generation_config.json holds a sampling value of the wrong type"):
         sampling_from_config({"top_k": "many"})
+
+
+def test_top_k_minus_one_means_off_as_zero_does():
+    """The one top_k rule of `ninfer generate --top-k` and the server's `top_k`: 0 is off, -1 (vLLM's spelling) too."""
+    assert sampling_from_config({}, top_k=-1) == sampling_from_config({}, top_k=0) == SamplingParams(top_k=0)
+    assert sampling_from_config({"top_k": -1}).top_k == 0
+    with pytest.raises(NinferError, match=r"^top_k must be an integer >= 0 \(0 or -1 disables it\)$"):
+        sampling_from_config({}, top_k=-2)

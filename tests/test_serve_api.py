@@ -166,8 +166,8 @@ def server(tiny_artifact, frontend):
 
 @pytest.fixture(scope="module")
 def speculating(tiny_artifact, frontend):
-    """`auto` on an artifact with MTP weights: 3 MTP drafts per step."""
-    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4, spec="auto")
+    """3 MTP drafts per step."""
+    engine = Engine.load(tiny_artifact, device="cpu", max_sequences=4, spec="mtp")
     with LiveServer(create_app(engine, frontend, MODEL, CONTEXT, max_concurrency=4, max_queue=4)) as live:
         yield live
 
@@ -445,7 +445,9 @@ GOOD = {"model": MODEL, "messages": USER, "max_tokens": 2}
         ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "lighthouse " * 400}]}, 400, "messages"),
         ("/v1/chat/completions", {**GOOD, "max_tokens": CONTEXT}, 400, "max_tokens"),
         ("/v1/chat/completions", {**GOOD, "n": 2}, 400, "n"),
-        ("/v1/chat/completions", {**GOOD, "tool_choice": "required", "tools": [WEATHER_TOOL]}, 400, "tool_choice"),
+        ("/v1/chat/completions", {**GOOD, "tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER_TOOL]}, 400,
+         "tool_choice"),
+        ("/v1/chat/completions", {**GOOD, "tool_choice": "required"}, 400, "tool_choice"),
         (
             "/v1/chat/completions",
             {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -478,6 +480,17 @@ def test_bad_json_wrong_method_unknown_route(server):
 def test_unknown_fields_are_ignored(server):
     body = {**GOOD, "user": "someone", "logit_bias": {}, "parallel_tool_calls": True, "service_tier": "auto", "store": False}
     assert server.post("/v1/chat/completions", body).status_code == 200
+
+
+def test_top_k_follows_the_cli_rule(server):
+    """0 or -1 (vLLM's spelling) turns top-k off, as `ninfer generate --top-k` reads them; below that is the sampler's 422."""
+    for top_k in (0, -1):
+        assert server.post("/v1/chat/completions", {**GOOD, "top_k": top_k}).status_code == 200
+    refused = server.post("/v1/chat/completions", {**GOOD, "top_k": -2})
+    assert refused.status_code == 422
+    assert refused.json()["error"] | {"code": None} == {
+        "message": "top_k must be an integer >= 0 (0 or -1 disables it)", "type": "invalid_request_error", "param": "top_k", "code": None
+    }
 
 
 def test_errors_raised_by_the_client_library(server):
@@ -529,7 +542,8 @@ def test_body_limit_413(guarded):
     def chunks():  # no content-length: the streamed size is counted
         yield json.dumps(body).encode()
 
-    streamed = httpx.post(f"{guarded.url}/v1/completions", content=chunks(), headers={"authorization": "Bearer sekret"})
+    headers = {"authorization": "Bearer sekret", "content-type": "application/json"}
+    streamed = httpx.post(f"{guarded.url}/v1/completions", content=chunks(), headers=headers)
     assert streamed.status_code == 413
 
 

@@ -234,15 +234,32 @@ def no_mtp_artifact(tmp_path_factory):
     return convert(write_checkpoint(root / "src", mtp=False), root / "no_mtp.ninfer", recipe="bf16", progress=False)
 
 
-def test_auto_speculates_where_the_artifact_has_mtp(tiny_artifact, no_mtp_artifact):
-    default = Engine.load(tiny_artifact)  # plain decoding unless asked
-    assert (default.speculation.mode, default.spec_tokens) == ("none", 0)
+def test_auto_speculates_where_the_cost_model_projects_it_pays(tiny_artifact, no_mtp_artifact, speculating_card):
+    """`auto` speculates where the artifact has MTP weights and the card's projection reaches x1.15, says why it
+    did or did not, and its greedy output is the plain one."""
+    default = Engine.load(tiny_artifact)  # the Python API decodes plainly unless asked
+    assert (default.speculation.mode, default.spec_tokens, default.speculation.reason) == ("none", 0, "")
+    plain_ids = generate(default, GREEDY_PROMPT, max_tokens=8, sampling=GREEDY).run().token_ids
     default.close()
-    engine = Engine.load(tiny_artifact, spec="auto")
+    engine = Engine.load(tiny_artifact, spec="auto", profile=str(speculating_card))
     assert (engine.speculation.mode, engine.spec_tokens, engine.proposal) == ("mtp", 3, None) and engine.mtp is not None
+    assert engine.speculation.describe() == (
+        "3 MTP drafts per step (--spec auto: on, x2.60 projected for speculating_card at 0.72 acceptance (on from x1.15))"
+    )
+    result = generate(engine, GREEDY_PROMPT, max_tokens=8, sampling=GREEDY).run()
+    assert result.token_ids == plain_ids and result.speculation is not None
     engine.close()
+    for profile, reason in [
+        ("rtx5090", "off, x1.11 projected for rtx5090 at 0.72 acceptance (on from x1.15)"),  # a verify step costs too much
+        (None, "off, speculation is projected for a GPU (give --profile, or --spec mtp to force it)"),  # a CPU load
+    ]:
+        off = Engine.load(tiny_artifact, spec="auto", profile=profile, draft_tokens=2)
+        assert (off.speculation.mode, off.spec_tokens, off.state.step_tokens, off.mtp) == ("none", 0, 1, None)
+        assert off.speculation.describe() == f"no speculation (--spec auto: {reason})"
+        off.close()
     plain = Engine.load(no_mtp_artifact, spec="auto", draft_tokens=4)  # no MTP weights: plain decoding, without rollback room
     assert (plain.speculation.mode, plain.spec_tokens, plain.state.step_tokens, plain.mtp) == ("none", 0, 1, None)
+    assert plain.speculation.reason == "no_mtp.ninfer has no MTP weights"
     assert generate(plain, GREEDY_PROMPT, max_tokens=3, sampling=GREEDY).run().speculation is None
     plain.close()
     with pytest.raises(NinferError, match="no_mtp.ninfer has no MTP weights to draft with; use --spec none"):

@@ -50,6 +50,19 @@ from ninfer_offload.artifact.v1 import parse_v1_directory
 __all__ = ["Artifact", "open_artifact", "ArtifactError"]
 
 
+def not_an_artifact_file(path: Path) -> ArtifactError:
+    """The error for an entry path that is no file: missing, a directory, or a Hugging Face checkpoint's
+    directory (with the command that converts it)."""
+    if not path.is_dir():
+        return ArtifactError(f"no such artifact file: {path}")
+    if (path / "config.json").is_file():
+        return ArtifactError(
+            f"{path} is a directory holding a Hugging Face checkpoint, not a .ninfer artifact: "
+            f"convert it first with 'ninfer convert {path} {path.name}.ninfer'"
+        )
+    return ArtifactError(f"{path} is a directory, not a .ninfer artifact file")
+
+
 def open_artifact(path) -> "Artifact":
     """Open and validate a `.ninfer` entry file (v3 or v1)."""
     return Artifact(path)
@@ -81,10 +94,8 @@ class Artifact:
                 if header_size + json_bytes > file_size:
                     raise ArtifactError(f"header json_bytes {json_bytes} runs past the end of the {file_size}-byte file")
                 text = f.read(json_bytes)
-        except FileNotFoundError:
-            raise ArtifactError(f"no such artifact: {str(self.path)!r}") from None
-        except IsADirectoryError:
-            raise ArtifactError(f"{str(self.path)!r} is a directory, not an artifact file") from None
+        except (FileNotFoundError, IsADirectoryError):
+            raise not_an_artifact_file(self.path) from None
         except OSError as err:
             raise ArtifactError(f"cannot read {str(self.path)!r}: {err.strerror}") from None
         self.directory: dict = decode_json(text)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import typer
 
+from ninfer_offload.commands.bench_routing import apply_bench_routing
 from ninfer_offload.commands.load_options import PLACEMENT, SPECULATION, load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.request import DEFAULT_MAX_CONTEXT, LoadRequest
@@ -37,13 +38,21 @@ def _read_text(path: Path, what: str) -> str:
 
 
 def _parse_ids(text: str) -> list[int]:
+    """Comma-separated integers (spaces around them allowed); an empty item ("1,,2", a trailing comma) is refused."""
+    if not text.strip():
+        raise NinferError("--prompt-ids is empty")
     try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+        return [int(part) for part in text.split(",")]
     except ValueError:
         raise NinferError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise NinferError("--prompt-ids is empty")
-    return ids
+
+
+def _check_utf8(text: str, flag: str) -> None:
+    """Refuse a command-line value whose bytes were not UTF-8 (Python keeps them as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise NinferError(f"{flag} is not valid UTF-8 text (byte {err.start} of it cannot be decoded)") from None
 
 
 def _read_messages(path: Path) -> tuple[list[dict], list[dict] | None]:
@@ -117,7 +126,7 @@ def _expert_summary(stats: dict) -> str:
 def _summary(result) -> str:
     line = (
         f"prefill: {result.prompt_tokens} tokens in {result.prefill_seconds:.3f} s "
-        f"({result.prefill_tokens_per_s:.1f} tok/s) | decode: {len(result.token_ids)} tokens, "
+        f"({result.prefill_tokens_per_s:.1f} tok/s) | decode: {result.decode_tokens} tokens, "
         f"{result.decode_steps} steps in {result.decode_seconds:.3f} s ({result.decode_tokens_per_s:.1f} tok/s) "
         f"| finish: {result.finish_reason}"
     )
@@ -137,7 +146,7 @@ def generate(
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
     greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token."),
     temperature: float | None = typer.Option(None, "--temperature", help="Softmax temperature (0 = greedy)."),
-    top_k: int | None = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off; -1 too)."),
     top_p: float | None = typer.Option(None, "--top-p", help="Keep the smallest set reaching this probability."),
     min_p: float | None = typer.Option(None, "--min-p", help="Drop tokens below min_p x the top probability."),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="OpenAI presence penalty."),
@@ -171,7 +180,7 @@ def generate(
         raise NinferError("--logprobs is reported in the --json output: add --json")
 
     from ninfer_offload.artifact.errors import ArtifactError
-    from ninfer_offload.artifact.reader import open_artifact
+    from ninfer_offload.artifact.reader import not_an_artifact_file, open_artifact
     from ninfer_offload.frontend import Frontend
     from ninfer_offload.frontend.grammar import GrammarCompiler
     from ninfer_offload.runtime.engine import Engine
@@ -182,7 +191,9 @@ def generate(
         raise NinferError("--greedy and --temperature contradict each other (--greedy always takes the most likely token); give one")
     request = LoadRequest(**load)
     if not artifact.is_file():
-        raise NinferError(f"no such artifact file: {artifact}")
+        raise not_an_artifact_file(artifact)
+    if prompt is not None:
+        _check_utf8(prompt, "--prompt")
     template = _read_text(chat_template, "chat template") if chat_template is not None else None
     conversation = _read_messages(messages) if messages is not None else None
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
@@ -218,9 +229,11 @@ def generate(
     if schema is not None:
         constraint = GrammarCompiler.for_frontend(frontend, frontend.vocab_size).json(schema, thinking)
     engine = Engine.load(artifact, request, device=device, progress=not json_out)
+    apply_bench_routing(engine)
     if engine.store.offloaded:
         typer.echo(engine.placement_report(), err=True)
-    warm_up_seconds = engine.warm_up(min(len(ids), engine.prefill_chunk)).seconds
+    typer.echo(f"decoding with {engine.speculation.describe()}", err=True)
+    warm_up_seconds = engine.warm_up(min(len(ids), engine.prefill_chunk)).seconds if engine.needs_warm_up else 0.0
     generation = generation_of(engine, ids, max_tokens, sampling, frontend.stop_ids, constraint, logprobs)
 
     if json_out:
@@ -244,6 +257,7 @@ def generate(
         sys.stdout.flush()
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
-    typer.echo(f"warm-up: {warm_up_seconds:.2f} s | " + _summary(generation.result), err=True)
+    warm_up = f"warm-up: {warm_up_seconds:.2f} s | " if engine.needs_warm_up else ""
+    typer.echo(warm_up + _summary(generation.result), err=True)
     if engine.store.offloaded:
         typer.echo(_expert_summary(engine.store.stats.to_json()), err=True)

@@ -35,7 +35,8 @@ OPTIONS: dict[str, tuple[object, typer.models.OptionInfo]] = {
     )),
     "cache_policy": (str, typer.Option(
         DEFAULT_CACHE_POLICY, "--cache-policy",
-        help="Expert cache in VRAM: decayed (frequency), lru or static (the plan's experts only).",
+        help="Expert cache in VRAM: decayed (frequency), batch (frequency blended with the plan's rate per step's rows), "
+        "lru or static (the plan's experts only).",
     )),
     "miss_path": (str, typer.Option(
         "pcie", "--miss-path",
@@ -43,10 +44,10 @@ OPTIONS: dict[str, tuple[object, typer.models.OptionInfo]] = {
         "or auto (both, split by measured rates).",
     )),
     "spec": (str, typer.Option(
-        "none", "--spec",
-        help="none: one token per step; mtp: decode speculatively, drafting with the model's MTP layer (server: requests "
-        "without a grammar or logprobs); auto: mtp when the artifact has MTP weights, else none. An artifact's DFlash/DFlash2 "
-        "drafter is never run.",
+        "auto", "--spec",
+        help="auto: mtp where the artifact has MTP weights and the cost model projects it pays on this card (x1.15 or more), "
+        "else none; none: one token per step; mtp: decode speculatively, drafting with the model's MTP layer (server: requests "
+        "without a grammar or logprobs). An artifact's DFlash/DFlash2 drafter is never run.",
     )),
     "draft_tokens": (int | None, typer.Option(
         None, "--draft-tokens", "--drafts",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import typer
 
+from ninfer_offload.commands.bench_routing import apply_bench_routing
 from ninfer_offload.commands.load_options import PLACEMENT, PROMPT_CACHE, SPECULATION, load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.request import LoadRequest
@@ -27,18 +30,47 @@ def _configure_logging(level: str) -> None:
     log.propagate = False
 
 
+class _Stopped(BaseException):
+    """SIGTERM arrived before the server took over the signals (during the model load); a BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise _Stopped
+
+
 def _check_can_listen(host: str, port: int) -> None:
-    """A one-line error before the model loads when HOST:PORT cannot be bound (a busy port)."""
-    if port == 0:
-        return
+    """A one-line error before the model loads when HOST:PORT cannot be bound: an address that is not this
+    machine's (or no address at all), a busy port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         try:
             probe.bind((host, port))
+        except socket.gaierror as err:
+            reason = f"no such address or host name ({err.strerror})"
+            raise NinferError(f"cannot listen on {host}:{port}: {reason}; give another --host") from None
+        except (TypeError, UnicodeError):  # a name the resolver cannot even encode
+            raise NinferError(f"cannot listen on {host!r}: not a valid host name; give another --host") from None
         except OSError as err:
-            reason = err.strerror or err
-            raise NinferError(f"cannot listen on {host}:{port}: {reason}; choose another --port (0 picks a free one)") from None
+            if err.errno == errno.EADDRNOTAVAIL:
+                remedy = "it is not an address of this machine; give another --host"
+            else:
+                remedy = "choose another --port (0 picks a free one)"
+            raise NinferError(f"cannot listen on {host}:{port}: {err.strerror or err}; {remedy}") from None
+
+
+def _frontend(artifact: Path, template: str | None):
+    """The model's text frontend, read from the artifact before the slow load: a model without a chat template
+    (and no --chat-template) is refused there."""
+    from ninfer_offload.artifact.reader import open_artifact
+    from ninfer_offload.frontend import Frontend
+
+    with open_artifact(artifact) as opened:
+        frontend = Frontend.from_artifact(opened, chat_template=template)
+    if frontend.template is None:
+        raise NinferError("the model has no chat template; pass one with --chat-template FILE")
+    return frontend
 
 
 @load_options(*PLACEMENT, *SPECULATION, *PROMPT_CACHE, "max_context", prompt_cache=True)
@@ -55,6 +87,10 @@ def serve(
         None, "--allowed-host",
         help="Also accept this Host header name (repeatable); on a loopback address only localhost, 127.0.0.1 and [::1] are.",
     ),
+    allowed_origin: list[str] | None = typer.Option(
+        None, "--allowed-origin",
+        help="Also accept POSTs from web pages of this origin, e.g. http://app.lan:3000 (repeatable; * for any).",
+    ),
     served_model_name: str | None = typer.Option(None, help="Model id clients must send (default: the file name without .ninfer)."),
     chat_template: Path | None = typer.Option(None, help="Jinja chat template file replacing the model's."),
     shutdown_timeout: float = typer.Option(30.0, min=0, help="Seconds in-flight requests get to finish on SIGINT/SIGTERM."),
@@ -70,7 +106,9 @@ def serve(
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise NinferError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     if not artifact.is_file():
-        raise NinferError(f"no such artifact file: {artifact}")
+        from ninfer_offload.artifact.reader import not_an_artifact_file
+
+        raise not_an_artifact_file(artifact)
     template = None
     if chat_template is not None:
         try:
@@ -78,11 +116,7 @@ def serve(
         except (OSError, UnicodeDecodeError) as err:
             raise NinferError(f"cannot read chat template {chat_template}: {err}") from None
 
-    from ninfer_offload.frontend import Frontend
-    from ninfer_offload.runtime.engine import Engine
-    from ninfer_offload.serve.app import create_app
     from ninfer_offload.serve.guards import LOOPBACK_NAMES, is_loopback
-    from ninfer_offload.serve.server import graceful_server
 
     _configure_logging(log_level)
     if not is_loopback(host) and api_key is None:
@@ -92,12 +126,33 @@ def serve(
     extra_hosts = list(allowed_host or [])
     allowed_hosts = [*LOOPBACK_NAMES, *extra_hosts] if is_loopback(host) or extra_hosts else None
     _check_can_listen(host, port)
-    request = LoadRequest(**load, max_sequences=max_concurrency)
+    options = dict(
+        max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk, api_key=api_key,
+        allowed_hosts=allowed_hosts, allowed_origins=list(allowed_origin or []),
+    )
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)  # until the server takes the signals over
+    try:
+        request = LoadRequest(**load, max_sequences=max_concurrency)
+        _load_and_serve(artifact, device, template, request, served_model_name, options, host, port, log_level, shutdown_timeout)
+    except _Stopped:
+        log.info("stopped by SIGTERM before serving")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _load_and_serve(
+    artifact: Path, device: str, template: str | None, request: LoadRequest, served_model_name: str | None, options: dict,
+    host: str, port: int, log_level: str, shutdown_timeout: float,
+) -> None:
+    """Load the model and serve it until a signal stops the server (`options`: `create_app`'s)."""
+    from ninfer_offload.runtime.engine import Engine
+    from ninfer_offload.serve.app import create_app
+    from ninfer_offload.serve.server import graceful_server
+
+    frontend = _frontend(artifact, template)
+    log.info("loading %s on %s", artifact, device)
     start = time.perf_counter()
-    engine = Engine.load(artifact, request, device=device)
-    frontend = Frontend.from_artifact(engine.artifact, chat_template=template)
-    if frontend.template is None:
-        raise NinferError("the model has no chat template; pass one with --chat-template FILE")
+    engine = Engine.load(artifact, request, device=device, progress=True)
     config = engine.config
     log.info(
         "loaded %s in %.1fs: %d layers, %d experts (top-%d), vocab %d, %s %s, context %d tokens",
@@ -105,27 +160,30 @@ def serve(
         config.vocab_size, engine.device, str(engine.dtype).removeprefix("torch."), engine.max_context,
     )
     log.info(engine.placement_report())
-    warm_up = engine.warm_up(prefill_chunk)
-    log.info(
-        "warm-up (kernels compiled, decode steps captured) took %.1fs: prefills %.1fs, decode step captures %.1fs",
-        warm_up.seconds, warm_up.prefills, warm_up.captures,
-    )
+    routing = apply_bench_routing(engine)
+    if routing is not None:
+        log.info(routing)
+    if engine.needs_warm_up:
+        log.info("warming up: compiling the kernels and capturing the decode steps")
+        warm_up = engine.warm_up(options["prefill_chunk"])
+        log.info(
+            "warm-up (kernels compiled, decode steps captured) took %.1fs: prefills %.1fs, decode step captures %.1fs",
+            warm_up.seconds, warm_up.prefills, warm_up.captures,
+        )
+    else:
+        log.info("no warm-up on %s: its eager ops compile nothing and capture no steps", engine.device)
     # The loaded engine's ~450,000 Python objects out of the garbage collector's reach for the process's life: a full
     # collection over them took 120-150 ms on an H100 machine's host, a pause inside whichever request would trigger it.
     gc.collect()
     gc.freeze()
     name = served_model_name or artifact.name.removesuffix(".ninfer")
-    app = create_app(
-        engine, frontend, name, engine.max_context,
-        max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk, api_key=api_key,
-        allowed_hosts=allowed_hosts,
-    )
+    app = create_app(engine, frontend, name, engine.max_context, **options)
     cache = engine.prompt_cache
     log.info(
         "serving model '%s' at /v1 (%d concurrent sequences, queue %d, %s%s%s)",
-        name, max_concurrency, max_queue, engine.speculation.describe(),
+        name, options["max_concurrency"], options["max_queue"], engine.speculation.describe(),
         f", prompt cache {cache.device_bytes / 2**30:.2f} GiB on {engine.device.type} + {cache.host_bytes / 2**30:.2f} GiB host"
         if cache is not None else "",
-        ", API key required" if api_key else "",
+        ", API key required" if options["api_key"] else "",
     )
     graceful_server(app, host, port, log_level.lower(), shutdown_timeout).run()

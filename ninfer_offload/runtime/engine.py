@@ -31,7 +31,7 @@ from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.dims import FULL_ATTENTION, ModelDims
 from ninfer_offload.model.state_pool import StatePool
 from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, load_footprint, workspace_bytes
-from ninfer_offload.planner.request import LoadRequest
+from ninfer_offload.planner.request import DEFAULT_DRAFT_TOKENS, LoadRequest
 from ninfer_offload.runtime.expert_plan import LoadPlan, expert_load_plan
 from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
@@ -161,7 +161,7 @@ class Engine:
         VRAM or host memory, the plan's profile and VRAM budget, the cache policy and miss path, context,
         sequences, speculation, prefill chunk, dtype, backend, CUDA graphs). Without a request the keyword
         `options` make one: `Engine.load(path, device="cuda", experts="host", spec="mtp")`. `progress`
-        shows the load's progress on stderr."""
+        shows the load's progress on stderr: a bar on a terminal, and a line before the CPU expert kernels compile."""
         if request is None:
             request = LoadRequest(**options)
         elif options:
@@ -176,14 +176,16 @@ class Engine:
                 raise ArtifactError(f"{artifact.path.name} has no text component")
             config = ModelDims.from_text_config(artifact.components["text"].config)
             inventory = Inventory.from_artifact(artifact)
-            speculation = resolve_speculation(request, inventory, artifact.path.name)
-            mtp = request.mtp or speculation.mode == "mtp"
             capacity = request.capacity(config.max_position_embeddings)
+            element_bytes, kv_name = _element_bytes(dtype), _KV_NAMES[cache_dtype]
+            speculating = request.load_options(capacity, request.draft_tokens or DEFAULT_DRAFT_TOKENS, True, element_bytes, kv_name)
+            speculation = resolve_speculation(request, inventory, artifact.path.name, resolved, speculating)
+            mtp = request.mtp or speculation.mode == "mtp"
             free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
             cache_bytes = request.prompt_cache_device_bytes(free)
             explicit = request.prompt_cache_vram is not None
             resolved_load = request.load_options(
-                capacity, speculation.draft_tokens, mtp, _element_bytes(dtype), _KV_NAMES[cache_dtype], cache_bytes if explicit else 0
+                capacity, speculation.draft_tokens, mtp, element_bytes, kv_name, cache_bytes if explicit else 0
             )
             state_and_weights = load_footprint(inventory, resolved_load)
             expert_plan = expert_load_plan(
@@ -221,7 +223,7 @@ class Engine:
 
     def placement_report(self) -> str:
         """One line: where the routed experts went (and the plan behind it), and the VRAM in use against the plan."""
-        line = self.expert_plan.summary()
+        line = self.expert_plan.summary(self.device)
         if self.store.offloaded:
             line += f"; misses {self.store.miss_path or 'pcie'}, cache policy {self.store.cache.policy.name}"
         if self.device.type == "cuda":
@@ -441,6 +443,12 @@ class Engine:
         from ninfer_offload.runtime.generate import generate
 
         return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids)
+
+    @property
+    def needs_warm_up(self) -> bool:
+        """Whether `warm_up` has work to do: kernels to compile and steps to capture are a CUDA load's (a CPU load
+        runs torch's eager ops, its warm-up is empty)."""
+        return self.device.type == "cuda"
 
     def warm_up(self, longest_prefill: int | None = None) -> WarmUpTimes:
         """Compile the kernels and capture the decode steps requests will use, before the first request:

@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 from ninfer_offload.planner.cache_policy import make_policy, plan_promotions
+from ninfer_offload.planner.cache_split import PROMOTIONS_PER_STEP as DEFAULT_PROMOTIONS
 from ninfer_offload.planner.request import DEFAULT_CACHE_POLICY as DEFAULT_POLICY
-# Most experts promoted per step boundary (simulated on the benchmark trace, 5,000 slots: hit rate 0.93 at 16, 0.90 at 8).
-DEFAULT_PROMOTIONS = 16
 
 
 class ExpertCache:

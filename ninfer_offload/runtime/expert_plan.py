@@ -4,7 +4,7 @@ it gives the adaptive cache.
 `--experts resident` pins every expert, `--experts host` none (the cache gets `num_slots` slots).
 `--experts auto` (the default) plans when a profile or VRAM budget is given, or on CUDA when the
 model does not fit the card's free memory: the planner's resident experts are pinned, its staging
-slots become cache slots, and `CACHE_SHARE` of its expert VRAM, its coldest experts first, is
+slots become cache slots, and `planner.cache_split.CACHE_SHARE` of its expert VRAM, its coldest experts first, is
 handed to the cache instead of being pinned (the cache starts out holding them, then follows the
 traffic). The MTP layer's experts are always pinned (the plan counts the MTP module as resident).
 An offloaded load also gets `planner.memory.prefill_staging_slots` slots that a prefill chunk copies
@@ -20,16 +20,15 @@ import torch
 
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.errors import NinferError
-from ninfer_offload.planner.memory import LoadOptions, expert_arena_bytes, prefill_staging_slots, staging_slots
+from ninfer_offload.planner.cache_split import hand_to_cache
+from ninfer_offload.planner.memory import LoadOptions, expert_arena_bytes, pool_bytes, prefill_staging_slots, staging_slots
 from ninfer_offload.planner.placement import Placement
-from ninfer_offload.planner.planner import plan
+from ninfer_offload.planner.planner import largest_concurrency, plan
 from ninfer_offload.planner.request import LoadRequest
 from ninfer_offload.planner.routing import default_routing_stats
 from ninfer_offload.profiles import DeviceProfile, load_profile
 from ninfer_offload.runtime.expert_store import ExpertPlacement
-from ninfer_offload.runtime.host_pool import pool_bytes
 
-CACHE_SHARE = 0.25  # of the plan's expert VRAM, given to the adaptive cache rather than pinned
 GiB = 2**30
 
 
@@ -54,18 +53,19 @@ class LoadPlan:
         return self.host_ram_bytes(pinned=False)
 
     def host_ram_bytes(self, pinned: bool) -> int:
-        """RAM the host pool takes (`host_pool.pool_bytes`: its page-locked chunks when `pinned`)."""
+        """RAM the host pool takes (`planner.memory.pool_bytes`: its page-locked chunks when `pinned`)."""
         if not self.placement.offloaded:
             return 0
         experts = self.placement.scores.shape[1]
         return pool_bytes([experts * b for b in self.expert_bytes], pinned)
 
-    def summary(self) -> str:
-        """One line: where the experts go (and the plan behind it)."""
+    def summary(self, device: torch.device) -> str:
+        """One line: where the experts go on `device` (and the plan behind it)."""
         pinned = sum(len(ids) for ids in self.placement.pinned)
         total = self.placement.scores.size
+        arena = "pinned in VRAM" if device.type == "cuda" else f"in {device.type} memory (no VRAM on a {device.type} load)"
         line = (
-            f"{pinned:,} of {total:,} experts pinned in VRAM, {self.placement.cache_slots:,} cache slots, "
+            f"{pinned:,} of {total:,} experts {arena}, {self.placement.cache_slots:,} cache slots, "
             f"{self.placement.staging_slots:,} prefill staging slots "
             f"(expert arena {_size(self.arena_bytes)}), {_size(self.host_bytes)} of expert records in host memory"
         )
@@ -103,8 +103,15 @@ def expert_load_plan(
         if free_vram is None or fits.arena_bytes <= free_vram:
             return fits
     profile = _profile(request.profile, device)
-    placement = plan(inventory, profile, request.plan_options(load), stats)
+    options = request.plan_options(load)
+    placement = plan(inventory, profile, options, stats)
     if not placement.feasible:
+        fitting = largest_concurrency(inventory, profile, options, stats) if load.sequences > 1 else 0
+        if fitting:
+            raise NinferError(
+                f"cannot load for {profile.name}: {load.sequences} sequences of {load.capacity} tokens do not fit, at most "
+                f"{fitting} do (--max-concurrency {fitting}): {placement.reason}"
+            )
         raise NinferError(f"cannot load for {profile.name}: {placement.reason}")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -115,7 +122,7 @@ def expert_load_plan(
             )
     if placement.components["routed_experts"].host_bytes == 0:
         return LoadPlan(everything, placement, expert_bytes)
-    pinned, cache_slots = _hand_to_cache(placement, scores[:layers], expert_bytes[:layers])
+    pinned, cache_slots = hand_to_cache(placement.resident_experts, placement.staging_slots, scores[:layers], expert_bytes[:layers])
     staging = prefill_staging_slots(experts)
     return LoadPlan(ExpertPlacement(pinned + mtp_pinned, cache_slots, scores, staging), placement, expert_bytes)
 
@@ -126,20 +133,3 @@ def _profile(spec: str | DeviceProfile | None, device: torch.device) -> DevicePr
     if spec is None and device.type != "cuda":
         raise NinferError("a VRAM budget without a GPU needs a device profile too (--profile NAME|FILE)")
     return load_profile(spec or "auto")
-
-
-def _hand_to_cache(placement: Placement, scores: np.ndarray, expert_bytes: list[int]) -> tuple[list[list[int]], int]:
-    """The plan's resident experts minus the coldest `CACHE_SHARE` of their bytes, and the cache slots
-    those bytes (plus the plan's staging slots) make."""
-    resident = [(scores[layer, e] / expert_bytes[layer], layer, e) for layer, ids in enumerate(placement.resident_experts) for e in ids]
-    resident.sort()
-    budget = CACHE_SHARE * sum(expert_bytes[layer] for _, layer, _ in resident)
-    handed, freed = set(), 0
-    for _, layer, e in resident:
-        if freed + expert_bytes[layer] > budget:
-            break
-        handed.add((layer, e))
-        freed += expert_bytes[layer]
-    pinned = [[e for e in ids if (layer, e) not in handed] for layer, ids in enumerate(placement.resident_experts)]
-    slot_bytes = max(expert_bytes)
-    return pinned, placement.staging_slots + freed // slot_bytes

@@ -47,6 +47,7 @@ from ninfer_offload.runtime.host_pool import HostPool
 from ninfer_offload.runtime.memory_check import host_tensor
 from ninfer_offload.runtime.prefill_staging import PrefillStaging
 from ninfer_offload.runtime.step_inputs import upload
+from ninfer_offload.runtime.trace_routing import SequenceTraceRouting
 
 MISS_PATHS = (None, "cpu", "auto")
 ALIGN = RECORD_ALIGN  # record offsets are multiples of this (the MoE kernels' 16-byte vector loads rely on it)
@@ -73,6 +74,7 @@ class ExpertPlacement:
 @dataclass
 class StoreStats:
     tokens: int = 0  # tokens routed (each through every MoE layer)
+    steps: int = 0  # forwards of the target launched (prompt pieces and decode steps)
     uses: int = 0  # (token, expert) assignments routed
     hits: int = 0  # of them to an expert in VRAM
     pcie_bytes: int = 0  # record bytes read from host memory by the device (per assignment, per prefill block, per staged record)
@@ -92,6 +94,7 @@ class StoreStats:
             "pcie_bytes_per_token": round(self.pcie_bytes / per_token),
             "promotions_per_token": round(self.promotions / per_token, 3),
             "tokens": self.tokens,
+            "steps": self.steps,
             "uses": self.uses,
             "hits": self.hits,
             "pcie_bytes": self.pcie_bytes,
@@ -172,6 +175,7 @@ class ExpertStore:
         # Benchmark hook (`replay_routing`): routing ids replayed instead of the router's. Not a step's mode: it holds
         # for every step from when it is set, and a captured step reads the tensor it had at capture.
         self.replayed: torch.Tensor | None = None
+        self.trace_routing: SequenceTraceRouting | None = None  # benchmark hook (`route_by_trace`): each row by its sequence
         self.cpu_path = None
         if miss_path is not None:
             from ninfer_offload.runtime.cpu_experts import CpuMissPath
@@ -309,6 +313,8 @@ class ExpertStore:
         inside `around_step` of that context) the layer's host experts are read from the staging slots."""
         if self.replayed is not None:
             topk_ids = self.replayed[layer, : topk_ids.shape[0]]
+        elif self.trace_routing is not None and ctx is not None and layer < self.trace_routing.layers:
+            topk_ids = self.trace_routing.ids(layer, ctx)
         staged = ctx is not None and ctx.staged
         if staged and self.staging is not None and self.staging.takes(topk_ids.shape[0]):
             bank, later = self.staging.bank(layer, topk_ids)  # (it counts the uses too)
@@ -333,6 +339,12 @@ class ExpertStore:
             self.replayed = torch.zeros_like(ids, device=self.device)
         self.replayed[:, : ids.shape[1]].copy_(ids, non_blocking=True)
 
+    def route_by_trace(self, routing: SequenceTraceRouting) -> None:
+        """Benchmarks and tests: route every later forward's rows by their own sequence's stretch of a routing trace
+        (`runtime.trace_routing`) instead of the router's choice. Set it before the first step: graphs captured
+        without it ignore it."""
+        self.trace_routing = routing
+
     @contextmanager
     def around_step(self, tokens: int, ctx: StepContext | None = None) -> Iterator[None]:
         """Wraps the launch of one step of the target: cache bookkeeping due before it, then the part that
@@ -340,6 +352,7 @@ class ExpertStore:
         the CPU miss path times the other steps per token). `ctx`: an eager step's context, whose `staged`
         (a prompt chunk) stages its host experts; None for the replay of a captured step, never staged."""
         staged = ctx is not None and ctx.staged
+        self.counters.steps += 1
         if self.cache is not None:
             self.cache.before_step()
         mark = None

@@ -3,7 +3,8 @@ consecutive layers, page-locked on CUDA.
 
 torch's caching host allocator rounds every pinned buffer up to a power of two: one buffer per layer
 (464 MB for the full-size model, locked as 512 MiB) takes 16 % more RAM than the records. Chunks of
-a power of two that hold runs of whole layers take about 1 % more (`chunk_layers`). A chunk is
+a power of two that hold runs of whole layers take about 1 % more (`planner.memory.chunk_layers`, which the
+plan counts by too). A chunk is
 allocated when one of its layers is first asked for (by the loader's packing threads, so page-locking
 overlaps reading the file); the smaller chunks hold the first layers, so the first packing threads
 start soonest.
@@ -15,29 +16,8 @@ import threading
 
 import torch
 
-from ninfer_offload.runtime.memory_check import PINNED_ALIGN, host_tensor
-
-
-def chunk_layers(sizes: list[int]) -> list[tuple[int, range]]:
-    """(locked bytes, layers) of each chunk for layer pools of `sizes` bytes (multiples of PINNED_ALIGN), in
-    layer order: the split into runs of consecutive layers, each in the power of two that holds it and its
-    alignment slack, that locks the fewest bytes (of those, the one with the smallest first chunks)."""
-    n = len(sizes)
-    best: list[tuple[int, list[tuple[int, range]]]] = [(0, [])] * (n + 1)  # from layer i on: (bytes, its chunks)
-    for start in range(n - 1, -1, -1):
-        options = []
-        for end in range(start + 1, n + 1):
-            size = 1 << (sum(sizes[start:end]) + PINNED_ALIGN - 1).bit_length()
-            total, rest = best[end]
-            options.append((size + total, [size, *(s for s, _ in rest)], [(size, range(start, end)), *rest]))
-        total, _, chunks = min(options, key=lambda option: option[:2])
-        best[start] = (total, chunks)
-    return best[0][1]
-
-
-def pool_bytes(sizes: list[int], pinned: bool) -> int:
-    """RAM a pool of layers of `sizes` bytes takes: its chunks when `pinned`, else the records."""
-    return sum(size for size, _ in chunk_layers(sizes)) if pinned else sum(sizes)
+from ninfer_offload.planner.memory import PINNED_ALIGN, chunk_layers
+from ninfer_offload.runtime.memory_check import host_tensor
 
 
 class HostPool:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import psutil
 import torch
+from rich.console import Console
+from rich.progress import track
 
 from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.errors import ArtifactError
@@ -111,6 +113,10 @@ def load_model(
     layouts = [layout for layout, _, _ in banks]
     if device.type == "cuda":
         register_pinned_allocations()  # before the store's and the packing threads' pinned buffers
+    console = Console(stderr=True) if progress else None
+    if console is not None and miss_path is not None:
+        compiling = "compiling the CPU expert kernels (numba: about 25 s the first time, then read from its cache)"
+        console.print(compiling, highlight=False, soft_wrap=True)
     began = time.perf_counter()
     store = ExpertStore(
         layouts, config.hidden_size, config.num_experts, config.top_k, placement, device, miss_path, cache_policy,
@@ -121,11 +127,8 @@ def load_model(
     if artifact.payload_bytes + (store.nbytes if store.offloaded else 0) < psutil.virtual_memory().available:
         artifact.prefetch()  # read ahead of the packing threads, when the page cache can hold the file next to the host pool
     steps = range(len(prefixes))
-    if progress:
-        from rich.console import Console
-        from rich.progress import track
-
-        steps = track(steps, description="loading experts", transient=True, console=Console(stderr=True))
+    if console is not None and console.is_terminal:  # a bar where it can redraw itself, not a line in a log
+        steps = track(steps, description="loading experts", transient=True, console=console)
     # Payload views are taken here (opening the files is not thread-safe); packing runs in threads
     # (numpy copies release the GIL), at most PACK_THREADS layers at a time to bound host memory.
     payloads = [(artifact.payload(gate_up_id), artifact.payload(down_id)) for _, gate_up_id, down_id in banks]

@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from ninfer_offload.errors import NinferError
+from ninfer_offload.planner.memory import PINNED_ALIGN
 
 _GIB = 1024**3
 
@@ -43,7 +44,6 @@ def check_fits(footprint: dict[str, int], free_bytes: int, device: torch.device)
     )
 
 
-PINNED_ALIGN = 256  # where pinned host tensors start (the MoE kernels read expert records at multiples of it)
 PINNED_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 

@@ -1,14 +1,17 @@
-"""Next-token sampling: penalties, temperature, top-k, top-p, min-p, seeded draws.
+"""Next-token sampling: penalties, logit bias, temperature, top-k, top-p, min-p, seeded draws.
 
 Order of operations (as in transformers' logits processors): repetition penalty, presence and
-frequency penalties, then greedy argmax or temperature -> top-k -> top-p -> min-p -> draw.
+frequency penalties, logit bias, then greedy argmax or temperature -> top-k -> top-p -> min-p -> draw.
 Definitions:
 - repetition (transformers/CTRL): for each token already seen (prompt or output), a positive
   logit is divided by the penalty, a negative one multiplied by it;
 - presence / frequency (OpenAI): `logit -= presence * [count > 0] + frequency * count`, counting
   the output tokens in `history`;
-- top-k keeps the k largest logits; top-p keeps the smallest set of most likely tokens whose
-  probability reaches p; min-p keeps tokens whose probability is at least `min_p * p_max`.
+- top-k keeps the k largest logits (0: off; -1, vLLM's spelling of off, is read as 0); top-p keeps
+  the smallest set of most likely tokens whose probability reaches p; min-p keeps tokens whose
+  probability is at least `min_p * p_max`;
+- logit bias (OpenAI): `logit[id] += bias` for each (token id, bias in [-100, 100]) pair given,
+  greedy included (+100 all but forces a token, -100 all but forbids it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ MIN_TEMPERATURE = 1e-5
 PENALTY_LIMIT = 2.0  # presence and frequency penalties, OpenAI's range
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range
 
 
 class SamplingError(NinferError):
@@ -64,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     greedy: bool = False
 
     def __post_init__(self) -> None:
@@ -74,7 +79,7 @@ class SamplingParams:
                 self.temperature == 0 or _within(self.temperature, MIN_TEMPERATURE, math.inf),
                 f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}",
             ),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (0 disables it)"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (0 or -1 disables it)"),
             ("top_p", _within(self.top_p, 0.0, 1.0) and self.top_p > 0, "top_p must be in (0, 1]"),
             ("min_p", _within(self.min_p, 0.0, 1.0), "min_p must be in [0, 1]"),
             ("presence_penalty", _within(self.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT), "presence_penalty must be in [-2, 2]"),
@@ -84,6 +89,15 @@ class SamplingParams:
                 "seed",
                 self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
                 "seed must be an integer in [-2**63, 2**64)",
+            ),
+            (
+                "logit_bias",
+                all(
+                    isinstance(token, int) and not isinstance(token, bool) and token >= 0
+                    and _within(bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+                    for token, bias in self.logit_bias
+                ),
+                "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]",
             ),
         )
         for param, ok, message in checks:
@@ -96,27 +110,31 @@ class SamplingParams:
 
     @property
     def picks_argmax(self) -> bool:
-        """Whether the next token is the argmax of the logits as they come (greedy, no penalties)."""
-        return self.is_greedy and not self.has_penalties
+        """Whether the next token is the argmax of the logits as they come (greedy, no penalties or bias)."""
+        return self.is_greedy and not self.adjusts_logits
 
     @property
-    def has_penalties(self) -> bool:
-        """Whether the logits depend on the tokens seen so far."""
-        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before the pick (penalties on the tokens seen so far, a logit bias)."""
+        penalized = self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+        return penalized or bool(self.logit_bias)
 
 
+TOP_K_OFF = -1  # vLLM's top_k for "off", read as 0 (this sampler's and transformers' off)
 _CONFIG_DEFAULTS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
 
 
 def sampling_from_config(generation_config: Mapping[str, Any], greedy: bool = False, **given: Any) -> SamplingParams:
     """SamplingParams from the values `given` (None = unset), else the model's generation_config.json
     values, else the SamplingParams defaults. `do_sample: false` there means greedy unless a
-    temperature is given."""
+    temperature is given; a top_k of -1 means off, as 0 does."""
     try:
         values = {name: kind(generation_config[name]) for name, kind in _CONFIG_DEFAULTS.items() if generation_config.get(name) is not None}
     except (TypeError, ValueError):
         raise NinferError("generation_config.json holds a sampling value of the wrong type") from None
     values.update({name: value for name, value in given.items() if value is not None})
+    if values.get("top_k") == TOP_K_OFF:
+        values["top_k"] = 0
     greedy = greedy or (generation_config.get("do_sample") is False and given.get("temperature") is None)
     return SamplingParams(**values, greedy=greedy)
 
@@ -124,7 +142,8 @@ def sampling_from_config(generation_config: Mapping[str, Any], greedy: bool = Fa
 def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, history: Sequence[int], prompt: Sequence[int] = ()
 ) -> torch.Tensor:
-    """Float32 logits after the repetition, presence and frequency penalties (a new tensor)."""
+    """Float32 logits after the repetition, presence and frequency penalties and the logit bias (a new
+    tensor; a biased id outside the vocabulary is a NinferError)."""
     logits = logits.detach().to(torch.float32).clone()
     vocab = logits.shape[-1]
     if params.repetition_penalty != 1.0 and (history or prompt):
@@ -135,6 +154,11 @@ def apply_penalties(
         ids = torch.tensor(list(history), dtype=torch.long, device=logits.device)
         counts = torch.bincount(ids, minlength=vocab)[:vocab].to(torch.float32)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        if max(ids) >= vocab:
+            raise NinferError(f"logit_bias names token id {max(ids)}, outside the vocabulary of {vocab}")
+        logits[torch.tensor(ids, device=logits.device)] += torch.tensor(biases, dtype=torch.float32, device=logits.device)
     return logits
 
 

@@ -71,7 +71,7 @@ def _accept_greedy(
 ) -> tuple[list[int], int]:
     """Greedy acceptance: the longest prefix of drafts equal to the target's argmaxes, then its argmax
     (without penalties every position's argmax is read in one transfer)."""
-    if not sampler.params.has_penalties:
+    if not sampler.params.adjusts_logits:
         targets = logits.argmax(-1).tolist()
     else:
         targets = []

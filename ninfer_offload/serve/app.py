@@ -16,8 +16,10 @@ from ninfer_offload.serve.chat import chat_completion
 from ninfer_offload.serve.completions import completion
 from ninfer_offload.serve.context import ServeContext
 from ninfer_offload.serve.errors import ErrorGuard, install_error_handlers
-from ninfer_offload.serve.guards import ApiKeyGuard, BodyLimit, HostGuard
+from ninfer_offload.serve.guards import ApiKeyGuard, BodyLimit, BrowserGuard, HostGuard
+from ninfer_offload.serve.messages import count_tokens, create_message
 from ninfer_offload.serve.rehearsal import rehearse
+from ninfer_offload.serve.responses import create_response
 from ninfer_offload.serve.scheduler import Scheduler
 
 log = logging.getLogger("ninfer.serve")
@@ -34,11 +36,17 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = 16 * 1024 * 1024,
     allowed_hosts: Collection[str] | None = None,
+    allowed_origins: Collection[str] = (),
+    body_timeout: float = 30.0,
+    max_uploads: int = 64,
     rehearse_routes: bool | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `engine`; its scheduler thread runs while the app is up.
-    `allowed_hosts`: the Host header names accepted (any port); None accepts any. `rehearse_routes`: send
-    requests through the routes at startup (`serve.rehearsal`); None does on CUDA."""
+    `allowed_hosts`: the Host header names accepted (any port); None accepts any. `allowed_origins`: web
+    page origins ("http://host:port", "*" for any) accepted besides the server's own and loopback ones.
+    `body_timeout`: seconds a request body may take to arrive; `max_uploads`: requests sending their
+    bodies at once. `rehearse_routes`: send requests through the routes at startup (`serve.rehearsal`);
+    None does on CUDA."""
     if api_key is not None and not api_key.strip():
         raise NinferError("the API key is empty: give a key, or none to serve without one")
     scheduler = Scheduler(engine, max_concurrency=max_concurrency, max_queue=max_queue, prefill_chunk=prefill_chunk)
@@ -63,14 +71,15 @@ def create_app(
     app = FastAPI(title="ninfer-offload", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.context = ctx
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(BodyLimit, limit=max_body_bytes, timeout=body_timeout, max_uploads=max_uploads)
     if api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
+    app.add_middleware(BrowserGuard, allowed=allowed_origins)
     if allowed_hosts is not None:
         app.add_middleware(HostGuard, allowed=allowed_hosts)
     app.add_middleware(ErrorGuard)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok", **scheduler.stats()}
 
@@ -95,6 +104,18 @@ def create_app(
     @api.post("/completions")
     async def completions(request: Request) -> Response:
         return await completion(ctx, request)
+
+    @api.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(ctx, request)
+
+    @api.post("/messages")
+    async def messages(request: Request) -> Response:
+        return await create_message(ctx, request)
+
+    @api.post("/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await count_tokens(ctx, request)
 
     app.include_router(api)
     return app

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Collection, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -21,8 +22,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body (an empty body is `{}`). 400 for invalid UTF-8 or JSON, a
-    value other than an object, or a string holding a lone UTF-16 surrogate (no text can carry one)."""
+    """The JSON object of a request body (an empty body is `{}`). 400 for invalid UTF-8 or JSON, an
+    integer too long to read, a value other than an object, or a string holding a lone UTF-16 surrogate (no text can carry one)."""
     if not raw or raw.isspace():
         return {}
     try:
@@ -34,6 +35,9 @@ def decode_json(raw: bytes) -> dict[str, Any]:
         raise APIError(400, message, code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError:  # an integer literal past Python's int-string limit
+        message = f"request body holds an integer with more than {sys.get_int_max_str_digits()} digits"
+        raise APIError(400, message, code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     if _SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape can put a surrogate into a str
@@ -76,12 +80,27 @@ def refuse_long_list(data: dict[str, Any], field: str, max_context: int) -> None
         )
 
 
-def validate(data: dict[str, Any], model: type[Body], required_first: Sequence[str] = ()) -> Body:
-    """`model` from the decoded body; 422 naming the field (missing fields by name)."""
+def validate(data: Any, model: type[Body], required_first: Sequence[str] = (), location: Sequence[str | int] = ()) -> Body:
+    """`model` from the decoded body (or the part of it at `location`); 422 naming the field (missing
+    top-level fields by name)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False), required_first) from None
+        errors = [{**error, "loc": (*location, *error["loc"])} for error in exc.errors(include_url=False)]
+        raise validation_error(errors, required_first) from None
+
+
+def validate_typed(items: list[dict[str, Any]], field: str, accepted: Collection[str | None], model: type[Body], kinds: str) -> list[Body]:
+    """Each item of the list `field` as `model`; 400 naming the `type` of an item whose type is not
+    `accepted` (`kinds` says which are, in the error)."""
+    checked = []
+    for index, item in enumerate(items):
+        kind = item.get("type")
+        if kind not in accepted:
+            message = f"{field}.{index}.type: only {kinds} are supported (got {kind!r})"
+            raise APIError(400, message, param=f"{field}.{index}.type", code="unsupported_value")
+        checked.append(validate(item, model, location=(field, index)))
+    return checked
 
 
 def check_nesting(value: Any, param: str) -> None:

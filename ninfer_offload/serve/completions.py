@@ -50,8 +50,8 @@ async def completion(ctx: ServeContext, request: Request) -> Response:
     if prepared.body.stream:
         created = int(time.time())
 
-        def failure(error: dict) -> str:
-            return sse({**_body(ctx, generation, created, "", "error"), **error})
+        def failure(error: APIError) -> str:
+            return sse({**_body(ctx, generation, created, "", "error"), **error.body()})
 
         return event_stream(_chunks(ctx, prepared, generation, created), generation, failure)
     return await until_disconnect(request, generation, _complete(ctx, prepared, generation))

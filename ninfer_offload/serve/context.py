@@ -4,13 +4,14 @@ checks, prompt size checks, request submission."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, TypeVar
 
+from ninfer_offload.errors import NinferError
 from ninfer_offload.frontend.grammar import GrammarCompiler
 from ninfer_offload.runtime.sampling import SamplingError, SamplingParams, sampling_from_config
 from ninfer_offload.serve.errors import APIError
@@ -19,7 +20,11 @@ from ninfer_offload.serve.protocol import SamplingFields
 from ninfer_offload.runtime.decoder import GenerationRequest
 from ninfer_offload.serve.scheduler import QueueFullError, Scheduler, ShuttingDownError
 
+log = logging.getLogger("ninfer.serve")
+
 Result = TypeVar("Result")
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait before trying again
 
 # Unicode normalization (NFC, NFKC) composes at most 4 code points into one; ASCII text it leaves alone.
 _NORMALIZATION_SHRINK = 4
@@ -58,18 +63,28 @@ class ServeContext:
     max_context: int
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="ninfer-request"))
     max_token_bytes: int = field(init=False)
+    grammar_compiler: GrammarCompiler | None = field(init=False)
+    grammar_problem: str | None = field(init=False)  # why structured output is unavailable
 
     def __post_init__(self) -> None:
         self.max_token_bytes = longest_token_bytes(self.frontend)
+        try:
+            self.grammar_compiler, self.grammar_problem = GrammarCompiler.for_frontend(self.frontend, self.frontend.vocab_size), None
+        except NinferError as exc:
+            self.grammar_compiler, self.grammar_problem = None, str(exc)
+            log.warning("warning: structured output (response_format, tools) is unavailable: %s", exc)
 
     async def off_loop(self, work: Callable[..., Result], *args: Any) -> Result:
         """`work(*args)` on the request worker thread."""
         return await asyncio.get_running_loop().run_in_executor(self.worker, work, *args)
 
-    @cached_property
-    def grammars(self) -> GrammarCompiler:
-        """Structured-output grammars against the model's tokenizer (built at the first use)."""
-        return GrammarCompiler.for_frontend(self.frontend, self.frontend.vocab_size)
+    def grammars(self, param: str) -> GrammarCompiler:
+        """Structured-output grammars against the model's tokenizer; 400 naming `param` (the field that
+        asks for a grammar) when llguidance could not use the tokenizer."""
+        if self.grammar_compiler is None:
+            message = f"{param} needs structured output, which is unavailable for this model: {self.grammar_problem}"
+            raise APIError(400, message, param=param, code="unsupported_value")
+        return self.grammar_compiler
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -79,18 +94,24 @@ class ServeContext:
 
     def sampling(self, body: SamplingFields) -> SamplingParams:
         """Request values, else the model's generation_config.json defaults, else OpenAI's; 422
-        naming the field the sampler cannot use (the rules are `SamplingParams`')."""
+        naming the field the sampler cannot use (the rules are `SamplingParams`'), or a biased token
+        id outside the vocabulary."""
+        bias = body.logit_bias or {}
+        vocab = self.frontend.vocab_size
+        if any(not 0 <= token < vocab for token in bias):
+            raise APIError(422, f"logit_bias token ids must lie in [0, {vocab})", param="logit_bias", code="invalid_value")
         try:
             return sampling_from_config(
                 self.frontend.generation_config,
                 temperature=body.temperature,
-                top_k=None if body.top_k is None else max(body.top_k, 0),  # -1 (vLLM) disables top-k
+                top_k=body.top_k,
                 top_p=body.top_p,
                 min_p=body.min_p,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty,
                 seed=body.seed,
+                logit_bias=tuple(sorted(bias.items())),
             )
         except SamplingError as exc:
             raise APIError(422, str(exc), param=exc.param, code="invalid_value") from None
@@ -109,8 +130,8 @@ class ServeContext:
             )
         return self.frontend.encode(prompt)  # releases the GIL: the event loop keeps serving meanwhile
 
-    def token_budget(self, prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
-        """`max_tokens` checked against the context (vLLM's rule); None means all the room left."""
+    def token_budget(self, prompt_tokens: int, requested: int | None, prompt_param: str, limit_param: str = "max_tokens") -> int:
+        """The completion limit (`limit_param`) checked against the context (vLLM's rule); None means all the room left."""
         if prompt_tokens == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
         room = self.max_context - prompt_tokens
@@ -120,8 +141,8 @@ class ServeContext:
                 400,
                 f"This model's maximum context length is {self.max_context} tokens. However, you requested "
                 f"{asked} tokens ({prompt_tokens} in the prompt, {requested or 0} for the completion). "
-                "Please shorten the prompt or lower max_tokens.",
-                param=prompt_param if room <= 0 else "max_tokens",
+                f"Please shorten the prompt or lower {limit_param}.",
+                param=prompt_param if room <= 0 else limit_param,
                 code="context_length_exceeded",
             )
         return requested if requested is not None else room
@@ -135,7 +156,7 @@ class ServeContext:
         try:
             handle = self.scheduler.submit(request, asyncio.get_running_loop(), f"{prefix}-{uuid.uuid4().hex[:24]}")
         except QueueFullError as exc:
-            raise APIError(429, str(exc), code="queue_full") from None
+            raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ShuttingDownError as exc:
             raise APIError(503, str(exc), code="shutting_down") from None
         decoder = self.frontend.incremental_decoder(skip_special_tokens=True)

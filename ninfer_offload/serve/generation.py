@@ -57,6 +57,11 @@ class TextGeneration:
             self.handle.cancel()
             self._log()
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text, None when none did."""
+        return self._stops.matched
+
     def usage(self) -> dict:
         """The OpenAI `usage` object: token counts, the prompt tokens resumed from the prompt cache
         (`prompt_tokens_details.cached_tokens`), and `speculation` counts when the request decoded speculatively."""

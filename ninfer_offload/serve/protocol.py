@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic_core import PydanticCustomError
 
 from ninfer_offload.serve.errors import APIError
 
 MAX_STOP_STRINGS = 16  # each is searched in every text delta, on the event loop
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (or with null), as OpenAI's
+
+
+# chat_template_kwargs the templates read as booleans: "false" (a non-empty string) would read as true.
+BOOLEAN_TEMPLATE_OPTIONS = frozenset({"enable_thinking"})
 
 
 class _Body(BaseModel):
@@ -88,18 +94,27 @@ class SamplingFields(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = Field(None, ge=-1)  # -1: disabled (vLLM)
+    top_k: int | None = None  # 0 or -1 (vLLM's spelling): off
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[int, float] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     cache_prompt: StrictBool = True  # an extension: false neither resumes from nor saves to the prompt cache
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise PydanticCustomError("too_many_stops", "at most {limit} stop strings are allowed, got {count}",
+                                      {"limit": MAX_STOP_STRINGS, "count": len(stop)})
+        return stop
 
     def check_supported(self) -> None:
         """Refuse the valid-but-unsupported options with a 400 instead of silently ignoring them."""
@@ -118,11 +133,23 @@ class SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """`{"type": "function", "function": {"name": ...}}`: a call to that function is forced."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -139,24 +166,48 @@ class ChatCompletionRequest(SamplingFields):
         """`max_completion_tokens` (the newer name) or `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(
-                400,
-                "tool_choice must be 'auto' or 'none' (forced tool calls are not supported)",
-                param="tool_choice",
-                code="unsupported_value",
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _boolean_options(cls, options: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in BOOLEAN_TEMPLATE_OPTIONS & (options or {}).keys():
+            if not isinstance(options[name], bool):
+                raise PydanticCustomError("bool_type", "{name} must be true or false (a JSON boolean), got {value}",
+                                          {"name": name, "value": repr(options[name])})
+        return options
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, choice: Any) -> Any:
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise PydanticCustomError(
+                "tool_choice", "tool_choice must be 'none', 'auto', 'required' or a named function, got {value}", {"value": repr(choice)}
             )
+        return choice
 
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    def callable_tools(self, param: str = "tool_choice") -> list[Tool]:
+        """The tools a reply may call: all of them, or the one `tool_choice` names (400 naming
+        `param` when no tool has that name, or when a call is forced without tools)."""
+        if self.forces_tool_call and not self.tools:
+            raise APIError(400, f"{param} forces a tool call, but no tools are given", param=param, code="invalid_value")
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return list(self.tools or [])
+        name = self.tool_choice.function.name
+        named = [tool for tool in self.tools if tool.function.name == name]
+        if not named:
+            raise APIError(400, f"{param} names the function '{name}', which is not among the tools", param=param, code="invalid_value")
+        return named
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     suffix: str | None = None
 
@@ -167,8 +218,9 @@ class CompletionRequest(SamplingFields):
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
 
-    def token_limit(self) -> int | None:
-        return self.max_tokens
+    def token_limit(self) -> int:
+        """`max_tokens`; unset or null: DEFAULT_COMPLETION_TOKENS."""
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
 
     def logprob_count(self) -> int | None:
         """Alternatives to report per token (`logprobs`: 0..5; None: no log-probabilities)."""

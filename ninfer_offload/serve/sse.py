@@ -1,4 +1,5 @@
-"""Server-sent events in the form OpenAI streams use, and the streaming response around them."""
+"""Server-sent events (OpenAI's `data:`-only form, or named events as Responses and Anthropic Messages
+streams use), and the streaming response around them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ninfer_offload.serve.errors import APIError, error_body
+from ninfer_offload.serve.errors import APIError
 from ninfer_offload.serve.generation import TextGeneration
 
 log = logging.getLogger("ninfer.serve")
@@ -18,29 +19,33 @@ log = logging.getLogger("ninfer.serve")
 DONE = "data: [DONE]\n\n"
 
 
-def sse(payload: dict) -> str:
-    """One `data:` event carrying a JSON object."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(payload: dict, event: str | None = None) -> str:
+    """One event carrying a JSON object, named `event` when given."""
+    data = f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return data if event is None else f"event: {event}\n{data}"
 
 
-def event_stream(events: AsyncIterator[str], generation: TextGeneration, failure: Callable[[dict], str]) -> StreamingResponse:
-    """Stream `events`, end with `[DONE]`. A failure (engine error, shutdown, any exception) ends the
-    stream with `failure(error_body)`, a last chunk that says `finish_reason: "error"`; a client that
-    goes away cancels the request (Starlette cancels this stream on disconnect)."""
+def event_stream(
+    events: AsyncIterator[str], generation: TextGeneration, failure: Callable[[APIError], str], done: str | None = DONE
+) -> StreamingResponse:
+    """Stream `events`, end with `done` (OpenAI's `[DONE]`; None: nothing). A failure (engine error,
+    shutdown, any exception) ends the stream with `failure(error)`, a last event that reports it in the
+    API's own form; a client that goes away cancels the request (Starlette cancels this stream on disconnect)."""
 
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
         except APIError as exc:
-            yield failure(error_body(exc.status, exc.message, exc.param, exc.code))
+            yield failure(exc)
         except Exception:
             log.exception("request %s: the stream failed", generation.handle.id)
             message = f"internal server error (request id {generation.handle.id}); the server log has the details"
-            yield failure(error_body(500, message, code="internal_error"))
+            yield failure(APIError(500, message, code="internal_error"))
         finally:
             generation.handle.cancel()
-        yield DONE
+        if done is not None:
+            yield done
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

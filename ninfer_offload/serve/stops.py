@@ -26,17 +26,21 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self._stops = [s for s in stops if s]
         self._pending = ""
-        self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def feed(self, delta: str) -> str:
         if self.stopped:
             return ""
         text = self._pending + delta
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        hits = [(at, stop) for stop in self._stops if (at := text.find(stop)) >= 0]
         if hits:
-            self.stopped = True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self._pending = ""
-            return text[: min(hits)]
+            return text[:at]
         keep = partial_match_length(text, self._stops)
         self._pending = text[len(text) - keep :]
         return text[: len(text) - keep]

@@ -10,8 +10,9 @@ The model writes::
     </function>
     </tool_call>
 
-A value is parsed as JSON when it is valid JSON (numbers, booleans, objects...), else kept as a
-string; a parameter the tool's schema declares as a string always stays a string. Content is the
+A value is parsed as JSON when it is strict JSON (numbers, booleans, objects...; not NaN or
+Infinity, not nested past what the parser can follow), else kept as a string; a parameter the
+tool's schema declares as a string always stays a string. `arguments` is always strict JSON. Content is the
 text before the first tool call, as in vLLM's parser for this format.
 """
 
@@ -42,14 +43,18 @@ def _string_parameters(tools: list[dict] | None) -> dict[str, set[str]]:
     return result
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
 def _value(raw: str, keep_string: bool) -> Any:
     text = raw[1:] if raw.startswith("\n") else raw
     text = text[:-1] if text.endswith("\n") else text
     if keep_string:
         return text
     try:
-        return json.loads(text)
-    except ValueError:
+        return json.loads(text, parse_constant=_not_json)
+    except (ValueError, RecursionError):
         return text
 
 
