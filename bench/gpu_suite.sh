@@ -6,7 +6,7 @@
 # writes the synthetic full-size artifact once (/tmp/q36.ninfer), runs the test files in TESTS from a
 # copy outside the source tree (the installed package is what they import) and each benchmark in
 # BENCHES (resident, resident_hf (with the full transformers baseline), resident_32k, sweep, paths (matrix-vector vs tensor-core tiles, 1-16 tokens), kernels, serve (options in SERVE_ARGS, e.g. --serve-arg=--vram-budget=15GiB), spec (options in SPEC_ARGS), short_prompts, warm_up (kernels a served engine first launches after its warm-up), kernel_formats (nvfp4 against row-split per product), l2 (each decode product from HBM against L2-resident), attention (attention decode's spans and launch shapes), nvfp4_pair (the official and nvfp4 artifacts resident and at 15 GiB in one run), offload_kernels (both artifacts at 15 GiB with their decode kernels by launch shape), offload (15 GiB and
-# the accelerate floor), offload_sweep (five budgets, ~7 min), offload_cpu (15 GiB, the three miss paths), offload_all (15, 12, 20, 24 GiB and the three miss paths, one load each, ~6 min), offload_prefill (at PREFILL_BUDGET GiB, default 15), nvfp4, pinning, ab (bench/step_ab.py with the variants in AB_ARGS), profile_nopdl (the one-token step, the verification and the batch step by launch shape with PDL off, so that each kernel's time excludes its wait for the one before; trace routing), ncu (Nsight Compute
+# the accelerate floor), offload_sweep (five budgets, ~7 min), offload_cpu (15 GiB, the three miss paths), offload_all (15, 12, 20, 24 GiB and the three miss paths, one load each, ~6 min), offload_prefill (at PREFILL_BUDGET GiB, default 15), nvfp4, pinning, prompt_cache (a chat and an agent, cold against cached, resident and at 15 GiB; options in PROMPT_CACHE_ARGS), ab (bench/step_ab.py with the variants in AB_ARGS), profile_nopdl (the one-token step, the verification and the batch step by launch shape with PDL off, so that each kernel's time excludes its wait for the one before; trace routing), ncu (Nsight Compute
 # sections of bench/ncu_probe.py's launches, the cases in NCU_CASES)), their
 # JSON and logs under $OUT. One device call runs at most 10 minutes: offload_sweep and the floor (~3 min more) do not fit in one.
 set -o pipefail
@@ -85,6 +85,8 @@ for bench in $BENCHES; do
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
         python3 bench/ncu_probe.py ${NCU_CASES:+--cases $NCU_CASES} > "$OUT/ncu.txt" 2>&1
       python3 bench/ncu_summary.py "$OUT/ncu.txt" --out "$OUT/ncu.json" --commit "$COMMIT" && grep -c '"kernel"' "$OUT/ncu.json" ;;
+    prompt_cache) artifact && python3 bench/prompt_cache.py /tmp/q36.ninfer --out "$OUT/prompt_cache.json" --commit "$COMMIT" \
+      $PROMPT_CACHE_ARGS 2>&1 | tail -4 ;;
     pinning) artifact && python3 bench/pinning.py /tmp/q36.ninfer --out "$OUT/pinning.json" --commit "$COMMIT" 2>&1 | tail -6 ;;
     offload_prefill) artifact && python3 bench/offload_prefill.py /tmp/q36.ninfer --budget "${PREFILL_BUDGET:-15}" --out "$OUT/offload_prefill.json" --commit "$COMMIT" 2>&1 | tail -6 ;;
     *) echo "unknown benchmark $bench" ;;

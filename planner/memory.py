@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.formats import BLOCK_SCALE, NVFP4, ROW_SPLIT, elements, runtime_geometry
 from ninfer_offload.artifact.inventory import Inventory
-from ninfer_offload.planner.options import PlanOptions
+from ninfer_offload.planner.options import PROMPT_CACHE_VRAM, PROMPT_CACHE_VRAM_SHARE, PlanOptions
 
 FP32, BF16, INT64 = 4, 2, 8
 KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1}
@@ -57,6 +57,14 @@ def state_pool_bytes(
         "kv_cache": (dims.num_attention_layers + mtp_layer) * kv_rows * kv_layer_bytes_per_token(dims, kv_dtype),
         "gdn_state": (sequences + 1) * (1 + draft_tokens) * gdn_state_bytes(dims, element_bytes),
     }
+
+
+def prompt_cache_vram_bytes(requested: int | None, budget: int | None) -> int:
+    """The prompt cache's device tier: `requested`, else PROMPT_CACHE_VRAM_SHARE of `budget` (the VRAM the load may use;
+    None: unknown) and at most PROMPT_CACHE_VRAM."""
+    if requested is not None:
+        return requested
+    return PROMPT_CACHE_VRAM if budget is None else min(PROMPT_CACHE_VRAM, int(budget * PROMPT_CACHE_VRAM_SHARE))
 
 
 # The most bytes of partial softmaxes one decode-attention launch holds (`kernels.attention.DECODE_PARTIAL_BYTES`,
@@ -139,6 +147,7 @@ class LoadOptions:
     element_bytes: int  # compute dtype
     kv_dtype: str  # a KV_ELEMENT_BYTES key
     proposal_head: bool = False  # the proposal head is loaded (it drafts instead of the output head)
+    prompt_cache_bytes: int = 0  # the prompt cache's device tier
 
 
 def expert_arena_bytes(expert_bytes: list[int], pinned_experts: tuple[int, ...], cache_slots: int, staging_slots: int) -> int:
@@ -149,8 +158,8 @@ def expert_arena_bytes(expert_bytes: list[int], pinned_experts: tuple[int, ...],
 
 
 def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]:
-    """Device bytes of a load, by item (weights, experts, kv_cache, gdn_state): the accounting the
-    loader allocates against and the load-time VRAM check refuses by."""
+    """Device bytes of a load, by item (weights, experts, kv_cache, gdn_state, and prompt_cache where it has one):
+    the accounting the loader allocates against and the load-time VRAM check refuses by."""
     dims = ModelDims.from_text_config(inventory.text_config)
     components = ("text", "mtp") if options.mtp else ("text",)
     banks = [bank for c in components for bank in inventory.banks_of(c)]
@@ -163,6 +172,7 @@ def load_footprint(inventory: Inventory, options: LoadOptions) -> dict[str, int]
         **state_pool_bytes(
             dims, options.sequences, options.capacity, options.draft_tokens, options.mtp, options.kv_dtype, options.element_bytes
         ),
+        **({"prompt_cache": options.prompt_cache_bytes} if options.prompt_cache_bytes else {}),
     }
 
 

@@ -13,6 +13,14 @@ from ninfer_offload.errors import NinferError
 # chunk needs crosses PCIe once per chunk: half the bytes).
 PREFILL_CHUNK = 4096
 
+# The prompt cache (`runtime.prefix_cache`): a long prefill saves its state about every PROMPT_CACHE_EVERY tokens
+# (rounded up to whole prefill chunks); its device tier defaults to PROMPT_CACHE_VRAM_SHARE of the VRAM the plan may use,
+# at most PROMPT_CACHE_VRAM, its host tier to PROMPT_CACHE_HOST.
+PROMPT_CACHE_EVERY = 2048
+PROMPT_CACHE_VRAM_SHARE = 0.1
+PROMPT_CACHE_VRAM = 4 << 30
+PROMPT_CACHE_HOST = 16 << 30
+
 KV_DTYPES = ("bf16", "fp8", "int8")
 SPECULATIVE_MODES = ("none", "mtp")
 MISS_PATHS = ("pcie", "cpu", "auto")  # host-resident experts: read by the GPU over PCIe, computed on the host, or both
@@ -65,6 +73,9 @@ class PlanOptions:
     mtp_acceptance: float = DEFAULT_MTP_ACCEPTANCE  # per-draft acceptance probability (assumption)
     at_context: int | None = None  # sequence length at which decode speed is predicted; None = min(AT_CONTEXT, max_context)
     miss_path: str = "pcie"  # how decode serves host-resident experts (MISS_PATHS)
+    prompt_cache: bool = False  # count a prompt cache: its device tier out of the budget, its host tier as pinned memory
+    prompt_cache_vram: int | None = None  # bytes; None = PROMPT_CACHE_VRAM_SHARE of the budget, at most PROMPT_CACHE_VRAM
+    prompt_cache_host: int | None = None  # bytes; None = PROMPT_CACHE_HOST
 
     def __post_init__(self) -> None:
         if self.at_context is None:
@@ -90,7 +101,7 @@ class PlanOptions:
             raise NinferError(f"--miss-path must be one of {', '.join(MISS_PATHS)}, got {self.miss_path!r}")
         if not 0.0 <= self.mtp_acceptance < 1.0:
             raise NinferError(f"--mtp-acceptance must be in [0, 1), got {self.mtp_acceptance}")
-        for name in ("vram_reserve", "vram_budget", "host_budget"):
+        for name in ("vram_reserve", "vram_budget", "host_budget", "prompt_cache_vram", "prompt_cache_host"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise NinferError(f"--{name.replace('_', '-')} must not be negative")

@@ -156,6 +156,7 @@ PLAN_SCHEMA: dict = {
             "required": [
                 "max_context", "concurrency", "kv_dtype", "speculative", "drafts", "proposal_head", "vision",
                 "prefill_chunk", "vram_reserve", "vram_budget", "host_budget", "mtp_acceptance", "at_context", "miss_path",
+                "prompt_cache", "prompt_cache_vram", "prompt_cache_host",
             ],
             "properties": {
                 "max_context": _INT, "concurrency": _INT, "kv_dtype": {"type": "string", "enum": ["bf16", "fp8", "int8"]},
@@ -166,6 +167,9 @@ PLAN_SCHEMA: dict = {
                 "host_budget": {"type": ["integer", "null"], "minimum": 0},
                 "mtp_acceptance": _NUMBER, "at_context": _INT,
                 "miss_path": {"type": "string", "enum": ["pcie", "cpu", "auto"]},
+                "prompt_cache": {"type": "boolean"},
+                "prompt_cache_vram": {"type": ["integer", "null"], "minimum": 0},
+                "prompt_cache_host": {"type": ["integer", "null"], "minimum": 0},
             },
         },
         "vram_total_bytes": _INT,

@@ -22,8 +22,10 @@ from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_split import simulate_decode_cache
 from ninfer_offload.planner.cost import WeightTraffic, predict
-from ninfer_offload.planner.memory import pool_bytes, prefill_staging_slots, staging_slots, state_pool_bytes, workspace_bytes
-from ninfer_offload.planner.options import PlanOptions
+from ninfer_offload.planner.memory import (
+    pool_bytes, prefill_staging_slots, prompt_cache_vram_bytes, staging_slots, state_pool_bytes, workspace_bytes,
+)
+from ninfer_offload.planner.options import PROMPT_CACHE_HOST, PlanOptions
 from ninfer_offload.planner.placement import ComponentPlacement, Placement
 from ninfer_offload.planner.routing import RoutingStats, default_routing_stats
 from ninfer_offload.profiles import DeviceProfile
@@ -85,6 +87,10 @@ def plan(
         "staging": 0,
         "prefill_staging": 0,
     }
+    prompt_cache_host = 0
+    if options.prompt_cache:
+        runtime["prompt_cache"] = prompt_cache_vram_bytes(options.prompt_cache_vram, budget)
+        prompt_cache_host = PROMPT_CACHE_HOST if options.prompt_cache_host is None else options.prompt_cache_host
     fixed_weights = (
         _bytes(dense_text) + head + (mtp if options.speculating else 0) + (proposal if use_proposal else 0)
         + (vision if options.vision else 0)
@@ -119,7 +125,7 @@ def plan(
     pool_banks = banks + (inventory.banks_of("mtp") if options.speculating else [])
     pool_layers = [b.expert_bytes * b.num_experts for b in pool_banks]
     expert_pool = pool_bytes(pool_layers, pinned=True) if host_experts else 0
-    host_pinned = expert_pool + (0 if embedding_on_device else embedding)
+    host_pinned = expert_pool + (0 if embedding_on_device else embedding) + prompt_cache_host
     vram_used = fixed + runtime["staging"] + runtime["prefill_staging"] + resident_bytes + (embedding if embedding_on_device else 0)
 
     routed_stored = sum(b.bank_bytes for b in banks)
@@ -228,6 +234,13 @@ def _expert_order(stats: RoutingStats, expert_bytes: list[int]) -> list[tuple[in
 def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptions, profile: DeviceProfile) -> str | None:
     """One line saying what does not fit and which option would make it fit, or None."""
     budget = p.vram_budget_bytes
+    cache = p.runtime.get("prompt_cache", 0)
+    if cache and p.vram_used_bytes > budget >= p.vram_used_bytes - cache:
+        fits = budget - (p.vram_used_bytes - cache)
+        return (
+            f"the prompt cache's {_gib(cache)} of VRAM does not fit the budget of {_gib(budget)} on {profile.name}: "
+            f"at most {fits >> 20} MiB does beside the rest (--prompt-cache-vram)"
+        )
     if p.vram_used_bytes > budget:
         kv = p.runtime["kv_cache"]
         hints = []
@@ -266,7 +279,8 @@ def _infeasible(p: Placement, fixed: int, fixed_weights: int, options: PlanOptio
             else f"{HOST_PINNED_SHARE:.0%} of {_gib(profile.ram_bytes)} RAM on {profile.name}"
         )
         return (
-            f"needs {_gib(p.host_pinned_bytes)} pinned host memory for the expert pool and embedding, budget is "
+            f"needs {_gib(p.host_pinned_bytes)} pinned host memory for the expert pool and embedding"
+            f"{' and the prompt cache' if options.prompt_cache else ''}, budget is "
             f"{_gib(p.host_budget_bytes)} ({given}); give a larger --host-budget or --vram-budget, or a profile with more RAM"
         )
     return None

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_policy import POLICIES
-from ninfer_offload.planner.memory import LoadOptions
-from ninfer_offload.planner.options import MAX_DRAFTS, MISS_PATHS, PREFILL_CHUNK, SPECULATIVE_MODES, PlanOptions, parse_size
+from ninfer_offload.planner.memory import LoadOptions, prompt_cache_vram_bytes
+from ninfer_offload.planner.options import (
+    MAX_DRAFTS, MISS_PATHS, PREFILL_CHUNK, PROMPT_CACHE_EVERY, PROMPT_CACHE_HOST, SPECULATIVE_MODES, PlanOptions, parse_size,
+)
 from ninfer_offload.profiles import DeviceProfile
 
 EXPERT_MODES = ("auto", "resident", "host")  # all in VRAM where they fit (else as planned), all in VRAM, all in host memory
@@ -46,6 +48,11 @@ class LoadRequest:
     speculating. prefill_chunk: most prompt tokens per forward. dtype: float32 or bfloat16 (None: bf16 on
     CUDA, fp32 on CPU; a torch dtype is kept by its name). backend: auto, reference or triton.
     cuda_graphs: replay decode steps as CUDA graphs where the backend and the expert store allow it.
+    prompt_cache: keep the states of finished sequences and long prompts for later requests that start
+    with the same tokens (`runtime.prefix_cache`), in at most `prompt_cache_vram` bytes of the device
+    (None: `prompt_cache_device_bytes`'s default) and `prompt_cache_host` bytes of host memory (None:
+    PROMPT_CACHE_HOST; a size such as "8GiB" is read); `prompt_cache_every`: tokens between the saved
+    positions of a long prompt (None: PROMPT_CACHE_EVERY rounded up to whole prefill chunks).
     """
 
     experts: str = "auto"
@@ -65,12 +72,17 @@ class LoadRequest:
     dtype: str | None = None
     backend: str = "auto"
     cuda_graphs: bool = True
+    prompt_cache: bool = False
+    prompt_cache_vram: int | None = None
+    prompt_cache_host: int | None = None
+    prompt_cache_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.miss_path is None:
             object.__setattr__(self, "miss_path", "pcie")
-        if isinstance(self.vram_budget, str):
-            object.__setattr__(self, "vram_budget", parse_size(self.vram_budget))
+        for name in ("vram_budget", "prompt_cache_vram", "prompt_cache_host"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.dtype is not None and not isinstance(self.dtype, str):
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         self._check_placement()
@@ -123,11 +135,35 @@ class LoadRequest:
             raise NinferError(f"unsupported dtype {self.dtype!r}: use float32 or bfloat16")
         if self.backend not in BACKENDS:
             raise NinferError(f"unknown backend {self.backend!r}: use auto, reference or triton")
+        for name in ("prompt_cache_vram", "prompt_cache_host"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise NinferError(f"--{name.replace('_', '-')} must not be negative")
+        if self.prompt_cache_every is not None and self.prompt_cache_every < 1:
+            raise NinferError(f"prompt_cache_every must be >= 1, got {self.prompt_cache_every}")
 
     @property
     def planned(self) -> bool:
         """Whether the load is planned for a card whatever the free VRAM (a profile or a VRAM budget was given)."""
         return self.profile is not None or self.vram_budget is not None
+
+    def prompt_cache_device_bytes(self, budget: int | None) -> int:
+        """The prompt cache's device tier (`planner.memory.prompt_cache_vram_bytes` of `budget`, the VRAM the load may
+        use, None where unknown); 0 without a prompt cache."""
+        return prompt_cache_vram_bytes(self.prompt_cache_vram, budget) if self.prompt_cache else 0
+
+    @property
+    def prompt_cache_host_bytes(self) -> int:
+        """The prompt cache's host tier (0 without a prompt cache)."""
+        if not self.prompt_cache:
+            return 0
+        return PROMPT_CACHE_HOST if self.prompt_cache_host is None else self.prompt_cache_host
+
+    @property
+    def prompt_cache_interval(self) -> int:
+        """Tokens between the saved positions of a long prompt (`prompt_cache_every`)."""
+        if self.prompt_cache_every is not None:
+            return self.prompt_cache_every
+        return -(-PROMPT_CACHE_EVERY // self.prefill_chunk) * self.prefill_chunk
 
     def capacity(self, model_context: int) -> int:
         """Tokens per sequence for a model of `model_context` tokens at most."""
@@ -138,13 +174,17 @@ class LoadRequest:
             )
         return capacity
 
-    def load_options(self, capacity: int, draft_tokens: int, mtp: bool, element_bytes: int, kv_dtype: str) -> LoadOptions:
+    def load_options(
+        self, capacity: int, draft_tokens: int, mtp: bool, element_bytes: int, kv_dtype: str, prompt_cache_bytes: int = 0
+    ) -> LoadOptions:
         """The footprint's options of this request's state and weights (no expert arena), as the load resolved
         it: `capacity` tokens per sequence, `draft_tokens` (the speculation's), the MTP module loaded or not, the
-        compute dtype's `element_bytes` and the KV cache's `kv_dtype` (a `KV_ELEMENT_BYTES` key)."""
+        compute dtype's `element_bytes`, the KV cache's `kv_dtype` (a `KV_ELEMENT_BYTES` key) and the prompt
+        cache's device tier."""
         return LoadOptions(
             pinned_experts=(), cache_slots=0, staging_slots=0, sequences=self.max_sequences, capacity=capacity,
             draft_tokens=draft_tokens, mtp=mtp, element_bytes=element_bytes, kv_dtype=kv_dtype, proposal_head=self.proposal_head,
+            prompt_cache_bytes=prompt_cache_bytes,
         )
 
     def plan_options(self, load: LoadOptions) -> PlanOptions:
@@ -153,4 +193,5 @@ class LoadRequest:
             max_context=load.capacity, concurrency=load.sequences, kv_dtype="fp8" if load.kv_dtype == "fp8" else "bf16",
             speculative="mtp" if load.mtp else "none", drafts=max(1, load.draft_tokens), proposal_head=load.proposal_head,
             prefill_chunk=self.prefill_chunk, vram_budget=self.vram_budget, miss_path=self.miss_path,
+            prompt_cache=self.prompt_cache, prompt_cache_vram=self.prompt_cache_vram, prompt_cache_host=self.prompt_cache_host,
         )

@@ -71,10 +71,12 @@ def test_serve_logs_requests_and_shuts_down_gracefully(tiny_artifact, speculatin
         assert server.wait_for(r"56 of 56 experts in cpu memory \(no VRAM on a cpu load\), 0 cache slots")
         assert server.wait_for(r"no warm-up on cpu: its eager ops compile nothing and capture no steps")
         assert server.wait_for(r"serving model 'tiny' at /v1 \(2 concurrent sequences, queue 64, 3 MTP drafts per step \(--spec auto: on")
+        assert server.wait_for(r"MTP drafts per step .*, prompt cache \d+\.\d\d GiB on cpu \+ 16\.00 GiB host\)")  # on by default
         response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert response.status_code == 200
         request_id = response.json()["id"]
-        assert server.wait_for(rf"{request_id} prompt=\d+ completion=\d+ queued=\S+ ttft=\S+ total=\S+ decode=.* finish=(stop|length)")
+        logged = rf"{request_id} prompt=\d+ cached=0 completion=\d+ queued=\S+ ttft=\S+ total=\S+ decode=.* finish=(stop|length)"
+        assert server.wait_for(logged)
         for origin, status in (("http://app.lan:3000", 200), ("http://evil.example", 403)):
             body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1}
             assert httpx.post(f"{server.url}/v1/completions", json=body, headers={"origin": origin}).status_code == status

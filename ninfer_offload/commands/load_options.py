@@ -63,8 +63,21 @@ OPTIONS: dict[str, tuple[object, typer.models.OptionInfo]] = {
         PREFILL_CHUNK, "--prefill-chunk",
         help="Most prompt tokens per forward: larger prefills faster, most with experts in host memory, and sets more VRAM aside.",
     )),
+    "prompt_cache": (bool, typer.Option(
+        False, "--prompt-cache/--no-prompt-cache",
+        help="Keep the states of finished requests and long prompts, so that a request starting with the same tokens "
+        "(a chat's history, an agent's context) prefills only what is new.",
+    )),
+    "prompt_cache_vram": (str | None, typer.Option(
+        None, "--prompt-cache-vram",
+        help="Prompt cache in VRAM (e.g. 2GiB), taken from the VRAM budget; default: a tenth of it, at most 4 GiB.",
+    )),
+    "prompt_cache_host": (str | None, typer.Option(
+        None, "--prompt-cache-host", help="Prompt cache in pinned host memory beyond the VRAM part (e.g. 16GiB, the default)."
+    )),
 }
 PLACEMENT = ("experts", "profile", "vram_budget", "cache_policy", "miss_path")  # where the experts go
+PROMPT_CACHE = ("prompt_cache", "prompt_cache_vram", "prompt_cache_host")
 SPECULATION = ("spec", "draft_tokens", "proposal_head")
 
 

@@ -18,7 +18,7 @@ from typing import Optional
 import typer
 
 from ninfer_offload.artifact.inventory import Inventory
-from ninfer_offload.commands.load_options import load_options
+from ninfer_offload.commands.load_options import PROMPT_CACHE, load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner import PlanOptions, parse_size
 from ninfer_offload.planner.cost import calibration_profile
@@ -62,6 +62,9 @@ def _options(inventory: Inventory, request: LoadRequest, given: dict) -> PlanOpt
         "prefill_chunk": request.prefill_chunk,
         "vram_budget": request.vram_budget,
         "miss_path": request.miss_path,
+        "prompt_cache": request.prompt_cache,
+        "prompt_cache_vram": request.prompt_cache_vram,
+        "prompt_cache_host": request.prompt_cache_host,
     }
     return PlanOptions(**{key: value for key, value in given.items() if value is not None})
 
@@ -110,7 +113,7 @@ def _warn_calibration(profiles: list[DeviceProfile]) -> None:
             )
 
 
-@load_options("vram_budget", "miss_path", "spec", "draft_tokens", "prefill_chunk", spec="auto")
+@load_options("vram_budget", "miss_path", "spec", "draft_tokens", "prefill_chunk", *PROMPT_CACHE, spec="auto")
 def plan(
     artifact: Optional[Path] = typer.Argument(
         None, help="A .ninfer file (only its directory is read). Default: the official Qwen3.6-35B-A3B inventory."

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from ninfer_offload.commands.bench_routing import apply_bench_routing
-from ninfer_offload.commands.load_options import PLACEMENT, SPECULATION, load_options
+from ninfer_offload.commands.load_options import PLACEMENT, PROMPT_CACHE, SPECULATION, load_options
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.request import LoadRequest
 
@@ -73,7 +73,7 @@ def _frontend(artifact: Path, template: str | None):
     return frontend
 
 
-@load_options(*PLACEMENT, *SPECULATION, "max_context")
+@load_options(*PLACEMENT, *SPECULATION, *PROMPT_CACHE, "max_context", prompt_cache=True)
 def serve(
     artifact: Path = typer.Argument(..., help="The .ninfer model file to serve."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; the default accepts local clients only."),
@@ -178,9 +178,12 @@ def _load_and_serve(
     gc.freeze()
     name = served_model_name or artifact.name.removesuffix(".ninfer")
     app = create_app(engine, frontend, name, engine.max_context, **options)
+    cache = engine.prompt_cache
     log.info(
-        "serving model '%s' at /v1 (%d concurrent sequences, queue %d, %s%s)",
+        "serving model '%s' at /v1 (%d concurrent sequences, queue %d, %s%s%s)",
         name, options["max_concurrency"], options["max_queue"], engine.speculation.describe(),
+        f", prompt cache {cache.device_bytes / 2**30:.2f} GiB on {engine.device.type} + {cache.host_bytes / 2**30:.2f} GiB host"
+        if cache is not None else "",
         ", API key required" if options["api_key"] else "",
     )
     graceful_server(app, host, port, log_level.lower(), shutdown_timeout).run()

@@ -91,6 +91,15 @@ class StatePool:
         self._conv[:, slot].zero_()
         self._recurrent[:, slot].zero_()
 
+    def gdn_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the GDN conv windows [layers, W - 1, C] and recurrent states [layers, Hv, Dk, Dv] of `slot`."""
+        return self._conv[:, slot], self._recurrent[:, slot]
+
+    def set_gdn_state(self, slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Make the GDN state of `slot` a saved one (`gdn_state`'s shapes; a copy queued on the device's stream)."""
+        self._conv[:, slot].copy_(conv, non_blocking=True)
+        self._recurrent[:, slot].copy_(recurrent, non_blocking=True)
+
     def restore(self, slot: int, token: int) -> None:
         """Make the GDN state of `slot` the state kept after token `token` of the last multi-token step."""
         self._conv[:, slot].copy_(self._conv_snapshots[:, slot, token])

@@ -15,6 +15,10 @@ A `Decoder` runs a batch of sequences on one engine. Each `step()`:
      token read then has one step thrown away;
    - otherwise one step on the host's tokens; greedy rows are picked in one argmax, the others
      sampled (penalties, grammar mask, logprobs).
+With the engine's prompt cache (`runtime.prefix_cache`), a newcomer first resumes the longest saved
+prefix of its prompt and prefills only the rest, its prompt pieces ending at the cache's save points,
+where its state is saved; a sequence that stops or reaches its length is saved too. A request may opt
+out (`GenerationRequest.cache_prompt`).
 A sequence ends on a stop id (not handed out), at `max_tokens`, when its context is full, on an
 error of its own, or when its caller ends it. `step()` returns what happened, in order: the tokens
 handed out (`Token`) and the sequences that ended (`End`).
@@ -42,7 +46,7 @@ log = logging.getLogger("ninfer.decode")
 class GenerationRequest:
     """One sequence to generate: its prompt, budget, sampling and stop ids; optionally a grammar
     (`constraint`, with `mask(logits)` and `accept(token)`) and log-probabilities of each token with
-    `logprobs` alternatives."""
+    `logprobs` alternatives; `cache_prompt`: resume from and save to the engine's prompt cache, if it has one."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -50,6 +54,7 @@ class GenerationRequest:
     stop_ids: frozenset[int] = frozenset()
     constraint: Any = None  # a frontend.grammar.GrammarConstraint (structured output), or None
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: off)
+    cache_prompt: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -86,6 +91,8 @@ class Sequence:
     produced: int = 0
     first_token_at: float | None = None  # perf_counter() when its first token was sampled
     ended: bool = False
+    cached_tokens: int = 0  # prompt tokens resumed from the prompt cache
+    save_points: list[int] = field(default_factory=list)  # prompt positions still to save at, ascending
 
     @property
     def prompt(self) -> list[int]:
@@ -146,6 +153,13 @@ class QueuedTokens:
         return self.host.tolist()
 
 
+def _last_message_end(request: GenerationRequest) -> int:
+    """Where a chat prompt's last message ends: after its last stop id (`<|im_end|>`), 0 if it has none. The next turn
+    shares the prompt up to there but not after (the reply replaces what the template opened, its reasoning among it)."""
+    prompt = request.prompt_ids
+    return next((i + 1 for i in range(len(prompt) - 1, -1, -1) if prompt[i] in request.stop_ids), 0)
+
+
 def queue_greedy_step(engine, sessions: list, picked: torch.Tensor) -> QueuedTokens:
     """Queue the step that adds picked[i] ([B] int64 on the engine's device) to sessions[i]
     (`Engine.step_on_device`), its argmax and those ids' copy to the host, without waiting for the device."""
@@ -183,15 +197,59 @@ class Decoder:
         """Open a session for `request` (NinferError when every slot is taken); it starts at the next `step()`."""
         session = self.engine.session()
         try:
-            sampler = Sampler(request.sampling)
+            sequence = Sequence(request, session, Sampler(request.sampling), unprefilled=list(request.prompt_ids), owner=owner)
+            if self.engine.spec_tokens and request.constraint is None and request.logprobs is None:
+                sequence.speculator = MtpSpeculator(session, sequence.sampler, request.prompt_ids, self.engine.spec_tokens)
+            self._resume(sequence)
         except BaseException:
             session.close()
             raise
-        sequence = Sequence(request, session, sampler, unprefilled=list(request.prompt_ids), owner=owner)
-        if self.engine.spec_tokens and request.constraint is None and request.logprobs is None:
-            sequence.speculator = MtpSpeculator(session, sampler, request.prompt_ids, self.engine.spec_tokens)
         self.sequences.append(sequence)
         return sequence
+
+    # -- prompt cache --------------------------------------------------------------------------
+    def _cache(self, sequence: Sequence):
+        """The engine's prompt cache where `sequence` uses it, else None."""
+        return self.engine.prompt_cache if sequence.request.cache_prompt else None
+
+    def _resume(self, sequence: Sequence) -> None:
+        """Start `sequence` from the longest saved prefix of its prompt (one with MTP rows for a speculating one)."""
+        cache = self._cache(sequence)
+        if cache is None:
+            return
+        match = cache.match(sequence.prompt, with_mtp=sequence.speculator is not None)
+        sequence.session.resume(match)
+        sequence.unprefilled = sequence.prompt[match.tokens :]
+        sequence.cached_tokens = match.tokens
+        if sequence.speculator is not None and match.tokens:
+            sequence.speculator.resume(match.hidden)
+        sequence.save_points = cache.save_points(len(sequence.prompt), match, (_last_message_end(sequence.request),))
+
+    def _piece_room(self, sequence: Sequence, tokens: int) -> int:
+        """At most `tokens` of the prompt's next piece, ending at the next save point if it comes before."""
+        points = sequence.save_points
+        return min(tokens, points[0] - sequence.prefilled) if points else tokens
+
+    def _after_piece(self, sequence: Sequence) -> None:
+        """Save the state of `sequence` if its prompt has reached its next save point."""
+        points = sequence.save_points
+        if points and sequence.prefilled == points[0]:
+            points.pop(0)
+            self._save(sequence)
+
+    def _save(self, sequence: Sequence) -> None:
+        """Save the state of `sequence` in the prompt cache under the tokens its session holds (those it knows)."""
+        session = sequence.session
+        if self._cache(sequence) is None or session.pending or session.slot is None:
+            return
+        held = (sequence.prompt + sequence.output)[: session.length]
+        if len(held) < session.length:  # it was fed a token it never handed out (ended by its caller)
+            return
+        hidden = sequence.speculator.last_hidden if sequence.speculator is not None else None
+        try:
+            session.remember(held, hidden)
+        except Exception:  # noqa: BLE001 - a cache that cannot save costs a later request time, never this one its tokens
+            log.exception("saving a %d-token sequence in the prompt cache failed", len(held))
 
     def step(self) -> list[Event]:
         """One prefill piece and one decode step; the tokens handed out and the sequences ended meanwhile."""
@@ -226,18 +284,21 @@ class Decoder:
 
     def _prefill_together(self, sequences: list[Sequence], tokens: int) -> None:
         """Up to `tokens` tokens of each one's prompt in one forward, each padded to `tokens`."""
+        rows = [s.unprefilled[: self._piece_room(s, tokens)] for s in sequences]
         try:
-            logits = self.engine.prefill_batch([s.session for s in sequences], [s.unprefilled[:tokens] for s in sequences], tokens)
+            logits = self.engine.prefill_batch([s.session for s in sequences], rows, tokens)
         except Exception as exc:  # noqa: BLE001 - the sequences end with the error, the loop goes on
             self._fail(sequences, f"prefill of {len(sequences)} prompts together", exc)
             return
-        for sequence, row in zip(sequences, logits):
-            sequence.unprefilled = sequence.unprefilled[tokens:]
+        for sequence, piece, row in zip(sequences, rows, logits):
+            sequence.unprefilled = sequence.unprefilled[len(piece) :]
+            self._after_piece(sequence)
             if not sequence.unprefilled:
                 self._sample(sequence, row)
 
     def _prefill_one(self, sequence: Sequence) -> None:
-        chunk, sequence.unprefilled = sequence.unprefilled[: self.prefill_chunk], sequence.unprefilled[self.prefill_chunk :]
+        size = self._piece_room(sequence, self.prefill_chunk)
+        chunk, sequence.unprefilled = sequence.unprefilled[:size], sequence.unprefilled[size:]
         try:
             if sequence.speculator is not None:
                 logits = sequence.speculator.feed_prompt(chunk)
@@ -246,6 +307,7 @@ class Decoder:
         except Exception as exc:  # noqa: BLE001
             self._fail([sequence], f"prefill of a {len(sequence.prompt)}-token prompt", exc)
             return
+        self._after_piece(sequence)
         if not sequence.unprefilled:
             self._sample(sequence, logits)
 
@@ -395,6 +457,8 @@ class Decoder:
             self._finish(sequence, "error", str(exc))
 
     def _finish(self, sequence: Sequence, reason: str, error: str | None = None) -> None:
+        if reason in ("stop", "length"):
+            self._save(sequence)
         sequence.ended = True
         sequence.next_token = None
         if sequence in self.sequences:

@@ -3,6 +3,10 @@
     engine = Engine.load("model.ninfer", device="cpu")  # or Engine.load(path, LoadRequest(...), device="cuda")
     logits = engine.logits([1, 2, 3])                 # [T, vocab], fresh sequence
     s = engine.session(); s.prefill(ids); s.step(tok)  # incremental, state in one slot of the pool
+    engine = Engine.load(path, prompt_cache=True)      # a prompt cache (`runtime.prefix_cache`):
+    match = engine.prompt_cache.match(ids)             # the longest saved prefix of ids,
+    s = engine.session(); s.resume(match)              # restored into a new session,
+    s.prefill(ids[match.tokens:]); s.remember(ids)     # the rest prefilled, the state saved for the next one
     engine.step_batch([s1, s2], [t1, t2])              # one decode step over several sequences
 
 The engine is the façade: it loads, hands out sessions (state slots), checks the tokens, sessions and
@@ -26,12 +30,13 @@ from ninfer_offload.artifact.errors import ArtifactError
 from ninfer_offload.artifact.inventory import Inventory
 from ninfer_offload.artifact.dims import FULL_ATTENTION, ModelDims
 from ninfer_offload.model.state_pool import StatePool
-from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, load_footprint
+from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, load_footprint, workspace_bytes
 from ninfer_offload.planner.request import DEFAULT_DRAFT_TOKENS, LoadRequest
 from ninfer_offload.runtime.expert_plan import LoadPlan, expert_load_plan
 from ninfer_offload.runtime.loader import load_model
 from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
 from ninfer_offload.runtime.graphs import PREFILL_BUCKETS
+from ninfer_offload.runtime.prefix_cache import Match, PrefixCache
 from ninfer_offload.runtime.session import Session
 from ninfer_offload.runtime.batched_prefill import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS
 from ninfer_offload.runtime.spec_choice import Speculation, resolve_speculation
@@ -83,6 +88,23 @@ def _backend_for(device: torch.device, name: str):
     return TritonBackend()
 
 
+def _prompt_cache_bytes(
+    default: int, explicit: bool, expert_plan: LoadPlan, footprint: dict[str, int], free: int | None, config: ModelDims,
+    request: LoadRequest, load,
+) -> int:
+    """The prompt cache's device tier: the size asked for; else a planned load's share of its plan (taken from its budget,
+    `ninfer plan` states it); else, on CUDA, `default` (a share of the free VRAM) at most what the load leaves (its
+    footprint, experts and prefill workspace), never the experts' room; else `default`."""
+    if explicit:
+        return default
+    if expert_plan.plan is not None:
+        return expert_plan.plan.runtime["prompt_cache"]
+    if free is None:
+        return default
+    left = free - sum(footprint.values()) - expert_plan.arena_bytes - workspace_bytes(config, request.plan_options(load))
+    return max(0, min(default, left))
+
+
 @dataclass(frozen=True)
 class WarmUpTimes:
     """Seconds `Engine.warm_up` spent prefilling (kernels compiled, short prompt chunks captured) and
@@ -120,6 +142,7 @@ class Engine:
     def __init__(
         self, artifact, runner: StepRunner, expert_plan: LoadPlan | None = None,
         speculation: Speculation = Speculation("none", 0, False), load_seconds: dict | None = None,
+        prompt_cache: PrefixCache | None = None,
     ):
         self.artifact = artifact
         self.runner = runner
@@ -127,6 +150,7 @@ class Engine:
         self.expert_plan = expert_plan  # where the routed experts went, and the plan behind it
         self.speculation = speculation  # what the load resolved `spec`/`draft_tokens`/`proposal_head` to
         self.spec_tokens = speculation.spec_tokens  # MTP drafts per speculative step of `generate` (0: plain decode)
+        self.prompt_cache = prompt_cache  # saved states of earlier sequences (None: no prompt cache)
         self._free_slots = list(range(runner.state.sequences - 1, -1, -1))
 
     @classmethod
@@ -157,12 +181,21 @@ class Engine:
             speculating = request.load_options(capacity, request.draft_tokens or DEFAULT_DRAFT_TOKENS, True, element_bytes, kv_name)
             speculation = resolve_speculation(request, inventory, artifact.path.name, resolved, speculating)
             mtp = request.mtp or speculation.mode == "mtp"
-            resolved_load = request.load_options(capacity, speculation.draft_tokens, mtp, element_bytes, kv_name)
-            state_and_weights = load_footprint(inventory, resolved_load)
             free = torch.cuda.mem_get_info(resolved)[0] if resolved.type == "cuda" else None
+            cache_bytes = request.prompt_cache_device_bytes(free)
+            explicit = request.prompt_cache_vram is not None
+            resolved_load = request.load_options(
+                capacity, speculation.draft_tokens, mtp, element_bytes, kv_name, cache_bytes if explicit else 0
+            )
+            state_and_weights = load_footprint(inventory, resolved_load)
             expert_plan = expert_load_plan(
                 inventory, resolved, request, resolved_load, None if free is None else free - sum(state_and_weights.values())
             )
+            if request.prompt_cache:
+                cache_bytes = _prompt_cache_bytes(
+                    cache_bytes, explicit, expert_plan, state_and_weights, free, config, request, resolved_load
+                )
+                state_and_weights["prompt_cache"] = cache_bytes
             if resolved.type == "cuda":
                 check_fits(state_and_weights | {"experts": expert_plan.arena_bytes}, free, resolved)
             check_host_memory(expert_plan.host_ram_bytes(pinned=resolved.type == "cuda"))
@@ -180,7 +213,13 @@ class Engine:
             artifact.close()
             raise
         runner = StepRunner(loaded, ops, resolved, dtype, state, request.prefill_chunk, request.cuda_graphs)
-        return cls(artifact, runner, expert_plan, speculation, loaded.load_seconds)
+        cache = None
+        if request.prompt_cache:
+            cache = PrefixCache(
+                state, resolved, cache_bytes, request.prompt_cache_host_bytes,
+                request.prompt_cache_interval, config.num_layers if mtp else None,
+            )
+        return cls(artifact, runner, expert_plan, speculation, loaded.load_seconds, cache)
 
     def placement_report(self) -> str:
         """One line: where the routed experts went (and the plan behind it), and the VRAM in use against the plan."""
@@ -202,6 +241,33 @@ class Engine:
         slot = self._free_slots.pop()
         self.state.reset(slot)
         return Session(self, slot)
+
+    def resume(self, session: Session, match: Match) -> None:
+        """Give the empty `session` the state of a prompt cache match (`PrefixCache.match`): it then holds the
+        match's tokens, and with the match's hidden state (a match made `with_mtp`) their MTP entries but the last."""
+        slot = session.live_slot()
+        if session.length or session.mtp_length:
+            raise NinferError("a session resumes a cached prefix before anything else is appended to it")
+        if match.tokens:
+            self._need_prompt_cache().restore(slot, match)
+            session.length = match.tokens
+            session.mtp_length = match.tokens - 1 if match.hidden is not None else 0
+
+    def remember(self, session: Session, token_ids: Iterable[int], hidden: torch.Tensor | None = None) -> None:
+        """Save `session`'s state in the prompt cache under `token_ids`, the tokens it holds; with `hidden`, the final-
+        normed hidden state of its last token, also its MTP entries (it holds one fewer than tokens, or as many)."""
+        ids = self._token_list(token_ids)
+        slot = session.live_slot()
+        if len(ids) != session.length:
+            raise NinferError(f"the session holds {session.length} tokens, not the {len(ids)} given")
+        if hidden is not None and session.mtp_length < session.length - 1:
+            raise NinferError("the session's MTP cache does not cover its tokens: save it without a hidden state")
+        self._need_prompt_cache().save(slot, ids, hidden)
+
+    def _need_prompt_cache(self) -> PrefixCache:
+        if self.prompt_cache is None:
+            raise NinferError("the engine was loaded without a prompt cache (Engine.load(..., prompt_cache=True))")
+        return self.prompt_cache
 
     def release_slot(self, slot: int) -> None:
         """Give a closed session's slot back."""

@@ -30,6 +30,12 @@ def check_fits(footprint: dict[str, int], free_bytes: int, device: torch.device)
     need = sum(footprint.values())
     if need <= free_bytes:
         return
+    cache = footprint.get("prompt_cache", 0)
+    if cache and need - cache <= free_bytes:
+        raise NinferError(
+            f"the prompt cache's {cache / _GIB:.2f} GiB of VRAM does not fit beside the load on {device}: at most "
+            f"{(free_bytes - need + cache) >> 20} MiB does (--prompt-cache-vram)"
+        )
     items = ", ".join(f"{name} {size / _GIB:.2f} GiB" for name, size in sorted(footprint.items(), key=lambda kv: -kv[1]))
     raise NinferError(
         f"needs {need / _GIB:.2f} GiB of VRAM ({items}), {device} has {free_bytes / _GIB:.2f} GiB free; "

@@ -45,6 +45,14 @@ class Session:
         """Append `token_ids` (may be called repeatedly: chunked prefill); logits [vocab] of the last one."""
         return self.engine.logits_of(self.engine.prefill(self, token_ids)[-1:])[0]
 
+    def resume(self, match) -> None:
+        """Start this (empty) session from a prompt cache match (`Engine.resume`): it then holds `match.tokens` tokens."""
+        self.engine.resume(self, match)
+
+    def remember(self, token_ids: Iterable[int], hidden: torch.Tensor | None = None) -> None:
+        """Save this session's state in the engine's prompt cache under `token_ids`, the tokens it holds (`Engine.remember`)."""
+        self.engine.remember(self, token_ids, hidden)
+
     def step(self, token_id: int) -> torch.Tensor:
         """Append one token as a decode step; its logits [vocab]."""
         return self.engine.step([self], [[token_id]])[0, 0]

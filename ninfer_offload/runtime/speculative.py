@@ -150,6 +150,7 @@ class MtpSpeculator:
         self._carry: torch.Tensor | None = None  # target hidden state of the last prompt token fed, successor unknown yet
         self._draft_logits: torch.Tensor | None = None  # [vocab]: the MTP layer's prediction of the token after the anchor
         self._draft_hidden: torch.Tensor | None = None  # [1, H]: its hidden state, fed back for further drafts
+        self.last_hidden: torch.Tensor | None = None  # [1, H]: target hidden state of the last token the session holds
         self._mtp_start = 0
 
     def prefill(self) -> int:
@@ -166,8 +167,13 @@ class MtpSpeculator:
             hidden = torch.cat([self._carry, hidden])
         if successors:
             self.session.mtp(hidden[:-1], successors)
-        self._carry = hidden[-1:]
+        self._carry = self.last_hidden = hidden[-1:]
         return logits[-1]
+
+    def resume(self, hidden: torch.Tensor) -> None:
+        """The session resumed a cached prefix (its MTP entries but the last restored too) whose last token's target
+        hidden state is `hidden` [1, H]: the rest of the prompt follows it."""
+        self._carry = self.last_hidden = hidden
 
     def start(self, first_token: int) -> None:
         """The prompt is complete and `first_token` follows it."""
@@ -212,3 +218,4 @@ class MtpSpeculator:
         one MTP decode step; keep its last prediction."""
         logits, mtp_hidden = self.engine.mtp_step([self.session], hidden, next_ids, len(next_ids))
         self._draft_logits, self._draft_hidden = logits[-1], mtp_hidden[-1:]
+        self.last_hidden = hidden[-1:]

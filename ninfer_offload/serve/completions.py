@@ -41,7 +41,7 @@ def _prepare(ctx: ServeContext, raw: bytes) -> Prepared:
     sampling = ctx.sampling(body)
     prompt_ids = _prompt_ids(ctx, body)
     budget = ctx.token_budget(len(prompt_ids), body.token_limit(), "prompt")
-    return Prepared(body, prompt_ids, budget, sampling, logprobs=body.logprob_count())
+    return Prepared(body, prompt_ids, budget, sampling, logprobs=body.logprob_count(), cache_prompt=body.cache_prompt)
 
 
 async def completion(ctx: ServeContext, request: Request) -> Response:

@@ -40,6 +40,7 @@ class Prepared:
     sampling: SamplingParams
     constraint: Any = None  # a GrammarConstraint for structured output
     logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
+    cache_prompt: bool = True  # resume from and save to the engine's prompt cache
 
 
 def longest_token_bytes(frontend: Any) -> int:
@@ -150,7 +151,7 @@ class ServeContext:
         """Queue the request on the engine thread; 429 when the queue is full, 503 when shutting down."""
         request = GenerationRequest(
             prepared.prompt_ids, prepared.max_tokens, prepared.sampling, frozenset(self.frontend.stop_ids), prepared.constraint,
-            prepared.logprobs,
+            prepared.logprobs, prepared.cache_prompt,
         )
         try:
             handle = self.scheduler.submit(request, asyncio.get_running_loop(), f"{prefix}-{uuid.uuid4().hex[:24]}")

@@ -57,7 +57,9 @@ def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, names: FieldNam
     max_tokens = ctx.token_budget(len(prompt_ids), body.token_limit(), names.messages, names.max_tokens)
     tools = [tool.model_dump() for tool in body.tools] if body.uses_tools else None
     thinking = prompt_leaves_thinking_open(prompt)
-    prepared = Prepared(body, prompt_ids, max_tokens, sampling, _constraint(ctx, body, thinking, names), body.logprob_count())
+    prepared = Prepared(
+        body, prompt_ids, max_tokens, sampling, _constraint(ctx, body, thinking, names), body.logprob_count(), body.cache_prompt
+    )
     return PreparedChat(prepared, thinking, tools)
 
 

@@ -63,10 +63,14 @@ class TextGeneration:
         return self._stops.matched
 
     def usage(self) -> dict:
-        """The OpenAI `usage` object (with `speculation` counts when the request decoded speculatively)."""
+        """The OpenAI `usage` object: token counts, the prompt tokens resumed from the prompt cache
+        (`prompt_tokens_details.cached_tokens`), and `speculation` counts when the request decoded speculatively."""
         total = self.prompt_tokens + self.completion_tokens
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
         finished = self.handle.finished
+        usage = {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total,
+            "prompt_tokens_details": {"cached_tokens": finished.cached_tokens if finished is not None else 0},
+        }
         if finished is not None and finished.speculation:
             usage["speculation"] = finished.speculation
         return usage
@@ -81,9 +85,10 @@ class TextGeneration:
         hit_rate = finished.expert_hit_rate if finished else None
         speculation = finished.speculation if finished else None
         log.info(
-            "%s prompt=%d completion=%d queued=%.3fs ttft=%s total=%.3fs decode=%s finish=%s%s",
+            "%s prompt=%d cached=%d completion=%d queued=%.3fs ttft=%s total=%.3fs decode=%s finish=%s%s",
             self.handle.id,
             self.prompt_tokens,
+            finished.cached_tokens if finished else 0,
             self.completion_tokens,
             (t.started or end) - t.submitted,
             ttft,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
 
 from ninfer_offload.serve.errors import APIError
@@ -106,6 +106,7 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+    cache_prompt: StrictBool = True  # an extension: false neither resumes from nor saves to the prompt cache
 
     @field_validator("stop")
     @classmethod

@@ -45,6 +45,7 @@ class Finished:
     error: str | None = None
     expert_hit_rate: float | None = None  # the engine's expert-cache hit rate so far, when experts are offloaded
     speculation: dict | None = None  # drafted/accepted counts, when the sequence decoded speculatively
+    cached_tokens: int = 0  # prompt tokens resumed from the prompt cache
 
 
 @dataclass
@@ -146,11 +147,14 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         """Active sequences (each holding an engine session), waiting requests, largest decode batch so far,
-        and with offloaded experts the expert cache's counters (as of the last step boundary)."""
+        with offloaded experts the expert cache's counters (as of the last step boundary), and with a prompt
+        cache its counters and memory."""
         with self._wake:
             stats = {"active": len(self.decoder.sequences), "waiting": len(self._waiting), "largest_batch": self.decoder.largest_batch}
         if self.engine.store.offloaded:
             stats["experts"] = self.engine.store.counters.to_json()
+        if self.engine.prompt_cache is not None:
+            stats["prompt_cache"] = self.engine.prompt_cache.stats()
         return stats
 
     # -- engine thread ---------------------------------------------------------------------
@@ -216,7 +220,8 @@ class Scheduler:
             handle.timings.first_token = handle.timings.finished
         store = self.engine.store
         hit_rate = store.counters.hit_rate if store.offloaded else None
-        self._close(handle, Finished(ended.reason, len(sequence.output), ended.error, hit_rate, sequence.speculation))
+        finished = Finished(ended.reason, len(sequence.output), ended.error, hit_rate, sequence.speculation, sequence.cached_tokens)
+        self._close(handle, finished)
 
     def _close(self, handle: RequestHandle, finished: Finished) -> None:
         """Send a request's last event; it no longer counts against the limit."""

@@ -1,0 +1,85 @@
+"""The prompt cache on CUDA: cached requests give the cold run's greedy and seeded tokens on the tiny model (plain and
+MTP, the host tier pinned and its copies back asynchronous, a match evicted before its restore) and on the synthetic
+full-size artifact (`bench/make_synthetic.py`, at $NINFER_SYNTHETIC or /tmp/q36.ninfer), resident and at 15 GiB.
+Skipped without CUDA (and the full-size part without the artifact)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from test_prompt_cache import cached_tokens, cold
+
+from ninfer_offload.runtime.engine import Engine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+SYNTHETIC = Path(os.environ.get("NINFER_SYNTHETIC", "/tmp/q36.ninfer"))
+
+
+def random_ids(seed: int, n: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab - 1) for _ in range(n)]
+
+
+def chat_matches_cold_runs(engine: Engine, first: int, new: int, turns: int, sampling: str = "greedy") -> list[int]:
+    """Resumed tokens of each turn of a chat whose every turn gives the cold run's tokens."""
+    vocab = engine.config.vocab_size
+    history, resumed = random_ids(1, first, vocab), []
+    for turn in range(turns):
+        out, cached = cached_tokens(engine, history, sampling)
+        assert out == cold(engine, history, sampling), f"turn {turn}"
+        resumed.append(cached)
+        history = history + out + random_ids(10 + turn, new, vocab)
+    return resumed
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_tiny_model_on_cuda_resumes_exactly(tiny_artifact, spec):
+    engine = Engine.load(tiny_artifact, device="cuda", max_sequences=2, spec=spec, prompt_cache=True, prompt_cache_every=16)
+    try:
+        engine.warm_up()
+        for sampling in ("greedy", "seeded"):
+            assert all(chat_matches_cold_runs(engine, 40, 6, 3, sampling)[1:])
+    finally:
+        engine.close()
+
+
+def test_tiny_model_on_cuda_host_tier_and_evicted_match(tiny_artifact):
+    """Under a device bound of about one piece the pieces live in pinned host memory and come back asynchronously;
+    a match whose pieces are all dropped before its restore still restores them exactly."""
+    engine = Engine.load(tiny_artifact, device="cuda", max_sequences=2, prompt_cache=True, prompt_cache_every=16)
+    try:
+        cache = engine.prompt_cache
+        chat_matches_cold_runs(engine, 40, 6, 1)
+        piece = sum(cache.memory()) // cache.stats()["entries"]
+        cache.resize(piece, 8 * piece)
+        chat_matches_cold_runs(engine, 40, 6, 3)
+        assert cache.stats()["demoted"] and cache.stats()["promoted"]
+        prompt = random_ids(3, 50, engine.config.vocab_size)
+        cached_tokens(engine, prompt[:-4])
+        match = cache.match(prompt)
+        cache.resize(0, 0)
+        session = engine.session()
+        try:
+            session.resume(match)
+            logits = session.prefill(prompt[match.tokens :])
+        finally:
+            session.close()
+        assert int(logits.argmax()) == int(engine.logits(prompt)[-1].argmax())
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not SYNTHETIC.is_file(), reason=f"no synthetic full-size artifact at {SYNTHETIC}")
+@pytest.mark.parametrize("placement", [{"experts": "resident"}, {"vram_budget": "15GiB", "profile": "auto"}], ids=["resident", "15GiB"])
+def test_synthetic_full_size_artifact_resumes_exactly(placement):
+    engine = Engine.load(SYNTHETIC, device="cuda", max_sequences=1, prompt_cache=True, prompt_cache_every=1024, **placement)
+    try:
+        engine.warm_up()
+        resumed = chat_matches_cold_runs(engine, 3000, 150, 3)
+        assert resumed[0] == 0 and all(r >= 3000 for r in resumed[1:])
+    finally:
+        engine.close()
