@@ -3,7 +3,7 @@
     python bench/projections.py --out bench/results/projections_<commit>.json
 
 For each card (`--profiles`, default the three RTX cards) and the official Qwen3.6-35B-A3B inventory, the plan's
-predictions as a load would make them (`--spec auto`, context 32768, fp8 KV): decode at 1K and 32K context, the
+predictions as a load would make them (`--spec auto`, context 32768, bf16 KV): decode at 1K and 32K context, the
 MTP projection and the `--spec auto` decision, a 4K prefill, 8 sequences decoded together at 8K context each, and
 the same at a 15 GiB VRAM budget (the RTX 5060 Ti's share). These are projections of the cost model
 (`planner/cost.py`, its assumptions listed in each plan), not measurements.
@@ -35,7 +35,7 @@ CASES = {
 def project(inventory: Inventory, profile_name: str, options: dict) -> dict:
     """One card's projections at the options of a case."""
     profile = load_profile(profile_name)
-    base = PlanOptions(max_context=32768, speculative="mtp", proposal_head=False, **options)
+    base = PlanOptions(max_context=32768, kv_dtype="bf16", speculative="mtp", proposal_head=False, **options)
     chosen = plan_load(inventory, profile, replace(base, at_context=1024), auto=True)
     long = plan_load(inventory, profile, replace(base, at_context=32768), auto=True)
     batch = plan_load(inventory, profile, replace(base, speculative="none", concurrency=8, max_context=8192, at_context=1024))

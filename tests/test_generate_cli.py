@@ -138,6 +138,21 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tiny_artifact):
     (tmp_path / "bad.json").write_text("[{")
     one_line_error(ninfer(tiny_artifact, "--messages", tmp_path / "bad.json"), "not valid JSON")
     one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--chat-template", tmp_path / "none.jinja"), "cannot read chat template")
+    one_line_error(ninfer(tiny_artifact, "--prompt", "a", "--kv-dtype", "bf16"), "unsupported KV dtype 'bf16': use fp8")
+
+
+def test_an_fp8_kv_cache_gives_the_engines_fp8_output(tiny_artifact):
+    """`--kv-dtype fp8` loads as `Engine.load(kv_dtype="fp8")` does: the same greedy tokens."""
+    from ninfer_offload import Engine
+
+    run = ninfer(tiny_artifact, "--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--max-tokens", 8, "--kv-dtype", "fp8", "--json")
+    assert run.returncode == 0, run.stderr
+    engine = Engine.load(tiny_artifact, kv_dtype="fp8")
+    try:
+        assert all(k.dtype == v.dtype == torch.float8_e4m3fn for k, v in engine.state.kv.values())
+        assert json.loads(run.stdout)["ids"] == generate(engine, PROMPT, 8, SamplingParams(greedy=True)).run().token_ids
+    finally:
+        engine.close()
 
 
 def test_a_prompt_of_invalid_utf8_bytes_is_a_one_line_error(tiny_artifact):

@@ -136,7 +136,7 @@ def _summary(result) -> str:
     return line
 
 
-@load_options(*PLACEMENT, *SPECULATION, "max_context", "prefill_chunk")
+@load_options(*PLACEMENT, *SPECULATION, "max_context", "kv_dtype", "prefill_chunk")
 def generate(
     artifact: Path = typer.Argument(..., help="The .ninfer entry file."),
     prompt: str | None = typer.Option(None, "--prompt", help="A user message, rendered with the chat template."),

@@ -56,6 +56,9 @@ OPTIONS: dict[str, tuple[object, typer.models.OptionInfo]] = {
     "proposal_head": (bool, typer.Option(
         False, "--proposal-head", help="Draft with the artifact's proposal head (a subset of the vocabulary) instead of the output head."
     )),
+    "kv_dtype": (str | None, typer.Option(
+        None, "--kv-dtype", help="KV cache: fp8 (half the memory of the default, the compute dtype's bf16; float32 on a CPU load)."
+    )),
     "max_context": (int | None, typer.Option(
         None, "--max-context", help="Tokens per sequence, prompt + completion (default: min(the model's, 32768))."
     )),

@@ -123,7 +123,7 @@ def plan(
         None, "--max-context", "--context", help="Tokens of KV cache per sequence (default: a load's, min(the model's, 32768))."
     ),
     concurrency: int = typer.Option(1, "--concurrency", help="Sequences served at once."),
-    kv_dtype: str = typer.Option("fp8", "--kv-dtype", help="bf16, fp8 or int8."),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="bf16 (a load's default), fp8 or int8 (planned, not loadable)."),
     proposal_head: bool = typer.Option(
         False, "--proposal-head/--no-proposal-head", help="Draft with the 131k-row proposal head (default: off, as a load's)."
     ),

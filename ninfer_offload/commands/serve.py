@@ -73,7 +73,7 @@ def _frontend(artifact: Path, template: str | None):
     return frontend
 
 
-@load_options(*PLACEMENT, *SPECULATION, *PROMPT_CACHE, "max_context", prompt_cache=True)
+@load_options(*PLACEMENT, *SPECULATION, *PROMPT_CACHE, "max_context", "kv_dtype", prompt_cache=True)
 def serve(
     artifact: Path = typer.Argument(..., help="The .ninfer model file to serve."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; the default accepts local clients only."),
