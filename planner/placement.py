@@ -60,6 +60,7 @@ class Placement:
     host_pinned_bytes: int  # the expert pool of an offloaded load (every record, as locked) and a host-resident embedding
     host_budget_bytes: int
     host_process_bytes: int  # the process's host memory: the pinned bytes and the runtime's own (`planner.RUNTIME_HOST_BYTES`)
+    prompt_cache_host_bytes: int  # the prompt cache's host tier (counted in the pinned bytes; 0 without a prompt cache)
     components: dict[str, ComponentPlacement]
     runtime: dict[str, int]  # VRAM not holding weights: reserve, kv_cache, gdn_state, workspace, staging, prefill_staging
     resident_experts: list[list[int]]  # per text layer, expert ids hottest first
@@ -113,6 +114,7 @@ class Placement:
             "host_pinned_bytes": self.host_pinned_bytes,
             "host_budget_bytes": self.host_budget_bytes,
             "host_process_bytes": self.host_process_bytes,
+            "prompt_cache_host_bytes": self.prompt_cache_host_bytes,
             "components": {
                 name: {"bytes": c.bytes, "placement": c.placement, "vram_bytes": c.vram_bytes, "host_bytes": c.host_bytes}
                 for name, c in self.components.items()
@@ -140,7 +142,8 @@ PLAN_SCHEMA: dict = {
     "additionalProperties": False,
     "required": [
         "schema", "profile", "feasible", "reason", "options", "vram_total_bytes", "vram_budget_bytes",
-        "vram_used_bytes", "vram_free_bytes", "host_pinned_bytes", "host_budget_bytes", "host_process_bytes", "components", "runtime",
+        "vram_used_bytes", "vram_free_bytes", "host_pinned_bytes", "host_budget_bytes", "host_process_bytes",
+        "prompt_cache_host_bytes", "components", "runtime",
         "experts_total", "experts_resident", "experts_resident_per_layer", "resident_expert_ids",
         "expert_bytes_per_layer", "routing_mass_resident", "routing_stats", "staging_slots", "kv_capacity_tokens",
         "predicted",
@@ -179,6 +182,7 @@ PLAN_SCHEMA: dict = {
         "host_pinned_bytes": _INT,
         "host_budget_bytes": _INT,
         "host_process_bytes": _INT,
+        "prompt_cache_host_bytes": _INT,
         "components": {
             "type": "object",
             "additionalProperties": {

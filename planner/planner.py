@@ -110,6 +110,11 @@ def plan(
         runtime["staging"] = slots * widest
         runtime["prefill_staging"] = prefill_staging_slots(dims.num_experts) * widest
         room = budget - fixed - runtime["staging"] - runtime["prefill_staging"]
+        if room < 0 and options.prompt_cache and options.prompt_cache_vram is None:  # the default share gives way
+            given_back = min(runtime["prompt_cache"], -room)
+            runtime["prompt_cache"] -= given_back
+            fixed -= given_back
+            room += given_back
         chosen = 0
         while chosen < len(order) and order[chosen][2] <= room:
             room -= order[chosen][2]
@@ -125,7 +130,10 @@ def plan(
     pool_banks = banks + (inventory.banks_of("mtp") if options.speculating else [])
     pool_layers = [b.expert_bytes * b.num_experts for b in pool_banks]
     expert_pool = pool_bytes(pool_layers, pinned=True) if host_experts else 0
-    host_pinned = expert_pool + (0 if embedding_on_device else embedding) + prompt_cache_host
+    host_weights = expert_pool + (0 if embedding_on_device else embedding)
+    if options.prompt_cache and options.prompt_cache_host is None:  # the default host tier gives way to the expert pool
+        prompt_cache_host = max(0, min(prompt_cache_host, host_budget - host_weights - RUNTIME_HOST_BYTES))
+    host_pinned = host_weights + prompt_cache_host
     vram_used = fixed + runtime["staging"] + runtime["prefill_staging"] + resident_bytes + (embedding if embedding_on_device else 0)
 
     routed_stored = sum(b.bank_bytes for b in banks)
@@ -160,6 +168,7 @@ def plan(
         host_pinned_bytes=host_pinned,
         host_budget_bytes=host_budget,
         host_process_bytes=host_pinned + RUNTIME_HOST_BYTES,
+        prompt_cache_host_bytes=prompt_cache_host,
         components=components,
         runtime=runtime,
         resident_experts=resident,

@@ -78,3 +78,33 @@ def test_a_load_refuses_a_device_tier_that_does_not_fit_at_startup(tiny_artifact
 def test_bad_sizes_are_one_line_errors(options, message):
     with pytest.raises(NinferError, match=message):
         LoadRequest(prompt_cache=True, **options)
+
+
+def test_the_default_device_tier_gives_way_to_a_tight_budget(inventory):
+    """A budget that holds the load's fixed needs but not also a tenth of itself for the cache: the default tier shrinks
+    to what is left (the load still plans); a tier asked for by size is refused instead."""
+    card = load_profile("rtx5060ti")
+    bare = plan(inventory, card, PlanOptions(speculative="none", max_context=4096, vram_budget=8 * GiB))
+    assert bare.feasible
+    need = bare.vram_used_bytes - sum(bare.expert_bytes[layer] * len(ids) for layer, ids in enumerate(bare.resident_experts))
+    tight = need + (need // 20)  # room for 5 % of the fixed needs: less than the default tenth of the budget
+    default = plan(inventory, card, PlanOptions(speculative="none", max_context=4096, vram_budget=tight, prompt_cache=True))
+    assert default.feasible and 0 <= default.runtime["prompt_cache"] < tight // 10
+    assert default.vram_used_bytes <= tight
+    asked = plan(inventory, card, PlanOptions(speculative="none", max_context=4096, vram_budget=tight, prompt_cache=True,
+                                              prompt_cache_vram=tight // 10))
+    assert not asked.feasible and "--prompt-cache-vram" in asked.reason
+
+
+def test_the_default_host_tier_gives_way_to_the_expert_pool(inventory):
+    """On a 32 GiB desktop with a 16 GB card the pinned expert pool takes most of the pinned budget: the default host tier
+    takes what is left of it (beside the process's own share), so the load still plans; one asked for by size is counted
+    as asked."""
+    card = load_profile("rtx5060ti")
+    default = plan(inventory, card, PlanOptions(speculative="none", max_context=32768, prompt_cache=True))
+    without = plan(inventory, card, PlanOptions(speculative="none", max_context=32768))
+    assert default.feasible and 0 < default.prompt_cache_host_bytes < PROMPT_CACHE_HOST
+    assert default.host_pinned_bytes == without.host_pinned_bytes + default.prompt_cache_host_bytes
+    assert default.host_process_bytes <= default.host_budget_bytes
+    asked = plan(inventory, card, PlanOptions(speculative="none", max_context=32768, prompt_cache=True, prompt_cache_host=GiB))
+    assert asked.prompt_cache_host_bytes == GiB

@@ -215,8 +215,10 @@ class Engine:
         runner = StepRunner(loaded, ops, resolved, dtype, state, request.prefill_chunk, request.cuda_graphs)
         cache = None
         if request.prompt_cache:
+            planned = expert_plan.plan is not None and request.prompt_cache_host is None
+            host_bytes = expert_plan.plan.prompt_cache_host_bytes if planned else request.prompt_cache_host_bytes
             cache = PrefixCache(
-                state, resolved, cache_bytes, request.prompt_cache_host_bytes,
+                state, resolved, cache_bytes, host_bytes,
                 request.prompt_cache_interval, config.num_layers if mtp else None,
             )
         return cls(artifact, runner, expert_plan, speculation, loaded.load_seconds, cache)
