@@ -187,3 +187,20 @@ def test_positions_saved_without_mtp_rows_gain_them_from_a_speculating_sequence(
     longer = prompt + ids(17, 6)
     out, last = cached_tokens(engine, longer)
     assert resumed + [last] == [0, 16, 20] and out == cold(engine, longer)
+
+
+def test_the_host_tier_of_an_unplanned_load_fits_the_host(tiny_artifact, small_card):
+    """Asked for by size, the host tier is that size; left to its default, an unplanned load's is at most half the host
+    memory available once loaded, a planned load's the plan's."""
+    from ninfer_offload.planner.options import PROMPT_CACHE_HOST
+    from ninfer_offload.runtime.memory_check import available_host_bytes
+
+    asked = Engine.load(tiny_artifact, prompt_cache=True, prompt_cache_host=3 << 20)
+    assert asked.prompt_cache.stats()["host_limit"] == 3 << 20
+    asked.close()
+    default = Engine.load(tiny_artifact, prompt_cache=True)
+    assert default.prompt_cache.stats()["host_limit"] <= min(PROMPT_CACHE_HOST, available_host_bytes() // 2 + (64 << 20))
+    default.close()
+    planned = Engine.load(tiny_artifact, prompt_cache=True, profile=str(small_card))
+    assert planned.prompt_cache.stats()["host_limit"] == planned.expert_plan.plan.prompt_cache_host_bytes > 0
+    planned.close()

@@ -34,7 +34,7 @@ from ninfer_offload.planner.memory import SCRATCH_KV_ROWS, load_footprint, works
 from ninfer_offload.planner.request import DEFAULT_DRAFT_TOKENS, LoadRequest
 from ninfer_offload.runtime.expert_plan import LoadPlan, expert_load_plan
 from ninfer_offload.runtime.loader import load_model
-from ninfer_offload.runtime.memory_check import check_fits, check_host_memory
+from ninfer_offload.runtime.memory_check import available_host_bytes, check_fits, check_host_memory
 from ninfer_offload.runtime.graphs import PREFILL_BUCKETS
 from ninfer_offload.runtime.prefix_cache import Match, PrefixCache
 from ninfer_offload.runtime.session import Session
@@ -86,6 +86,16 @@ def _backend_for(device: torch.device, name: str):
     from ninfer_offload.kernels.backend import TritonBackend
 
     return TritonBackend()
+
+
+def _prompt_cache_host_bytes(request: LoadRequest, expert_plan: LoadPlan) -> int:
+    """The prompt cache's host tier: the size asked for; else a planned load's (its plan gives the default what the pinned
+    expert pool leaves); else the default, at most half of the host memory available once the load is done."""
+    if request.prompt_cache_host is not None:
+        return request.prompt_cache_host
+    if expert_plan.plan is not None:
+        return expert_plan.plan.prompt_cache_host_bytes
+    return min(request.prompt_cache_host_bytes, available_host_bytes() // 2)
 
 
 def _prompt_cache_bytes(
@@ -215,10 +225,8 @@ class Engine:
         runner = StepRunner(loaded, ops, resolved, dtype, state, request.prefill_chunk, request.cuda_graphs)
         cache = None
         if request.prompt_cache:
-            planned = expert_plan.plan is not None and request.prompt_cache_host is None
-            host_bytes = expert_plan.plan.prompt_cache_host_bytes if planned else request.prompt_cache_host_bytes
             cache = PrefixCache(
-                state, resolved, cache_bytes, host_bytes,
+                state, resolved, cache_bytes, _prompt_cache_host_bytes(request, expert_plan),
                 request.prompt_cache_interval, config.num_layers if mtp else None,
             )
         return cls(artifact, runner, expert_plan, speculation, loaded.load_seconds, cache)

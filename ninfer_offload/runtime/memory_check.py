@@ -56,11 +56,16 @@ def register_pinned_allocations() -> None:
         torch._C._accelerator_setAllocatorSettings(",".join(filter(None, [configured, PINNED_REGISTER])))
 
 
+def available_host_bytes() -> int:
+    """Host memory the system can give this process now without swapping."""
+    return int(psutil.virtual_memory().available)
+
+
 def check_host_memory(pinned_bytes: int) -> None:
     """NinferError when the host cannot spare `pinned_bytes` of RAM for the pinned expert pool."""
     if not pinned_bytes:
         return
-    available = psutil.virtual_memory().available
+    available = available_host_bytes()
     if pinned_bytes > available:
         raise NinferError(
             f"the experts kept in host memory need {pinned_bytes / _GIB:.1f} GiB of pinned RAM, {available / _GIB:.1f} GiB "
