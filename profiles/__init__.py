@@ -8,6 +8,7 @@ for this machine, or, when there is none, one detected now.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -116,10 +117,8 @@ def load_profile(spec: str) -> DeviceProfile:
         stored = stored_profile_path()
         if stored.is_file():
             return _from_file(stored)
-        from ninfer_offload.profiles.detect import detect_profile
-
         try:
-            return detect_profile()
+            return _detected()
         except NinferError as err:
             raise NinferError(
                 f"--profile auto has no profile stored at {stored} and cannot measure this machine ({err}); "
@@ -132,6 +131,14 @@ def load_profile(spec: str) -> DeviceProfile:
     if path.suffix == ".toml" or path.exists():
         return _from_file(path)
     raise NinferError(f"unknown profile {spec!r}; use one of {', '.join(shipped_names())}, a .toml file or auto")
+
+
+@functools.cache
+def _detected() -> DeviceProfile:
+    """This machine's GPU measured once per process (a load deciding `--spec auto` and planning its experts both ask)."""
+    from ninfer_offload.profiles.detect import detect_profile
+
+    return detect_profile()
 
 
 def _from_file(path: Path) -> DeviceProfile:
