@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.artifact.formats import BLOCK_SCALE, NVFP4, ROW_SPLIT, elements, runtime_geometry
 from ninfer_offload.artifact.inventory import Inventory
-from ninfer_offload.planner.options import PROMPT_CACHE_VRAM, PROMPT_CACHE_VRAM_SHARE, PlanOptions
+from ninfer_offload.planner.options import PREFILL_SPAN_CHUNKS, PROMPT_CACHE_VRAM, PROMPT_CACHE_VRAM_SHARE, PlanOptions
 
 FP32, BF16, INT64 = 4, 2, 8
 KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1}
@@ -99,6 +99,20 @@ def workspace_bytes(dims: ModelDims, options: PlanOptions) -> int:
 # per buffer (~460 MiB for both of 1.7-1.8 MiB records, 3% of that budget) hold them; where more are outside
 # VRAM the likeliest are staged and the rest read over PCIe.
 PREFILL_STAGING_SLOTS = 128
+
+
+def prefill_span_chunks(prefill_chunk: int, max_context: int) -> int:
+    """Chunks of an offloaded load's prefill forward: PREFILL_SPAN_CHUNKS, fewer where the context holds fewer."""
+    return max(1, min(PREFILL_SPAN_CHUNKS, -(-max_context // prefill_chunk)))
+
+
+def prefill_span_bytes(dims: ModelDims, options: PlanOptions) -> int:
+    """What an offloaded load's prefill forward of several chunks (`prefill_span_chunks`) holds beyond one chunk's
+    workspace (bf16): the other chunks' residual and layer output rows between layers, and the forward's final
+    hidden states (each chunk's, then joined)."""
+    chunks = prefill_span_chunks(options.prefill_chunk, options.max_context)
+    rows = options.prefill_chunk * dims.hidden_size * BF16
+    return 0 if chunks == 1 else (2 * (chunks - 1) + 2 * chunks) * rows
 
 
 def prefill_staging_slots(num_experts: int) -> int:

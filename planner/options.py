@@ -12,10 +12,14 @@ from ninfer_offload.errors import NinferError
 # tok/s against 24.7K all resident; at 15 GiB with experts offloaded 20.4K against 11.8K (each host expert a
 # chunk needs crosses PCIe once per chunk: half the bytes).
 PREFILL_CHUNK = 4096
+# Prefill chunks per forward of a load with host experts (`runtime.step_runner.StepRunner.prefill_span`): every layer
+# runs over the span's chunks in turn, so each host expert a layer needs crosses PCIe once per span rather than once
+# per chunk; the span's residual rows stay alive between layers (`memory.prefill_span_bytes`).
+PREFILL_SPAN_CHUNKS = 4
 
 # The prompt cache (`runtime.prefix_cache`): a long prefill saves its state about every PROMPT_CACHE_EVERY tokens
-# (rounded up to whole prefill chunks); its device tier defaults to PROMPT_CACHE_VRAM_SHARE of the VRAM the plan may use,
-# at most PROMPT_CACHE_VRAM, its host tier to PROMPT_CACHE_HOST.
+# (rounded up to whole prefill forwards: chunks, or spans with host experts); its device tier defaults to
+# PROMPT_CACHE_VRAM_SHARE of the VRAM the plan may use, at most PROMPT_CACHE_VRAM, its host tier to PROMPT_CACHE_HOST.
 PROMPT_CACHE_EVERY = 2048
 PROMPT_CACHE_VRAM_SHARE = 0.1
 PROMPT_CACHE_VRAM = 4 << 30

@@ -23,7 +23,7 @@ from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_split import simulate_decode_cache
 from ninfer_offload.planner.cost import WeightTraffic, predict
 from ninfer_offload.planner.memory import (
-    pool_bytes, prefill_staging_slots, prompt_cache_vram_bytes, staging_slots, state_pool_bytes, workspace_bytes,
+    pool_bytes, prefill_span_bytes, prefill_staging_slots, prompt_cache_vram_bytes, staging_slots, state_pool_bytes, workspace_bytes,
 )
 from ninfer_offload.planner.options import PROMPT_CACHE_HOST, PlanOptions
 from ninfer_offload.planner.placement import ComponentPlacement, Placement
@@ -108,7 +108,7 @@ def plan(
         slots = staging_slots(dims.num_experts, dims.top_k, options.concurrency * (1 + options.draft_count))
         widest = max(b.expert_bytes for b in banks)
         runtime["staging"] = slots * widest
-        runtime["prefill_staging"] = prefill_staging_slots(dims.num_experts) * widest
+        runtime["prefill_staging"] = prefill_staging_slots(dims.num_experts) * widest + prefill_span_bytes(dims, options)
         room = budget - fixed - runtime["staging"] - runtime["prefill_staging"]
         if room < 0 and options.prompt_cache and options.prompt_cache_vram is None:  # the default share gives way
             given_back = min(runtime["prompt_cache"], -room)

@@ -52,7 +52,7 @@ class LoadRequest:
     with the same tokens (`runtime.prefix_cache`), in at most `prompt_cache_vram` bytes of the device
     (None: `prompt_cache_device_bytes`'s default) and `prompt_cache_host` bytes of host memory (None:
     PROMPT_CACHE_HOST; a size such as "8GiB" is read); `prompt_cache_every`: tokens between the saved
-    positions of a long prompt (None: PROMPT_CACHE_EVERY rounded up to whole prefill chunks).
+    positions of a long prompt (None: PROMPT_CACHE_EVERY rounded up to whole prefill forwards).
     """
 
     experts: str = "auto"
@@ -158,12 +158,12 @@ class LoadRequest:
             return 0
         return PROMPT_CACHE_HOST if self.prompt_cache_host is None else self.prompt_cache_host
 
-    @property
-    def prompt_cache_interval(self) -> int:
-        """Tokens between the saved positions of a long prompt (`prompt_cache_every`)."""
+    def prompt_cache_interval(self, forward_tokens: int) -> int:
+        """Tokens between the saved positions of a long prompt: `prompt_cache_every`, else PROMPT_CACHE_EVERY rounded
+        up to whole prefill forwards of `forward_tokens` tokens (a save point ends a forward)."""
         if self.prompt_cache_every is not None:
             return self.prompt_cache_every
-        return -(-PROMPT_CACHE_EVERY // self.prefill_chunk) * self.prefill_chunk
+        return -(-PROMPT_CACHE_EVERY // forward_tokens) * forward_tokens
 
     def capacity(self, model_context: int) -> int:
         """Tokens per sequence for a model of `model_context` tokens at most."""

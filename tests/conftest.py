@@ -120,15 +120,15 @@ def speculating_card(tmp_path_factory):
 @pytest.fixture(scope="session")
 def half_expert_budget(tiny_artifact_official, small_card) -> int:
     """A VRAM budget on `small_card` that holds everything of the official tiny artifact but half of the
-    routed experts (and the embedding), plus the prefill staging buffer an offloaded load sets aside."""
+    routed experts (and the embedding), plus the prefill staging buffer and span an offloaded load sets aside."""
     from ninfer_offload import Engine
-    from ninfer_offload.planner.memory import prefill_staging_slots
+    from ninfer_offload.planner.memory import prefill_span_bytes, prefill_staging_slots
 
     full = Engine.load(tiny_artifact_official, profile=str(small_card), spec="none")
     plan, experts = full.expert_plan.plan, full.config.num_experts
     full.close()
     assert plan.components["routed_experts"].host_bytes == 0
-    staging = prefill_staging_slots(experts) * max(plan.expert_bytes)
+    staging = prefill_staging_slots(experts) * max(plan.expert_bytes) + prefill_span_bytes(full.config, plan.options)
     return plan.vram_used_bytes - plan.components["token_embedding"].bytes - plan.components["routed_experts"].bytes // 2 + staging
 
 

@@ -14,6 +14,7 @@ from kernels_support import DEVICE, needs_triton_device
 from ninfer_offload import Engine, NinferError
 from ninfer_offload.kernels.moe import PREFILL_TILES
 from ninfer_offload.planner import memory
+from ninfer_offload.planner.options import PREFILL_SPAN_CHUNKS
 from ninfer_offload.runtime.memory_check import check_host_memory
 from ninfer_offload.runtime.step_inputs import step_inputs
 
@@ -204,21 +205,35 @@ def test_a_prefill_after_promotions_stages_from_the_moved_table(tiny_artifact_of
     engine.close()
 
 
-def test_each_prefill_chunk_stages_its_own_host_experts(tiny_artifact_official):
-    """`prefill_chunk=160` and a 320-token prompt: two forwards, each past the staging threshold, each
-    copying the host experts it uses (an expert both use is staged twice), and the logits equal those of
-    a resident engine prefilling in the same chunks."""
-    prompt = LONG_PROMPT + LONG_PROMPT[::-1]
+def test_a_span_stages_each_host_expert_once_for_its_chunks(tiny_artifact_official):
+    """`prefill_chunk=160`: a 360-token prompt is one forward of three chunks (160, 160, 40) that each layer runs in
+    turn, so each host expert a layer needs is staged once for all three (the short last chunk reads what the first
+    staged); an 800-token prompt takes two spans of PREFILL_SPAN_CHUNKS chunks at most (640, then 160 tokens), an
+    expert staged at most once by each. Every position's logits, and the decode steps after, equal those of a
+    resident engine prefilling chunk by chunk, and so do `generate`'s tokens."""
     resident = Engine.load(tiny_artifact_official, spec="none", prefill_chunk=160)
     engine = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none", prefill_chunk=160)
-    in_vram = engine.store.cache.in_vram[: engine.config.num_layers]
-    got, want = _run(engine, prompt), _run(resident, prompt)
-    for a, b in zip(got, want):
+    assert (resident.prefill_span, engine.prefill_span) == (160, 160 * PREFILL_SPAN_CHUNKS)
+    layers = engine.config.num_layers
+    in_vram = engine.store.cache.in_vram[:layers]
+    for length, most in ((360, 1), (800, 2)):
+        prompt = (LONG_PROMPT * 5)[:length]
+        before = engine.store.staged_records[:layers].numpy().copy()
+        assert torch.equal(engine.logits(prompt), resident.logits(prompt))
+        records = engine.store.staged_records[:layers].numpy() - before
+        assert records.sum() > 0 and records.max() == most  # once per span
+        assert not records[in_vram].any()  # never an expert already in VRAM (a static cache: it did not change)
+    for a, b in zip(_run(engine, prompt), _run(resident, prompt)):
         assert torch.equal(a, b)
-    records = engine.store.staged_records[: engine.config.num_layers].numpy()
-    assert engine.store.stats.staged == records.sum() > 0
-    assert records.max() == 2  # once per chunk at most, and some expert staged by both chunks
-    assert not records[in_vram].any()  # never an expert already in VRAM (a static cache: it did not change)
+    # the decode loop gives a prompt alone the engine's spans: generate stages each host expert once for 360 tokens
+    from ninfer_offload.runtime.generate import generate
+    from ninfer_offload.runtime.sampling import SamplingParams
+
+    before = engine.store.staged_records[:layers].numpy().copy()
+    greedy = SamplingParams(greedy=True)
+    got = generate(engine, prompt[:360], max_tokens=4, sampling=greedy).run().token_ids
+    assert got == generate(resident, prompt[:360], max_tokens=4, sampling=greedy).run().token_ids
+    assert (engine.store.staged_records[:layers].numpy() - before).max() == 1
     resident.close()
     engine.close()
 
@@ -278,7 +293,7 @@ def test_the_moe_kernels_read_the_staging_slots(tiny_artifact_official, monkeypa
         want = resident.store.routed(resident.backend, layer, x, ids, weights)
         with host.store.around_step(1, chunk):
             got = host.store.routed(host.backend, layer, x, ids, weights, ctx=chunk)
-            bank, later = host.store.staging.bank(layer, ids)
+            bank, later = host.store.staging.bank(layer, ids, tokens)
         outside = ~host.store.cache.in_vram[layer]
         missing, staged = int((used & outside).sum()), later.cpu().numpy()
         # staged before the routing: host experts only; the bank keeps the host records unless all are staged

@@ -51,7 +51,10 @@ def test_rtx5060ti_offloads_part_of_the_experts(inventory):
     assert p.components["routed_experts"].placement == "split"
     assert p.components["token_embedding"].placement == "host"
     assert p.staging_slots == 2 * 8 * 4  # two layers in flight x top-8 x (1 + 3 drafts)
-    assert p.runtime["prefill_staging"] == 2 * 128 * max(p.expert_bytes)  # two prefill staging buffers of PREFILL_STAGING_SLOTS records
+    # two prefill staging buffers of PREFILL_STAGING_SLOTS records, and a forward of 4 chunks of 4096 tokens: the other
+    # three chunks' residual and layer output rows and the four chunks' hidden states, twice (each, then joined), in bf16
+    span = (2 * 3 + 2 * 4) * 4096 * 2048 * 2
+    assert p.runtime["prefill_staging"] == 2 * 128 * max(p.expert_bytes) + span
     # The load's host pool holds every expert record, the MTP layer's too (as locked: `pool_bytes`); the embedding is on the host.
     layers = [b.expert_bytes * b.num_experts for b in inventory.banks_of("text") + inventory.banks_of("mtp")]
     assert p.host_pinned_bytes == pool_bytes(layers, pinned=True) + p.components["token_embedding"].bytes

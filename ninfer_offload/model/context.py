@@ -35,6 +35,11 @@ class StepContext:
     # A prompt chunk of the target run eagerly: the expert store copies the host experts its layers need into its
     # staging slots (`runtime.prefill_staging`, begun by `ExpertStore.around_step`). Never set in a captured step.
     staged: bool = False
+    # A staged chunk of a span (`TextModel.hidden_chunks`: every layer runs over the span's chunks before the next
+    # layer): the span's token rows, for which a layer's host experts are staged once (0: this chunk's own), and
+    # whether this chunk is the span's last, after whose MoE a layer's staging buffer goes to the layer two on.
+    stage_tokens: int = 0
+    closes_stage: bool = True
 
     @property
     def batch(self) -> int:

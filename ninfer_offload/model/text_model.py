@@ -84,10 +84,20 @@ class TextModel:
 
     def hidden(self, backend: Backend, token_ids: torch.Tensor, ctx: StepContext, state: StatePool) -> torch.Tensor:
         """Final-normed hidden states [T, H] of the step's rows; advances the state of its sequences."""
-        x, delta = self.embed(backend, token_ids), None
+        return self.hidden_chunks(backend, [token_ids], [ctx], state)[0]
+
+    def hidden_chunks(
+        self, backend: Backend, token_ids: list[torch.Tensor], ctxs: list[StepContext], state: StatePool
+    ) -> list[torch.Tensor]:
+        """`hidden` of consecutive prompt chunks of one sequence, layer by layer: each layer runs over every chunk,
+        in order, before the next layer does (a layer sees the same inputs as chunk by chunk, so the results are
+        the same), which lets the expert store stage a layer's host experts once for all of them."""
+        xs, deltas = [self.embed(backend, ids) for ids in token_ids], [None] * len(token_ids)
         for layer in self.layers:
-            x, delta = layer(backend, x, delta, ctx, state)
-        return backend.add_rmsnorm(x, delta, self.final_norm, self.config.rms_norm_eps, offset=True)[1]
+            for i, ctx in enumerate(ctxs):
+                xs[i], deltas[i] = layer(backend, xs[i], deltas[i], ctx, state)
+        eps = self.config.rms_norm_eps
+        return [backend.add_rmsnorm(x, delta, self.final_norm, eps, offset=True)[1] for x, delta in zip(xs, deltas)]
 
     def logits(self, backend: Backend, hidden: torch.Tensor) -> torch.Tensor:
         """Output-head logits [T, vocab] in float32."""

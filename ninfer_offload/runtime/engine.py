@@ -147,7 +147,8 @@ class Engine:
     state = _part("state")
     graphs = _part("graphs")
     max_context = _part("max_context")
-    prefill_chunk = _part("prefill_chunk")  # most tokens per prefill forward
+    prefill_chunk = _part("prefill_chunk")  # most tokens per prefill chunk
+    prefill_span = _part("prefill_span")  # most prompt tokens per forward (chunks run layer by layer)
 
     def __init__(
         self, artifact, runner: StepRunner, expert_plan: LoadPlan | None = None,
@@ -227,7 +228,7 @@ class Engine:
         if request.prompt_cache:
             cache = PrefixCache(
                 state, resolved, cache_bytes, _prompt_cache_host_bytes(request, expert_plan),
-                request.prompt_cache_interval, config.num_layers if mtp else None,
+                request.prompt_cache_interval(runner.prefill_span), config.num_layers if mtp else None,
             )
         return cls(artifact, runner, expert_plan, speculation, loaded.load_seconds, cache)
 
@@ -293,19 +294,20 @@ class Engine:
             session.close()
 
     def prefill(self, session: Session, token_ids: Iterable[int]) -> torch.Tensor:
-        """Append `token_ids` to `session` in chunks of at most `prefill_chunk`; hidden states [T, H]. A
-        chunk of a few tokens on a resident load replays a captured prefill (`StepGraphs.prefill`), and so
-        does a short prompt, in pieces of the largest captured chunk (`step_runner.GRAPHED_PROMPT_MAX`)."""
+        """Append `token_ids` to `session` in forwards of at most `prefill_span` tokens, each over chunks of at most
+        `prefill_chunk`; hidden states [T, H]. A chunk of a few tokens on a resident load replays a captured prefill
+        (`StepGraphs.prefill`), and so does a short prompt, in pieces of the largest captured chunk
+        (`step_runner.GRAPHED_PROMPT_MAX`)."""
         ids = self._token_list(token_ids)
         slot = session.live_slot()
         self._check_room(session.length, len(ids))
         hidden = []
         piece = self.runner.prefill_piece(len(ids))
         for c0 in range(0, len(ids), piece):
-            chunk = ids[c0 : c0 + piece]
-            hidden.append(self.runner.prefill(chunk, slot, session.length))
-            session.pending = len(chunk)
-            session.commit(len(chunk))
+            part = ids[c0 : c0 + piece]
+            hidden.append(self.runner.prefill(part, slot, session.length))
+            session.pending = len(part)
+            session.commit(len(part))
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     def prefill_batch(self, sessions: list[Session], token_ids: list[list[int]], tokens_per_sequence: int | None = None) -> torch.Tensor:

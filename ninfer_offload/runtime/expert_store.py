@@ -316,10 +316,16 @@ class ExpertStore:
         elif self.trace_routing is not None and ctx is not None and layer < self.trace_routing.layers:
             topk_ids = self.trace_routing.ids(layer, ctx)
         staged = ctx is not None and ctx.staged
-        if staged and self.staging is not None and self.staging.takes(topk_ids.shape[0]):
-            bank, later = self.staging.bank(layer, topk_ids)  # (it counts the uses too)
-            out = backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
-            self.staging.done(layer, topk_ids.shape[0])
+        span = (ctx.stage_tokens or topk_ids.shape[0]) if staged else 0
+        if staged and self.staging is not None and self.staging.takes(span):
+            bank, later = self.staging.bank(layer, topk_ids, span)  # (it counts the uses too)
+            if self.staging.takes(topk_ids.shape[0]):
+                out = backend.routed_experts_split(x, topk_ids, topk_weights, bank, later, self.staging.wait)
+            else:  # a span's short last chunk: the span's first chunk waited for the layer's staged experts
+                self.staging.wait()
+                out = backend.routed_experts(x, topk_ids, topk_weights, bank)
+            if ctx.closes_stage:
+                self.staging.done(layer, span)
             return out if shared is None else shared.added_to(backend, out)
         counted = self.cache is not None  # counted by the op that computes the experts
         if self.cpu_path is not None and self.cpu_path.active and topk_ids.shape[0] <= self.cpu_path.tokens:

@@ -75,7 +75,8 @@ class PrefillStaging:
         self.gather_programs = GATHER_PROGRAMS  # (benchmarks compare)
         self.ahead_min_uses = AHEAD_MIN_USES  # (benchmarks compare)
         self._ahead: dict[int, tuple[ExpertBank, torch.Tensor, torch.cuda.Event | None]] = {}  # per layer staged ahead
-        self._plan: StagingPlan | None = None  # the current chunk's
+        self._plan: StagingPlan | None = None  # the current chunk's (or span's)
+        self._layer: tuple[int, ExpertBank, torch.Tensor] | None = None  # the layer computing: (layer, bank, staged)
         self._uses_before: torch.Tensor | None = None  # the text layers' use counts when the chunk's forward started
         self._copy_stream = None  # the staging copies' (CUDA)
         self._staged = None  # the event after the copy of the layer computing (CUDA)
@@ -99,12 +100,17 @@ class PrefillStaging:
             for layer in range(min(2, self.store.text_layers)):
                 self._ahead[layer] = self._stage(layer, tokens)
 
-    def bank(self, layer: int, topk_ids: torch.Tensor) -> tuple[ExpertBank, torch.Tensor]:
-        """The bank of `layer` for one prefill chunk, and which experts were staged ([E] int32, 1 for a staged
-        one, on the device); the chunk's uses of the layer's experts are counted here (those of staged experts
-        once per forward, by `forget`). The staged experts can be read once `wait` was called."""
-        tokens, store = topk_ids.shape[0], self.store
-        bank, staged, self._staged = self._ahead.pop(layer, None) or self._stage(layer, tokens)
+    def bank(self, layer: int, topk_ids: torch.Tensor, tokens: int) -> tuple[ExpertBank, torch.Tensor]:
+        """The bank of `layer` for the prefill chunks of `tokens` token rows in all (one chunk, or a span whose
+        chunks each layer runs in turn: its later chunks find the layer's experts staged by its first), and which
+        experts were staged ([E] int32, 1 for a staged one, on the device); the chunk's uses of the layer's experts
+        are counted here (those of staged experts once per forward, by `forget`). The staged experts can be read
+        once `wait` was called."""
+        store = self.store
+        if self._layer is None or self._layer[0] != layer:
+            bank, staged, self._staged = self._ahead.pop(layer, None) or self._stage(layer, tokens)
+            self._layer = layer, bank, staged
+        _, bank, staged = self._layer
         flat = topk_ids.reshape(-1)
         if self._ones.numel() < flat.numel():
             self._ones = torch.ones(flat.numel(), dtype=torch.int32, device=store.device)
@@ -128,7 +134,7 @@ class PrefillStaging:
             followers = uses - (uses + block - 1) // block
             self.store.shared_uses[:layers] += uses * self._plan.staged + followers * self._plan.host_only
         self._ahead.clear()
-        self._plan = self._uses_before = None
+        self._plan = self._uses_before = self._layer = None
 
     def _start_plan(self, tokens: int) -> None:
         """The plan of a chunk of `tokens` tokens, and the use counts it starts from."""

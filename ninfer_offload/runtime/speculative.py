@@ -161,14 +161,15 @@ class MtpSpeculator:
 
     def feed_prompt(self, chunk: list[int]) -> torch.Tensor:
         """Append a prompt chunk to the target (and what can be to the MTP layer); logits [vocab] of its last token."""
-        logits, hidden = self.session.append(chunk)
+        engine = self.session.engine
+        hidden = engine.prefill(self.session, chunk)  # (the logits of its last token only: a chunk's would take GiBs)
         successors = chunk if self._carry is not None else chunk[1:]
         if self._carry is not None:
             hidden = torch.cat([self._carry, hidden])
         if successors:
             self.session.mtp(hidden[:-1], successors)
         self._carry = self.last_hidden = hidden[-1:]
-        return logits[-1]
+        return engine.logits_of(self._carry)[0]
 
     def resume(self, hidden: torch.Tensor) -> None:
         """The session resumed a cached prefix (its MTP entries but the last restored too) whose last token's target

@@ -37,9 +37,11 @@ def unpack_inputs(
     keep_states: bool,
     host: tuple[tuple[int, ...], tuple[int, ...]] | None,
     staged: bool = False,
+    stage_tokens: int = 0,
+    closes_stage: bool = True,
 ) -> tuple[torch.Tensor, StepContext]:
     """(token ids [B*T], context) as views of a packed device buffer; `host` = (slots, starts) on the
-    host, or None for a captured step; `staged`: `StepContext.staged`."""
+    host, or None for a captured step; `staged`, `stage_tokens`, `closes_stage`: as `StepContext`'s."""
     n = batch * tokens_per_sequence
     tokens, positions, rows = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n]
     slots, lengths = packed[3 * n : 3 * n + batch], packed[3 * n + batch : 3 * n + 2 * batch]
@@ -55,6 +57,8 @@ def unpack_inputs(
         host_slots=None if host is None else host[0],
         host_starts=None if host is None else host[1],
         staged=staged,
+        stage_tokens=stage_tokens,
+        closes_stage=closes_stage,
     )
     return tokens, ctx
 
@@ -70,12 +74,16 @@ def step_inputs(
     keep_states: bool = False,
     valid: list[int] | None = None,
     staged: bool = False,
+    stage_tokens: int = 0,
+    closes_stage: bool = True,
 ) -> tuple[torch.Tensor, StepContext]:
     """Token ids and context of an eager step, on `device` with one copy (`valid`: as `pack_inputs`; `staged`: a
-    prompt chunk of the target whose host experts the store stages, `StepContext.staged`)."""
+    prompt chunk of the target whose host experts the store stages, `StepContext.staged`; `stage_tokens`,
+    `closes_stage`: where it is one chunk of a span, as `StepContext`'s)."""
     packed = pack_inputs(tokens, slots, starts, tokens_per_sequence, capacity, pinned=device.type == "cuda", valid=valid)
     packed = packed.to(device, non_blocking=True)
-    return unpack_inputs(packed, len(slots), tokens_per_sequence, prefill, keep_states, (tuple(slots), tuple(starts)), staged)
+    host = (tuple(slots), tuple(starts))
+    return unpack_inputs(packed, len(slots), tokens_per_sequence, prefill, keep_states, host, staged, stage_tokens, closes_stage)
 
 
 def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

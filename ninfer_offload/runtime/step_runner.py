@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ninfer_offload.model.context import StepContext
+from ninfer_offload.planner.memory import prefill_span_chunks
 from ninfer_offload.runtime.batched_prefill import BATCHED_PREFILL_MIN_SEQUENCES, BATCHED_PREFILL_TOKENS
 from ninfer_offload.runtime.graphs import PREFILL_BUCKETS, StepGraphs, prefill_bucket
 from ninfer_offload.runtime.step_inputs import step_inputs
@@ -74,24 +75,41 @@ class StepRunner:
             return self.proposal.logits(self.backend, mtp_hidden)
 
     # ------------------------------------------------------------------ prompts
+    @property
+    def prefill_span(self) -> int:
+        """Most prompt tokens of one forward: with staged host experts, several chunks (`prefill_span_chunks`) that
+        each layer runs in turn (a layer's host experts cross the link once for all of them), else one chunk."""
+        if self.store.staging is None:
+            return self.prefill_chunk
+        return self.prefill_chunk * prefill_span_chunks(self.prefill_chunk, self.max_context)
+
     def prefill_piece(self, tokens: int) -> int:
         """Most tokens per forward of a prompt of `tokens` tokens: a short one on a load that replays prefills goes
-        in pieces of the largest captured chunk (GRAPHED_PROMPT_MAX), any other in chunks of `prefill_chunk`."""
+        in pieces of the largest captured chunk (GRAPHED_PROMPT_MAX), any other in spans (`prefill_span`)."""
         short = self.replays_prefills() and tokens <= GRAPHED_PROMPT_MAX
-        return min(PREFILL_BUCKETS[-1], self.prefill_chunk) if short else self.prefill_chunk
+        return min(PREFILL_BUCKETS[-1], self.prefill_chunk) if short else self.prefill_span
 
-    def prefill(self, chunk: list[int], slot: int, start: int) -> torch.Tensor:
-        """Hidden states [len(chunk), H] of the prompt chunk `chunk` appended to the sequence in `slot` that holds
+    def prefill(self, piece: list[int], slot: int, start: int) -> torch.Tensor:
+        """Hidden states [len(piece), H] of the prompt piece `piece` appended to the sequence in `slot` that holds
         `start` tokens: a captured prefill's replay (padded to its bucket) where there is one, else an eager
-        forward whose host experts the store may stage."""
+        forward over its chunks of `prefill_chunk` tokens, layer by layer (`TextModel.hidden_chunks`), whose host
+        experts the store may stage once for the piece."""
         with torch.no_grad():
-            if self._captured_prefill(start, len(chunk)):
-                t = prefill_bucket(len(chunk))
-                padded = chunk + [0] * (t - len(chunk))
-                return self.graphs.prefill(padded, [slot], [start], t, [len(chunk)])[: len(chunk)].clone()
-            tokens, ctx = step_inputs(chunk, [slot], [start], len(chunk), self.max_context, self.device, prefill=True, staged=True)
-            with self.store.around_step(len(chunk), ctx):
-                return self.hidden(tokens, ctx)
+            if self._captured_prefill(start, len(piece)):
+                t = prefill_bucket(len(piece))
+                padded = piece + [0] * (t - len(piece))
+                return self.graphs.prefill(padded, [slot], [start], t, [len(piece)])[: len(piece)].clone()
+            starts = range(0, len(piece), self.prefill_chunk)
+            inputs = [
+                step_inputs(
+                    piece[c : c + self.prefill_chunk], [slot], [start + c], len(piece[c : c + self.prefill_chunk]), self.max_context,
+                    self.device, prefill=True, staged=True, stage_tokens=len(piece), closes_stage=c == starts[-1],
+                )
+                for c in starts
+            ]
+            with self.store.around_step(len(piece), inputs[0][1]):
+                hidden = self.text.hidden_chunks(self.backend, [ids for ids, _ in inputs], [ctx for _, ctx in inputs], self.state)
+            return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     def prefill_batch(self, flat: list[int], slots: list[int], starts: list[int], t: int, valid: list[int]) -> torch.Tensor:
         """Hidden states [B * t, H] of one forward appending t tokens (`flat`, sequence-major; the first valid[b] of
