@@ -52,7 +52,7 @@ def test_auto_path_tries_shares_and_matches_resident(tiny_artifact_official, res
     stats = engine.store.stats
     auto = stats.miss_path["auto"]
     assert auto["candidates"][0] == 0.0 and auto["candidates"][-1] == 1.0
-    assert auto["share"] in auto["candidates"]  # chosen after two steps per candidate
+    assert auto["share"]["1"] in auto["candidates"]  # one-row steps' share, chosen after two steps per candidate
     assert stats.pcie_bytes > 0 and stats.cpu_assignments > 0  # the trials sent misses both ways
 
 
