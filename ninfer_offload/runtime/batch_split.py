@@ -55,12 +55,12 @@ class MissRates:
 def uses_pmf(expected: np.ndarray, rows: int) -> np.ndarray:
     """P(an expert is used by u rows of a step of `rows` rows), u = 0..rows: float [rows + 1, *expected.shape]
     (binomial, `expected` the picks per token, at most 1)."""
-    q = np.clip(expected, 0.0, 1.0)
+    q = np.clip(expected, 0.0, 1.0 - 1e-12)  # (odds stay finite)
     pmf = np.empty((rows + 1, *q.shape))
     pmf[0] = (1.0 - q) ** rows
-    odds = np.divide(q, 1.0 - q, out=np.full_like(q, np.inf), where=q < 1.0)
+    odds = q / (1.0 - q)
     for u in range(rows):
-        pmf[u + 1] = np.where(q < 1.0, pmf[u] * (rows - u) / (u + 1) * odds, float(u + 1 == rows))
+        pmf[u + 1] = pmf[u] * (rows - u) / (u + 1) * odds
     return pmf
 
 
