@@ -139,3 +139,30 @@ def test_the_limit_balances_the_host_against_the_link():
     assert by_cpu[-1] >= 6  # a host far faster than the link: all but experts nearly every row uses (P < 0.001)
     assert limit(MissRates(20e9, 60e9, 1.0)) == 1  # a hand-off dearer than any split: as little host work as the share allows
     assert host_max_uses(RATES, 8, 1.0, expected, np.zeros((1, 32), dtype=bool), nbytes) == 1  # nothing missing
+
+
+def test_auto_sets_the_limit_for_each_steps_size(tiny_artifact_official, resident):
+    """"auto" sets host_max_uses before each step from its rows and share (one row: 1), and the logits stay exact."""
+    engine = Engine.load(tiny_artifact_official, experts="host", num_slots=4, miss_path="auto", max_sequences=len(PROMPTS), spec="none")
+    try:
+        path, store = engine.store.cpu_path, engine.store
+        path.tuner.warmup = 1000  # the trials never start: share 1 (all) throughout
+        nbytes = np.array([layout.nbytes for layout in store.layouts], dtype=np.float64)
+        limits = []
+
+        def check(before, _after):
+            in_vram = before[1]
+            limits.append(path.stats()["host_max_uses"])
+            assert limits[-1] == host_max_uses(path.rates, len(PROMPTS), 1.0, store.placement.scores, ~in_vram, nbytes)
+
+        got = _batch(engine, [path.tokens] * 2, check)  # (`_batch` sets a limit; the step's own replaces it)
+        for g, w in zip(got, _batch_resident(resident, 2)):
+            assert_close(g, w)
+        assert all(1 <= limit <= len(PROMPTS) for limit in limits)
+        session = engine.session()
+        session.prefill(PROMPTS[0])
+        session.step(3)
+        assert path.stats()["host_max_uses"] == 1
+        session.close()
+    finally:
+        engine.close()
