@@ -36,7 +36,8 @@ Measured in one run, per VRAM budget (GiB; the H200 profile planned at that budg
   resident and at the first budget: which kernels an offloaded step pays more for;
 * with `--miss-paths`, decode at the first budget with each miss path (pcie, cpu, auto), each engine
   loaded and timed the same way (`--miss-path-loads N` loads each N times
-  in turn and keeps its best), and `auto` against the better pure path;
+  in turn and keeps its best), and `auto` against the better pure path; per path the PCIe bytes and the
+  host's assignments per step (one sequence: the batched split is measured by `bench/serve.py`);
   per path 32 more steps profiled (`TraceRun.decode_profiled`: wall time against the device's busy time,
   and which host calls the device waited on);
 * last, the floor (`accelerate_floor`; needs `accelerate`, `--skip-accelerate` leaves it out):
@@ -328,8 +329,11 @@ def decode_variants(runner: TraceRun, engine: Engine, warmup: int, steps: int, r
 
 def _difference(after: dict | None, before: dict | None) -> dict:
     if after is None:
-        return {"hit_rate": 1.0, "pcie_bytes_per_token": 0, "promotions_per_token": 0.0, "tokens": 0, "cpu_assignments": 0}
-    tokens = after["tokens"] - before["tokens"]
+        return {
+            "hit_rate": 1.0, "pcie_bytes_per_token": 0, "promotions_per_token": 0.0, "tokens": 0, "cpu_assignments": 0,
+            "pcie_bytes_per_step": 0, "cpu_assignments_per_step": 0.0,
+        }
+    tokens, steps = after["tokens"] - before["tokens"], max(after["steps"] - before["steps"], 1)
     uses = after["uses"] - before["uses"]
     return {
         "hit_rate": (after["hits"] - before["hits"]) / uses if uses else 1.0,
@@ -337,6 +341,8 @@ def _difference(after: dict | None, before: dict | None) -> dict:
         "promotions_per_token": (after["promotions"] - before["promotions"]) / max(tokens, 1),
         "tokens": tokens,
         "cpu_assignments": after["cpu_assignments"] - before["cpu_assignments"],
+        "pcie_bytes_per_step": (after["pcie_bytes"] - before["pcie_bytes"]) / steps,
+        "cpu_assignments_per_step": (after["cpu_assignments"] - before["cpu_assignments"]) / steps,
     }
 
 
@@ -636,6 +642,7 @@ def main() -> None:
             "vram_budget_bytes": int(args.budgets[0] * GiB), "miss_path": miss_path, "decode_tok_s": 1 / seconds,
             "pcie_decode_tok_s": pcie, "hit_rate": stats["hit_rate"], "pcie_bytes_per_token": stats["pcie_bytes_per_token"],
             "cpu_assignments_per_token": stats["cpu_assignments"] / max(stats["tokens"], 1), "graphs": engine.graphs is not None,
+            "pcie_bytes_per_step": stats["pcie_bytes_per_step"], "cpu_assignments_per_step": stats["cpu_assignments_per_step"],
             "planner_decode_tok_s": planned_decode(engine, inventory or Inventory.from_artifact(engine.artifact), args.profile, miss_path),
             "cpu": engine.store.stats.miss_path, "decode_streams": streams,
         })

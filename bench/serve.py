@@ -36,7 +36,9 @@ of the synthetic model's router, whose picks are far less concentrated than the 
 option of `ninfer serve` shows it); the server's log line saying so is checked. Per level, with experts
 offloaded, the expert cache over the median burst (from /health before and after it, as of the server's last
 step boundary): `expert_hit_rate`, `pcie_bytes_per_step` (every forward of the burst, its prompts' pieces
-included), `pcie_bytes_per_token` and `steps`.
+included), `cpu_assignments_per_step` (the assignments the CPU miss path computed), `pcie_bytes_per_token` and
+`steps`. Each miss path alone and the split: `--serve-arg=--miss-path=cpu` (every miss on the host),
+`--serve-arg=--miss-path=auto` (the split), none (every miss over PCIe).
 """
 
 from __future__ import annotations
@@ -172,10 +174,11 @@ def cache_over(before: dict | None, after: dict | None) -> dict:
     """Hit rate and PCIe bytes of the forwards between two readings of the counters."""
     if before is None or after is None:
         return {}
-    delta = {key: after[key] - before[key] for key in ("uses", "hits", "pcie_bytes", "tokens", "steps")}
+    delta = {key: after[key] - before[key] for key in ("uses", "hits", "pcie_bytes", "tokens", "steps", "cpu_assignments")}
     return {
         "expert_hit_rate": delta["hits"] / delta["uses"] if delta["uses"] else None,
         "pcie_bytes_per_step": delta["pcie_bytes"] / delta["steps"] if delta["steps"] else None,
+        "cpu_assignments_per_step": delta["cpu_assignments"] / delta["steps"] if delta["steps"] else None,
         "pcie_bytes_per_token": delta["pcie_bytes"] / delta["tokens"] if delta["tokens"] else None,
         "steps": delta["steps"],
     }

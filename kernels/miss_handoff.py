@@ -2,8 +2,9 @@
 routed experts that exchange work with the host through mapped pinned memory, with no host sync,
 so a step that uses them is still one CUDA graph.
 
-`publish` decides which (token, expert) assignments the host computes (expert not in VRAM and
-taken by the host per `take`), gives the device's routed-experts kernels the others (host
+`publish` decides which (token, expert) assignments the host computes (expert not in VRAM, taken
+by the host per `take`, and used by at most `host_max_uses` rows of the call: its uses are counted by
+comparing its id with every pair's), gives the device's routed-experts kernels the others (host
 assignments become zero-weight uses of `anchor`, an expert in VRAM), writes the host's work into
 the layer's mailbox (assignments, weights, the activations as float32) and, only if there is any,
 raises the layer's request counter with a system-scope release store the host polls. `collect`
@@ -29,9 +30,9 @@ SPIN_LIMIT = 1 << 24  # answer-counter reads before `collect` gives up (seconds)
 
 @triton.jit
 def _publish_kernel(
-    x, ids, weights, table, take, anchor, device_ids, device_weights, cpu_uses, state, base,
+    x, ids, weights, table, take, host_max_uses, anchor, device_ids, device_weights, cpu_uses, state, base,
     header_offset, data_offset, arena_bytes, stride_x, T, H, ids_at, weights_at, x_at,
-    TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pairs = T * TOP_K
     p = tl.arange(0, BLOCK_P)
@@ -39,7 +40,13 @@ def _publish_kernel(
     e = tl.load(ids + p, mask=valid, other=0)
     offset = tl.load(table + e, mask=valid, other=0)
     in_vram = (offset >= 0) & (offset < arena_bytes)
-    host = valid & (tl.load(take + e, mask=valid, other=0) != 0) & ~in_vram
+    uses = tl.zeros([BLOCK_P], dtype=tl.int32)  # per pair, the pairs of the call routed to its expert
+    for q0 in range(0, pairs, BLOCK_Q):
+        q = q0 + tl.arange(0, BLOCK_Q)
+        other = tl.load(ids + q, mask=q < pairs, other=-1)
+        uses += tl.sum((e[:, None] == other[None, :]).to(tl.int32), axis=1)
+    few = uses <= tl.load(host_max_uses)
+    host = valid & (tl.load(take + e, mask=valid, other=0) != 0) & ~in_vram & few
     w = tl.load(weights + p, mask=valid, other=0.0)
     tl.store(device_ids + p, tl.where(host, tl.load(anchor), e), mask=valid)
     tl.store(device_weights + p, tl.where(host, 0.0, w), mask=valid)
@@ -90,21 +97,23 @@ def _collect_kernel(
 
 def publish(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor, take: torch.Tensor,
-    anchor: torch.Tensor, cpu_uses: torch.Tensor, state: torch.Tensor, base: torch.Tensor, header_offset: int,
+    host_max_uses: torch.Tensor, anchor: torch.Tensor, cpu_uses: torch.Tensor, state: torch.Tensor, base: torch.Tensor, header_offset: int,
     data_offset: int, regions,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(device ids, device weights) [T, k] for the routed-experts kernels; the host's share of the
     assignments published to the mailbox at `header_offset` / `data_offset` (bytes from `base`).
-    take: int8 [E] (nonzero: the host computes the expert when it is not in VRAM); anchor: int64 [1];
+    take: int8 [E] and host_max_uses: int32 [1] (the host computes an expert not in VRAM when take is nonzero and
+    at most host_max_uses pairs of the call are routed to it); anchor: int64 [1];
     base: the expert arena (uint8: its size tells VRAM offsets from host ones);
     cpu_uses: int32 [E], counts the host's assignments; state: int64 [2] (requests published,
     whether this call published one); regions: the mailbox's `MailboxRegions`."""
     t, k = topk_ids.shape
     device_ids, device_weights = torch.empty_like(topk_ids), torch.empty_like(topk_weights)
     _publish_kernel[(1,)](
-        x, topk_ids.contiguous(), topk_weights.contiguous(), table, take, anchor, device_ids, device_weights, cpu_uses,
+        x, topk_ids.contiguous(), topk_weights.contiguous(), table, take, host_max_uses, anchor, device_ids, device_weights, cpu_uses,
         state, base, header_offset, data_offset, base.numel(), x.stride(0), t, x.shape[1], regions.ids_at,
-        regions.weights_at, regions.x_at, TOP_K=k, BLOCK_P=triton.next_power_of_2(t * k), BLOCK_H=1024, num_warps=4,
+        regions.weights_at, regions.x_at, TOP_K=k, BLOCK_P=triton.next_power_of_2(t * k), BLOCK_Q=16, BLOCK_H=1024,
+        num_warps=4,
     )
     return device_ids, device_weights
 

@@ -41,5 +41,6 @@ def test_serve_benchmark_at_a_budget_with_trace_routing(tiny_artifact_official, 
     assert level["clients"] == 2 and len(level["tokens"]) == 2 and all(1 <= n <= 6 for n in level["tokens"])
     assert 0 < level["expert_hit_rate"] < 1 and level["pcie_bytes_per_step"] > 0 and level["pcie_bytes_per_token"] > 0
     assert level["steps"] >= max(level["tokens"])
+    assert level["cpu_assignments_per_step"] == 0  # no CPU miss path: every miss over PCIe
     assert level["decode_tok_s_spread"] >= 1 and level["server_decode_tok_s_spread"] >= 1
     assert level["admission_stall_max_s"] >= 0 and level["inter_token_p50_s"] > 0

@@ -239,22 +239,35 @@ def test_split_tuner_tries_each_share_and_keeps_the_fastest():
         share = tuner.share()
         seen.append(share)
         timed.append(tuner.timed())
-        tuner.observe(share, cost[share] if timed[-1] else None)  # the engine times only the steps that count
+        tuner.observe(share, 1, cost[share] if timed[-1] else None)  # the engine times only the steps that count
     assert seen == [1.0] + [0.0, 0.0, 0.25, 0.25, 1.0, 1.0] * 2  # warm-up, then each share in turn (the first of each not counted)
     assert timed == [False] + [False, True] * 6
-    assert tuner.chosen == 0.25 and tuner.stats()["share"] == 0.25
-    assert tuner.stats()["ms_per_token"] == [3000.0, 1000.0, 2000.0]  # the trials' evidence
+    assert tuner.chosen == {1: 0.25} and tuner.stats()["share"] == {"1": 0.25}
+    assert tuner.stats()["ms_per_token"] == {"1": [3000.0, 1000.0, 2000.0]}  # the trials' evidence
     held = []
     for _ in range(5):
         held.append(tuner.share())
         assert not tuner.timed()
-        tuner.observe(held[-1], None if len(held) % 2 else 9.0)  # held steps do not count as trials, timed or not
+        tuner.observe(held[-1], 1, None if len(held) % 2 else 9.0)  # held steps do not count as trials, timed or not
     assert held == [0.25] * 5
     cost[1.0] = 0.5  # the next trials see the host get faster
     for _ in range(tuner.trial_steps):
         share = tuner.share()
-        tuner.observe(share, cost[share])
-    assert tuner.chosen == 1.0
+        tuner.observe(share, 1, cost[share])
+    assert tuner.chosen == {1: 1.0}
+
+
+def test_split_tuner_keeps_a_share_per_step_size():
+    """Steps of one row and of eight interleave during the trials: each size keeps its own fastest share, and a size
+    the trials did not see takes the nearest measured size's."""
+    tuner = ce.SplitTuner((0.0, 0.5, 1.0), window=4, rounds=1, warmup=0, hold=10)
+    cost = {1: {0.0: 3.0, 0.5: 2.0, 1.0: 1.0}, 8: {0.0: 1.0, 0.5: 2.0, 1.0: 3.0}}  # the host wins alone, the link in a batch
+    for step in range(tuner.trial_steps):
+        rows = 1 if step % 2 else 8
+        share = tuner.share(rows)
+        tuner.observe(share, rows, cost[rows][share] if tuner.timed() else None)
+    assert tuner.chosen == {1: 1.0, 8: 0.0}
+    assert [tuner.share(rows) for rows in (1, 2, 6, 8, 16)] == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_auto_candidates_include_both_pure_paths():
@@ -262,7 +275,7 @@ def test_auto_candidates_include_both_pure_paths():
 
     assert ce._candidates(0.3) == (0.0, 0.3125, 1.0)
     assert ce._candidates(0.99) == (0.0, 1.0)
-    assert 0 < ce._rate_share() < 1 and CPU_EXPERT_SHARE_OF_DRAM > 0
+    assert 0 < ce.MissRates.of_machine().host_share < 1 and CPU_EXPERT_SHARE_OF_DRAM > 0
 
 
 _STARTUP_PROBE = """

@@ -52,7 +52,7 @@ def test_auto_path_tries_shares_and_matches_resident(tiny_artifact_official, res
     stats = engine.store.stats
     auto = stats.miss_path["auto"]
     assert auto["candidates"][0] == 0.0 and auto["candidates"][-1] == 1.0
-    assert auto["share"] in auto["candidates"]  # chosen after two steps per candidate
+    assert auto["share"]["1"] in auto["candidates"]  # one-row steps' share, chosen after two steps per candidate
     assert stats.pcie_bytes > 0 and stats.cpu_assignments > 0  # the trials sent misses both ways
 
 
@@ -176,7 +176,7 @@ def test_the_worker_thread_answers_requests_as_on_cuda(tiny_artifact_official):
     for layer, pause, want in ((0, 0.0, wants[0]), (1, 0.05, wants[1])):  # the second request comes after the worker went idle
         time.sleep(pause)
         bank = store.bank(layer)
-        args = (x, ids, weights, bank.offsets, path.take[layer], store.anchor[layer], store.cpu_uses[layer], bank.arena)
+        args = (x, ids, weights, bank.offsets, path.take[layer], path.host_max_uses, store.anchor[layer], store.cpu_uses[layer], bank.arena)
         device_ids, device_weights = miss_handoff.publish(path.mailbox, layer, *args)
         assert int(path.mailbox.state[layer, 1]) == 1  # a request is open: the worker must answer it
         out = engine.backend.routed_experts(x, device_ids, device_weights, bank)

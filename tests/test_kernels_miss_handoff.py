@@ -1,6 +1,7 @@
 """The hand-off kernels (`kernels.miss_handoff`) against their reference ops (`runtime.miss_handoff`):
-the same device ids and weights, the same request in the mailbox, the same answer added; a
-device that waits for the host (on CUDA, answered from another thread); a missing answer flagged."""
+the same device ids and weights, the same request in the mailbox, the same answer added; the host
+taking only experts used by at most `host_max_uses` pairs of the call; a device that waits for the
+host (on CUDA, answered from another thread); a missing answer flagged."""
 
 from __future__ import annotations
 
@@ -32,13 +33,16 @@ def _setup(seed: int, tokens: int, host_share: float = 0.5):
     return arena, table, take, ids, weights, x, anchor
 
 
-def _publish_both(tokens: int, layer: int = 1, seed: int = 0, host_share: float = 0.5):
+def _publish_both(tokens: int, layer: int = 1, seed: int = 0, host_share: float = 0.5, max_uses: int = 64):
     arena, table, take, ids, weights, x, anchor = _setup(seed, tokens, host_share)
+    limit = torch.tensor([max_uses], dtype=torch.int32, device=DEVICE)
     boxes = [Mailbox(3, TOP_K, HIDDEN, torch.device(DEVICE), tokens=8) for _ in range(2)]
     uses = [torch.zeros(EXPERTS, dtype=torch.int32, device=DEVICE) for _ in range(2)]
     header, data = boxes[0].offsets(layer, arena)
-    got = kernels.publish(x, ids, weights, table, take, anchor, uses[0], boxes[0].state[layer], arena, header, data, boxes[0].regions)
-    want = publish_reference(boxes[1], layer, x, ids, weights, table, take, anchor, uses[1], arena.numel())
+    got = kernels.publish(
+        x, ids, weights, table, take, limit, anchor, uses[0], boxes[0].state[layer], arena, header, data, boxes[0].regions
+    )
+    want = publish_reference(boxes[1], layer, x, ids, weights, table, take, limit, anchor, uses[1], arena.numel())
     return got, want, boxes, uses, arena
 
 
@@ -51,6 +55,30 @@ def test_publish_matches_reference(tokens):
     assert torch.equal(mine.headers, theirs.headers) and mine.flags[HEADER_WORDS + READY] == 1
     for a, b in zip(mine.request(1), theirs.request(1)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("max_uses", [0, 1, 2, 3])
+def test_the_host_takes_only_experts_few_pairs_use(max_uses):
+    """A batch of 8 tokens: the host takes a missing expert of its `take` share only when at most `max_uses` pairs
+    of the call use it; kernel and reference agree on which, and the mailbox holds exactly those."""
+    tokens = 8
+    (got_ids, got_w), (want_ids, want_w), (mine, theirs), uses, _ = _publish_both(tokens, max_uses=max_uses)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w) and torch.equal(uses[0], uses[1])
+    arena, table, take, ids, _, _, _ = (t.cpu() if isinstance(t, torch.Tensor) else t for t in _setup(0, tokens, 0.5))
+    pairs = ids.reshape(-1).numpy()
+    count = {e: int((pairs == e).sum()) for e in pairs}
+    miss = lambda e: not 0 <= int(table[e]) < arena.numel()  # noqa: E731
+    host = {e for e in pairs if miss(e) and take[e] and count[e] <= max_uses}
+    assert any(miss(e) and take[e] and count[e] > 1 for e in pairs)  # the batch repeats some missing experts
+    assert set(torch.nonzero(uses[0].cpu()).flatten().tolist()) == host
+    assert int(uses[0].sum()) == sum(count[e] for e in host)
+    if host:
+        _, box_ids, _, _ = mine.request(1)
+        np.testing.assert_array_equal(box_ids.reshape(-1), [e if e in host else -1 for e in pairs])
+        for a, b in zip(mine.request(1), theirs.request(1)):
+            np.testing.assert_array_equal(a, b)
+    else:
+        assert int(mine.state[1, 1]) == 0 and not mine.headers.any()
 
 
 def test_publish_without_host_work_opens_no_request():

@@ -237,3 +237,38 @@ def test_batched_mtp_step_on_cuda_equals_each_sessions_own(tiny_artifact_officia
     logits, out = engine.mtp_step(together, rows, [PROMPT[6], PROMPT[12]])
     own_logits, own_out = alone[0].mtp(rows[1:], [PROMPT[12]])
     assert torch.allclose(logits[1], own_logits[0], atol=1e-4) and torch.allclose(out[1], own_out[0], atol=1e-4)
+
+
+def test_captured_batch_steps_follow_host_max_uses_between_replays(tiny_artifact_official):
+    """Three sequences decode together as captured steps with the CPU miss path (float32): `host_max_uses`, a device
+    scalar the graph reads at replay, changes between steps without a new capture; the host takes no assignment at
+    0 and some at 1 and up, and the logits stay the resident batch's."""
+    prompts = [PROMPT[:n] for n in (7, 13, 24)]
+    limits = [1, 0, 2, 64, 1]
+
+    def batch(engine: Engine, path=None) -> list[torch.Tensor]:
+        sessions = [engine.session() for _ in prompts]
+        out = [torch.stack([s.prefill(p) for s, p in zip(sessions, prompts)])]
+        for limit in limits:
+            before = engine.store.stats.cpu_assignments if path is not None else 0
+            if path is not None:
+                path.set_host_max_uses(limit)
+            out.append(engine.step_batch(sessions, out[-1].argmax(-1).tolist()))
+            if path is not None:
+                assert (engine.store.stats.cpu_assignments > before) == (limit > 0)
+        for session in sessions:
+            session.close()
+        return out
+
+    resident = Engine.load(tiny_artifact_official, device="cuda", dtype="float32", spec="none", max_sequences=3)
+    host = Engine.load(
+        tiny_artifact_official, device="cuda", dtype="float32", experts="host", num_slots=4, spec="none", miss_path="cpu",
+        max_sequences=3,
+    )
+    got, want = batch(host, host.store.cpu_path), batch(resident)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-3, atol=1e-3 * max(1.0, w.abs().max().item()))
+    steps = [key for key in host.graphs.graphs if key[0] == "target" and key[3:] == ("handoff",)]
+    assert len(steps) == 1  # one captured batch step served every limit
+    host.close()
+    resident.close()

@@ -5,10 +5,12 @@ The device hands a layer's missing experts to the host through the mailbox of
 graph); `CpuMissPath` answers in a worker thread with the numba kernels of
 `ninfer_offload.kernels.cpu.experts` (`HostExperts`) while the device computes the experts in VRAM
 (on a CPU-only engine the calling thread answers in place).
-Which misses the host takes is a device mask per (layer, expert): "cpu" takes every miss; "auto"
-takes a share of each layer's experts that `SplitTuner` picks by measured step time among no share,
-all, and the share the host's and the PCIe link's rates would give, so it is never slower than the
-better pure path by more than the trials' noise.
+Which misses the host takes: an expert outside VRAM that the device mask `take` [layer, expert] gives the
+host and that at most `host_max_uses` (a device scalar) rows of the step use. "cpu" takes every miss; "auto"
+takes a share of each layer's experts that `SplitTuner` picks per step size by measured step time among no
+share, all, and the share the host's and the PCIe link's rates would give, so it is never slower than the
+better pure path by more than the trials' noise, and sets `host_max_uses` per step from the cost model's
+rates (`runtime.batch_split`): in a batch the host takes the experts few rows use, the link the others.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ninfer_offload.errors import NinferError
 from ninfer_offload.kernels.cpu.experts import EXACT_PARTS, SIXTEEN_BIT_PARTS, RecordKernelPlan, routed_experts_cpu, warm_up
 from ninfer_offload.kernels.cpu.handoff import answer_request, next_request
 from ninfer_offload.runtime import miss_handoff
+from ninfer_offload.runtime.batch_split import MissRates, host_max_uses
 from ninfer_offload.runtime.miss_handoff import DONE, HEADER_WORDS, READY, Mailbox
 
 # Mailbox polls per `next_request` call (~5 ms for 41 layers; 2,000 took 0.2 ms): the worker spins without the
@@ -33,6 +36,7 @@ from ninfer_offload.runtime.miss_handoff import DONE, HEADER_WORDS, READY, Mailb
 # that drives the device.
 SWEEPS = 50_000
 SHARE_SEED = 0  # which experts a share takes: a fixed random order per layer
+LIMIT_REFRESH_STEPS = 256  # "auto" recomputes a step size's `host_max_uses` this often (the cache moves experts)
 
 
 class HostExperts:
@@ -103,8 +107,9 @@ def _reference_dense(
 class SplitTuner:
     """"auto": the share of each layer's experts the host takes when they miss. Trials run each
     candidate share for `window` decode steps (the first of each not counted), `rounds` times in turn,
-    after `warmup` steps; the share with the lowest mean seconds per token is kept for `hold` steps,
-    then trials run again."""
+    after `warmup` steps, timing each step per token under its size (rows: a batch's best share need not be
+    one row's); each size that ran every candidate keeps the one with the lowest mean seconds per token for
+    `hold` steps (a size not measured takes the nearest measured size's), then trials run again."""
 
     candidates: tuple[float, ...]
     window: int = 8
@@ -112,22 +117,21 @@ class SplitTuner:
     warmup: int = 4
     hold: int = 4096
     _step: int = 0
-    _times: list[list[float]] = field(default_factory=list)
-    chosen: float | None = None
-    means: list[float] = field(default_factory=list)  # seconds per token of each candidate in the last trials
-
-    def __post_init__(self):
-        self._times = [[] for _ in self.candidates]
+    _times: dict[int, list[list[float]]] = field(default_factory=dict)  # per step size, per candidate
+    chosen: dict[int, float] = field(default_factory=dict)  # per step size
+    means: dict[int, list[float]] = field(default_factory=dict)  # seconds per token of each candidate in the last trials
 
     @property
     def trial_steps(self) -> int:
         return self.warmup + self.window * len(self.candidates) * self.rounds
 
-    def share(self) -> float:
-        """The share for the next step."""
+    def share(self, rows: int = 1) -> float:
+        """The share for the next step, of `rows` rows."""
         step = self._step % (self.trial_steps + self.hold)
         if step >= self.trial_steps or step < self.warmup:
-            return self.chosen if self.chosen is not None else self.candidates[-1]
+            if not self.chosen:
+                return self.candidates[-1]
+            return self.chosen[min(self.chosen, key=lambda size: (abs(size - rows), size))]
         return self.candidates[(step - self.warmup) // self.window % len(self.candidates)]
 
     def timed(self) -> bool:
@@ -136,21 +140,23 @@ class SplitTuner:
         step = self._step % (self.trial_steps + self.hold)
         return self.warmup <= step < self.trial_steps and (step - self.warmup) % self.window != 0
 
-    def observe(self, share: float, seconds_per_token: float | None) -> None:
-        """One finished step run with `share` (None: not timed); after the last trial step, choose."""
+    def observe(self, share: float, rows: int, seconds_per_token: float | None) -> None:
+        """One finished step of `rows` rows run with `share` (None: not timed); after the last trial step, choose."""
         if seconds_per_token is not None and self.timed() and share in self.candidates:
-            self._times[self.candidates.index(share)].append(seconds_per_token)
+            self._times.setdefault(rows, [[] for _ in self.candidates])[self.candidates.index(share)].append(seconds_per_token)
         self._step += 1
         if self._step % (self.trial_steps + self.hold) == self.trial_steps:
-            self.means = [float(np.mean(t)) if t else float("inf") for t in self._times]
-            self.chosen = self.candidates[int(np.argmin(self.means))]
-            self._times = [[] for _ in self.candidates]
+            measured = {rows: times for rows, times in self._times.items() if all(times)}
+            if measured:
+                self.means = {rows: [float(np.mean(t)) for t in times] for rows, times in measured.items()}
+                self.chosen = {rows: self.candidates[int(np.argmin(means))] for rows, means in self.means.items()}
+            self._times = {}
 
     def stats(self) -> dict:
         return {
             "candidates": list(self.candidates),
-            "ms_per_token": [round(m * 1e3, 4) for m in self.means],
-            "share": self.chosen,
+            "ms_per_token": {str(rows): [round(m * 1e3, 4) for m in means] for rows, means in sorted(self.means.items())},
+            "share": {str(rows): share for rows, share in sorted(self.chosen.items())},
             "steps": self._step,
         }
 
@@ -159,15 +165,26 @@ class CpuMissPath:
     """The expert store's CPU miss path: the mailbox, the host worker that answers it, and which
     misses the host takes (`take`, int8 [layers, experts] on the device)."""
 
-    def __init__(self, mode: str, layouts: list, num_experts: int, top_k: int, hidden: int, device: torch.device, host: list[torch.Tensor]):
+    def __init__(
+        self, mode: str, layouts: list, num_experts: int, top_k: int, hidden: int, device: torch.device, host: list[torch.Tensor],
+        expected: np.ndarray,
+    ):
         self.mode = mode
         self.layouts = layouts
         self.host = host  # the store's per-layer host records (filled while loading)
         self.device = device
         self.mailbox = Mailbox(len(layouts), top_k, hidden, device)
         self.take = torch.ones(len(layouts), num_experts, dtype=torch.int8, device=device)
+        # the most rows of a step that use one expert: every miss when set to the most rows of a hand-off
+        self.host_max_uses = torch.full((1,), self.mailbox.tokens, dtype=torch.int32, device=device)
+        self._max_uses = self.mailbox.tokens
         self._order = np.argsort(np.random.default_rng(SHARE_SEED).random((len(layouts), num_experts)), axis=1).argsort(axis=1)
-        self.tuner = SplitTuner(_candidates(_rate_share())) if mode == "auto" else None
+        self.rates = MissRates.of_machine() if mode == "auto" else None
+        self.tuner = SplitTuner(_candidates(self.rates.host_share)) if mode == "auto" else None
+        self._expected = expected  # [layers, experts]: the plan's picks per token
+        self._record_bytes = np.array([layout.nbytes for layout in layouts], dtype=np.float64)
+        self._limits: dict[tuple[int, float], int] = {}  # "auto": host_max_uses per (rows, share), refreshed as the cache moves
+        self._limit_calls = 0
         self._share = 1.0
         self.experts = HostExperts(EXACT_PARTS)
         # With a GPU, leave one core to the thread that drives it.
@@ -202,7 +219,8 @@ class CpuMissPath:
             self.start_worker()
         self.experts.parts = EXACT_PARTS if x.dtype == torch.float32 else SIXTEEN_BIT_PARTS
         ids, weights = miss_handoff.publish(
-            self.mailbox, layer, x, topk_ids, topk_weights, bank.offsets, self.take[layer], anchor, cpu_uses, bank.arena
+            self.mailbox, layer, x, topk_ids, topk_weights, bank.offsets, self.take[layer], self.host_max_uses, anchor, cpu_uses,
+            bank.arena,
         )
         if self._worker is None and not on_cuda and int(self.mailbox.state[layer, 1]):
             self._answer(layer)  # (with a worker running, it answers: one answer per request)
@@ -210,17 +228,19 @@ class CpuMissPath:
         return miss_handoff.collect(self.mailbox, layer, out, bank.arena)
 
     # ------------------------------------------------------------------ step boundary
-    def step_started(self, tokens: int | None) -> object:
+    def step_started(self, tokens: int | None, in_vram: np.ndarray) -> object:
         """Before a forward of `tokens` rows is launched (None: a prompt chunk, not timed): raise a
-        failure of the previous ones, apply the tuner's share, wake the worker if the host takes a share;
+        failure of the previous ones, apply the tuner's share for the step's size and the limit on uses the rates
+        give it (`in_vram` [layers, experts]: where the experts are now), wake the worker if the host takes a share;
         a mark for `step_finished` (the tuner times decode steps per token)."""
         self.check()
         mark = None
         if self.tuner is not None and tokens is not None:
             self._read_timings()
-            share = self.tuner.share()
+            share = self.tuner.share(tokens)
             if share != self._share:
                 self.set_share(share)
+            self.set_host_max_uses(self._limit(tokens, share, in_vram))
             mark = share, self._mark() if self.tuner.timed() else None, tokens
         if self.active:
             self._wake.set()
@@ -230,6 +250,16 @@ class CpuMissPath:
         if mark is not None:
             share, start, tokens = mark
             self._steps.append((share, start, None if start is None else self._mark(), tokens))
+
+    def _limit(self, rows: int, share: float, in_vram: np.ndarray) -> int:
+        """`batch_split.host_max_uses` for a step of `rows` rows at `share`, computed once per LIMIT_REFRESH_STEPS steps."""
+        self._limit_calls += 1
+        if self._limit_calls % LIMIT_REFRESH_STEPS == 0:
+            self._limits.clear()
+        key = rows, share
+        if key not in self._limits:
+            self._limits[key] = host_max_uses(self.rates, rows, share, self._expected, ~in_vram, self._record_bytes)
+        return self._limits[key]
 
     def _mark(self):
         if self.device.type != "cuda":
@@ -251,13 +281,19 @@ class CpuMissPath:
             else:
                 return
             self._steps.pop(0)
-            self.tuner.observe(share, per_token)
+            self.tuner.observe(share, tokens, per_token)
 
     def set_share(self, share: float) -> None:
         """The host takes the first `share` of each layer's experts in a fixed random order (in stream order)."""
         mask = (self._order < round(share * self._order.shape[1])).astype(np.int8)
         self.take.copy_(torch.from_numpy(mask))
         self._share = share
+
+    def set_host_max_uses(self, limit: int) -> None:
+        """The host takes only experts used by at most `limit` rows of a step (0: none; in stream order)."""
+        if limit != self._max_uses:
+            self.host_max_uses.fill_(limit)
+            self._max_uses = limit
 
     def check(self) -> None:
         if self._error is not None:
@@ -304,6 +340,7 @@ class CpuMissPath:
         return {
             "mode": self.mode,
             "requests": self.requests,
+            "host_max_uses": self._max_uses,
             "cpu": self.experts.stats(),
             **({"auto": self.tuner.stats()} if self.tuner else {}),
         }
@@ -313,17 +350,6 @@ class CpuMissPath:
         self._wake.set()
         if self._worker is not None:
             self._worker.join(timeout=5)
-
-
-def _rate_share() -> float:
-    """The share of misses the host would take if the two paths ran at this machine's profiled rates."""
-    from ninfer_offload.planner.cost import CPU_EXPERT_SHARE_OF_DRAM
-    from ninfer_offload.profiles import load_profile, stored_profile_path
-
-    stored = stored_profile_path()
-    profile = load_profile(str(stored) if stored.is_file() else "rtx5090")
-    cpu = CPU_EXPERT_SHARE_OF_DRAM * profile.dram_bandwidth_gbs
-    return cpu / (cpu + profile.h2d_bandwidth_gbs)
 
 
 def _candidates(rate_share: float) -> tuple[float, ...]:

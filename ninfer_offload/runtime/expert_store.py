@@ -21,8 +21,9 @@ compute (`routed`) and the bookkeeping around the step (`around_step`) both take
 
 With a miss path ("cpu" or "auto", `cpu_experts.CpuMissPath`), a forward of at most
 `miss_handoff.HANDOFF_TOKENS` tokens that is not staged hands the assignments of experts not in
-VRAM (those the path's `take` mask gives the host) to a host worker through a mailbox in pinned
-memory and computes the others on the device meanwhile; the host's rows are added after. Routing
+VRAM (those the path's `take` mask gives the host and at most its `host_max_uses` rows use) to a
+host worker through a mailbox in pinned memory and computes the others on the device meanwhile
+(a batch's experts many rows use cross the link once); the host's rows are added after. Routing
 still never goes to the host, so these steps are captured too. Each host expert counts on the
 device as a CPU assignment, not a PCIe read; a host assignment becomes a zero-weight use of the
 layer's `anchor`, an expert in VRAM.
@@ -30,6 +31,7 @@ layer's `anchor`, an expert in VRAM.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -88,10 +90,12 @@ class StoreStats:
         return self.hits / self.uses if self.uses else 1.0
 
     def to_json(self) -> dict:
-        per_token = max(self.tokens, 1)
+        per_token, per_step = max(self.tokens, 1), max(self.steps, 1)
         return {
             "hit_rate": round(self.hit_rate, 6),
             "pcie_bytes_per_token": round(self.pcie_bytes / per_token),
+            "pcie_bytes_per_step": round(self.pcie_bytes / per_step),
+            "cpu_assignments_per_step": round(self.cpu_assignments / per_step, 3),
             "promotions_per_token": round(self.promotions / per_token, 3),
             "tokens": self.tokens,
             "steps": self.steps,
@@ -180,7 +184,7 @@ class ExpertStore:
         if miss_path is not None:
             from ninfer_offload.runtime.cpu_experts import CpuMissPath
 
-            self.cpu_path = CpuMissPath(miss_path, layouts, num_experts, top_k, hidden, device, self.host)
+            self.cpu_path = CpuMissPath(miss_path, layouts, num_experts, top_k, hidden, device, self.host, placement.scores)
         self.cache = ExpertCache(self, cache_policy) if placement.offloaded else None
         if self.cpu_path is not None:
             self.set_anchors(self.pinned, range(layers))
@@ -329,10 +333,11 @@ class ExpertStore:
             return out if shared is None else shared.added_to(backend, out)
         counted = self.cache is not None  # counted by the op that computes the experts
         if self.cpu_path is not None and self.cpu_path.active and topk_ids.shape[0] <= self.cpu_path.tokens:
-            if counted:  # here: the CPU path hands the GPU only some of the assignments
+            if counted:  # here: the CPU path hands the GPU only some of the assignments (the op counts its shared reads)
                 count_uses(self.uses[layer], topk_ids)
+            bank = dataclasses.replace(self.bank(layer, counted), uses=None)
             anchor, cpu_uses = self.anchor[layer], self.cpu_uses[layer]
-            out = self.cpu_path.routed(backend, self.bank(layer), layer, x, topk_ids, topk_weights, anchor, cpu_uses)
+            out = self.cpu_path.routed(backend, bank, layer, x, topk_ids, topk_weights, anchor, cpu_uses)
             return out if shared is None else shared.added_to(backend, out)
         return backend.routed_experts(x, topk_ids, topk_weights, self.bank(layer, counted), shared)
 
@@ -363,7 +368,7 @@ class ExpertStore:
             self.cache.before_step()
         mark = None
         if self.cpu_path is not None:
-            mark = self.cpu_path.step_started(None if staged else tokens)
+            mark = self.cpu_path.step_started(None if staged else tokens, self.cache.in_vram)
             if self._stale_anchors and self.cpu_path.active:
                 self.set_anchors(self.cache.in_vram, range(len(self.layouts)))
                 self._stale_anchors = False

@@ -108,11 +108,13 @@ class Mailbox:
 
 def publish_reference(
     mailbox: Mailbox, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
-    take: torch.Tensor, anchor: torch.Tensor, cpu_uses: torch.Tensor, arena_bytes: int,
+    take: torch.Tensor, host_max_uses: torch.Tensor, anchor: torch.Tensor, cpu_uses: torch.Tensor, arena_bytes: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `kernels.miss_handoff.publish` computes, in torch and numpy (eager, syncs on CUDA)."""
     offsets = table[topk_ids]
-    host = (take[topk_ids] != 0) & ((offsets < 0) | (offsets >= arena_bytes))
+    flat = topk_ids.reshape(-1)
+    uses = (flat[:, None] == flat[None, :]).sum(1).reshape(topk_ids.shape)  # pairs of the call routed to each pair's expert
+    host = (take[topk_ids] != 0) & ((offsets < 0) | (offsets >= arena_bytes)) & (uses <= host_max_uses[0])
     device_ids = torch.where(host, anchor[0], topk_ids)
     device_weights = torch.where(host, torch.zeros_like(topk_weights), topk_weights)
     state, work = mailbox.state[layer], bool(host.any())
@@ -149,16 +151,21 @@ def collect_reference(mailbox: Mailbox, layer: int, out: torch.Tensor, timeout_s
 
 def publish(
     mailbox: Mailbox, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
-    take: torch.Tensor, anchor: torch.Tensor, cpu_uses: torch.Tensor, arena: torch.Tensor,
+    take: torch.Tensor, host_max_uses: torch.Tensor, anchor: torch.Tensor, cpu_uses: torch.Tensor, arena: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(device ids, device weights) for the routed-experts kernels; the host's share published."""
+    """(device ids, device weights) for the routed-experts kernels; the host's share published: the assignments of
+    experts not in VRAM that `take` gives the host and that at most `host_max_uses` (int32 [1]) pairs use."""
     if arena.device.type != "cuda":
-        return publish_reference(mailbox, layer, x, topk_ids, topk_weights, table, take, anchor, cpu_uses, arena.numel())
+        return publish_reference(
+            mailbox, layer, x, topk_ids, topk_weights, table, take, host_max_uses, anchor, cpu_uses, arena.numel()
+        )
     from ninfer_offload.kernels import miss_handoff
 
     header, data = mailbox.offsets(layer, arena)
     state = mailbox.state[layer]
-    return miss_handoff.publish(x, topk_ids, topk_weights, table, take, anchor, cpu_uses, state, arena, header, data, mailbox.regions)
+    return miss_handoff.publish(
+        x, topk_ids, topk_weights, table, take, host_max_uses, anchor, cpu_uses, state, arena, header, data, mailbox.regions
+    )
 
 
 def collect(mailbox: Mailbox, layer: int, out: torch.Tensor, arena: torch.Tensor) -> torch.Tensor:
