@@ -94,7 +94,8 @@ def detect_profile(index: int = 0) -> DeviceProfile:
     return DeviceProfile(
         name=slug or f"gpu{index}",
         description=f"{facts['name']} (measured by ninfer profile)",
-        vram_bytes=facts["vram_bytes"],
+        # NVML's total counts memory CUDA cannot hand out (H100 80GB: 79.6 against 79.2 GiB): the smaller one
+        vram_bytes=min(facts["vram_bytes"], int(props.total_memory)),
         reserve_bytes=RESERVE_BYTES,
         # The measured device copy (read + write) stands in for the datasheet bandwidth.
         memory_bandwidth_gbs=round(measured["device_copy_gbs"], 1),
