@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.planner.cache_split import CACHE_SHARE, SIMULATED_TOKENS, CacheSimulation
+from ninfer_offload.planner.launches import expected_touched
 from ninfer_offload.planner.memory import gdn_state_bytes, kv_layer_bytes_per_token
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.request import DEFAULT_CACHE_POLICY
@@ -76,13 +77,6 @@ class WeightTraffic:
     draft_head_bytes: int  # proposal head if used, else the output head
     mtp_dense_bytes: int  # MTP weights except its routed experts
     mtp_expert_bytes: int  # one MTP expert record
-
-
-def expected_touched(hits: float, tokens: int) -> float:
-    """Expected times an expert with `hits` expected picks per token is needed by a step of `tokens`
-    tokens that route independently (each needed expert moves once per step)."""
-    q = min(hits, 1.0)
-    return 1.0 - (1.0 - q) ** tokens
 
 
 def _expert_traffic(stats: RoutingStats, resident: list[list[int]], expert_bytes: list[int], tokens: int) -> tuple[float, float, float]:
