@@ -175,7 +175,8 @@ def _read_spec(data: dict, source: str, record: CardRecord) -> None:
 
 def _read_resident(data: dict, source: str, record: CardRecord) -> None:
     for row in data["decode"]:
-        record.measured.append(Measurement(f"decode {row['context'] // 1024}K", row["ms_per_token"] * 1e-3, source, Shape(1, 1, row["context"])))
+        shape = Shape(1, 1, row["context"])
+        record.measured.append(Measurement(f"decode {row['context'] // 1024}K", row["ms_per_token"] * 1e-3, source, shape))
     if data.get("decode_kernels"):
         first = data["decode"][0]
         record.tables.append(

@@ -165,10 +165,9 @@ def forward_launches(
         out.append(Launch("router_topk", 1, rows * dims.num_experts * FP32, 0.0))
         touched = touched_experts[layer]
         routed_params = 3 * h * dims.moe_intermediate_size * dims.top_k
+        down_bytes = touched * weights.expert_down[layer] + weights.shared_down[layer] + act
         out.append(Launch("routed_gate_up", 1, touched * weights.expert_gate_up[layer] + act, 2.0 * rows * routed_params * 2 / 3))
-        out.append(
-            Launch("routed_down", 1, touched * weights.expert_down[layer] + weights.shared_down[layer] + act, 2.0 * rows * routed_params / 3)
-        )
+        out.append(Launch("routed_down", 1, down_bytes, 2.0 * rows * routed_params / 3))
         separate_norms = 0 if one else (1 if single and rows <= GEMV_MAX_TOKENS else 2)
         out += [Launch("norm", 1, 3 * act, 0.0)] * separate_norms
     out.append(Launch("dense_product", 1, weights.head + act, 2.0 * rows * weights.head_rows * h))

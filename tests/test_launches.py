@@ -69,14 +69,11 @@ def test_an_incomplete_launch_table_names_the_missing_key():
 
 
 def test_calibration_of_incomplete_or_unknown_inputs_exits_2_and_says_why(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bench/calibrate_launches.py"), "--profile", "h100", str(REPO / "bench/results/resident_h100_32k_f10d72b.json")],
-        capture_output=True, text=True, timeout=120,
-    )
+    calibrate = [sys.executable, str(REPO / "bench/calibrate_launches.py"), "--profile", "h100"]
+    no_prefill = REPO / "bench/results/resident_h100_32k_f10d72b.json"
+    result = subprocess.run([*calibrate, str(no_prefill)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "4096-token prefill" in result.stderr and "left as it is" in result.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"gpu": "x"}))
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bench/calibrate_launches.py"), "--profile", "h100", str(bad)], capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([*calibrate, str(bad)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "neither a step_ab" in result.stderr

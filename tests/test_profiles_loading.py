@@ -14,7 +14,7 @@ GiB = 2**30
 
 
 def test_shipped_profiles_match_the_issue():
-    assert shipped_names() == ["h200", "rtx5060ti", "rtx5090", "rtxpro6000"]
+    assert shipped_names() == ["h100", "h200", "rtx5060ti", "rtx5090", "rtxpro6000"]
     p = load_profile("rtx5090")
     assert (p.vram_bytes, p.memory_bandwidth_gbs, p.pcie_generation, p.pcie_width, p.sm_count, p.compute_capability, p.fp4) == (
         32 * GiB, 1792.0, 5, 16, 170, "12.0", True
@@ -27,9 +27,12 @@ def test_shipped_profiles_match_the_issue():
     assert (p.vram_bytes, p.memory_bandwidth_gbs, p.h2d_bandwidth_gbs, p.sm_count, p.compute_capability, p.fp4) == (
         141 * 10**9, 4800.0, 55.0, 132, "9.0", False
     )
+    p = load_profile("h100")
+    facts = (p.vram_bytes, p.memory_bandwidth_gbs, p.h2d_bandwidth_gbs, p.sm_count, p.tensor_tflops)
+    assert facts == (80 * 10**9, 3350.0, 55.0, 132, 989.0)
 
 
-@pytest.mark.parametrize("name", ["h200", "rtx5060ti", "rtx5090", "rtxpro6000"])
+@pytest.mark.parametrize("name", ["h100", "h200", "rtx5060ti", "rtx5090", "rtxpro6000"])
 def test_every_shipped_number_has_a_source_comment(name):
     lines = resources.files("ninfer_offload.profiles").joinpath(f"{name}.toml").read_text().splitlines()
     commented = False
