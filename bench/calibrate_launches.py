@@ -5,13 +5,13 @@
 
 Reads the kernel tables (a `bench/step_ab.py` run with a `nopdl` variant: each kernel's own time; `bench/spec.py`'s
 resident `step_kernels` / `verify_kernels` and `bench/resident.py`'s `decode_kernels`, recorded under programmatic
-dependent launch, whose overlapping kernel times are scaled to sum to the measured forward), the measured forwards
-(decode, verification, batch steps) and a 4K prefill. Per kernel family it fits the launch latency and the lowest
-share of the memory bandwidth (least squares on the log of the family's time per table; where that leaves the share open, the one
-nearest ASSUMED_SHARE), then
-the gap per forward (the measured forwards minus their launches, the median) and prefill's share of the tensor
-throughput. Prints the TOML table to paste into the profile; an unreadable or incomplete input prints why and
-exits 2, so no profile changes.
+dependent launch, where each kernel's time includes its wait for the one before: a common wait per launch comes
+off so that they sum to the measured forward), the measured forwards (decode, verification, batch steps) and a
+4K prefill. Prefill's share of the tensor throughput comes from the prefill; per kernel family a least-squares fit
+on the log of the family's time per table gives the launch latency, the share of the memory bandwidth and the
+CUDA-core rate per SM (where the records leave the share open, the one nearest ASSUMED_SHARE, and the fastest
+cores); the gap per forward is the median of the measured forwards less their launches. Prints the TOML table to
+paste into the profile; an unreadable or incomplete input prints why and exits 2, so no profile changes.
 """
 
 from __future__ import annotations
@@ -50,10 +50,12 @@ KERNEL_FAMILIES = (  # kernel-name fragment -> family (first match wins)
     ("rmsnorm", "norm"),
 )
 NOT_LAUNCHES = ("Memcpy", "Memset")  # copies the profiler lists beside the kernels
+MIN_LAUNCH_S = 0.5e-6  # the least a launch of a PDL table keeps once the wait is taken off
 SPEC_CONTEXT = 1024  # bench/spec.py decodes after a short prompt
-LATENCY_GRID = np.geomspace(0.3e-6, 500e-6, 400)
-SHARE_GRID = np.arange(0.02, 1.0001, 0.005)
-NEAR_BEST = 1e-4  # squared log error within this of the best fit counts as a fit
+LATENCY_GRID = np.geomspace(0.3e-6, 300e-6, 160)
+SHARE_GRID = np.arange(0.02, 1.0001, 0.01)
+SM_FLOPS_GRID = np.geomspace(1e9, 2e12, 56)
+NEAR_BEST = 1e-2  # summed squared log error within this of the best counts as a fit (about 5 % per table over four)
 # Among the fits the records allow, the share nearest this one: a family whose launches were never bandwidth-bound
 # here leaves its share open, and the weight kernels' assumed share (0.7) is the least surprising there.
 ASSUMED_SHARE = 0.7
@@ -110,7 +112,8 @@ class CardRecord:
 
 
 def _table(name: str, shape: Shape, kernels: list[dict], total_s: float | None) -> Table:
-    """Family totals of a kernel table; with `total_s` (a table recorded under PDL) scaled to sum to it."""
+    """Family totals of a kernel table; with `total_s` (a table recorded under PDL, where a kernel's time includes
+    its wait for the one before) less the same wait per launch, so that they sum to it."""
     launches, seconds = dict.fromkeys(FAMILIES, 0), dict.fromkeys(FAMILIES, 0.0)
     for row in kernels:
         family = family_of(row["kernel"])
@@ -118,8 +121,8 @@ def _table(name: str, shape: Shape, kernels: list[dict], total_s: float | None) 
             launches[family] += int(row.get("launches", row.get("calls", 0)))
             seconds[family] += row["us"] * 1e-6
     if total_s is not None:
-        scale = total_s / sum(seconds.values())
-        seconds = {f: s * scale for f, s in seconds.items()}
+        wait = (sum(seconds.values()) - total_s) / sum(launches.values())
+        seconds = {f: max(s - launches[f] * wait, launches[f] * MIN_LAUNCH_S) for f, s in seconds.items()}
     return Table(name, shape, launches, seconds)
 
 
@@ -212,23 +215,43 @@ class Model:
     def prefill_flops(self, tokens: int, context: int) -> float:
         """A prefill chunk's flops: its products over the active parameters and the attention scores."""
         launches = self.launches(Shape(tokens, 1, context))
-        return sum(launch.count * launch.flops for launch in launches)
+        return sum(launch.count * (launch.flops + launch.core_flops) for launch in launches)
 
 
-def fit_family(samples: list[tuple[list[Launch], float]], bandwidth_Bps: float) -> tuple[float, float]:
-    """(latency s, bandwidth share) of one family: the least squared log error of its time per table, and among the
-    fits within NEAR_BEST of the best, the share nearest ASSUMED_SHARE."""
-    error = np.zeros((len(LATENCY_GRID), len(SHARE_GRID)))
+def fit_family(samples: list[tuple[list[Launch], float]], profile: DeviceProfile, tensor_share: float) -> tuple[float, float, float]:
+    """(latency s, bandwidth share, CUDA-core flops/s per SM) of one family: the least squared log error of its time
+    per table; among the fits within NEAR_BEST of the best, the share nearest ASSUMED_SHARE, then the fastest cores."""
+    latency = LATENCY_GRID[:, None, None]
+    bandwidth = (profile.memory_bandwidth_gbs * 1e9 * SHARE_GRID)[None, :, None]
+    cores = (profile.sm_count * SM_FLOPS_GRID)[None, None, :]
+    tensor = profile.tensor_tflops * 1e12 * tensor_share
+    error = np.zeros((len(LATENCY_GRID), len(SHARE_GRID), len(SM_FLOPS_GRID)))
     for launches, measured in samples:
         predicted = np.zeros_like(error)
         for launch in launches:
-            bound = launch.bytes / (bandwidth_Bps * SHARE_GRID)[None, :]
-            predicted += launch.count * (LATENCY_GRID[:, None] + bound)
+            work = np.maximum(np.maximum(launch.bytes / bandwidth, launch.core_flops / cores), launch.flops / tensor)
+            predicted += launch.count * (latency + work)
         error += (np.log(predicted) - math.log(measured)) ** 2
     near = error <= error.min() + NEAR_BEST
-    share_index = int(np.argmin(np.where(near.any(axis=0), abs(SHARE_GRID - ASSUMED_SHARE), np.inf)))
-    latency_index = int(np.argmin(np.where(near[:, share_index], error[:, share_index], np.inf)))
-    return float(LATENCY_GRID[latency_index]), float(SHARE_GRID[share_index])
+    shares = near.any(axis=(0, 2))
+    share_index = int(np.argmin(np.where(shares, abs(SHARE_GRID - ASSUMED_SHARE), np.inf)))
+    flops_index = int(np.flatnonzero(near[:, share_index, :].any(axis=0))[-1])
+    latency_index = int(np.argmin(np.where(near[:, share_index, flops_index], error[:, share_index, flops_index], np.inf)))
+    return float(LATENCY_GRID[latency_index]), float(SHARE_GRID[share_index]), float(SM_FLOPS_GRID[flops_index])
+
+
+def _with_longer_contexts(record: CardRecord) -> list[Table]:
+    """The kernel tables, and for a one-token table whose file also measured decode at longer contexts a table at
+    each: its attention family longer by the measured forward's difference (attention is what context changes)."""
+    tables = list(record.tables)
+    for table in record.tables:
+        source = table.name.split()[0]
+        same = [m for m in record.measured if m.source == source and m.shape and m.shape.tokens == m.shape.sequences == 1]
+        base = next((m for m in same if m.shape == table.shape), None)
+        for longer in (m for m in same if base and m.shape.context > table.shape.context):
+            seconds = {**table.seconds, "attention": table.seconds["attention"] + longer.seconds - base.seconds}
+            tables.append(Table(f"{table.name} at {longer.shape.context}", longer.shape, table.launches, seconds))
+    return tables
 
 
 def calibrate(record: CardRecord, profile: DeviceProfile, model: Model) -> LaunchConstants:
@@ -239,21 +262,20 @@ def calibrate(record: CardRecord, profile: DeviceProfile, model: Model) -> Launc
     prefill = next((m for m in record.measured if m.tokens == 4096), None)
     if not forwards or prefill is None:
         raise NinferError("the inputs need a measured decode forward at 1K context and a 4096-token prefill")
-    bandwidth = profile.memory_bandwidth_gbs * 1e9
-    latency, share = {}, {}
+    tensor_share = model.prefill_flops(prefill.tokens, prefill.tokens) / (profile.tensor_tflops * 1e12 * prefill.seconds)
+    latency, share, sm_flops = {}, {}, {}
     for family in FAMILIES:
         samples = []
-        for table in record.tables:
+        for table in _with_longer_contexts(record):
             launches = [launch for launch in model.launches(table.shape) if launch.family == family]
             if table.seconds[family] > 0 and launches:
                 samples.append((launches, table.seconds[family]))
         if not samples:
             raise NinferError(f"no recorded launch of the {family} family in the kernel tables")
-        latency[family], share[family] = fit_family(samples, bandwidth)
-    tensor_share = model.prefill_flops(prefill.tokens, prefill.tokens) / (profile.tensor_tflops * 1e12 * prefill.seconds)
-    gapless = LaunchConstants(latency, share, 0.0, tensor_share)
+        latency[family], share[family], sm_flops[family] = fit_family(samples, profile, tensor_share)
+    gapless = LaunchConstants(latency, share, sm_flops, 0.0, tensor_share)
     gap = statistics.median(m.seconds - forward_seconds(model.launches(m.shape), gapless, profile) for m in forwards)
-    return LaunchConstants(latency, share, gap, tensor_share)
+    return LaunchConstants(latency, share, sm_flops, gap, tensor_share)
 
 
 def toml_table(constants: LaunchConstants, sources: list[str]) -> str:

@@ -53,12 +53,14 @@ FP32 = 4
 
 @dataclass(frozen=True)
 class Launch:
-    """`count` launches of one kernel family per forward, each reading and writing `bytes` and doing `flops`."""
+    """`count` launches of one kernel family per forward, each reading and writing `bytes`, doing `flops` on tensor
+    cores and `core_flops` on CUDA cores (the matrix-vector kernels' multiply-adds, which grow with every token)."""
 
     family: str
     count: int
     bytes: float
-    flops: float
+    flops: float = 0.0
+    core_flops: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,12 @@ def on_matrix_vector(rows: int, tokens: int) -> bool:
     return tokens <= GEMV_MAX_TOKENS and (tokens <= SMALL_GEMV_MAX_TOKENS or rows >= MMA_MIN_ROWS)
 
 
+def on_cuda_cores(rows: int, tokens: int) -> bool:
+    """Whether the product's multiply-adds run on CUDA cores: the matrix-vector kernel but for several tokens of a
+    product of at least MMA_MIN_ROWS rows (`quant_linear.on_tensor_cores`)."""
+    return on_matrix_vector(rows, tokens) and (tokens == 1 or rows < MMA_MIN_ROWS)
+
+
 def forward_launches(
     dims: ModelDims, weights: ForwardWeights, tokens: int, sequences: int, context: int, touched_experts: list[float],
     kv_bytes_per_token: int,
@@ -137,18 +145,19 @@ def forward_launches(
     window = (dims.linear_conv_kernel - 1) * dims.conv_channels * BF16
     out: list[Launch] = []
 
-    def product(weight_bytes: float, params: float) -> None:
-        out.append(Launch("dense_product", 1, weight_bytes + act, 2.0 * rows * params))
+    def product(weight_bytes: float, weight_rows: int, columns: int) -> None:
+        flops = 2.0 * rows * weight_rows * columns
+        cores = on_cuda_cores(weight_rows, rows)
+        out.append(Launch("dense_product", 1, weight_bytes + act, 0.0 if cores else flops, flops if cores else 0.0))
 
     for layer in range(dims.num_layers):
         in_bytes, in_rows = weights.mixer_in[layer]
-        product(in_bytes, in_rows * h)
-        out_params = h * (dims.num_attention_heads * dims.head_dim if dims.is_attention(layer) else dims.linear_value_size)
+        product(in_bytes, in_rows, h)
         gemv_out = on_matrix_vector(h, rows)
         if dims.is_attention(layer):
             kv = sequences * context * kv_bytes_per_token
             out.append(Launch("attention", 1, act + sequences * tokens * kv_bytes_per_token, 0.0))  # inputs, KV write
-            out.append(Launch("attention", 1, kv, 4.0 * rows * context * dims.num_attention_heads * dims.head_dim))
+            out.append(Launch("attention", 1, kv, flops=4.0 * rows * context * dims.num_attention_heads * dims.head_dim))
             out.append(Launch("attention", 1, act, 0.0))  # merge of the split-KV partials
             if not gemv_out:  # sigmoid(gate) and its product before the tiled output product
                 out += [Launch("elementwise", 1, 2 * act, 0.0)] * 2
@@ -156,21 +165,25 @@ def forward_launches(
             if not one:
                 out.append(Launch("gdn_conv", 1, 2 * sequences * window + rows * dims.conv_channels * BF16 * 2, 0.0))
             # read each sequence's state, write it back, and keep the state of every position of a multi-token step
-            out.append(Launch("gdn_recurrence", 1, sequences * state * (1 + tokens), 4.0 * rows * state / FP32))
+            out.append(Launch("gdn_recurrence", 1, sequences * state * (1 + tokens), core_flops=4.0 * rows * state / FP32))
             if not gemv_out:
                 out.append(Launch("norm", 1, 3 * act, 0.0))
-        product(weights.mixer_out[layer], out_params)
+        mixed = dims.num_attention_heads * dims.head_dim if dims.is_attention(layer) else dims.linear_value_size
+        product(weights.mixer_out[layer], h, mixed)
         moe_bytes, moe_rows = weights.moe_in[layer]
-        product(moe_bytes, moe_rows * h)
+        product(moe_bytes, moe_rows, h)
         out.append(Launch("router_topk", 1, rows * dims.num_experts * FP32, 0.0))
         touched = touched_experts[layer]
-        routed_params = 3 * h * dims.moe_intermediate_size * dims.top_k
+        expert_flops = 2.0 * rows * dims.top_k * h * dims.moe_intermediate_size  # one of gate, up, down
+        gate_up_bytes = touched * weights.expert_gate_up[layer] + act
         down_bytes = touched * weights.expert_down[layer] + weights.shared_down[layer] + act
-        out.append(Launch("routed_gate_up", 1, touched * weights.expert_gate_up[layer] + act, 2.0 * rows * routed_params * 2 / 3))
-        out.append(Launch("routed_down", 1, down_bytes, 2.0 * rows * routed_params / 3))
+        out.append(Launch("routed_gate_up", 1, gate_up_bytes, core_flops=2 * expert_flops))
+        out.append(Launch("routed_down", 1, down_bytes, core_flops=expert_flops))
         separate_norms = 0 if one else (1 if single and rows <= GEMV_MAX_TOKENS else 2)
         out += [Launch("norm", 1, 3 * act, 0.0)] * separate_norms
-    out.append(Launch("dense_product", 1, weights.head + act, 2.0 * rows * weights.head_rows * h))
+    head_flops = 2.0 * rows * weights.head_rows * h
+    head_on_cores = on_cuda_cores(weights.head_rows, rows)
+    out.append(Launch("dense_product", 1, weights.head + act, 0.0 if head_on_cores else head_flops, head_flops if head_on_cores else 0.0))
     out += [Launch("norm", 1, 3 * act, 0.0)] * (2 if one else 1)  # final norm (and the last residual add)
     out += [Launch("elementwise", 1, act, 0.0)] * STEP_ELEMENTWISE[regime]
     return out

@@ -51,10 +51,10 @@ ENGINE_KEYS = {
     "verify_token_s": float,  # per verified draft: what a (K + 1)-token step costs beyond a one-token step's bytes
     "spec_round_s": float,  # per speculative round: host work (drawing drafts, acceptance, resync) not hidden
 }
-# The per-launch cost model's constants (planner.launch_cost): `<family>_latency_s` and `<family>_bandwidth_share` per
-# kernel family, `forward_gap_s` (may be negative: launches overlapping) and `prefill_tensor_share`; fitted by
+# The per-launch cost model's constants (planner.launch_cost): `<family>_latency_s`, `<family>_bandwidth_share` and
+# `<family>_sm_flops` per kernel family, `forward_gap_s` (may be negative: launches overlapping) and `prefill_tensor_share`; fitted by
 # bench/calibrate_launches.py. A profile without them borrows the nearest measured card's (planner.cost).
-LAUNCH_KEY_SUFFIXES = ("_latency_s", "_bandwidth_share")
+LAUNCH_KEY_SUFFIXES = ("_latency_s", "_bandwidth_share", "_sm_flops")
 LAUNCH_PER_FORWARD_KEYS = ("forward_gap_s", "prefill_tensor_share")
 
 
