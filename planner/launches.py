@@ -93,15 +93,21 @@ class ForwardWeights:
             return float(sum(t.bytes for t in tensors)), sum(t.shape[0] for t in tensors)
 
         banks = inventory.banks_of("text")
-        sizes = {t.id: t.bytes for t in inventory.tensors}
-        head = next(t for t in inventory.tensors if t.component == "text" and t.role == "output_head")
+        tensors = {t.id: t for t in inventory.tensors}
+
+        def expert_share(bank, role: str) -> float:
+            """One expert's bytes of the bank's `role` objects."""
+            return sum(tensors[i].bytes for i in bank.object_ids if tensors[i].role == role) / bank.num_experts
+
+        text = [t for t in inventory.tensors if t.component == "text"]
+        head = next((t for t in text if t.role == "output_head"), None) or next(t for t in text if t.role == "token_embedding")
         return cls(
             mixer_in=tuple(product(i, (mixer[i],), "in") for i in layers),
             mixer_out=tuple(product(i, (mixer[i],), "out")[0] for i in layers),
             moe_in=tuple(product(i, ("router", "shared_expert"), "in") for i in layers),
             shared_down=tuple(product(i, ("shared_expert",), "out")[0] for i in layers),
-            expert_gate_up=tuple(sizes[b.object_ids[0]] / b.num_experts for b in banks),
-            expert_down=tuple(sizes[b.object_ids[1]] / b.num_experts for b in banks),
+            expert_gate_up=tuple(expert_share(b, "routed_gate_up") for b in banks),
+            expert_down=tuple(expert_share(b, "routed_down") for b in banks),
             head=float(head.bytes),
             head_rows=head.shape[0],
         )

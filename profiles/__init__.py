@@ -36,11 +36,10 @@ GPU_KEYS = {
 HOST_KEYS = {"ram_bytes": int, "dram_bandwidth_gbs": float, "cores": int}
 MAY_BE_ZERO = {"reserve_bytes", "prefill_transfer_overlap"}  # every other number must be positive
 # How this engine's kernels perform on the card, measured by the benchmarks (optional: the planner
-# falls back to the H200's measured values, see planner.cost).
+# falls back to the nearest measured card's values, see planner.cost). The decode forward itself is costed
+# launch by launch from `[launches]` below.
 ENGINE_KEYS = {
-    "decode_fixed_s": float,  # per forward: work that does not scale with weight bytes (small kernels, launches)
-    "decode_weight_floor_s": float,  # per forward: the weight-reading kernels when latency-bound
-    "weight_bandwidth_efficiency": float,  # share of memory bandwidth they reach once bandwidth-bound
+    "weight_bandwidth_efficiency": float,  # share of memory bandwidth the MTP draft step and prefill's weight reads reach
     "offload_step_s": float,  # per forward with offloaded experts: use counting and cache bookkeeping
     "zero_copy_efficiency": float,  # share of H2D bandwidth the MoE kernels reach reading host records
     "cpu_request_s": float,  # CPU miss path: what one layer's hand-off to the host adds, besides the bytes computed
@@ -48,7 +47,6 @@ ENGINE_KEYS = {
     "prefill_chunk_floor_s": float,  # per prefill chunk: the least it takes (the host launching its kernels)
     "prefill_transfer_overlap": float,  # share of the shorter of prefill compute and expert transfers hidden
     "mtp_draft_step_s": float,  # one MTP draft step when latency-bound
-    "verify_token_s": float,  # per verified draft: what a (K + 1)-token step costs beyond a one-token step's bytes
     "spec_round_s": float,  # per speculative round: host work (drawing drafts, acceptance, resync) not hidden
 }
 # The per-launch cost model's constants (planner.launch_cost): `<family>_latency_s`, `<family>_bandwidth_share` and

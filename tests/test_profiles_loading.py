@@ -65,9 +65,9 @@ def test_user_file_with_base_overrides(tmp_path):
 
 def test_engine_timings_merge_over_the_base(tmp_path):
     path = tmp_path / "tuned.toml"
-    path.write_text('base = "h200"\n[engine]\ndecode_fixed_s = 0.001\n')
+    path.write_text('base = "h200"\n[engine]\noffload_step_s = 0.001\n')
     p, h200 = load_profile(str(path)), load_profile("h200")
-    assert p.engine == {**h200.engine, "decode_fixed_s": 0.001}
+    assert p.engine == {**h200.engine, "offload_step_s": 0.001}
 
 
 @pytest.mark.parametrize(
@@ -81,8 +81,8 @@ def test_engine_timings_merge_over_the_base(tmp_path):
         ('base = "rtx5090"\n[gpu]\nvram_bytes = -5\n', "must be positive"),
         ('base = "rtx5090"\ncolour = 1\n', "unknown key 'colour'"),
         ('base = "rtx5090"\n[engine]\nwarp_factor = 0.5\n', "unknown key engine.warp_factor"),
-        ('base = "rtx5090"\n[engine]\ndecode_fixed_s = -0.001\n', "must be positive"),
-        ('base = "rtx5090"\n[engine]\ndecode_fixed_s = 0.0\n', "must be positive"),
+        ('base = "rtx5090"\n[engine]\noffload_step_s = -0.001\n', "must be positive"),
+        ('base = "rtx5090"\n[engine]\noffload_step_s = 0.0\n', "must be positive"),
     ],
 )
 def test_bad_profiles_give_one_line(tmp_path, text, message):
