@@ -77,3 +77,37 @@ def test_calibration_of_incomplete_or_unknown_inputs_exits_2_and_says_why(tmp_pa
     bad.write_text(json.dumps({"gpu": "x"}))
     result = subprocess.run([*calibrate, str(bad)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "neither a step_ab" in result.stderr
+
+
+def test_calibrated_on_one_card_the_model_predicts_the_other_within_15_percent_both_ways():
+    """bench/crosscard.py on the committed H100 and H200 runs: every case within the 15 % target."""
+    from calibrate_launches import read_results as read
+    from crosscard import cases
+
+    results = REPO / "bench/results"
+    h100 = read([results / name for name in (
+        "step_ab_h100_down_walk_profile_fd5a366.json", "resident_h100_1a12bdd.json", "resident_h100_32k_f10d72b.json",
+        "step_ab_h100_15gib_shared_reads_42923b0.json",
+    )])
+    h200 = read([results / name for name in (
+        "step_ab_h200_settings_a0d2a21.json", "resident_h200_a0d2a21.json", "spec_h200_proposal_a0d2a21.json",
+        "step_ab_h200_15gib_tiles_a0d2a21.json",
+    )])
+    names = ["decode 1K", "decode 32K", "verify 3 drafts", "batch 8", "prefill 4096", "decode 15 GiB"]
+    for source, target, profiles in ((h100, h200, ("h100", "h200")), (h200, h100, ("h200", "h100"))):
+        rows = cases(source, load_profile(profiles[0]), target, load_profile(profiles[1]))
+        assert [row["name"] for row in rows] == names
+        assert all(abs(row["error"]) <= 0.15 for row in rows), rows
+
+
+def test_a_user_profile_without_launch_constants_plans_with_the_nearest_measured_cards_and_says_so(tmp_path):
+    card = tmp_path / "mine.toml"
+    card.write_text('base = "rtx5060ti"\nname = "mine"\n[gpu]\nmemory_bandwidth_gbs = 3000.0\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "ninfer_offload", "plan", "--profile", str(card), "--spec", "none"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warning: mine has no complete [launches] table; its speed is predicted with the [launches] constants of h100" in (
+        result.stderr.replace("\n", " ")
+    )
