@@ -1,18 +1,19 @@
 """Cost model: predicted decode and prefill tokens/s from the bytes each token moves and this
 engine's measured timings.
 
-A decode forward costs its fixed work (small kernels, launches), the weight-reading kernels (at
-least their latency floor, at most the weight bytes at the reachable share of the memory
-bandwidth), with offloaded experts the cache bookkeeping, and the routed experts not in VRAM served
+A decode forward of T tokens for each of B sequences (one-token decode, verification of drafts, a batch step)
+costs its launches (`launches.forward_launches`, each at its kernel family's latency plus its bytes at the
+family's share of the memory bandwidth: `launch_cost`), with offloaded experts the cache bookkeeping, and the
+routed experts not in VRAM served
 by the miss path (read over PCIe zero-copy, or computed on the host at a cost per layer handed over;
 "auto" the faster). Which experts a decode step finds in VRAM comes from the simulated adaptive cache of the
 load (`cache_split.simulate_decode_cache`) when experts are offloaded: its one-token figures as simulated, a
 multi-token step's host reads scaled by the same ratio to the plan's resident set alone. Prefill of a chunk is
 compute- or weight-bound on the GPU plus one read of every host-resident expert the chunk touches,
 partly overlapped. The timings come from the profile's `[engine]` table, measured by
-`bench/resident.py` and `bench/offload.py`; a card without a complete one borrows the missing ones from
-the shipped profile with a complete table nearest to it in memory bandwidth (`calibration_profile`),
-which the assumptions say and `ninfer plan` warns about.
+`bench/resident.py` and `bench/offload.py`, and its `[launches]` table, fitted by `bench/calibrate_launches.py`;
+a card without a complete table borrows the missing entries from the shipped profile with a complete one nearest
+to it in memory bandwidth (`calibration_profile`), which the assumptions say and `ninfer plan` warns about.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 from ninfer_offload.artifact.dims import ModelDims
 from ninfer_offload.planner.cache_split import CACHE_SHARE, SIMULATED_TOKENS, CacheSimulation
-from ninfer_offload.planner.memory import gdn_state_bytes, kv_layer_bytes_per_token
+from ninfer_offload.planner.launch_cost import LaunchConstants, forward_seconds, launch_keys
+from ninfer_offload.planner.launches import ForwardWeights, counts, expected_touched, forward_launches
+from ninfer_offload.planner.memory import kv_layer_bytes_per_token
 from ninfer_offload.planner.options import PlanOptions
 from ninfer_offload.planner.request import DEFAULT_CACHE_POLICY
 from ninfer_offload.planner.placement import Prediction
@@ -34,34 +37,53 @@ from ninfer_offload.profiles import ENGINE_KEYS, DeviceProfile, load_profile, sh
 CPU_EXPERT_SHARE_OF_DRAM = 0.6
 
 
-def _complete(profile: DeviceProfile) -> bool:
-    return all(key in (profile.engine or {}) for key in ENGINE_KEYS)
+TABLES = ("engine", "launches")  # the profile tables of measured constants
 
 
-@functools.lru_cache(maxsize=1)
-def _calibrated_profiles() -> tuple[DeviceProfile, ...]:
-    """The shipped profiles whose `[engine]` table is complete (the cards the benchmarks measured)."""
-    return tuple(p for p in map(load_profile, shipped_names()) if _complete(p))
+def _table(profile: DeviceProfile, table: str) -> dict[str, float]:
+    return getattr(profile, table) or {}
 
 
-def calibration_profile(profile: DeviceProfile) -> DeviceProfile | None:
-    """The shipped profile whose engine timings `profile` borrows: None when its own `[engine]` table is
+def _complete(profile: DeviceProfile, table: str) -> bool:
+    keys = ENGINE_KEYS if table == "engine" else launch_keys()
+    return all(key in _table(profile, table) for key in keys)
+
+
+@functools.lru_cache(maxsize=2)
+def _calibrated_profiles(table: str) -> tuple[DeviceProfile, ...]:
+    """The shipped profiles whose `table` is complete (the cards the benchmarks measured)."""
+    return tuple(p for p in map(load_profile, shipped_names()) if _complete(p, table))
+
+
+def calibration_profile(profile: DeviceProfile, table: str = "engine") -> DeviceProfile | None:
+    """The shipped profile whose `table` (`[engine]` or `[launches]`) `profile` borrows: None when its own is
     complete, else the calibrated one nearest in memory bandwidth (ties by name)."""
-    if _complete(profile):
+    if _complete(profile, table):
         return None
-    return min(_calibrated_profiles(), key=lambda p: (abs(p.memory_bandwidth_gbs - profile.memory_bandwidth_gbs), p.name))
+    return min(_calibrated_profiles(table), key=lambda p: (abs(p.memory_bandwidth_gbs - profile.memory_bandwidth_gbs), p.name))
+
+
+def _measured(profile: DeviceProfile, table: str, what: str) -> tuple[dict[str, float], str]:
+    """The profile's `table`, completed from `calibration_profile`'s, and where it comes from."""
+    own = _table(profile, table)
+    reference = calibration_profile(profile, table)
+    if reference is None:
+        return dict(own), f"{what} measured on {profile.name}"
+    return {**_table(reference, table), **own}, (
+        f"{what} measured on the {reference.name}, the nearest measured card in memory bandwidth "
+        f"({profile.name} has no complete [{table}] table)"
+    )
 
 
 def engine_timings(profile: DeviceProfile) -> tuple[dict[str, float], str]:
     """The profile's measured engine timings, completed from `calibration_profile`'s, and where they come from."""
-    own = profile.engine or {}
-    reference = calibration_profile(profile)
-    if reference is None:
-        return dict(own), f"engine timings measured on {profile.name}"
-    return {**reference.engine, **own}, (
-        f"engine timings measured on the {reference.name}, the nearest measured card in memory bandwidth "
-        f"({profile.name} has no complete [engine] table)"
-    )
+    return _measured(profile, "engine", "engine timings")
+
+
+def launch_constants(profile: DeviceProfile) -> tuple[LaunchConstants, str]:
+    """The profile's launch constants, completed from `calibration_profile`'s, and where they come from."""
+    table, source = _measured(profile, "launches", "launch latencies and bandwidth shares")
+    return LaunchConstants.from_table(table, f"profile {profile.name}"), source
 
 
 @dataclass(frozen=True)
@@ -76,31 +98,49 @@ class WeightTraffic:
     draft_head_bytes: int  # proposal head if used, else the output head
     mtp_dense_bytes: int  # MTP weights except its routed experts
     mtp_expert_bytes: int  # one MTP expert record
+    forward: ForwardWeights  # the products a forward launches
 
 
-def expected_touched(hits: float, tokens: int) -> float:
-    """Expected times an expert with `hits` expected picks per token is needed by a step of `tokens`
-    tokens that route independently (each needed expert moves once per step)."""
-    q = min(hits, 1.0)
-    return 1.0 - (1.0 - q) ** tokens
+@dataclass(frozen=True)
+class ExpertTraffic:
+    """The routed experts one step of some tokens needs: expected distinct ones per layer in VRAM and on the host,
+    and the expected layers that need a host-resident one."""
+
+    vram: list[float]
+    host: list[float]
+    host_layers: float
+
+    def host_bytes(self, expert_bytes: list[int]) -> float:
+        return sum(n * size for n, size in zip(self.host, expert_bytes))
+
+    def vram_bytes(self, expert_bytes: list[int]) -> float:
+        return sum(n * size for n, size in zip(self.vram, expert_bytes))
+
+    def cached(self, share: float, layer_share: float) -> "ExpertTraffic":
+        """The same step with only `share` of its host-resident experts still on the host (the rest found in
+        the cache) and `layer_share` of its layers with host work."""
+        return ExpertTraffic(
+            [v + h * (1.0 - share) for v, h in zip(self.vram, self.host)], [h * share for h in self.host], self.host_layers * layer_share
+        )
 
 
-def _expert_traffic(stats: RoutingStats, resident: list[list[int]], expert_bytes: list[int], tokens: int) -> tuple[float, float, float]:
-    """(VRAM bytes, host-resident bytes, expected layers that need a host-resident expert) of routed
-    experts for one step of `tokens` tokens."""
-    vram = host = layers = 0.0
-    for row, ids, size in zip(stats.hits, resident, expert_bytes):
+def _expert_traffic(stats: RoutingStats, resident: list[list[int]], tokens: int) -> ExpertTraffic:
+    """The routed experts of one step of `tokens` independently routed tokens, the plan's `resident` in VRAM."""
+    vram, host, layers = [], [], 0.0
+    for row, ids in zip(stats.hits, resident):
         held = set(ids)
-        none_on_host = 1.0
+        none_on_host, in_vram, on_host = 1.0, 0.0, 0.0
         for expert, hits in enumerate(row):
             touched = expected_touched(hits, tokens)
             if expert in held:
-                vram += touched * size
+                in_vram += touched
             else:
-                host += touched * size
+                on_host += touched
                 none_on_host *= 1.0 - touched
+        vram.append(in_vram)
+        host.append(on_host)
         layers += 1.0 - none_on_host
-    return vram, host, layers
+    return ExpertTraffic(vram, host, layers)
 
 
 def predict(
@@ -116,34 +156,33 @@ def predict(
     """Decode tokens/s (without and, when speculating, with MTP) and prefill tokens/s of a placement; `cache`: the
     load's simulated expert cache, where experts are offloaded."""
     timings, source = engine_timings(profile)
+    constants, launch_source = launch_constants(profile)
     vram_rate = profile.memory_bandwidth_gbs * 1e9 * timings["weight_bandwidth_efficiency"]
     zero_copy = profile.h2d_bandwidth_gbs * 1e9 * timings["zero_copy_efficiency"]
     context = min(options.at_context, options.max_context)
-    kv_layer = kv_layer_bytes_per_token(dims, options.kv_dtype) * context
+    kv_token = kv_layer_bytes_per_token(dims, options.kv_dtype)
     offloaded = any(len(ids) < len(row) for ids, row in zip(resident, stats.hits))
     bookkeeping = timings["offload_step_s"] if offloaded else 0.0
     cpu_rate = profile.dram_bandwidth_gbs * 1e9 * CPU_EXPERT_SHARE_OF_DRAM
-    _, plan_host, plan_layers = _expert_traffic(stats, resident, expert_bytes, 1)
+    plan_traffic = _expert_traffic(stats, resident, 1)
+    plan_host = plan_traffic.host_bytes(expert_bytes)
 
     def step(tokens: int, sequences: int = 1) -> tuple[float, float, float]:
         """(seconds, VRAM bytes, PCIe bytes) of one target forward over `tokens` positions of `sequences` sequences
         (each with its own KV cache and GDN state), misses served by the miss path ("auto": the faster of the two, as it
         chooses by measured step time)."""
-        expert_vram, expert_host, host_layers = _expert_traffic(stats, resident, expert_bytes, tokens)
+        traffic = _expert_traffic(stats, resident, tokens)
         if cache is not None and plan_host > 0:
-            cached_host = expert_host * cache.host_bytes_per_token / plan_host
-            expert_vram, expert_host = expert_vram + expert_host - cached_host, cached_host
-            host_layers *= cache.host_layers_per_token / plan_layers
+            traffic = traffic.cached(cache.host_bytes_per_token / plan_host, cache.host_layers_per_token / plan_traffic.host_layers)
+        launches = forward_launches(dims, weights.forward, tokens // sequences, sequences, context, traffic.vram, kv_token)
         embedding = weights.embedding_row_bytes * tokens
-        vram = weights.dense_text_bytes + weights.head_bytes + expert_vram + sequences * dims.num_attention_layers * kv_layer
-        vram += gdn_state_bytes(dims) * (sequences + tokens)  # read each sequence's state, write one per position
+        vram = sum(launch.count * launch.bytes for launch in launches) + (embedding if weights.embedding_on_device else 0)
+        seconds = forward_seconds(launches, constants, profile) + bookkeeping
         pcie = 0.0 if weights.embedding_on_device else embedding
-        if weights.embedding_on_device:
-            vram += embedding
-        seconds = timings["decode_fixed_s"] + max(timings["decode_weight_floor_s"], vram / vram_rate) + bookkeeping
-        seconds += 0.0 if weights.embedding_on_device else embedding / zero_copy
+        seconds += pcie / zero_copy
+        expert_host = traffic.host_bytes(expert_bytes)
         # each layer with host work hands it to the host and waits for the answer
-        misses = {"pcie": expert_host / zero_copy, "cpu": expert_host / cpu_rate + host_layers * timings["cpu_request_s"]}
+        misses = {"pcie": expert_host / zero_copy, "cpu": expert_host / cpu_rate + traffic.host_layers * timings["cpu_request_s"]}
         path = min(misses, key=misses.get) if options.miss_path == "auto" else options.miss_path
         return seconds + misses[path], vram, pcie + (expert_host if path == "pcie" else 0.0)
 
@@ -151,29 +190,32 @@ def predict(
     decode_mtp = None
     if options.speculating:
         drafts = options.draft_count
-        draft_bytes = weights.mtp_dense_bytes + dims.top_k * weights.mtp_expert_bytes + weights.draft_head_bytes + kv_layer
+        draft_bytes = weights.mtp_dense_bytes + dims.top_k * weights.mtp_expert_bytes + weights.draft_head_bytes + kv_token * context
         draft_seconds = drafts * max(timings["mtp_draft_step_s"], draft_bytes / vram_rate)
-        verify_seconds = step(drafts + 1)[0] + drafts * timings["verify_token_s"] + timings["spec_round_s"]
+        verify_seconds = step(drafts + 1)[0] + timings["spec_round_s"]
         a = options.mtp_acceptance
         tokens_per_step = (1 - a ** (drafts + 1)) / (1 - a)
         decode_mtp = tokens_per_step / (draft_seconds + verify_seconds)
 
     decode_batch = None
-    if options.concurrency > 1:  # a decode step of one token for each sequence: the verify step's per-token cost for each
+    if options.concurrency > 1:  # a decode step of one token for each sequence
         batch = options.concurrency
-        decode_batch = batch / (step(batch, batch)[0] + (batch - 1) * timings["verify_token_s"])
+        decode_batch = batch / step(batch, batch)[0]
 
     chunk = options.prefill_chunk
     expert_params = 3 * dims.hidden_size * dims.moe_intermediate_size * dims.top_k * dims.num_layers
     attention_flops = dims.num_attention_layers * 4 * context * dims.num_attention_heads * dims.head_dim
     flops = chunk * (2 * (weights.dense_text_params + expert_params) + attention_flops)
     compute_seconds = max(timings["prefill_chunk_floor_s"], flops / (profile.tensor_tflops * 1e12 * timings["prefill_efficiency"]))
-    expert_vram, expert_pcie, _ = _expert_traffic(stats, resident, expert_bytes, chunk)
-    weight_seconds = (weights.dense_text_bytes + weights.head_bytes + expert_vram) / vram_rate
+    chunk_traffic = _expert_traffic(stats, resident, chunk)
+    expert_pcie = chunk_traffic.host_bytes(expert_bytes)
+    weight_seconds = (weights.dense_text_bytes + weights.head_bytes + chunk_traffic.vram_bytes(expert_bytes)) / vram_rate
     gpu_seconds, transfer_seconds = max(compute_seconds, weight_seconds), expert_pcie / zero_copy
     hidden = timings["prefill_transfer_overlap"] * min(gpu_seconds, transfer_seconds)
     prefill_seconds = gpu_seconds + transfer_seconds - hidden
-    assumptions = (source,) + device_assumptions(profile, options.miss_path, timings) + (cache_assumption(cache),)
+    one_token = counts(forward_launches(dims, weights.forward, 1, 1, context, plan_traffic.vram, kv_token))
+    assumptions = (source, launch_source) + device_assumptions(profile, options.miss_path, timings, constants, one_token)
+    assumptions += (cache_assumption(cache),)
     assumptions += general_assumptions(options, stats.source)
     return Prediction(
         decode_tok_s=1.0 / seconds,
@@ -199,7 +241,9 @@ def cache_assumption(cache: CacheSimulation | None) -> str:
     )
 
 
-def device_assumptions(profile: DeviceProfile, miss_path: str, timings: dict[str, float]) -> tuple[str, ...]:
+def device_assumptions(
+    profile: DeviceProfile, miss_path: str, timings: dict[str, float], constants: LaunchConstants, one_token: dict[str, int]
+) -> tuple[str, ...]:
     """The assumptions that depend on the device profile."""
     cpu = f"{CPU_EXPERT_SHARE_OF_DRAM:.0%} of the {profile.dram_bandwidth_gbs:g} GB/s host DRAM bandwidth"
     pcie = f"{timings['zero_copy_efficiency']:.0%} of the {profile.h2d_bandwidth_gbs:g} GB/s pinned H2D bandwidth"
@@ -211,9 +255,11 @@ def device_assumptions(profile: DeviceProfile, miss_path: str, timings: dict[str
         f"({timings['cpu_request_s'] * 1e3:.2f} ms per layer handed to the host)",
     }[miss_path]
     return (
-        f"a decode forward: {timings['decode_fixed_s'] * 1e3:.2f} ms of fixed work + the weight kernels, at least "
-        f"{timings['decode_weight_floor_s'] * 1e3:.2f} ms, at most {timings['weight_bandwidth_efficiency']:.0%} of the "
-        f"{profile.memory_bandwidth_gbs:g} GB/s memory bandwidth; {timings['offload_step_s'] * 1e3:.2f} ms more with offloaded experts",
+        f"a decode forward: its {sum(one_token.values())} launches for one token (more for several), each its kernel "
+        f"family's latency ({min(constants.latency_s.values()) * 1e6:.1f}-{max(constants.latency_s.values()) * 1e6:.1f} us) "
+        f"plus its bytes at the family's share of the {profile.memory_bandwidth_gbs:g} GB/s memory bandwidth "
+        f"({min(constants.bandwidth_share.values()):.0%}-{max(constants.bandwidth_share.values()):.0%}), "
+        f"{constants.forward_gap_s * 1e3:+.2f} ms per forward; {timings['offload_step_s'] * 1e3:.2f} ms more with offloaded experts",
         misses,
         f"prefill reads host-resident experts at {pcie}, {timings['prefill_transfer_overlap']:.0%} of the shorter of "
         "transfer and compute overlapped",

@@ -22,6 +22,7 @@ from ninfer_offload.artifact.inventory import COMPONENTS, Inventory
 from ninfer_offload.errors import NinferError
 from ninfer_offload.planner.cache_split import simulate_decode_cache
 from ninfer_offload.planner.cost import WeightTraffic, predict
+from ninfer_offload.planner.launches import ForwardWeights
 from ninfer_offload.planner.memory import (
     pool_bytes, prefill_span_bytes, prefill_staging_slots, prompt_cache_vram_bytes, staging_slots, state_pool_bytes, workspace_bytes,
 )
@@ -198,6 +199,7 @@ def plan(
         draft_head_bytes=proposal if use_proposal else head,
         mtp_dense_bytes=mtp - sum(b.bank_bytes for b in mtp_banks),
         mtp_expert_bytes=mtp_banks[0].expert_bytes if mtp_banks else 0,
+        forward=ForwardWeights.of(inventory),
     )
     cache = simulate_decode_cache(stats, dims.top_k, resident, slots, placement.expert_bytes) if host_experts else None
     placement.predicted = predict(dims, profile, options, weights, stats, resident, placement.expert_bytes, cache)

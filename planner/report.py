@@ -37,6 +37,11 @@ def _expert_line(p: Placement, compact: bool = False) -> str:
     return f"{min(counts)}/{mean(counts):.0f}/{max(counts)}" if compact else f"{min(counts)} / {mean(counts):.1f} / {max(counts)}"
 
 
+def _expert_range(p: Placement) -> str:
+    counts = [len(ids) for ids in p.resident_experts]
+    return f"{min(counts)}-{max(counts)}"
+
+
 def _table(title: str, compact: bool, **options) -> Table:
     """A titled table; compact ones have no vertical rules and no padding at their edges."""
     if compact:
@@ -130,17 +135,19 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], com
     table.add_column("")
     for p in plans:
         table.add_column(escape(p.profile), justify="right")
+    size = (lambda n: f"{n / GiB:.1f}") if compact else gib  # compact: GiB in the label
+    unit = " GiB" if compact else ""
     rows = [
         ("feasible", lambda p: "yes" if p.feasible else "no"),
         ("memory bandwidth GB/s", lambda p: f"{by_name[p.profile].memory_bandwidth_gbs:g}"),
         ("pinned H2D GB/s", lambda p: f"{by_name[p.profile].h2d_bandwidth_gbs:g}"),
         ("tensor TFLOPS", lambda p: f"{by_name[p.profile].tensor_tflops:g}"),
-        ("VRAM budget", lambda p: gib(p.vram_budget_bytes)),
-        ("VRAM used", lambda p: gib(p.vram_used_bytes)),
-        ("pinned host", lambda p: gib(p.host_pinned_bytes)),
-        ("host memory", lambda p: gib(p.host_process_bytes)),
-        ("experts resident", lambda p: f"{p.experts_resident}/{p.experts_total}"),
-        ("per layer min/mean/max", lambda p: _expert_line(p, compact)),
+        ("VRAM budget" + unit, lambda p: size(p.vram_budget_bytes)),
+        ("VRAM used" + unit, lambda p: size(p.vram_used_bytes)),
+        ("pinned host" + unit, lambda p: size(p.host_pinned_bytes)),
+        ("host memory" + unit, lambda p: size(p.host_process_bytes)),
+        ("experts resident", lambda p: f"{p.experts_resident}" if compact else f"{p.experts_resident}/{p.experts_total}"),
+        ("per layer min-max", _expert_range) if compact else ("per layer min/mean/max", _expert_line),
         ("routing mass covered", lambda p: f"{p.routing_mass_resident:.1%}"),
         ("cache hit rate", _hit_rate),
         ("token embedding", lambda p: p.components["token_embedding"].placement),
@@ -157,7 +164,8 @@ def render_comparison(plans: list[Placement], profiles: list[DeviceProfile], com
             table.caption = (table.caption + "\n" if table.caption else "") + escape(f"{p.profile}: {p.reason}")
     options = plans[0].options
     lines = [
-        *dict.fromkeys(p.predicted.assumptions[0] for p in plans if p.predicted),  # where each card's engine timings come from
+        # where each card's engine timings and launch constants come from
+        *dict.fromkeys(line for p in plans if p.predicted for line in p.predicted.assumptions[:2]),
         *general_assumptions(options, plans[0].routing_stats),
     ]
     return Group(table, _assumption_table(lines, compact))

@@ -36,11 +36,10 @@ GPU_KEYS = {
 HOST_KEYS = {"ram_bytes": int, "dram_bandwidth_gbs": float, "cores": int}
 MAY_BE_ZERO = {"reserve_bytes", "prefill_transfer_overlap"}  # every other number must be positive
 # How this engine's kernels perform on the card, measured by the benchmarks (optional: the planner
-# falls back to the H200's measured values, see planner.cost).
+# falls back to the nearest measured card's values, see planner.cost). The decode forward itself is costed
+# launch by launch from `[launches]` below.
 ENGINE_KEYS = {
-    "decode_fixed_s": float,  # per forward: work that does not scale with weight bytes (small kernels, launches)
-    "decode_weight_floor_s": float,  # per forward: the weight-reading kernels when latency-bound
-    "weight_bandwidth_efficiency": float,  # share of memory bandwidth they reach once bandwidth-bound
+    "weight_bandwidth_efficiency": float,  # share of memory bandwidth the MTP draft step and prefill's weight reads reach
     "offload_step_s": float,  # per forward with offloaded experts: use counting and cache bookkeeping
     "zero_copy_efficiency": float,  # share of H2D bandwidth the MoE kernels reach reading host records
     "cpu_request_s": float,  # CPU miss path: what one layer's hand-off to the host adds, besides the bytes computed
@@ -48,9 +47,13 @@ ENGINE_KEYS = {
     "prefill_chunk_floor_s": float,  # per prefill chunk: the least it takes (the host launching its kernels)
     "prefill_transfer_overlap": float,  # share of the shorter of prefill compute and expert transfers hidden
     "mtp_draft_step_s": float,  # one MTP draft step when latency-bound
-    "verify_token_s": float,  # per verified draft: what a (K + 1)-token step costs beyond a one-token step's bytes
     "spec_round_s": float,  # per speculative round: host work (drawing drafts, acceptance, resync) not hidden
 }
+# The per-launch cost model's constants (planner.launch_cost): `<family>_latency_s`, `<family>_bandwidth_share` and
+# `<family>_sm_flops` per kernel family, `forward_gap_s` (may be negative: launches overlapping) and `prefill_tensor_share`; fitted by
+# bench/calibrate_launches.py. A profile without them borrows the nearest measured card's (planner.cost).
+LAUNCH_KEY_SUFFIXES = ("_latency_s", "_bandwidth_share", "_sm_flops")
+LAUNCH_PER_FORWARD_KEYS = ("forward_gap_s", "prefill_tensor_share")
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class DeviceProfile:
     cores: int
     source: str = "shipped"
     engine: dict[str, float] | None = None  # ENGINE_KEYS measured on this card, when it was benchmarked
+    launches: dict[str, float] | None = None  # the per-launch model's constants fitted on this card
 
     def to_toml(self, comments: dict[str, str] | None = None) -> str:
         """TOML text that `load_profile` reads back to an equal profile; `comments` per key."""
@@ -87,6 +91,8 @@ class DeviceProfile:
                 lines.append(f"{key} = {_toml_value(getattr(self, key))}")
         if self.engine:
             lines += ["", "[engine]"] + [f"{key} = {_toml_value(value)}" for key, value in self.engine.items()]
+        if self.launches:
+            lines += ["", "[launches]"] + [f"{key} = {_toml_value(value)}" for key, value in self.launches.items()]
         return "\n".join(lines) + "\n"
 
 
@@ -164,7 +170,7 @@ def _from_mapping(data: dict, origin: str) -> DeviceProfile:
             raise NinferError(f"profile {origin}: unknown base {base!r}; use one of {', '.join(shipped_names())}")
         parent = load_profile(base)
         values = {f.name: getattr(parent, f.name) for f in fields(DeviceProfile)}
-    unknown = set(data) - {"name", "description", "base", "gpu", "host", "engine"}
+    unknown = set(data) - {"name", "description", "base", "gpu", "host", "engine", "launches"}
     if unknown:
         raise NinferError(f"profile {origin}: unknown key {sorted(unknown)[0]!r}")
     values["name"] = data.get("name", Path(origin).stem)
@@ -186,11 +192,31 @@ def _from_mapping(data: dict, origin: str) -> DeviceProfile:
                 raise NinferError(f"profile {origin}: unknown key engine.{key}")
         checked = {key: _checked(origin, "engine", key, value, ENGINE_KEYS[key]) for key, value in engine.items()}
         values["engine"] = {**(values.get("engine") or {}), **checked}
+    launches = data.get("launches")
+    if launches is not None:
+        values["launches"] = {**(values.get("launches") or {}), **_launch_table(origin, launches)}
     missing = [k for k in (*GPU_KEYS, *HOST_KEYS) if k not in values]
     if missing:
         raise NinferError(f"profile {origin}: missing key {missing[0]} (or start from a shipped one with base = \"rtx5090\")")
     values["source"] = origin
     return DeviceProfile(**values)
+
+
+def _launch_table(origin: str, table) -> dict[str, float]:
+    """A `[launches]` table's numbers, checked: known key shapes, floats, positive but the gap per forward."""
+    if not isinstance(table, dict):
+        raise NinferError(f"profile {origin}: [launches] must be a table")
+    checked = {}
+    for key, value in table.items():
+        if key not in LAUNCH_PER_FORWARD_KEYS and not key.endswith(LAUNCH_KEY_SUFFIXES):
+            raise NinferError(f"profile {origin}: unknown key launches.{key}")
+        if key == "forward_gap_s":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise NinferError(f"profile {origin}: launches.{key} must be float, got {value!r}")
+            checked[key] = float(value)
+        else:
+            checked[key] = _checked(origin, "launches", key, value, float)
+    return checked
 
 
 def _checked(origin: str, section: str, key: str, value, kind: type):

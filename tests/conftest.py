@@ -110,10 +110,10 @@ def small_card(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def speculating_card(tmp_path_factory):
-    """A device profile (the RTX 5090's) on which drafting and verifying cost next to nothing, so that the cost
-    model projects speculation to pay and `--spec auto` speculates."""
+    """A device profile (the RTX 5090's) on which drafting and a round's host work cost next to nothing (a round is
+    its verification's launches), so that the cost model projects speculation to pay and `--spec auto` speculates."""
     path = tmp_path_factory.mktemp("profiles") / "speculating_card.toml"
-    path.write_text('base = "rtx5090"\n[engine]\nmtp_draft_step_s = 1e-6\nverify_token_s = 1e-6\nspec_round_s = 1e-6\n')
+    path.write_text('base = "rtx5090"\n[engine]\nmtp_draft_step_s = 1e-6\nspec_round_s = 1e-6\n')
     return path
 
 

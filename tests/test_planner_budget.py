@@ -81,7 +81,7 @@ def test_an_8_gib_budget_on_the_5060_ti_plans_without_mtp():
     assert without.predicted.decode_tok_s > with_mtp.predicted.decode_tok_s and not without.predicted.speculates
 
 
-@pytest.mark.parametrize("name, speculates", [("rtx5060ti", False), ("rtx5090", False), ("speculating_card", True)])
+@pytest.mark.parametrize("name, speculates", [("rtx5060ti", False), ("rtx5090", True), ("speculating_card", True)])
 def test_the_plan_and_the_load_decide_alike(name, speculates, speculating_card):
     """`ninfer plan`'s auto plan is the one the load's decision chooses: with MTP exactly where it speculates."""
     profile = load_profile(str(speculating_card) if name == "speculating_card" else name)

@@ -53,7 +53,7 @@ def test_all_profiles_side_by_side_and_plot(tmp_path):
     result = ninfer("plan", "--profile", "all", "--json", "--plot", str(png))
     assert result.returncode == 0, result.stderr
     documents = json.loads(result.stdout)
-    assert [d["profile"] for d in documents] == ["h200", "rtx5060ti", "rtx5090", "rtxpro6000"]
+    assert [d["profile"] for d in documents] == ["h100", "h200", "rtx5060ti", "rtx5090", "rtxpro6000"]
     assert all(schema_errors(d, PLAN_SCHEMA) == [] for d in documents)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = ninfer("plan", "--profile", "all", "--spec", "none")
@@ -169,7 +169,7 @@ def test_profile_auto_without_a_gpu_names_the_alternative(tmp_path):
     [
         ([], ("per layer min / mean / max", "routing mass covered", "KV capacity (tokens)")),
         (["--profile", "rtx5060ti", "--spec", "none"], ("pinned host used / budget", "decode tok/s (batch 1)")),
-        (["--profile", "all"], ("per layer min/mean/max", "memory bandwidth GB/s", "KV capacity (tokens)")),
+        (["--profile", "all"], ("per layer min-max", "memory bandwidth GB/s", "KV capacity (tokens)")),
     ],
 )
 def test_tables_fit_80_columns(args, labels):

@@ -14,7 +14,7 @@ GiB = 2**30
 
 
 def test_shipped_profiles_match_the_issue():
-    assert shipped_names() == ["h200", "rtx5060ti", "rtx5090", "rtxpro6000"]
+    assert shipped_names() == ["h100", "h200", "rtx5060ti", "rtx5090", "rtxpro6000"]
     p = load_profile("rtx5090")
     assert (p.vram_bytes, p.memory_bandwidth_gbs, p.pcie_generation, p.pcie_width, p.sm_count, p.compute_capability, p.fp4) == (
         32 * GiB, 1792.0, 5, 16, 170, "12.0", True
@@ -27,9 +27,12 @@ def test_shipped_profiles_match_the_issue():
     assert (p.vram_bytes, p.memory_bandwidth_gbs, p.h2d_bandwidth_gbs, p.sm_count, p.compute_capability, p.fp4) == (
         141 * 10**9, 4800.0, 55.0, 132, "9.0", False
     )
+    p = load_profile("h100")
+    facts = (p.vram_bytes, p.memory_bandwidth_gbs, p.h2d_bandwidth_gbs, p.sm_count, p.tensor_tflops)
+    assert facts == (80 * 10**9, 3350.0, 55.0, 132, 989.0)
 
 
-@pytest.mark.parametrize("name", ["h200", "rtx5060ti", "rtx5090", "rtxpro6000"])
+@pytest.mark.parametrize("name", ["h100", "h200", "rtx5060ti", "rtx5090", "rtxpro6000"])
 def test_every_shipped_number_has_a_source_comment(name):
     lines = resources.files("ninfer_offload.profiles").joinpath(f"{name}.toml").read_text().splitlines()
     commented = False
@@ -62,9 +65,9 @@ def test_user_file_with_base_overrides(tmp_path):
 
 def test_engine_timings_merge_over_the_base(tmp_path):
     path = tmp_path / "tuned.toml"
-    path.write_text('base = "h200"\n[engine]\ndecode_fixed_s = 0.001\n')
+    path.write_text('base = "h200"\n[engine]\noffload_step_s = 0.001\n')
     p, h200 = load_profile(str(path)), load_profile("h200")
-    assert p.engine == {**h200.engine, "decode_fixed_s": 0.001}
+    assert p.engine == {**h200.engine, "offload_step_s": 0.001}
 
 
 @pytest.mark.parametrize(
@@ -78,8 +81,8 @@ def test_engine_timings_merge_over_the_base(tmp_path):
         ('base = "rtx5090"\n[gpu]\nvram_bytes = -5\n', "must be positive"),
         ('base = "rtx5090"\ncolour = 1\n', "unknown key 'colour'"),
         ('base = "rtx5090"\n[engine]\nwarp_factor = 0.5\n', "unknown key engine.warp_factor"),
-        ('base = "rtx5090"\n[engine]\ndecode_fixed_s = -0.001\n', "must be positive"),
-        ('base = "rtx5090"\n[engine]\ndecode_fixed_s = 0.0\n', "must be positive"),
+        ('base = "rtx5090"\n[engine]\noffload_step_s = -0.001\n', "must be positive"),
+        ('base = "rtx5090"\n[engine]\noffload_step_s = 0.0\n', "must be positive"),
     ],
 )
 def test_bad_profiles_give_one_line(tmp_path, text, message):

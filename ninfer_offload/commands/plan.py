@@ -101,16 +101,17 @@ def _way_out(inventory: Inventory, profile: DeviceProfile, options: PlanOptions)
 
 
 def _warn_calibration(profiles: list[DeviceProfile]) -> None:
-    """One line on stderr for each profile of the user's without a complete [engine] table: whose timings its plan
-    borrows (the shipped ones say it in their assumptions)."""
+    """One line on stderr for each table ([engine], [launches]) a profile of the user's lacks in part: whose
+    constants its plan borrows (the shipped ones say it in their assumptions)."""
     for p in profiles:
-        reference = calibration_profile(p)
-        if reference is not None and not p.source.startswith("shipped:"):
-            typer.echo(
-                f"warning: {p.name} has no complete [engine] table; its speed is predicted with the engine timings of "
-                f"{reference.name}, the nearest measured card in memory bandwidth",
-                err=True,
-            )
+        for table in ("engine", "launches"):
+            reference = calibration_profile(p, table)
+            if reference is not None and not p.source.startswith("shipped:"):
+                typer.echo(
+                    f"warning: {p.name} has no complete [{table}] table; its speed is predicted with the [{table}] "
+                    f"constants of {reference.name}, the nearest measured card in memory bandwidth",
+                    err=True,
+                )
 
 
 @load_options("vram_budget", "miss_path", "spec", "draft_tokens", "prefill_chunk", *PROMPT_CACHE, spec="auto")
