@@ -6,8 +6,9 @@
   turn; by default an 8K first message, then short and long ones, growing to ~16K tokens);
 * an agent: one `--agent-context`-token context, then `--agent-calls` calls each adding its own 2-200-token tail.
 Every request runs twice on one engine: with the cache (what the server does) and with `cache_prompt` off (a cold
-run, which neither reads nor saves the cache), greedy. Per request: TTFT and decode tok/s of both, the tokens
-resumed (`cached_tokens`), whether both gave the same tokens, and the cache's device and host bytes after it.
+run, which neither reads nor saves the cache), greedy. Per request: TTFT and decode tok/s (first to last token) of
+both, the seconds after the last token until the sequence ended (`end_*_s`: a cached request saves its state there),
+the tokens resumed (`cached_tokens`), whether both gave the same tokens, and the cache's device and host bytes after it.
 Placements: all experts resident and each `--budgets` GiB. On the CPU (`--device cpu`) it runs on the tiny model.
 """
 
@@ -27,7 +28,8 @@ CHAT_NEW = [8192, 150, 2000, 120, 2000, 180, 1500, 100, 1200, 200]  # new tokens
 
 
 def timed(engine, prompt: list[int], max_tokens: int, cache: bool) -> dict:
-    """TTFT, decode tok/s, tokens and cached tokens of one greedy request through a fresh decode loop."""
+    """TTFT, decode tok/s (first to last token), the seconds from the last token to the sequence's end (where a
+    cached request saves its state), tokens and cached tokens of one greedy request through a fresh decode loop."""
     from ninfer_offload.runtime.decoder import Decoder, GenerationRequest, Token
     from ninfer_offload.runtime.sampling import SamplingParams
 
@@ -36,15 +38,21 @@ def timed(engine, prompt: list[int], max_tokens: int, cache: bool) -> dict:
     decoder = Decoder(engine)
     began = time.perf_counter()
     sequence = decoder.add(GenerationRequest(prompt, max_tokens, SamplingParams(greedy=True), cache_prompt=cache))
-    tokens, first = [], None
+    tokens, first, last = [], None, None
     while not sequence.ended:
         for event in decoder.step():
             if isinstance(event, Token):
                 tokens.append(event.token)
-                first = first or time.perf_counter()
+                last = time.perf_counter()
+                first = first or last
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
     ended = time.perf_counter()
-    decode = (len(tokens) - 1) / (ended - first) if first and len(tokens) > 1 and ended > first else 0.0
-    return {"ttft_s": (first or ended) - began, "decode_tok_s": decode, "tokens": tokens, "cached_tokens": sequence.cached_tokens}
+    decode = (len(tokens) - 1) / (last - first) if first and len(tokens) > 1 and last > first else 0.0
+    return {
+        "ttft_s": (first or ended) - began, "decode_tok_s": decode, "end_s": ended - (last or ended), "tokens": tokens,
+        "cached_tokens": sequence.cached_tokens,
+    }
 
 
 def measure(engine, prompt: list[int], max_tokens: int) -> tuple[dict, list[int]]:
@@ -56,6 +64,7 @@ def measure(engine, prompt: list[int], max_tokens: int) -> tuple[dict, list[int]
         "prompt_tokens": len(prompt), "cached_tokens": cached["cached_tokens"],
         "ttft_cold_s": cold["ttft_s"], "ttft_cached_s": cached["ttft_s"], "ttft_ratio": cached["ttft_s"] / cold["ttft_s"],
         "decode_cold_tok_s": cold["decode_tok_s"], "decode_cached_tok_s": cached["decode_tok_s"],
+        "end_cold_s": cold["end_s"], "end_cached_s": cached["end_s"],
         "same_tokens": cached["tokens"] == cold["tokens"], "cache_device_bytes": device, "cache_host_bytes": host,
     }
     print(json.dumps(row), flush=True)
