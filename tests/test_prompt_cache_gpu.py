@@ -1,6 +1,7 @@
 """The prompt cache on CUDA: cached requests give the cold run's greedy and seeded tokens on the tiny model (plain and
-MTP, the host tier pinned and its copies back asynchronous, a match evicted before its restore) and on the synthetic
-full-size artifact (`bench/make_synthetic.py`, at $NINFER_SYNTHETIC or /tmp/q36.ninfer), resident and at 15 GiB.
+MTP, the host tier pinned and its copies back asynchronous, a match evicted before its restore); on the synthetic
+full-size artifact (`bench/make_synthetic.py`, at $NINFER_SYNTHETIC or /tmp/q36.ninfer), resident and at 15 GiB, a
+resumed state's next-token logits are those of a cold prefill within bf16 rounding.
 Skipped without CUDA (and the full-size part without the artifact)."""
 
 from __future__ import annotations
@@ -73,13 +74,39 @@ def test_tiny_model_on_cuda_host_tier_and_evicted_match(tiny_artifact):
         engine.close()
 
 
+# bf16 prefills in other pieces round differently (a resumed prefix was prefilled in the pieces of the request that
+# saved it), so on the full-size artifact, whose random weights leave many near-ties among 248K logits, the resumed
+# state is checked by its next-token logits against a cold prefill of the whole history: within this relative L2
+# distance (a stale or misplaced state misses by the order of the logits themselves).
+RESUMED_LOGITS_RTOL = 0.05
+
+
 @pytest.mark.skipif(not SYNTHETIC.is_file(), reason=f"no synthetic full-size artifact at {SYNTHETIC}")
 @pytest.mark.parametrize("placement", [{"experts": "resident"}, {"vram_budget": "15GiB", "profile": "auto"}], ids=["resident", "15GiB"])
-def test_synthetic_full_size_artifact_resumes_exactly(placement):
+def test_synthetic_full_size_artifact_resumes_within_rounding(placement):
     engine = Engine.load(SYNTHETIC, device="cuda", max_sequences=1, prompt_cache=True, prompt_cache_every=1024, **placement)
     try:
         engine.warm_up()
-        resumed = chat_matches_cold_runs(engine, 3000, 150, 3)
-        assert resumed[0] == 0 and all(r >= 3000 for r in resumed[1:])
+        vocab = engine.config.vocab_size
+        history = random_ids(1, 3000, vocab)
+        for turn in range(3):
+            out, resumed = cached_tokens(engine, history)
+            assert (resumed == 0) if turn == 0 else (resumed >= 3000)
+            history = history + out + random_ids(10 + turn, 150, vocab)
+            match = engine.prompt_cache.match(history)
+            assert match.tokens >= len(history) - 150 - len(out)
+            session = engine.session()
+            try:
+                session.resume(match)
+                got = session.prefill(history[match.tokens :])
+            finally:
+                session.close()
+            session = engine.session()
+            try:
+                want = session.prefill(history)
+            finally:
+                session.close()
+            distance = float((got - want).norm() / want.norm())
+            assert distance <= RESUMED_LOGITS_RTOL, f"turn {turn}: resumed logits {distance:.3g} from the cold run's"
     finally:
         engine.close()
