@@ -94,6 +94,11 @@ def test_mtp_one_shot_equals_step_by_step(engine):
     more, _ = one_shot.mtp(mtp_hidden[-1:], [draft])
     assert more.shape == (1, engine.config.vocab_size) and one_shot.mtp_length == len(PROMPT)
     assert target.length == len(PROMPT)
+    # a prompt's MTP prefill asks for its last position's draft logits only (a chunk's all would take GiBs)
+    last_only = engine.session()
+    last, last_hidden = last_only.mtp(hidden[:-1], PROMPT[1:], all_logits=False)
+    assert last.shape == (1, engine.config.vocab_size) and torch.equal(last[0], logits[-1])
+    assert torch.equal(last_hidden, mtp_hidden)
 
 
 def test_batched_mtp_step_equals_each_sessions_own(engine):

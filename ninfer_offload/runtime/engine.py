@@ -398,15 +398,18 @@ class Engine:
         return self.runner.draft_logits(mtp_hidden)
 
     # ------------------------------------------------------------------ MTP
-    def mtp_prefill(self, session: Session, hidden: torch.Tensor, next_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_prefill(
+        self, session: Session, hidden: torch.Tensor, next_ids: Iterable[int], all_logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP module over `hidden` [T, H] and the tokens after them, continuing `session`'s MTP cache
-        (see `Session.mtp`): (draft logits [T, vocab], MTP hidden [T, H])."""
+        (see `Session.mtp`): (draft logits [T, vocab], or [1, vocab] of the last position without `all_logits`,
+        MTP hidden [T, H])."""
         self._need_mtp()
         ids = self._token_list(next_ids)
         slot = session.live_slot()
         if len(ids) != hidden.shape[0] or session.mtp_length + len(ids) > self.max_context:
             raise NinferError(f"MTP needs one next token per hidden state within the context limit {self.max_context}")
-        logits, out = self.runner.mtp_prefill(hidden, ids, slot, session.mtp_length)
+        logits, out = self.runner.mtp_prefill(hidden, ids, slot, session.mtp_length, all_logits)
         session.mtp_length += len(ids)
         return logits, out
 

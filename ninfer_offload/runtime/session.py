@@ -77,10 +77,11 @@ class Session:
             raise NinferError(f"rollback takes 0..{self.pending - 1} tokens of the pending step, got {n}")
         self.commit(self.pending - n)
 
-    def mtp(self, hidden: torch.Tensor, next_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp(self, hidden: torch.Tensor, next_ids: Iterable[int], all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the MTP module on target hidden states `hidden` [T, H] (positions continuing this
-        session's MTP cache) and the tokens that follow them: (draft logits [T, vocab], MTP hidden [T, H])."""
-        return self.engine.mtp_prefill(self, hidden, next_ids)
+        session's MTP cache) and the tokens that follow them: (draft logits [T, vocab] (`all_logits` off: [1,
+        vocab], the last position's), MTP hidden [T, H])."""
+        return self.engine.mtp_prefill(self, hidden, next_ids, all_logits)
 
     def forget_mtp(self, n: int) -> None:
         """Drop the last `n` entries of the MTP layer's cache (speculative drafts)."""

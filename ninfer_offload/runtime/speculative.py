@@ -167,7 +167,7 @@ class MtpSpeculator:
         if self._carry is not None:
             hidden = torch.cat([self._carry, hidden])
         if successors:
-            self.session.mtp(hidden[:-1], successors)
+            self.session.mtp(hidden[:-1], successors, all_logits=False)  # (its drafts come from the last position on)
         self._carry = self.last_hidden = hidden[-1:]
         return engine.logits_of(self._carry)[0]
 

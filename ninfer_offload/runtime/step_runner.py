@@ -55,11 +55,13 @@ class StepRunner:
         """Final-normed hidden states [N, H] of the target's forward described by `ctx` (no head)."""
         return self.text.hidden(self.backend, token_ids, ctx, self.state)
 
-    def mtp_forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_forward(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor, ctx: StepContext, all_logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft logits, MTP hidden states) of the MTP module's forward described by `ctx` over target hidden
-        states `hidden` and the tokens after them."""
+        states `hidden` and the tokens after them; the draft logits of every row, or (`all_logits` off) of the last."""
         out = self.mtp(self.backend, self.text, hidden.to(self.dtype), token_ids, ctx, self.state)
-        return self.draft_logits(out), out
+        return self.draft_logits(out if all_logits else out[-1:]), out
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output-head logits [T, vocab] (float32) of final-normed hidden states."""
@@ -164,12 +166,16 @@ class StepRunner:
             with self.store.around_step(len(flat), ctx):
                 return self.forward(ids, ctx)
 
-    def mtp_prefill(self, hidden: torch.Tensor, ids: list[int], slot: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_prefill(
+        self, hidden: torch.Tensor, ids: list[int], slot: int, start: int, all_logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft logits, MTP hidden states) of the MTP module over target hidden states `hidden` [T, H] and the T
-        tokens `ids` after them, appended to the MTP cache of the sequence in `slot` at `start`, eagerly."""
+        tokens `ids` after them, appended to the MTP cache of the sequence in `slot` at `start`, eagerly; the draft
+        logits of every position, or (`all_logits` off) of the last one only ([1, vocab]: a prompt chunk's would
+        take GiBs)."""
         tokens, ctx = step_inputs(ids, [slot], [start], len(ids), self.max_context, self.device, prefill=True)
         with torch.no_grad():  # no `store.around_step`: see `mtp_step`
-            return self.mtp_forward(hidden, tokens, ctx)
+            return self.mtp_forward(hidden, tokens, ctx, all_logits)
 
     def mtp_step(
         self, hidden: torch.Tensor, ids: list[int], slots: list[int], starts: list[int], t: int,
