@@ -299,7 +299,7 @@ class Decoder:
     def _prefill_one(self, sequence: Sequence) -> None:
         # alone, a plain prompt goes in the engine's spans (with staged host experts several chunks a forward, each
         # layer's host experts crossing the link once for them); beside running streams, in pieces that keep their
-        # stall short; a speculating one in chunks (its MTP layer's prefill computes every position's draft logits)
+        # stall short; a speculating one in chunks (its MTP layer's prefill runs over the whole piece in one forward)
         alone = sequence.speculator is None and not any(s.next_token is not None for s in self.sequences)
         size = self._piece_room(sequence, max(self.prefill_chunk, self.engine.prefill_span) if alone else self.prefill_chunk)
         chunk, sequence.unprefilled = sequence.unprefilled[:size], sequence.unprefilled[size:]
