@@ -297,11 +297,7 @@ class Decoder:
                 self._sample(sequence, row)
 
     def _prefill_one(self, sequence: Sequence) -> None:
-        # alone, a plain prompt goes in the engine's spans (with staged host experts several chunks a forward, each
-        # layer's host experts crossing the link once for them); beside running streams, in pieces that keep their
-        # stall short; a speculating one in chunks (its MTP layer's prefill runs over the whole piece in one forward)
-        alone = sequence.speculator is None and not any(s.next_token is not None for s in self.sequences)
-        size = self._piece_room(sequence, max(self.prefill_chunk, self.engine.prefill_span) if alone else self.prefill_chunk)
+        size = self._piece_room(sequence, self._piece_tokens(sequence))
         chunk, sequence.unprefilled = sequence.unprefilled[:size], sequence.unprefilled[size:]
         try:
             if sequence.speculator is not None:
@@ -314,6 +310,21 @@ class Decoder:
         self._after_piece(sequence)
         if not sequence.unprefilled:
             self._sample(sequence, logits)
+
+    def _piece_tokens(self, sequence: Sequence) -> int:
+        """Most tokens of `sequence`'s next prompt piece. Alone, a plain prompt goes in the engine's spans (with staged
+        host experts several chunks a forward, each layer's host experts crossing the link once for all of them);
+        beside running streams, in pieces that keep their stall short: `prefill_chunk`, but with staged host experts
+        at least one engine chunk (a piece's stall is then its staging's, about the same for a few hundred tokens as
+        for a chunk); a speculating one in engine chunks at most (its MTP layer prefills the whole piece in one
+        forward)."""
+        engine = self.engine
+        staged = engine.prefill_span > engine.prefill_chunk
+        if any(s is not sequence and not s.unprefilled for s in self.sequences):  # streams decoding
+            return max(self.prefill_chunk, engine.prefill_chunk) if staged else self.prefill_chunk
+        if sequence.speculator is not None:
+            return max(self.prefill_chunk, engine.prefill_chunk)
+        return max(self.prefill_chunk, engine.prefill_span)
 
     # -- decode --------------------------------------------------------------------------------
     def _decode(self) -> None:
