@@ -43,9 +43,18 @@ class StatePiece:
     def device(self) -> torch.device:
         return self.conv.device
 
-    def moved(self, device: torch.device) -> "StatePiece":
-        """This piece's copy on `device` (host memory: pinned where CUDA exists, so the way back is asynchronous)."""
+    def moved(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> "StatePiece":
+        """This piece's copy on `device` (host memory: pinned where CUDA exists, so the way back is asynchronous).
+        `stream`: a CUDA stream for the copies from the device (queued after the work queued so far, which wrote the
+        piece, and beside what is queued next: a demotion does not hold up the decode steps behind it); the device
+        tensors are kept from reuse until the copies are done."""
         pin = device.type == "cpu" and torch.cuda.is_available() and self.device.type == "cuda"
+        if stream is not None and pin:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in self.tensors():
+                t.record_stream(stream)
+            with torch.cuda.stream(stream):
+                return self.moved(device)
 
         def move(t: torch.Tensor) -> torch.Tensor:
             if pin:

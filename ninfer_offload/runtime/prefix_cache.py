@@ -113,6 +113,8 @@ class PrefixCache:
         self._root = _Node(None, (), 0, None)
         self._clock = itertools.count(1)
         self._lock = threading.RLock()  # `stats` may be read from another thread (a server's health route)
+        # CUDA: demotions copy on a stream of their own, beside the decode steps queued after a save
+        self._copies = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # ------------------------------------------------------------------ lookups
     def match(self, prompt: list[int], with_mtp: bool = False) -> Match:
@@ -147,6 +149,8 @@ class PrefixCache:
         path = node.path()
         for n in path:
             if n.on_host:
+                if self._copies is not None:  # its demotion's copies first
+                    torch.cuda.current_stream(self.device).wait_stream(self._copies)
                 n.piece, n.on_host = n.piece.moved(self.device), False
                 self.counters.promoted += 1
         pieces = tuple(n.piece for n in path)
@@ -260,7 +264,7 @@ class PrefixCache:
             if device_bytes <= self.device_bytes:
                 break
             device_bytes -= node.piece.nbytes
-            node.piece, node.on_host = node.piece.moved(torch.device("cpu")), True
+            node.piece, node.on_host = node.piece.moved(torch.device("cpu"), self._copies), True
             self.counters.demoted += 1
         on_host = sorted((n for n in nodes if n.on_host), key=lambda n: n.used)
         host_bytes = sum(n.piece.nbytes for n in on_host)
