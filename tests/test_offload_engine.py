@@ -358,10 +358,12 @@ def test_a_resident_load_holds_few_packing_buffers_at_once(tiny_artifact_officia
 
 
 def test_prompt_pieces_follow_what_is_running(tiny_artifact_official, monkeypatch):
-    """A server's decode loop (pieces of 40 tokens beside running streams) on a load with staged host experts: a
+    """The decode loop's default pieces (40 tokens beside running streams here) on a load with staged host experts: a
     prompt admitted while another stream decodes goes in engine chunks (160 tokens: its stall is its staging's
-    whatever its length), a prompt alone in a span of the rest; on the resident load the same loop keeps the 40-token
-    pieces beside a running stream. Each stream's tokens equal its own greedy run's."""
+    whatever its length), a prompt alone in a span of the rest; on the resident load the loop keeps 40-token pieces
+    beside a running stream and a prompt alone goes in chunks; pieces given to the loop are kept. Each stream's tokens
+    equal across the loads."""
+    from ninfer_offload.runtime import decoder as decode_loop
     from ninfer_offload.runtime.decoder import Decoder, GenerationRequest, Token
     from ninfer_offload.runtime.sampling import SamplingParams
     from ninfer_offload.runtime.step_runner import StepRunner
@@ -374,12 +376,13 @@ def test_prompt_pieces_follow_what_is_running(tiny_artifact_official, monkeypatc
         return original(self, piece, slot, start)
 
     monkeypatch.setattr(StepRunner, "prefill", recorded)
+    monkeypatch.setattr(decode_loop, "PIECE_BESIDE_STREAMS", 40)
     greedy = SamplingParams(greedy=True)
     long_prompt = (LONG_PROMPT * 3)[:400]
     results = {}
     for name, load in (("host", dict(experts="host", num_slots=5, cache_policy="static")), ("resident", {})):
         engine = Engine.load(tiny_artifact_official, spec="none", prefill_chunk=160, max_sequences=2, **load)
-        decoder = Decoder(engine, prefill_chunk=40)
+        decoder = Decoder(engine)
         running = decoder.add(GenerationRequest(PROMPT, 30, greedy))
         while not running.output:
             list(decoder.step())
@@ -391,14 +394,15 @@ def test_prompt_pieces_follow_what_is_running(tiny_artifact_official, monkeypatc
                 if isinstance(event, Token):
                     tokens[id(event.sequence)].append(event.token)
         results[name] = (list(pieces), tokens[id(running)], tokens[id(late)])
-        alone = Decoder(engine, prefill_chunk=40)
-        pieces.clear()
-        solo = alone.add(GenerationRequest(long_prompt, 2, greedy))
-        while not solo.ended:
-            list(alone.step())
-        results[name + " alone"] = list(pieces)
+        for label, loop in (("alone", Decoder(engine)), ("given", Decoder(engine, prefill_chunk=100))):
+            pieces.clear()
+            solo = loop.add(GenerationRequest(long_prompt, 2, greedy))
+            while not solo.ended:
+                list(loop.step())
+            results[f"{name} {label}"] = list(pieces)
         engine.close()
     assert results["host"][0] == [160, 160, 80]
     assert results["resident"][0] == [40] * 10
     assert results["host alone"] == [400] and results["resident alone"] == [160, 160, 80]
+    assert results["host given"] == results["resident given"] == [100] * 4
     assert results["host"][1:] == results["resident"][1:]

@@ -81,7 +81,11 @@ def serve(
     device: str = typer.Option("cpu", help="Compute device: cpu or cuda[:N]."),
     max_concurrency: int = typer.Option(4, min=1, help="Sequences decoded together in one batched forward pass."),
     max_queue: int = typer.Option(64, min=0, help="Requests allowed to wait for a slot; beyond it: 429."),
-    prefill_chunk: int = typer.Option(512, min=1, help="Prompt tokens per prefill step, interleaved with the others' decode."),
+    prefill_chunk: int | None = typer.Option(
+        None, min=1,
+        help="Prompt tokens per prefill step (default: 512 beside running streams, a whole chunk with host experts; the "
+        "load's chunks, or spans of chunks with host experts, for a prompt alone).",
+    ),
     api_key: str | None = typer.Option(None, envvar="NINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes."),
     allowed_host: list[str] | None = typer.Option(
         None, "--allowed-host",

@@ -42,6 +42,10 @@ from ninfer_offload.runtime.step_inputs import upload
 log = logging.getLogger("ninfer.decode")
 
 
+# Prompt tokens per step of a prompt prefilled beside running streams (a server's default): each piece stalls them
+# for one forward.
+PIECE_BESIDE_STREAMS = 512
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One sequence to generate: its prompt, budget, sampling and stop ids; optionally a grammar
@@ -182,12 +186,12 @@ class _QueuedStep:
 
 
 class Decoder:
-    """Runs sequences on `engine`, one `step()` at a time (see the module docstring); `prefill_chunk`:
-    most prompt tokens of one sequence per step (default: the engine's)."""
+    """Runs sequences on `engine`, one `step()` at a time (see the module docstring); `prefill_chunk`: prompt tokens of
+    one sequence per step (default: as `_piece_tokens` chooses by what else is running)."""
 
     def __init__(self, engine, prefill_chunk: int | None = None) -> None:
         self.engine = engine
-        self.prefill_chunk = prefill_chunk or engine.prefill_chunk
+        self.prefill_chunk = prefill_chunk
         self.sequences: list[Sequence] = []  # the sequences not ended, in the order they were added
         self.largest_batch = 0  # most sequences in one decode step so far
         self._queued: _QueuedStep | None = None  # the decode step queued ahead of the host, if any
@@ -276,7 +280,7 @@ class Decoder:
         piece = self.engine.batched_prefill_piece
         tokens = piece(max((len(s.unprefilled) for s in plain), default=0))
         room = self.engine.max_context - tokens  # a padded piece writes KV rows up to its full length
-        together = [s for s in plain if s.prefilled <= room][: self.prefill_chunk // max(1, tokens)]
+        together = [s for s in plain if s.prefilled <= room][: (self.prefill_chunk or PIECE_BESIDE_STREAMS) // max(1, tokens)]
         if tokens and len(together) >= BATCHED_PREFILL_MIN_SEQUENCES:
             self._prefill_together(together, piece(max(len(s.unprefilled) for s in together)))
         elif waiting:
@@ -312,19 +316,19 @@ class Decoder:
             self._sample(sequence, logits)
 
     def _piece_tokens(self, sequence: Sequence) -> int:
-        """Most tokens of `sequence`'s next prompt piece. Alone, a plain prompt goes in the engine's spans (with staged
-        host experts several chunks a forward, each layer's host experts crossing the link once for all of them);
-        beside running streams, in pieces that keep their stall short: `prefill_chunk`, but with staged host experts
-        at least one engine chunk (a piece's stall is then its staging's, about the same for a few hundred tokens as
-        for a chunk); a speculating one in engine chunks at most (its MTP layer prefills the whole piece in one
-        forward)."""
+        """Most tokens of `sequence`'s next prompt piece: `prefill_chunk` where the loop was given one. Else, beside
+        running streams, pieces that keep their stall short (PIECE_BESIDE_STREAMS; with staged host experts a whole
+        chunk: a piece's stall is then its staging's, about the same for a few hundred tokens as for a chunk); with
+        none, a plain prompt in the engine's spans (with staged host experts several chunks a forward, each layer's
+        host experts crossing the link once for them) and a speculating one in chunks (its MTP layer prefills the
+        whole piece in one forward)."""
         engine = self.engine
-        staged = engine.prefill_span > engine.prefill_chunk
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
         if any(s is not sequence and not s.unprefilled for s in self.sequences):  # streams decoding
-            return max(self.prefill_chunk, engine.prefill_chunk) if staged else self.prefill_chunk
-        if sequence.speculator is not None:
-            return max(self.prefill_chunk, engine.prefill_chunk)
-        return max(self.prefill_chunk, engine.prefill_span)
+            staged = engine.prefill_span > engine.prefill_chunk
+            return engine.prefill_chunk if staged else min(PIECE_BESIDE_STREAMS, engine.prefill_chunk)
+        return engine.prefill_chunk if sequence.speculator is not None else engine.prefill_span
 
     # -- decode --------------------------------------------------------------------------------
     def _decode(self) -> None:

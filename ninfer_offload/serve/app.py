@@ -32,7 +32,7 @@ def create_app(
     max_context: int,
     max_concurrency: int = 4,
     max_queue: int = 64,
-    prefill_chunk: int = 512,
+    prefill_chunk: int | None = None,
     api_key: str | None = None,
     max_body_bytes: int = 16 * 1024 * 1024,
     allowed_hosts: Collection[str] | None = None,

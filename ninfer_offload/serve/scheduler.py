@@ -96,7 +96,7 @@ class RequestHandle:
 class Scheduler:
     """Runs every request through one engine's decode loop; see the module docstring."""
 
-    def __init__(self, engine: Any, max_concurrency: int = 4, max_queue: int = 64, prefill_chunk: int = 512) -> None:
+    def __init__(self, engine: Any, max_concurrency: int = 4, max_queue: int = 64, prefill_chunk: int | None = None) -> None:
         self.engine = engine
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
