@@ -26,8 +26,14 @@ nvfp4_artifact() { [ -f /tmp/q36_nvfp4.ninfer ] || python3 bench/make_synthetic.
 if [ -n "$TESTS" ]; then
   # SIGINT at the limit: pytest stops and still prints which tests passed and failed
   # TESTS_K: a -k expression (spaces kept), e.g. TESTS_K="warm_up or attention"
-  (cd tests && timeout -s INT -k 30 "${TEST_TIMEOUT:-600}" python3 -m pytest -q -rfE -p no:cacheprovider $TESTS ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
-    | tee "$OUT/tests.log" | tail -15)
+  # TESTS_EACH=1: one pytest process per file (a failed test's engine, kept alive by its traceback, then holds no
+  # memory in the next file's process: test_vram_bound_gpu.py measures the process's peak)
+  groups="$TESTS"; [ -n "$TESTS_EACH" ] || groups="ALL"
+  for group in $groups; do
+    files=$group; [ "$group" = ALL ] && files=$TESTS
+    (cd tests && timeout -s INT -k 30 "${TEST_TIMEOUT:-600}" python3 -m pytest -q -rfE -p no:cacheprovider $files ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+      | tee -a "$OUT/tests.log" | tail -15)
+  done
 fi
 for bench in $BENCHES; do
   echo "== $bench"
