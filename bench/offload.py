@@ -217,20 +217,21 @@ class TraceRun:
         return token if queued is None else queued.read()[0]
 
     def prefill(self, engine: Engine, offset: int, repeats: int = 2, tokens: int = PREFILL_TOKENS) -> float:
-        """Seconds of a fresh `tokens`-token prefill, chunk by chunk (trace tokens from `offset`): the
-        fastest of `repeats`. Single prefills vary: after a warm-up one, runs at 4c454ed, 98e0c39 and
-        2d78901 measured the resident 4K prefill at 14.2K, 26.8K and 16.4K tok/s, which moved the
-        roofline (the larger of that time and the PCIe time) and so the offloaded fraction."""
+        """Seconds of a fresh `tokens`-token prefill, forward by forward (`Engine.prefill_span` tokens each: chunks,
+        or spans of chunks with host experts; trace tokens from `offset`): the fastest of `repeats`. Single prefills
+        vary: after a warm-up one, runs at 4c454ed, 98e0c39 and 2d78901 measured the resident 4K prefill at 14.2K,
+        26.8K and 16.4K tok/s, which moved the roofline (the larger of that time and the PCIe time) and so the
+        offloaded fraction."""
         ids = list(np.random.default_rng(0).integers(1, 500, tokens))
         best = float("inf")
         for _ in range(repeats):
             session = engine.session()
             torch.cuda.synchronize()
             began = time.perf_counter()
-            chunk = engine.prefill_chunk
-            for c0 in range(0, tokens, chunk):
-                self.rows(engine, offset + c0, chunk)
-                session.prefill(ids[c0 : c0 + chunk])
+            forward = engine.prefill_span
+            for c0 in range(0, tokens, forward):
+                self.rows(engine, offset + c0, min(forward, tokens - c0))
+                session.prefill(ids[c0 : c0 + forward])
             torch.cuda.synchronize()
             best = min(best, time.perf_counter() - began)
             session.close()
@@ -347,11 +348,12 @@ def _difference(after: dict | None, before: dict | None) -> dict:
 
 
 def prefill_pcie_bytes(engine: Engine, trace: np.ndarray, offset: int, tokens: int = PREFILL_TOKENS) -> int:
-    """Bytes of the distinct experts not in VRAM that each chunk of a `tokens`-token prefill needs, summed over chunks."""
+    """Bytes of the distinct experts not in VRAM that each forward of a `tokens`-token prefill needs (a chunk, or a span
+    of chunks with host experts: `Engine.prefill_span`), summed over forwards."""
     in_vram = engine.store.cache.in_vram if engine.store.offloaded else engine.store.pinned
-    total = 0
-    for c0 in range(0, tokens, engine.prefill_chunk):
-        chunk = trace[offset + c0 : offset + c0 + min(engine.prefill_chunk, tokens - c0)]
+    total, forward = 0, engine.prefill_span
+    for c0 in range(0, tokens, forward):
+        chunk = trace[offset + c0 : offset + c0 + min(forward, tokens - c0)]
         for layer in range(trace.shape[1]):
             needed = np.unique(chunk[:, layer])
             total += int((~in_vram[layer, needed]).sum()) * engine.store.layouts[layer].nbytes

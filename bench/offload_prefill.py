@@ -65,15 +65,15 @@ def main() -> None:
     resident = {} if args.skip_resident else resident_prefill_seconds(args.artifact, runner, args.prompts, options)
     engine, _ = load(args.artifact, cold=False, vram_budget=int(args.budget * GiB), **options)
     report = {**gpu_report_header(args.commit), "h2d_bandwidth_gbs": h2d / 1e9, "vram_budget_bytes": int(args.budget * GiB),
-              "profile": args.profile, "prefill_chunk": engine.prefill_chunk, "placement": engine.placement_report(), "prompts": [],
-              "settings": []}
+              "profile": args.profile, "prefill_chunk": engine.prefill_chunk, "prefill_span": engine.prefill_span,
+              "placement": engine.placement_report(), "prompts": [], "settings": []}
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
     for tokens in args.prompts:
-        runner.rows(engine, 0, min(tokens, engine.prefill_chunk))  # sizes the replay buffer
+        runner.rows(engine, 0, min(tokens, engine.prefill_span))  # sizes the replay buffer
         runner.prefill(engine, tokens, repeats=1, tokens=tokens)  # compiles and tunes the prefill kernels
         seconds = runner.prefill(engine, tokens, tokens=tokens)
         pcie = prefill_pcie_bytes(engine, trace, tokens, tokens)

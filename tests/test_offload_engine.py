@@ -406,3 +406,24 @@ def test_prompt_pieces_follow_what_is_running(tiny_artifact_official, monkeypatc
     assert results["host alone"] == [400] and results["resident alone"] == [160, 160, 80]
     assert results["host given"] == results["resident given"] == [100] * 4
     assert results["host"][1:] == results["resident"][1:]
+
+
+def test_replayed_routing_follows_each_chunk_of_a_span(tiny_artifact_official):
+    """Routing replayed for a whole span (benchmarks' trace rows, `ExpertStore.replay_routing`) reaches each chunk at its
+    own rows (`StepContext.span_row`): the span's logits equal a resident engine's fed the same rows chunk by chunk."""
+    prompt = (LONG_PROMPT * 3)[:360]
+    host = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none", prefill_chunk=160)
+    resident = Engine.load(tiny_artifact_official, spec="none", prefill_chunk=160)
+    layers, experts, top_k = len(host.store.layouts), host.config.num_experts, host.config.top_k
+    generator = torch.Generator().manual_seed(9)
+    ids = torch.stack([torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in prompt]) for _ in range(layers)])
+    host.store.replay_routing(ids)
+    want = []
+    session = resident.session()
+    for c0 in range(0, len(prompt), 160):
+        resident.store.replay_routing(ids[:, c0 : c0 + 160])
+        want.append(session.append(prompt[c0 : c0 + 160])[0])
+    session.close()
+    assert torch.equal(host.logits(prompt), torch.cat(want))
+    host.close()
+    resident.close()

@@ -132,3 +132,21 @@ def test_captured_steps_route_as_the_eager_ones(tiny_artifact_official):
         engine.close()
     for captured, eager in zip(*runs):
         assert torch.allclose(captured, eager, rtol=0, atol=1e-3 * eager.abs().max().item())
+
+
+def test_a_prefill_span_routes_each_chunk_by_its_own_positions(tiny_artifact_official):
+    """An offloaded load prefilling a prompt of three chunks in one span (each layer over the chunks in turn) routes
+    every chunk's rows by their own positions, as the resident load prefilling chunk by chunk does: equal logits at
+    every position, and the text layers' uses are the trace's."""
+    prompt = (PROMPTS[2] * 30)[:360]
+    host = Engine.load(tiny_artifact_official, experts="host", num_slots=5, cache_policy="static", spec="none", prefill_chunk=160)
+    resident = Engine.load(tiny_artifact_official, spec="none", prefill_chunk=160)
+    assert host.prefill_span > 360 > resident.prefill_span
+    for engine in (host, resident):
+        engine.store.route_by_trace(SequenceTraceRouting.for_engine(engine, seed=3))
+    assert torch.equal(host.logits(prompt), resident.logits(prompt))
+    layers = host.store.trace_routing.layers
+    slot = host.state.sequences - 1  # the one slot a fresh session of a one-sequence engine takes
+    assert np.array_equal(_uses(host)[:layers], _expected_uses(host, [slot], [0], len(prompt)))
+    host.close()
+    resident.close()

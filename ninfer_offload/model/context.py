@@ -37,9 +37,11 @@ class StepContext:
     staged: bool = False
     # A staged chunk of a span (`TextModel.hidden_chunks`: every layer runs over the span's chunks before the next
     # layer): the span's token rows, for which a layer's host experts are staged once (0: this chunk's own), and
-    # whether this chunk is the span's last, after whose MoE a layer's staging buffer goes to the layer two on.
+    # whether this chunk is the span's last, after whose MoE a layer's staging buffer goes to the layer two on, and
+    # where its rows start in the span.
     stage_tokens: int = 0
     closes_stage: bool = True
+    span_row: int = 0  # rows of the span before this chunk (0 for a forward of one chunk)
 
     @property
     def batch(self) -> int:

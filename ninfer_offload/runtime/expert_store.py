@@ -316,7 +316,8 @@ class ExpertStore:
         (with the routed experts where the backend can, after them otherwise). In a staged step (`ctx.staged`,
         inside `around_step` of that context) the layer's host experts are read from the staging slots."""
         if self.replayed is not None:
-            topk_ids = self.replayed[layer, : topk_ids.shape[0]]
+            first = 0 if ctx is None else ctx.span_row
+            topk_ids = self.replayed[layer, first : first + topk_ids.shape[0]]
         elif self.trace_routing is not None and ctx is not None and layer < self.trace_routing.layers:
             topk_ids = self.trace_routing.ids(layer, ctx)
         staged = ctx is not None and ctx.staged
@@ -343,7 +344,8 @@ class ExpertStore:
 
     def replay_routing(self, ids: torch.Tensor) -> None:
         """Benchmarks and tests: route the next forwards' tokens to `ids` [layers, tokens, top_k] (int64)
-        instead of the router's choice (the router's weights stay). Updated in place, so a captured step
+        instead of the router's choice (the router's weights stay; a prefill span's chunks by their rows in the
+        span, `StepContext.span_row`). Updated in place, so a captured step
         replays whatever was set last; the first call fixes the most tokens. Set it before the first step:
         graphs captured without it ignore it."""
         if self.replayed is None:

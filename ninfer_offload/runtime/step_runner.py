@@ -105,7 +105,7 @@ class StepRunner:
             inputs = [
                 step_inputs(
                     piece[c : c + self.prefill_chunk], [slot], [start + c], len(piece[c : c + self.prefill_chunk]), self.max_context,
-                    self.device, prefill=True, staged=True, stage_tokens=len(piece), closes_stage=c == starts[-1],
+                    self.device, prefill=True, staged=True, stage_tokens=len(piece), closes_stage=c == starts[-1], span_row=c,
                 )
                 for c in starts
             ]

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ninfer_offload.model.context import StepContext
+from ninfer_offload.planner.options import PREFILL_SPAN_CHUNKS
 from ninfer_offload.planner.routing import default_routing_stats
 from ninfer_offload.planner.trace import routing_trace
 
@@ -33,8 +34,9 @@ class SequenceTraceRouting:
         # 40 layers and 9 slots of TOKENS_PER_SLOT, beside the plan's VRAM
         self.trace = torch.from_numpy(np.ascontiguousarray(trace.transpose(1, 0, 2)).astype(np.int16)).to(device)
         self.offsets = torch.tensor([s * self.tokens // slots for s in range(slots)], dtype=torch.int64, device=device)
-        self._step: StepContext | None = None  # the step whose rows `_ids` holds (set at its layer 0)
-        self._ids: torch.Tensor | None = None
+        # (step context, its rows' experts [layers, N, k]) gathered at layer 0 of the latest forwards: a prefill span
+        # runs each layer over its chunks in turn, so layer 1 of its first chunk comes after layer 0 of the others
+        self._steps: list[tuple[StepContext, torch.Tensor]] = []
 
     @classmethod
     def for_engine(cls, engine, seed: int = 0) -> "SequenceTraceRouting":
@@ -53,11 +55,13 @@ class SequenceTraceRouting:
 
     def ids(self, layer: int, ctx: StepContext) -> torch.Tensor:
         """[N, top_k] int64: the experts of layer `layer` for each row of the step `ctx` describes. Every layer's are
-        gathered at layer 0, which every forward of the target runs first (so a captured step records the gather:
-        the eager run before a capture uses the same context object, which rules out recognising the step by it)."""
+        gathered at layer 0, which every forward of the target runs first for each of its contexts (so a captured step
+        records the gather: the eager run before a capture uses the same context object, which rules out recognising
+        the step by it)."""
         if layer == 0:
-            self._ids = self.trace[:, self.trace_tokens(ctx)].to(torch.int64)  # [layers, N, k]
-            self._step = ctx
-        elif ctx is not self._step:
+            self._steps = [*[(c, ids) for c, ids in self._steps if c is not ctx][-(PREFILL_SPAN_CHUNKS - 1) :],
+                           (ctx, self.trace[:, self.trace_tokens(ctx)].to(torch.int64))]  # [layers, N, k]
+        ids = next((ids for c, ids in reversed(self._steps) if c is ctx), None)
+        if ids is None:
             raise RuntimeError(f"trace routing: layer {layer} ran before layer 0 of its step, where the experts are gathered")
-        return self._ids[layer]
+        return ids[layer]
