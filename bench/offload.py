@@ -244,7 +244,7 @@ class TraceRun:
 
 
 # The prefill settings the benchmark compares with the engine's: attributes of the store's `PrefillStaging`
-# ("staging") or of the engine ("engine"). A smaller `prefill_chunk` is set on the loaded engine (its plan set
+# ("staging") or of the engine's step runner ("engine"). A smaller `prefill_chunk` is set on the loaded engine (its plan set
 # aside the default chunk's activations, which holds them).
 PREFILL_VARIANTS = {
     "gather on 64 programs": ("staging", {"gather_programs": 64}),
@@ -285,7 +285,7 @@ def resident_prefill_by_chunk(runner: TraceRun, resident: Engine, offset: int, d
     """Resident 4K prefill tok/s at the engine's chunk size (`default_s` seconds) and at each of VARIANT_CHUNKS."""
     by_chunk = {resident.prefill_chunk: PREFILL_TOKENS / default_s}
     for chunk in VARIANT_CHUNKS:
-        with applied(resident, {"prefill_chunk": chunk}):
+        with applied(resident.runner, {"prefill_chunk": chunk}):
             by_chunk[chunk] = PREFILL_TOKENS / runner.prefill(resident, offset)
     return by_chunk
 
@@ -298,7 +298,7 @@ def prefill_variants(
     profiled prefills' Chrome traces under `traces`, if given."""
     results = []
     for name, (target, settings) in PREFILL_VARIANTS.items():
-        with applied(engine.store.staging if target == "staging" else engine, settings):
+        with applied(engine.store.staging if target == "staging" else engine.runner, settings):
             keep = traces / f"{'_'.join(name.split())}.json.gz" if traces is not None else None
             seconds, streams = runner.prefill_profiled(engine, offset, keep)
             pcie = prefill_pcie_bytes(engine, trace, offset)
