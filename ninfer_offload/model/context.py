@@ -37,11 +37,9 @@ class StepContext:
     staged: bool = False
     # A staged chunk of a span (`TextModel.hidden_chunks`: every layer runs over the span's chunks before the next
     # layer): the span's token rows, for which a layer's host experts are staged once (0: this chunk's own), and
-    # whether this chunk is the span's last, after whose MoE a layer's staging buffer goes to the layer two on, and
-    # where its rows start in the span.
+    # where its rows start in the span (the chunk ending it closes each layer's staging).
     stage_tokens: int = 0
-    closes_stage: bool = True
-    span_row: int = 0  # rows of the span before this chunk (0 for a forward of one chunk)
+    span_row: int = 0
 
     @property
     def batch(self) -> int:

@@ -46,6 +46,7 @@ log = logging.getLogger("ninfer.decode")
 # for one forward.
 PIECE_BESIDE_STREAMS = 512
 
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One sequence to generate: its prompt, budget, sampling and stop ids; optionally a grammar

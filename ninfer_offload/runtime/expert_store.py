@@ -329,7 +329,7 @@ class ExpertStore:
             else:  # a span's short last chunk: the span's first chunk waited for the layer's staged experts
                 self.staging.wait()
                 out = backend.routed_experts(x, topk_ids, topk_weights, bank)
-            if ctx.closes_stage:
+            if ctx.span_row + topk_ids.shape[0] == span:  # the span's last chunk: the layer's buffer goes on
                 self.staging.done(layer, span)
             return out if shared is None else shared.added_to(backend, out)
         counted = self.cache is not None  # counted by the op that computes the experts

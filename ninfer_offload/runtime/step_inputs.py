@@ -38,11 +38,10 @@ def unpack_inputs(
     host: tuple[tuple[int, ...], tuple[int, ...]] | None,
     staged: bool = False,
     stage_tokens: int = 0,
-    closes_stage: bool = True,
     span_row: int = 0,
 ) -> tuple[torch.Tensor, StepContext]:
     """(token ids [B*T], context) as views of a packed device buffer; `host` = (slots, starts) on the
-    host, or None for a captured step; `staged`, `stage_tokens`, `closes_stage`, `span_row`: as `StepContext`'s."""
+    host, or None for a captured step; `staged`, `stage_tokens`, `span_row`: as `StepContext`'s."""
     n = batch * tokens_per_sequence
     tokens, positions, rows = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n]
     slots, lengths = packed[3 * n : 3 * n + batch], packed[3 * n + batch : 3 * n + 2 * batch]
@@ -59,7 +58,6 @@ def unpack_inputs(
         host_starts=None if host is None else host[1],
         staged=staged,
         stage_tokens=stage_tokens,
-        closes_stage=closes_stage,
         span_row=span_row,
     )
     return tokens, ctx
@@ -77,17 +75,16 @@ def step_inputs(
     valid: list[int] | None = None,
     staged: bool = False,
     stage_tokens: int = 0,
-    closes_stage: bool = True,
     span_row: int = 0,
 ) -> tuple[torch.Tensor, StepContext]:
     """Token ids and context of an eager step, on `device` with one copy (`valid`: as `pack_inputs`; `staged`: a
     prompt chunk of the target whose host experts the store stages, `StepContext.staged`; `stage_tokens`,
-    `closes_stage`, `span_row`: where it is one chunk of a span, as `StepContext`'s)."""
+    `span_row`: where it is one chunk of a span, as `StepContext`'s)."""
     packed = pack_inputs(tokens, slots, starts, tokens_per_sequence, capacity, pinned=device.type == "cuda", valid=valid)
     packed = packed.to(device, non_blocking=True)
     host = (tuple(slots), tuple(starts))
     return unpack_inputs(
-        packed, len(slots), tokens_per_sequence, prefill, keep_states, host, staged, stage_tokens, closes_stage, span_row
+        packed, len(slots), tokens_per_sequence, prefill, keep_states, host, staged, stage_tokens, span_row
     )
 
 

@@ -101,13 +101,13 @@ class StepRunner:
                 t = prefill_bucket(len(piece))
                 padded = piece + [0] * (t - len(piece))
                 return self.graphs.prefill(padded, [slot], [start], t, [len(piece)])[: len(piece)].clone()
-            starts = range(0, len(piece), self.prefill_chunk)
+            chunks = [(c, piece[c : c + self.prefill_chunk]) for c in range(0, len(piece), self.prefill_chunk)]
             inputs = [
                 step_inputs(
-                    piece[c : c + self.prefill_chunk], [slot], [start + c], len(piece[c : c + self.prefill_chunk]), self.max_context,
-                    self.device, prefill=True, staged=True, stage_tokens=len(piece), closes_stage=c == starts[-1], span_row=c,
+                    ids, [slot], [start + c], len(ids), self.max_context, self.device, prefill=True, staged=True,
+                    stage_tokens=len(piece), span_row=c,
                 )
-                for c in starts
+                for c, ids in chunks
             ]
             with self.store.around_step(len(piece), inputs[0][1]):
                 hidden = self.text.hidden_chunks(self.backend, [ids for ids, _ in inputs], [ctx for _, ctx in inputs], self.state)
