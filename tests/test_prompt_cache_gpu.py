@@ -25,6 +25,17 @@ def random_ids(seed: int, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab - 1) for _ in range(n)]
 
 
+def last_logits(engine: Engine, prompt: list[int], match=None) -> torch.Tensor:
+    """The last token's logits of `prompt` in a fresh session: resuming `match` and prefilling the rest, or cold."""
+    session = engine.session()
+    try:
+        if match is not None:
+            session.resume(match)
+        return session.prefill(prompt[match.tokens if match is not None else 0 :])
+    finally:
+        session.close()
+
+
 def chat_matches_cold_runs(engine: Engine, first: int, new: int, turns: int, sampling: str = "greedy") -> list[int]:
     """Resumed tokens of each turn of a chat whose every turn gives the cold run's tokens."""
     vocab = engine.config.vocab_size
@@ -63,13 +74,7 @@ def test_tiny_model_on_cuda_host_tier_and_evicted_match(tiny_artifact):
         cached_tokens(engine, prompt[:-4])
         match = cache.match(prompt)
         cache.resize(0, 0)
-        session = engine.session()
-        try:
-            session.resume(match)
-            logits = session.prefill(prompt[match.tokens :])
-        finally:
-            session.close()
-        assert int(logits.argmax()) == int(engine.logits(prompt)[-1].argmax())
+        assert int(last_logits(engine, prompt, match).argmax()) == int(engine.logits(prompt)[-1].argmax())
     finally:
         engine.close()
 
@@ -95,17 +100,7 @@ def test_synthetic_full_size_artifact_resumes_within_rounding(placement):
             history = history + out + random_ids(10 + turn, 150, vocab)
             match = engine.prompt_cache.match(history)
             assert match.tokens >= len(history) - 150 - len(out)
-            session = engine.session()
-            try:
-                session.resume(match)
-                got = session.prefill(history[match.tokens :])
-            finally:
-                session.close()
-            session = engine.session()
-            try:
-                want = session.prefill(history)
-            finally:
-                session.close()
+            got, want = last_logits(engine, history, match), last_logits(engine, history)
             distance = float((got - want).norm() / want.norm())
             assert distance <= RESUMED_LOGITS_RTOL, f"turn {turn}: resumed logits {distance:.3g} from the cold run's"
     finally:
